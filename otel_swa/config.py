@@ -1,0 +1,68 @@
+"""Every environment variable otel-swa reads, read and validated in one place.
+
+Names are defined in :mod:`otel_swa.environment_variables`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+from otel_swa import environment_variables as ev
+
+__all__ = ["ConfigError", "read_int", "divergence_interval", "ring_size"]
+
+DEFAULT_RING_SIZE = 4
+
+
+class ConfigError(ValueError):
+    """An environment variable (or an argument standing for one) has an unusable value."""
+
+
+def read_int(name: str, value: str | None, *, default: int, minimum: int) -> int:
+    """Parse ``value`` (the raw text of variable ``name``) as a base-10 integer >= ``minimum``.
+
+    ``None`` or blank text gives ``default``.
+
+    Raises:
+        ConfigError: the text is not an integer ("abc", "2.5") or is below ``minimum`` ("-3"); the
+            message names the variable and the value.
+    """
+    if value is None or value.strip() == "":
+        return default
+    text = value.strip()
+    try:
+        number = int(text, 10)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer; expected an integer >= {minimum}") from None
+    if number < minimum:
+        raise ConfigError(f"{name}={value!r} is below {minimum}; expected an integer >= {minimum}")
+    return number
+
+
+def divergence_interval(environ: Mapping[str, str] | None = None) -> int:
+    """The sampling interval in forward steps; 0 means the reporter is off.
+
+    ``OTEL_SWA_DIVERGENCE_INTERVAL`` when set (even to 0), else SGLang's
+    ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``, else 0.
+
+    Raises:
+        ConfigError: the variable in use is not an integer >= 0.
+    """
+    env = os.environ if environ is None else environ
+    if env.get(ev.OTEL_SWA_DIVERGENCE_INTERVAL, "").strip() != "":
+        name = ev.OTEL_SWA_DIVERGENCE_INTERVAL
+    else:
+        name = ev.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL
+    return read_int(name, env.get(name), default=0, minimum=0)
+
+
+def ring_size(environ: Mapping[str, str] | None = None) -> int:
+    """Slots of the device-to-host ring (``OTEL_SWA_RING_SIZE``, default 4).
+
+    Raises:
+        ConfigError: not an integer >= 1.
+    """
+    env = os.environ if environ is None else environ
+    name = ev.OTEL_SWA_RING_SIZE
+    return read_int(name, env.get(name), default=DEFAULT_RING_SIZE, minimum=1)

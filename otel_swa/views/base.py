@@ -1,0 +1,98 @@
+"""What the reporter reads from an engine: the SWA KV cache view protocol.
+
+An engine exposes its hybrid KV cache to the reporter through an object with four tensor attributes
+(all on the same device as the reporter):
+
+``req_to_token``
+    ``int32`` or ``int64``, shape ``[num_req_slots, max_context_len]``. Row ``r`` holds the FULL-pool
+    slot of each position of the request in request slot ``r`` (SGLang's ``ReqToTokenPool``).
+``full_to_swa_index_mapping``
+    ``int64``, shape ``[num_full_slots]``. The SWA slot of each FULL slot; ``0`` means "none": never
+    mapped, or freed because the token left the sliding window (SGLang's
+    ``SWATokenToKVPoolAllocator.full_to_swa_index_mapping``).
+``req_pool_indices``
+    ``int32`` or ``int64``, shape ``[batch]``: the ``req_to_token`` rows of the requests in this
+    forward step.
+``seq_lens``
+    ``int32`` or ``int64``, shape ``[batch]``: the number of live tokens (positions ``0 ..
+    seq_len - 1``) of each request of the batch.
+
+and, optionally, ``seq_lens_cpu``: the same as ``seq_lens`` as a host tensor or a sequence of ints.
+With it the reporter gathers exactly the live tokens (``sum(seq_lens)`` of them); without it it
+falls back to a masked gather over ``[batch, max_context_len]``, which needs no host sync either.
+
+Engines adapt their own objects to this protocol (see ``otel_swa.views`` for the adapters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+__all__ = ["SwaBatchView", "SwaBatch", "validate_view"]
+
+
+@runtime_checkable
+class SwaBatchView(Protocol):
+    """The tensors the reporter reads at a sampled forward step (see the module docstring)."""
+
+    req_to_token: torch.Tensor
+    full_to_swa_index_mapping: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SwaBatch:
+    """A plain :class:`SwaBatchView`: the engine's tensors for one forward step, by reference.
+
+    ``seq_lens_cpu`` is optional host knowledge of ``seq_lens`` (a CPU tensor or a sequence of
+    ints); give it when the engine has it, so the reporter gathers only the live tokens.
+    """
+
+    req_to_token: torch.Tensor
+    full_to_swa_index_mapping: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None
+
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_tensor(name: str, value: Any, ndim: int, dtypes: tuple, device: torch.device | None) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"view.{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != ndim:
+        raise ValueError(f"view.{name} must have {ndim} dimension(s), got shape {tuple(value.shape)}")
+    if value.dtype not in dtypes:
+        names = " or ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"view.{name} must be {names}, got {str(value.dtype).replace('torch.', '')}")
+    if device is not None and value.device != device:
+        raise ValueError(f"view.{name} is on {value.device}, expected the reporter's device {device}")
+
+
+def validate_view(view: Any, device: torch.device | None = None) -> None:
+    """Check that ``view`` satisfies :class:`SwaBatchView`.
+
+    Only metadata is read (dim, dtype, device, shape): no device work, no host sync.
+
+    Raises:
+        TypeError: an attribute is missing, is not a tensor, or has the wrong dtype.
+        ValueError: a tensor has the wrong number of dimensions or is on another device, or
+            ``req_pool_indices`` and ``seq_lens`` differ in length.
+    """
+    for name in ("req_to_token", "full_to_swa_index_mapping", "req_pool_indices", "seq_lens"):
+        if not hasattr(view, name):
+            raise TypeError(f"view {type(view).__name__} has no attribute {name!r} (see SwaBatchView)")
+    _check_tensor("req_to_token", view.req_to_token, 2, _INDEX_DTYPES, device)
+    _check_tensor("full_to_swa_index_mapping", view.full_to_swa_index_mapping, 1, (torch.int64, torch.int32), device)
+    _check_tensor("req_pool_indices", view.req_pool_indices, 1, _INDEX_DTYPES, device)
+    _check_tensor("seq_lens", view.seq_lens, 1, _INDEX_DTYPES, device)
+    if view.req_pool_indices.shape[0] != view.seq_lens.shape[0]:
+        raise ValueError(
+            f"view.req_pool_indices has {view.req_pool_indices.shape[0]} entries but view.seq_lens has "
+            f"{view.seq_lens.shape[0]}; they must describe the same batch"
+        )
