@@ -1,0 +1,58 @@
+"""The ``otel-swa`` command: ``replay``, ``check``, ``records``, ``plot``.
+
+Each subcommand lives in its own module under :mod:`otel_swa.commands` with two functions,
+``add_arguments(parser)`` and ``run(args) -> int``; this module only dispatches.
+
+Exit status: 0 success; 1 the command ran and its check failed (``check``); 2 unusable input or
+arguments (the message names the value and what was expected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from otel_swa.version import __version__
+
+#: subcommand -> (module under otel_swa.commands, one-line help)
+SUBCOMMANDS = {
+    "replay": ("replay", "replay an LLM request trace through the reference hybrid-SWA engine with the reporter on"),
+    "check": ("check", "assert that a log shows the SWA path working (divergence, out-of-window, verify lag)"),
+    "records": ("records", "print the records of a log as JSON lines or CSV"),
+    "plot": ("plot", "draw a run's records against forward_ct (needs the 'plot' extra)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="otel-swa",
+        description="Observe the sliding-window-attention KV cache of an LLM inference engine with OpenTelemetry.",
+    )
+    parser.add_argument("--version", action="version", version=f"otel-swa {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(f"otel_swa.commands.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"otel_swa.commands.{module_name}":
+                raise
+            continue
+        sp = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip().splitlines()[0])
+        module.add_arguments(sp)
+        sp.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "_run", None) is None:
+        parser.print_help()
+        return 2
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

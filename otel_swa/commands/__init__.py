@@ -1,0 +1,1 @@
+"""The subcommands of the ``otel-swa`` command line, one module each."""
