@@ -1,0 +1,75 @@
+"""The device accumulator behind ``observe``: cumulative KV entries checked per pool.
+
+torch only. Nothing here synchronises with the host or allocates device memory after construction,
+so ``add`` is safe inside CUDA graph capture.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["KVPool", "PoolAccumulator", "pool_index"]
+
+
+class KVPool(enum.IntEnum):
+    """The two KV pools of a hybrid model; the value is the index in the accumulator (SGLang's order)."""
+
+    FULL = 0
+    SWA = 1
+
+
+_POOL_INDEX: dict[object, int] = {
+    KVPool.FULL: 0,
+    KVPool.SWA: 1,
+    "full": 0,
+    "swa": 1,
+    "FULL": 0,
+    "SWA": 1,
+}
+
+
+def pool_index(pool: object) -> int:
+    """Index of ``pool`` (``KVPool``, ``0``/``1`` or ``"full"``/``"swa"``) in the accumulator.
+
+    Raises:
+        ValueError: ``pool`` names no pool.
+    """
+    try:
+        return _POOL_INDEX[pool]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown KV pool {pool!r}; expected KVPool.FULL, KVPool.SWA, 'full' or 'swa'") from None
+
+
+class PoolAccumulator:
+    """Cumulative number of KV entries checked (read) per pool, on the device.
+
+    Attributes:
+        totals: ``int64`` tensor of shape ``[2]`` on ``device``; index 0 the FULL pool, 1 the SWA
+            pool (the layout of SGLang's ``verify`` counters). Allocated once.
+    """
+
+    __slots__ = ("totals", "_cells")
+
+    def __init__(self, device: torch.device) -> None:
+        self.totals = torch.zeros(2, dtype=torch.int64, device=device)
+        # 0-dim views made once, so that add() does no indexing work at all.
+        self._cells = (self.totals[0], self.totals[1])
+
+    def add(self, pool: object, count: "int | torch.Tensor") -> None:
+        """Add ``count`` entries to ``pool``'s total, in place on the device.
+
+        Args:
+            pool: see :func:`pool_index`.
+            count: a Python ``int`` or a 0-dim integer tensor on the accumulator's device. Inside a
+                CUDA graph a Python int is captured as a constant: pass a device tensor there.
+
+        Raises:
+            ValueError: unknown pool.
+        """
+        self._cells[pool_index(pool)].add_(count)
+
+    def reset(self) -> None:
+        """Set both totals to zero (device op, no sync)."""
+        self.totals.zero_()

@@ -1,0 +1,286 @@
+"""The SWA divergence reporter: ties the device accumulator, the sample and the device-to-host ring
+to the host-side record and its sinks.
+
+Data path::
+
+    forward ── observe(pool, count) ──▶ device int64[2] accumulator (in place, graph-safe)
+    step(view) ── every `interval` forwards ──▶ stage_sample on the current stream
+               ──▶ async copy into a preallocated (pinned) host ring slot + event
+    later step() / flush() ── event.query(), in order ──▶ SwaDivergenceRecord ──▶ sink(record, context)
+
+Compared with SGLang's reporter (sgl-project/sglang PR #26820): the host ring is preallocated, the
+host polls instead of blocking, the gather covers only live tokens when the engine knows its
+sequence lengths on the host, the batch is read at the step it describes, and ``flush()``/``close()``
+deliver the last samples instead of losing them.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, NamedTuple
+
+import torch
+
+from otel_swa import config
+from otel_swa.device import STAGE_WIDTH, DeviceToHostRing, KVPool, PoolAccumulator, stage_sample
+from otel_swa.record import SwaDivergenceRecord
+from otel_swa.views.base import validate_view
+
+try:  # opentelemetry-api is a dependency; the reporter itself only needs its context object.
+    from opentelemetry import context as _otel_context
+except ImportError:  # pragma: no cover - exercised only without opentelemetry-api
+    _otel_context = None
+
+__all__ = ["SwaDivergenceReporter", "ReporterStats", "KVPool", "Sink"]
+
+_log = logging.getLogger("otel_swa.reporter")
+
+#: A sink receives each delivered record with the OpenTelemetry context that was current at the
+#: forward step where the sample was taken (``None`` when no context is known).
+Sink = Callable[[SwaDivergenceRecord, Any], None]
+
+
+@dataclass(frozen=True)
+class ReporterStats:
+    """The reporter's own health counters (all cumulative ints).
+
+    Attributes:
+        samples_taken: samples staged on the device.
+        samples_delivered: records handed to the sinks.
+        ring_full_waits: times a new sample found every ring slot in flight and the host waited
+            for the oldest copy (samples are never dropped).
+        sink_errors: exceptions raised by sinks (caught and logged).
+        pending: samples staged and not yet delivered.
+        skipped_captures: sampling steps skipped because the current CUDA stream was capturing a
+            graph (a sample cannot be taken inside capture).
+    """
+
+    samples_taken: int
+    samples_delivered: int
+    ring_full_waits: int
+    sink_errors: int
+    pending: int
+    skipped_captures: int
+
+
+class _Pending(NamedTuple):
+    slot: int
+    forward_ct: int
+    context: Any
+
+
+class SwaDivergenceReporter:
+    """Samples an engine's SWA KV cache every ``interval`` forward steps and delivers records.
+
+    Args:
+        interval: sample at forward counts that are non-zero multiples of this (int >= 1). Use
+            :meth:`from_env` to honour the environment gate, where 0 means off.
+        device: the device of the engine's KV cache tensors (``"cpu"``, ``"cuda:0"``...).
+        ring_size: host ring slots (int >= 1); samples in flight at once.
+        sinks: callables ``sink(record, context)``; more with :meth:`add_sink`.
+
+    Raises:
+        ValueError: ``interval`` or ``ring_size`` below 1 or not an int.
+
+    Use::
+
+        reporter = SwaDivergenceReporter.from_env(device="cuda:0", sinks=[my_sink])
+        ...
+        # inside the forward (graph-safe):
+        reporter.observe(KVPool.FULL, full_entries_tensor)
+        reporter.observe(KVPool.SWA, swa_entries_tensor)
+        # once per forward step, after it:
+        reporter.step(view)
+        ...
+        reporter.close()   # delivers every pending sample
+    """
+
+    def __init__(
+        self,
+        interval: int,
+        *,
+        device: "str | torch.device" = "cpu",
+        ring_size: int = config.DEFAULT_RING_SIZE,
+        sinks: Iterable[Sink] = (),
+    ) -> None:
+        if type(interval) is not int or interval < 1:
+            raise ValueError(f"interval must be an int >= 1 (forward steps between samples), got {interval!r}")
+        self.interval = interval
+        self.device = torch.device(device)
+        self._accumulator = PoolAccumulator(self.device)
+        self._ring = DeviceToHostRing(ring_size, STAGE_WIDTH, self.device)
+        self._is_cuda = self._ring.is_cuda
+        self._sinks: list[Sink] = list(sinks)
+        self._pending: collections.deque[_Pending] = collections.deque()
+        self._next_slot = 0
+        self._forward_ct = 0
+        self._closed = False
+        self._samples_taken = 0
+        self._samples_delivered = 0
+        self._ring_full_waits = 0
+        self._sink_errors = 0
+        self._skipped_captures = 0
+
+    # ------------------------------------------------------------------ construction from the gate
+    @classmethod
+    def from_env(
+        cls,
+        *,
+        device: "str | torch.device" = "cpu",
+        sinks: Iterable[Sink] = (),
+        environ: Mapping[str, str] | None = None,
+    ) -> "SwaDivergenceReporter | None":
+        """A reporter configured from the environment, or ``None`` when the gate is off.
+
+        Reads ``OTEL_SWA_DIVERGENCE_INTERVAL`` (fallback ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``)
+        and ``OTEL_SWA_RING_SIZE``. ``None`` (interval 0) means the engine does no reporter work at all.
+
+        Raises:
+            otel_swa.config.ConfigError: a variable holds an unusable value.
+        """
+        interval = config.divergence_interval(environ)
+        if interval == 0:
+            return None
+        return cls(interval, device=device, ring_size=config.ring_size(environ), sinks=sinks)
+
+    # ------------------------------------------------------------------ engine-facing calls
+    def observe(self, pool: "KVPool | int | str", count: "int | torch.Tensor") -> None:
+        """Add ``count`` KV entries checked/read in ``pool`` during this forward.
+
+        Device-side in-place add: no host sync, no allocation, safe inside CUDA graph capture (pass
+        ``count`` as a 0-dim device tensor there; a Python int is captured as a constant).
+
+        Raises:
+            ValueError: unknown pool.
+        """
+        self._accumulator.add(pool, count)
+
+    def step(self, view: Any, context: Any = None) -> None:
+        """Count one forward step; at non-zero multiples of ``interval``, sample ``view``.
+
+        Also delivers, without blocking, every earlier sample whose copy has finished.
+
+        Args:
+            view: a :class:`otel_swa.views.SwaBatchView` describing the batch of this forward step.
+                Only read at sampling steps.
+            context: the OpenTelemetry context of this forward step, handed to the sinks with the
+                record; default: the current context at this call.
+
+        Raises:
+            TypeError, ValueError: at a sampling step, ``view`` does not satisfy the protocol (see
+                :func:`otel_swa.views.validate_view`).
+        """
+        if self._closed:
+            return
+        self._forward_ct += 1
+        if self._pending:
+            self._deliver_ready()
+        if self._forward_ct % self.interval == 0:
+            self._sample(view, context)
+
+    def add_sink(self, sink: Sink) -> None:
+        """Deliver future records to ``sink`` too."""
+        if not callable(sink):
+            raise TypeError(f"sink must be callable as sink(record, context), got {sink!r}")
+        self._sinks.append(sink)
+
+    def flush(self) -> None:
+        """Deliver every pending sample now, waiting for copies still in flight. Idempotent."""
+        while self._pending:
+            head = self._pending[0]
+            self._ring.wait(head.slot)
+            self._deliver(self._pending.popleft())
+
+    def close(self) -> None:
+        """Flush, then stop: later ``observe`` still works, later ``step`` does nothing. Idempotent."""
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+
+    def __enter__(self) -> "SwaDivergenceReporter":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def forward_ct(self) -> int:
+        """Forward steps seen so far."""
+        return self._forward_ct
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def totals(self) -> torch.Tensor:
+        """The device accumulator, ``int64 [2]`` (FULL, SWA) on the reporter's device. Reading it
+        on the host synchronises; meant for tests and debugging."""
+        return self._accumulator.totals
+
+    @property
+    def stats(self) -> ReporterStats:
+        return ReporterStats(
+            samples_taken=self._samples_taken,
+            samples_delivered=self._samples_delivered,
+            ring_full_waits=self._ring_full_waits,
+            sink_errors=self._sink_errors,
+            pending=len(self._pending),
+            skipped_captures=self._skipped_captures,
+        )
+
+    # ------------------------------------------------------------------ device side
+    def _sample(self, view: Any, context: Any) -> None:
+        if self._is_cuda and torch.cuda.is_current_stream_capturing():
+            self._skipped_captures += 1
+            return
+        validate_view(view, self.device)
+        if len(self._pending) == self._ring.slots:
+            # Every slot is in flight: wait for the oldest, never drop it.
+            self._ring_full_waits += 1
+            head = self._pending.popleft()
+            self._ring.wait(head.slot)
+            self._deliver(head)
+        if context is None and _otel_context is not None:
+            context = _otel_context.get_current()
+        slot = self._next_slot
+        self._next_slot = (slot + 1) % self._ring.slots
+        stage_sample(
+            self._ring.stage[slot],
+            self._accumulator.totals,
+            view.req_to_token,
+            view.full_to_swa_index_mapping,
+            view.req_pool_indices,
+            view.seq_lens,
+            getattr(view, "seq_lens_cpu", None),
+        )
+        self._ring.start_copy(slot)
+        self._pending.append(_Pending(slot, self._forward_ct, context))
+        self._samples_taken += 1
+
+    # ------------------------------------------------------------------ host side
+    def _deliver_ready(self) -> None:
+        pending = self._pending
+        while pending and self._ring.ready(pending[0].slot):
+            self._deliver(pending.popleft())
+
+    def _deliver(self, pending: _Pending) -> None:
+        verify_full, verify_swa, divergence, out_of_window = self._ring.read(pending.slot)
+        record = SwaDivergenceRecord(
+            forward_ct=pending.forward_ct,
+            verify_full=verify_full,
+            verify_swa=verify_swa,
+            swa_full_idx_divergence=divergence,
+            swa_out_of_window_tokens=out_of_window,
+        )
+        self._samples_delivered += 1
+        for sink in self._sinks:
+            try:
+                sink(record, pending.context)
+            except Exception:  # telemetry must never crash the engine
+                self._sink_errors += 1
+                _log.exception("otel-swa sink %r failed on record at forward_ct=%d", sink, record.forward_ct)
