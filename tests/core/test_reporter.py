@@ -1,0 +1,301 @@
+"""The reporter against a plain-Python recount, its delivery order, flush, and failure handling."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from otel_swa.device import DeviceToHostRing
+from otel_swa.record import SwaDivergenceRecord
+from otel_swa.reporter import KVPool, SwaDivergenceReporter
+from otel_swa.views import SwaBatch
+
+
+def random_state(rng: random.Random, num_rows=6, width=12, full_size=40):
+    """A random engine state: req_to_token rows of FULL slots and a FULL->SWA mapping with
+    zeros (evicted), identities and remaps."""
+    req_to_token = [[0] * width for _ in range(num_rows)]
+    for row in range(1, num_rows):
+        for pos in range(width):
+            req_to_token[row][pos] = rng.randrange(0, full_size)
+    mapping = [0] * full_size
+    for slot in range(1, full_size):
+        kind = rng.random()
+        mapping[slot] = 0 if kind < 0.3 else slot if kind < 0.6 else rng.randrange(1, full_size)
+    batch = rng.randint(0, num_rows - 1)
+    rows = rng.sample(range(1, num_rows), batch)
+    lens = [rng.randint(0, width) for _ in rows]
+    return req_to_token, mapping, rows, lens
+
+
+def recount(req_to_token, mapping, rows, lens):
+    divergence = out_of_window = 0
+    for row, length in zip(rows, lens):
+        for pos in range(length):
+            full = req_to_token[row][pos]
+            swa = mapping[full]
+            if swa == 0:
+                out_of_window += 1
+            elif swa != full:
+                divergence += 1
+    return divergence, out_of_window
+
+
+def make_view(req_to_token, mapping, rows, lens, host_lens, dtype=torch.int32):
+    return SwaBatch(
+        req_to_token=torch.tensor(req_to_token, dtype=dtype),
+        full_to_swa_index_mapping=torch.tensor(mapping, dtype=torch.int64),
+        req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+        seq_lens=torch.tensor(lens, dtype=dtype),
+        seq_lens_cpu=list(lens) if host_lens else None,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), host_lens=st.booleans(), dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_counts_equal_plain_recount(seed, host_lens, dtype):
+    rng = random.Random(seed)
+    state = random_state(rng)
+    got = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
+    full_entries = rng.randint(0, 1000)
+    swa_entries = rng.randint(0, full_entries)
+    reporter.observe(KVPool.FULL, full_entries)
+    reporter.observe(KVPool.SWA, torch.tensor(swa_entries))
+    reporter.step(make_view(*state, host_lens=host_lens, dtype=dtype))
+    reporter.flush()
+    divergence, out_of_window = recount(*state)
+    assert got == [SwaDivergenceRecord(1, full_entries, swa_entries, divergence, out_of_window)]
+
+
+def test_sampling_cadence_cumulative_totals_and_flush_delivers_last():
+    rng = random.Random(7)
+    states = [random_state(rng) for _ in range(25)]
+    got = []
+    reporter = SwaDivergenceReporter(5, sinks=[lambda r, c: got.append(r)])
+    expected = []
+    full_total = swa_total = 0
+    for step, state in enumerate(states, start=1):
+        full, swa = 10 * step, 3 * step
+        full_total += full
+        swa_total += swa
+        reporter.observe("full", full)
+        reporter.observe("swa", swa)
+        reporter.step(make_view(*state, host_lens=step % 2 == 0))
+        if step % 5 == 0:
+            expected.append(SwaDivergenceRecord(step, full_total, swa_total, *recount(*state)))
+    # before flush, the sample of step 25 is still pending (delivered at a later step or flush)
+    assert got == expected[:-1]
+    assert reporter.stats.pending == 1
+    reporter.close()
+    assert got == expected
+    assert reporter.stats.samples_taken == 5 and reporter.stats.samples_delivered == 5
+    reporter.close()  # idempotent
+    reporter.flush()
+    assert len(got) == 5
+
+
+def test_context_manager_flushes():
+    got = []
+    state = random_state(random.Random(1))
+    with SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)]) as reporter:
+        reporter.step(make_view(*state, host_lens=True))
+    assert [r.forward_ct for r in got] == [1]
+    reporter.step(make_view(*state, host_lens=True))  # after close: no work, no error
+    assert reporter.forward_ct == 1
+
+
+def test_sample_reads_the_batch_at_its_step():
+    """Changing the engine's tensors after step() must not change the staged sample."""
+    req_to_token = [[0, 0, 0], [1, 2, 3]]
+    mapping = [0, 1, 5, 0]
+    view = make_view(req_to_token, mapping, [1], [3], host_lens=True)
+    got = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
+    reporter.step(view)
+    view.full_to_swa_index_mapping.fill_(0)
+    view.seq_lens.fill_(0)
+    reporter.flush()
+    # token 1 -> 1 (same), 2 -> 5 (remapped), 3 -> 0 (evicted)
+    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1)]
+
+
+class ControlledRing(DeviceToHostRing):
+    """A CPU ring whose copies finish only when the test says so (stands in for CUDA events)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.done = set()
+        self.waited = []
+
+    def start_copy(self, slot):
+        super().start_copy(slot)
+        self.done.discard(slot)
+
+    def ready(self, slot):
+        return slot in self.done
+
+    def wait(self, slot):
+        self.waited.append(slot)
+        self.done.add(slot)
+
+
+def test_poll_never_blocks_and_full_ring_waits_for_oldest_without_dropping():
+    got = []
+    reporter = SwaDivergenceReporter(1, ring_size=2, sinks=[lambda r, c: got.append(r.forward_ct)])
+    ring = ControlledRing(2, 4, torch.device("cpu"))
+    reporter._ring = ring
+    state = random_state(random.Random(3))
+    view = make_view(*state, host_lens=True)
+    reporter.step(view)  # slot 0 in flight
+    reporter.step(view)  # slot 1 in flight; slot 0 not ready: nothing delivered, nothing waited
+    assert got == [] and ring.waited == []
+    reporter.step(view)  # ring full: waits for the oldest (slot 0) and delivers it
+    assert got == [1] and ring.waited == [0]
+    assert reporter.stats.ring_full_waits == 1
+    ring.done.add(1)
+    reporter.step(view)  # slot 1 became ready: delivered by polling, in order
+    assert got[:2] == [1, 2]
+    reporter.flush()
+    assert got == [1, 2, 3, 4]
+    assert reporter.stats.samples_delivered == 4
+
+
+def test_sink_errors_are_caught_counted_and_others_still_receive(caplog):
+    got = []
+
+    def broken(record, context):
+        raise RuntimeError("exporter down")
+
+    reporter = SwaDivergenceReporter(1, sinks=[broken, lambda r, c: got.append(r)])
+    state = random_state(random.Random(5))
+    reporter.step(make_view(*state, host_lens=True))
+    reporter.flush()
+    assert len(got) == 1
+    assert reporter.stats.sink_errors == 1
+    assert "exporter down" in caplog.text
+
+
+def test_context_handed_to_sinks_is_that_of_the_sampled_step():
+    from opentelemetry import context as otel_context
+
+    key = otel_context.create_key("step")
+    seen = []
+    reporter = SwaDivergenceReporter(2, sinks=[lambda r, c: seen.append((r.forward_ct, otel_context.get_value(key, c)))])
+    state = random_state(random.Random(9))
+    for step in range(1, 5):
+        token = otel_context.attach(otel_context.set_value(key, f"step-{step}"))
+        try:
+            reporter.step(make_view(*state, host_lens=True))
+        finally:
+            otel_context.detach(token)
+    explicit = otel_context.set_value(key, "explicit")
+    for _ in range(2):
+        reporter.step(make_view(*state, host_lens=True), context=explicit)
+    reporter.flush()
+    assert seen == [(2, "step-2"), (4, "step-4"), (6, "explicit")]
+
+
+@pytest.mark.parametrize(
+    "view, message",
+    [
+        (object(), "has no attribute 'req_to_token'"),
+        (SwaBatch(torch.zeros(2, 3, dtype=torch.float32), torch.zeros(4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)), "req_to_token must be int32 or int64, got float32"),
+        (SwaBatch(torch.zeros(6, dtype=torch.int32), torch.zeros(4, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)), "req_to_token must have 2 dimension(s), got shape (6,)"),
+        (SwaBatch(torch.zeros(2, 3, dtype=torch.int32), torch.zeros(4, dtype=torch.int64), torch.zeros(2, dtype=torch.int64), torch.zeros(1, dtype=torch.int64)), "req_pool_indices has 2 entries but view.seq_lens has 1"),
+    ],
+)
+def test_bad_view_gives_clear_error(view, message):
+    reporter = SwaDivergenceReporter(1)
+    with pytest.raises((TypeError, ValueError)) as info:
+        reporter.step(view)
+    assert message in str(info.value)
+
+
+def test_non_sampling_steps_do_not_read_the_view():
+    reporter = SwaDivergenceReporter(3)
+    reporter.step(None)
+    reporter.step(None)
+    assert reporter.forward_ct == 2 and reporter.stats.samples_taken == 0
+
+
+@pytest.mark.parametrize("pool", ["FULLX", 2, None, -1])
+def test_unknown_pool(pool):
+    reporter = SwaDivergenceReporter(1)
+    with pytest.raises(ValueError, match="unknown KV pool"):
+        reporter.observe(pool, 1)
+
+
+@pytest.mark.parametrize("kwargs", [{"interval": 0}, {"interval": -2}, {"interval": 2.0}, {"interval": 1, "ring_size": 0}])
+def test_bad_construction(kwargs):
+    with pytest.raises(ValueError):
+        SwaDivergenceReporter(**kwargs)
+
+
+def test_out_of_range_full_slot_counts_as_out_of_window_not_a_fault():
+    view = make_view([[0, 0], [7, 99]], [0, 1, 2, 3, 4, 5, 6, 3], [1], [2], host_lens=False)
+    got = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
+    reporter.step(view)
+    reporter.flush()
+    # 7 -> 3 (remapped), 99 is outside the mapping -> counted as out of window
+    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1)]
+
+
+def test_cpu_path_never_touches_cuda(monkeypatch):
+    def forbidden(*args, **kwargs):
+        raise AssertionError("torch.cuda used on the CPU path")
+
+    for name in ("Stream", "Event", "current_stream", "stream", "is_current_stream_capturing", "synchronize"):
+        monkeypatch.setattr(torch.cuda, name, forbidden)
+    got = []
+    reporter = SwaDivergenceReporter(1, ring_size=2, sinks=[lambda r, c: got.append(r)])
+    state = random_state(random.Random(11))
+    for _ in range(5):
+        reporter.observe(KVPool.FULL, 3)
+        reporter.step(make_view(*state, host_lens=True))
+    reporter.close()
+    assert len(got) == 5
+
+
+# ---------------------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_cuda_ring_matches_recount_and_is_pinned():
+    rng = random.Random(13)
+    got = []
+    reporter = SwaDivergenceReporter(1, device="cuda", ring_size=3, sinks=[lambda r, c: got.append(r)])
+    assert reporter._ring.host.is_pinned()
+    expected = []
+    total = 0
+    for step in range(1, 21):
+        state = random_state(rng, num_rows=16, width=256, full_size=4000)
+        view = make_view(*state, host_lens=step % 2 == 0)
+        view = SwaBatch(*(t.cuda() for t in (view.req_to_token, view.full_to_swa_index_mapping, view.req_pool_indices, view.seq_lens)), view.seq_lens_cpu)
+        reporter.observe(KVPool.FULL, torch.tensor(step, device="cuda"))
+        total += step
+        reporter.step(view)
+        expected.append(SwaDivergenceRecord(step, total, 0, *recount(*state)))
+    reporter.close()
+    assert got == expected
+
+
+@pytest.mark.gpu
+def test_observe_inside_cuda_graph():
+    reporter = SwaDivergenceReporter(1, device="cuda")
+    count = torch.tensor(5, device="cuda")
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        reporter.observe(KVPool.SWA, count)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        reporter.observe(KVPool.SWA, count)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert reporter.totals.tolist() == [0, 5 + 3 * 5]  # warm-up + 3 replays (capture itself does not run)
