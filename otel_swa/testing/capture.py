@@ -1,0 +1,223 @@
+"""Capture the records of a running engine: in process, from ``logging``, or from its log file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Callable
+
+from opentelemetry.context import Context
+
+from otel_swa.logsource import LogFollower
+from otel_swa.record import LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord, iter_matches
+from otel_swa.testing.assertions import (
+    DEFAULT_POLL_S,
+    SwaObservation,
+    _Snapshot,
+    _Source,
+    assert_swa_divergence_observed,
+)
+
+__all__ = ["SwaRecordCapture"]
+
+
+class _RecordLogHandler(logging.Handler):
+    """Keeps the records found in the messages that pass through it."""
+
+    def __init__(self, capture: "SwaRecordCapture", level: int) -> None:
+        super().__init__(level)
+        self._capture = capture
+
+    def emit(self, log_record: logging.LogRecord) -> None:
+        try:
+            message = log_record.getMessage()
+        except Exception:  # a message whose arguments do not format is not ours to judge
+            return
+        if LINE_PREFIX in message:
+            self._capture._add_logged(message)
+
+
+class SwaRecordCapture:
+    """Collects :class:`~otel_swa.record.SwaDivergenceRecord` from every place a run puts them.
+
+    The object is itself a reporter sink, ``sink(record, context)``::
+
+        reporter = SwaDivergenceReporter(interval=20, device="cpu", sinks=[swa_records])
+
+    and it can also read the records that reach ``logging`` (:meth:`capture_logging`), a log file
+    written by another process (:meth:`follow`), or captured server output (:meth:`follow_output`).
+    Pass it to :func:`~otel_swa.testing.assert_swa_divergence_observed` (or call
+    :meth:`assert_observed`): it is read again at each poll. It waits (default timeout 30 s) only when
+    it follows a file or output, which another process may still be writing; records that reach
+    the sink or ``logging`` are in place once the reporter's ``flush()`` has returned.
+
+    When records come from more than one place, they are merged in ``forward_ct`` order (stable), so
+    "the last record" is the one with the highest step count.
+
+    The sink is thread-safe; it raises ``TypeError`` for anything but a record (the reporter catches
+    and counts sink errors).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sunk: list[SwaDivergenceRecord] = []
+        self._contexts: list[Context | None] = []
+        self._logged: list[SwaDivergenceRecord] = []
+        self._logged_errors: list[MalformedRecordError] = []
+        self._followers: list[LogFollower] = []
+        self._outputs: list[Callable[[], str | bytes]] = []
+        self._handlers: list[tuple[logging.Logger, _RecordLogHandler, int]] = []
+
+    # ------------------------------------------------------------------ inputs
+    def __call__(self, record: SwaDivergenceRecord, context: Context | None = None) -> None:
+        """The reporter sink: keep ``record`` and the forward step's ``context``."""
+        if not isinstance(record, SwaDivergenceRecord):
+            raise TypeError(f"expected a SwaDivergenceRecord, got {type(record).__name__}: {record!r}")
+        with self._lock:
+            self._sunk.append(record)
+            self._contexts.append(context)
+
+    def _add_logged(self, message: str) -> None:
+        errors: list[MalformedRecordError] = []
+        found = [match.record for match in iter_matches(message, errors)]
+        with self._lock:
+            self._logged.extend(found)
+            self._logged_errors.extend(errors)
+
+    def capture_logging(
+        self, logger: str | logging.Logger | None = None, level: int = logging.INFO
+    ) -> logging.Handler:
+        """Keep the records logged through ``logger`` (default: the root logger) from now on.
+
+        The logger's level is lowered to ``level`` if needed (restored by :meth:`close`) so that
+        INFO lines reach the handler even when the application logs at WARNING.
+
+        Returns:
+            the handler added to the logger (removed by :meth:`close`).
+        """
+        target = logger if isinstance(logger, logging.Logger) else logging.getLogger(logger)
+        handler = _RecordLogHandler(self, level)
+        old_level = target.level
+        if target.getEffectiveLevel() > level:
+            target.setLevel(level)
+        target.addHandler(handler)
+        with self._lock:
+            self._handlers.append((target, handler, old_level))
+        return handler
+
+    def follow(self, path: str | os.PathLike[str]) -> LogFollower:
+        """Read the records of the log file ``path`` (which may not exist yet, or still grow)."""
+        follower = LogFollower(path)
+        with self._lock:
+            self._followers.append(follower)
+        return follower
+
+    def follow_output(self, get_text: Callable[[], str | bytes]) -> None:
+        """Read the records of captured output: ``get_text()`` returns the whole text so far.
+
+        Raises:
+            TypeError: ``get_text`` is not callable.
+        """
+        if not callable(get_text):
+            raise TypeError(f"get_text must be a callable returning the output so far, got {get_text!r}")
+        with self._lock:
+            self._outputs.append(get_text)
+
+    # ------------------------------------------------------------------ outputs
+    def _snapshot(self, final: bool = False) -> _Snapshot:
+        with self._lock:
+            parts = [list(self._sunk), list(self._logged)]
+            malformed = len(self._logged_errors)
+            followers = list(self._followers)
+            outputs = list(self._outputs)
+        problems = []
+        last_line_no = None
+        for follower in followers:
+            follower.poll(final=final)
+            parts.append([item.record for item in follower.records])
+            malformed += follower.malformed
+            if follower.missing:
+                problems.append(f"log file {os.fspath(follower.path)!r} does not exist")
+            elif follower.error is not None:
+                problems.append(f"log file {os.fspath(follower.path)!r} cannot be read ({follower.error})")
+            if len(followers) == 1 and follower.records:
+                last_line_no = follower.records[-1].line_no
+        for get_text in outputs:
+            text = get_text()
+            if isinstance(text, bytes):
+                text = text.decode("utf-8", errors="replace")
+            errors: list[MalformedRecordError] = []
+            parts.append([match.record for match in iter_matches(text, errors)])
+            malformed += len(errors)
+        nonempty = [part for part in parts if part]
+        if len(nonempty) == 1:
+            records = nonempty[0]
+        else:
+            records = sorted((r for part in nonempty for r in part), key=lambda r: r.forward_ct)
+            last_line_no = None
+        return _Snapshot(records, malformed, last_line_no if records else None, "; ".join(problems) or None)
+
+    def _as_source(self) -> _Source:
+        capture = self
+
+        class _CaptureSource(_Source):
+            describe = "the captured records (" + capture._describe() + ")"
+            growing = bool(capture._followers or capture._outputs)
+
+            def read(self, final: bool = False) -> _Snapshot:
+                return capture._snapshot(final)
+
+        return _CaptureSource()
+
+    def _describe(self) -> str:
+        kinds = ["sink"]
+        if self._handlers:
+            kinds.append("logging")
+        kinds += [os.fspath(f.path) for f in self._followers]
+        if self._outputs:
+            kinds.append("captured output")
+        return ", ".join(kinds)
+
+    @property
+    def records(self) -> list[SwaDivergenceRecord]:
+        """Every record captured so far (files and output read again now), merged as described above."""
+        return self._snapshot().records
+
+    @property
+    def contexts(self) -> list[Context | None]:
+        """The OpenTelemetry context handed to the sink with each of its records, in order."""
+        with self._lock:
+            return list(self._contexts)
+
+    @property
+    def malformed(self) -> int:
+        """Malformed records skipped in logged messages, files and output."""
+        return self._snapshot().malformed
+
+    def assert_observed(
+        self,
+        *,
+        min_divergence: int = 1,
+        min_out_of_window: int = 1,
+        require_verify_lag: bool = True,
+        timeout_s: float | None = None,
+        poll_s: float = DEFAULT_POLL_S,
+    ) -> SwaObservation:
+        """:func:`~otel_swa.testing.assert_swa_divergence_observed` on this capture."""
+        return assert_swa_divergence_observed(
+            self,
+            min_divergence=min_divergence,
+            min_out_of_window=min_out_of_window,
+            require_verify_lag=require_verify_lag,
+            timeout_s=timeout_s,
+            poll_s=poll_s,
+        )
+
+    def close(self) -> None:
+        """Remove the logging handlers (restoring logger levels) and stop following; idempotent."""
+        with self._lock:
+            handlers, self._handlers = self._handlers, []
+        for target, handler, old_level in reversed(handlers):
+            target.removeHandler(handler)
+            target.setLevel(old_level)
