@@ -10,7 +10,7 @@ from typing import Mapping
 
 from otel_swa import environment_variables as ev
 
-__all__ = ["ConfigError", "read_int", "divergence_interval", "ring_size"]
+__all__ = ["ConfigError", "read_int", "divergence_interval", "ring_size", "parallel_ranks"]
 
 DEFAULT_RING_SIZE = 4
 
@@ -66,3 +66,24 @@ def ring_size(environ: Mapping[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
     name = ev.OTEL_SWA_RING_SIZE
     return read_int(name, env.get(name), default=DEFAULT_RING_SIZE, minimum=1)
+
+
+#: Parallel dimension -> the variable holding this process's rank in it.
+RANK_VARIABLES = {"tp": ev.OTEL_SWA_TP_RANK, "dp": ev.OTEL_SWA_DP_RANK, "pp": ev.OTEL_SWA_PP_RANK}
+
+
+def parallel_ranks(environ: Mapping[str, str] | None = None) -> dict[str, int]:
+    """The ranks set in ``OTEL_SWA_TP_RANK``, ``OTEL_SWA_DP_RANK``, ``OTEL_SWA_PP_RANK``.
+
+    Returns ``{"tp": 0, "pp": 1}``-style dict holding only the variables that are set.
+
+    Raises:
+        ConfigError: a set variable is not an integer >= 0.
+    """
+    env = os.environ if environ is None else environ
+    ranks = {}
+    for dim, name in RANK_VARIABLES.items():
+        value = read_int(name, env.get(name), default=-1, minimum=0)
+        if value >= 0:
+            ranks[dim] = value
+    return ranks

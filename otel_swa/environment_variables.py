@@ -26,3 +26,25 @@ OTEL_SWA_RING_SIZE = "OTEL_SWA_RING_SIZE"
 Number of device-to-host slots in the pinned host ring (integer >= 1, default 4). When all are in
 flight, the reporter waits for the oldest; samples are never dropped.
 """
+
+OTEL_SWA_TP_RANK = "OTEL_SWA_TP_RANK"
+"""
+.. envvar:: OTEL_SWA_TP_RANK
+
+Tensor-parallel rank of the engine process (integer >= 0), put on the OpenTelemetry resource as
+``otel_swa.tp_rank``. Unset: no attribute.
+"""
+
+OTEL_SWA_DP_RANK = "OTEL_SWA_DP_RANK"
+"""
+.. envvar:: OTEL_SWA_DP_RANK
+
+Data-parallel rank of the engine process (integer >= 0), resource attribute ``otel_swa.dp_rank``.
+"""
+
+OTEL_SWA_PP_RANK = "OTEL_SWA_PP_RANK"
+"""
+.. envvar:: OTEL_SWA_PP_RANK
+
+Pipeline-parallel rank of the engine process (integer >= 0), resource attribute ``otel_swa.pp_rank``.
+"""
