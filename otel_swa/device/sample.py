@@ -81,10 +81,10 @@ def count_divergence(
     """
     size = full_to_swa_index_mapping.shape[0]
     in_range = (full_slots >= 0) & (full_slots < size)
-    swa = full_to_swa_index_mapping[torch.where(in_range, full_slots, 0)].long()
-    # Out-of-range FULL slots read mapping[0], which is 0 by contract: counted as out of window.
-    swa = torch.where(in_range, swa, 0)
-    evicted = swa == 0
+    flat = torch.where(in_range, full_slots, 0).reshape(-1)
+    swa = full_to_swa_index_mapping.index_select(0, flat).reshape(full_slots.shape)
+    # An out-of-range FULL slot is counted as out of window, whatever mapping[0] holds.
+    evicted = (swa == 0) | ~in_range
     remapped = ~evicted & (swa != full_slots)
     if mask is not None:
         evicted &= mask
