@@ -1,0 +1,80 @@
+"""Argument types and input handling shared by ``check``, ``records`` and ``plot``."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+from otel_swa.logsource import LoggedRecord, read_log
+from otel_swa.record import MalformedRecordError
+
+__all__ = ["non_negative_int", "seconds", "positive_seconds", "add_source_argument", "load_records", "InputError"]
+
+
+class InputError(Exception):
+    """The input cannot be used (exit status 2); the message says why."""
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a base-10 integer >= 0."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; expected an integer >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is negative; expected an integer >= 0")
+    return value
+
+
+def seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected seconds >= 0") from None
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0; expected seconds >= 0")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds > 0."""
+    value = seconds(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is zero; expected seconds > 0")
+    return value
+
+
+def add_source_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("source", metavar="FILE|-", help="log file to read, or '-' for standard input")
+
+
+def load_records(source: str) -> tuple[list[LoggedRecord], int]:
+    """The records of a complete log and the number of malformed ones skipped.
+
+    Raises:
+        InputError: the file is missing or cannot be read.
+    """
+    errors: list[MalformedRecordError] = []
+    try:
+        found = read_log(source, errors=errors)
+    except FileNotFoundError:
+        raise InputError(f"log file {source!r} does not exist") from None
+    except OSError as exc:
+        raise InputError(f"log file {source!r} cannot be read: {exc.strerror or exc}") from None
+    return found, len(errors)
+
+
+def error(message: str) -> int:
+    """Print ``otel-swa: error: message`` on stderr; return exit status 2."""
+    print(f"otel-swa: error: {message}", file=sys.stderr)
+    return 2
+
+
+def stdout_closed() -> int:
+    """Standard output was closed by the reader (``| head``): stop quietly."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    return 0
