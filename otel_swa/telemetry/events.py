@@ -1,0 +1,96 @@
+"""The event of a delivered sample, tied to the forward step where the sample was taken.
+
+For every record two events of the same name, :data:`~otel_swa.telemetry.semconv.EVENT_NAME`
+(``kv_cache.swa.divergence_sample``), carry the five record fields as attributes
+(``kv_cache.swa.forward_ct`` ... ``kv_cache.swa.swa_out_of_window_tokens``, Python ints):
+
+* a Logs API event (``Logger.emit(event_name=..., context=...)``, OTEP 4430, the form OpenTelemetry
+  is moving span events to). Its trace and span ids are those of the ``context`` handed to the
+  sink, the forward step where the sample was taken, not the step where the copy finished. Its body
+  is the SGLang line body (``record.format()``), so any log backend shows the familiar text;
+* a span event. The copy to the host lands one or more steps later, when the forward-step span
+  has normally ended and can no longer take events. The event then goes on a short child span of
+  the forward step, named ``swa divergence sample`` (kind INTERNAL, attribute
+  ``kv_cache.swa.forward_ct``), so a trace backend shows the sample under the right forward step.
+  When the forward-step span is still recording, the event is added to it directly.
+  When the context holds no valid span there is no trace to attach to and no span event is made.
+"""
+
+from __future__ import annotations
+
+from opentelemetry import trace
+from opentelemetry._logs import Logger, SeverityNumber
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, Tracer
+
+from otel_swa.record import FIELDS, SwaDivergenceRecord
+from otel_swa.telemetry import semconv as sc
+
+__all__ = ["record_attributes", "record_from_attributes", "SampleEvents"]
+
+
+def record_attributes(record: SwaDivergenceRecord) -> dict[str, int]:
+    """The event attributes of ``record``: ``{"kv_cache.swa.<field>": value}`` in SGLang's order."""
+    return {sc.RECORD_ATTRIBUTES[name]: getattr(record, name) for name in FIELDS}
+
+
+def record_from_attributes(attributes) -> SwaDivergenceRecord:
+    """Rebuild the record from an event's attributes (inverse of :func:`record_attributes`).
+
+    Raises:
+        KeyError: an attribute ``kv_cache.swa.<field>`` is missing.
+        TypeError, ValueError: a value is not a non-negative int (as the record's constructor).
+    """
+    values = {}
+    for name in FIELDS:
+        key = sc.RECORD_ATTRIBUTES[name]
+        if key not in attributes:
+            raise KeyError(f"event attribute {key!r} is missing")
+        values[name] = attributes[key]
+    return SwaDivergenceRecord(**values)
+
+
+class SampleEvents:
+    """Emits the Logs API event and the span event of each record.
+
+    Args:
+        logger: an OpenTelemetry Logs API ``Logger`` (``None``: no Logs API event).
+        tracer: the ``Tracer`` used for the child span of a late sample (``None``: no span event).
+    """
+
+    def __init__(self, logger: Logger | None, tracer: Tracer | None) -> None:
+        self._logger = logger
+        self._tracer = tracer
+
+    def emit(self, record: SwaDivergenceRecord, context: Context | None) -> None:
+        """Emit both events of ``record`` with the forward-step ``context`` it was sampled in."""
+        attributes = record_attributes(record)
+        if self._logger is not None:
+            self._logger.emit(
+                event_name=sc.EVENT_NAME,
+                body=record.format(),
+                attributes=attributes,
+                severity_number=SeverityNumber.INFO,
+                severity_text="INFO",
+                context=context,
+            )
+        if self._tracer is not None and context is not None:
+            self._span_event(record, attributes, context)
+
+    def _span_event(self, record: SwaDivergenceRecord, attributes: dict[str, int], context: Context) -> None:
+        span = trace.get_current_span(context)
+        if span.is_recording():
+            span.add_event(sc.EVENT_NAME, attributes)
+            return
+        if not span.get_span_context().is_valid:
+            return
+        child = self._tracer.start_span(
+            sc.SAMPLE_SPAN_NAME,
+            context=context,
+            kind=SpanKind.INTERNAL,
+            attributes={sc.RECORD_ATTRIBUTES["forward_ct"]: record.forward_ct},
+        )
+        try:
+            child.add_event(sc.EVENT_NAME, attributes)
+        finally:
+            child.end()

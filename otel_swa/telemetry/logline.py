@@ -1,0 +1,103 @@
+"""The SGLang log line as an OpenTelemetry log exporter.
+
+:class:`SwaLogLineExporter` is a ``LogRecordExporter``: for each
+``kv_cache.swa.divergence_sample`` event in a batch it writes the SGLang line body
+``kv_canary_swa_divergence={"forward_ct":...}`` (``SwaDivergenceRecord.format()``, byte-identical to
+SGLang's) and ignores every other log record. So the line that SGLang's CI greps for is one more
+exporter on the same pipeline as OTLP, and ``otel-swa check`` reads it back.
+
+Where the line goes:
+
+* by default through Python ``logging``, logger ``otel_swa``, level INFO, so the application's
+  log format (time, level, rank...) stands before it as in SGLang; when that logger has no
+  handler anywhere up its hierarchy the line is written to ``sys.stderr`` instead of being lost;
+* or to a text stream given as ``stream=`` (one line, ``\\n``-terminated, flushed).
+
+Registered under the entry point group ``opentelemetry_logs_exporter`` as ``swa_logline``, so
+``OTEL_LOGS_EXPORTER=swa_logline`` (alone or in a comma list) selects it under
+``opentelemetry-instrument`` and in :func:`otel_swa.telemetry.setup.configure`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from typing import IO, Sequence
+
+from opentelemetry.sdk._logs import ReadableLogRecord
+from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
+
+from otel_swa.telemetry import semconv as sc
+from otel_swa.telemetry.events import record_from_attributes
+
+__all__ = ["SwaLogLineExporter", "LOGGER_NAME"]
+
+#: Name of the Python logger the lines are written to.
+LOGGER_NAME = "otel_swa"
+
+_log = logging.getLogger(__name__)
+
+
+class SwaLogLineExporter(LogRecordExporter):
+    """Writes the SGLang line of every SWA divergence sample event.
+
+    Args:
+        stream: a text stream to write to; ``None`` (default): Python logging, logger
+            ``logger_name``.
+        logger_name: the logger used when ``stream`` is ``None`` (default ``otel_swa``).
+        level: the logging level of the lines (default INFO).
+
+    Records whose attributes do not form a valid record are counted in :attr:`malformed` and
+    logged; the export still succeeds for the others.
+    """
+
+    def __init__(self, stream: IO[str] | None = None, *, logger_name: str = LOGGER_NAME, level: int = logging.INFO) -> None:
+        self._stream = stream
+        self._logger = logging.getLogger(logger_name)
+        self._level = level
+        self._lock = threading.Lock()
+        self._shutdown = False
+        self.lines_written = 0
+        self.malformed = 0
+
+    def export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult:
+        if self._shutdown:
+            return LogRecordExportResult.FAILURE
+        lines = []
+        for readable in batch:
+            log_record = readable.log_record
+            if log_record.event_name != sc.EVENT_NAME:
+                continue
+            try:
+                lines.append(record_from_attributes(log_record.attributes or {}).format())
+            except (KeyError, TypeError, ValueError) as exc:
+                self.malformed += 1
+                _log.warning("%s event without a valid record (%s); no line written", sc.EVENT_NAME, exc)
+        if not lines:
+            return LogRecordExportResult.SUCCESS
+        try:
+            with self._lock:
+                self._write(lines)
+                self.lines_written += len(lines)
+        except Exception:  # an unwritable stream must not break the pipeline
+            _log.exception("could not write %d SWA divergence line(s)", len(lines))
+            return LogRecordExportResult.FAILURE
+        return LogRecordExportResult.SUCCESS
+
+    def _write(self, lines: list[str]) -> None:
+        stream = self._stream
+        if stream is None and not self._logger.hasHandlers():
+            stream = sys.stderr
+        if stream is None:
+            for line in lines:
+                self._logger.log(self._level, line)
+            return
+        stream.write("".join(line + "\n" for line in lines))
+        stream.flush()
+
+    def shutdown(self) -> None:
+        self._shutdown = True
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True

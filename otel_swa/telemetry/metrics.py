@@ -1,0 +1,250 @@
+"""The metrics of a delivered sample: one table describing each instrument, one loop creating them.
+
+Every instrument is described once in :data:`INSTRUMENTS` (name, kind, unit, description, and how its
+value is read). :class:`SwaMetrics` creates them on a meter and records a record with the
+``context`` of the forward step where the sample was taken, so that the SDK's exemplars (filter
+``OTEL_METRICS_EXEMPLAR_FILTER``, default ``trace_based``) carry that step's trace and span ids.
+
+Cumulative totals. ``forward_ct``, ``verify_full`` and ``verify_swa`` are running totals kept by the
+reporter. A Counter takes increments, so :class:`SwaMetrics` keeps the last total it saw per series
+(instrument and ``pool``) and adds the difference. The SDK then exports the right numbers under
+both cumulative and delta temporality (``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``).
+A total lower than the previous one means the reporter was restarted (a new reporter starts from
+0): the new total is added as the increment since the restart, the reset is counted in
+``kv_cache.swa.reporter.resets`` and logged as a warning.
+
+Reporter health (samples taken and delivered, host waits on a full ring, sink errors, samples in
+flight) is observed from ``reporter.stats`` by asynchronous instruments for each reporter attached
+with :meth:`SwaMetrics.attach`; the delivery delay (forward steps between the sample and its
+delivery, ``reporter.forward_ct - record.forward_ct``) is a histogram recorded at delivery.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from opentelemetry.context import Context
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from otel_swa.record import SwaDivergenceRecord
+from otel_swa.telemetry import semconv as sc
+
+__all__ = ["InstrumentSpec", "INSTRUMENTS", "DELAY_BUCKETS", "SwaMetrics"]
+
+_log = logging.getLogger(__name__)
+
+Attributes = Mapping[str, str]
+_FULL = {sc.ATTR_POOL: sc.POOL_FULL}
+_SWA = {sc.ATTR_POOL: sc.POOL_SWA}
+_NONE: Attributes = {}
+
+#: Bucket boundaries of the delivery-delay histogram, in forward steps. With a ring of a few slots a
+#: sample normally lands one or two steps after it was taken; the tail shows a stalled copy.
+DELAY_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
+
+# Kinds of instrument in the table.
+TOTAL_COUNTER = "counter"  # Counter fed with the increment of a cumulative record total
+GAUGE = "gauge"  # synchronous Gauge set to a value of the sampled step
+DELAY_HISTOGRAM = "histogram"  # Histogram of reporter.forward_ct - record.forward_ct at delivery
+EVENT_COUNTER = "event_counter"  # Counter incremented by the telemetry itself (resets)
+STATS_COUNTER = "observable_counter"  # ObservableCounter of a cumulative ReporterStats field
+STATS_GAUGE = "observable_gauge"  # ObservableGauge of a ReporterStats field
+
+
+@dataclass(frozen=True)
+class InstrumentSpec:
+    """One instrument.
+
+    Attributes:
+        name: dotted lowercase metric name (``kv_cache.swa.`` namespace, see ``semconv``).
+        kind: one of ``counter`` (increments of a cumulative record total), ``gauge``,
+            ``histogram`` (delivery delay), ``event_counter``, ``observable_counter`` and
+            ``observable_gauge`` (fields of ``reporter.stats``).
+        unit: UCUM unit with annotation, e.g. ``{entry}``.
+        description: what a data point means.
+        source: the record field(s) or ``ReporterStats`` field it is read from (documentation).
+        read: for ``counter``/``gauge``: record -> ``(value, attributes)`` pairs; for the
+            observable kinds: the ``ReporterStats`` attribute name; otherwise ``None``.
+    """
+
+    name: str
+    kind: str
+    unit: str
+    description: str
+    source: str
+    read: Any = None
+
+
+INSTRUMENTS: tuple[InstrumentSpec, ...] = (
+    InstrumentSpec(
+        sc.NAMESPACE + "entries.verified", TOTAL_COUNTER, "{entry}",
+        "KV cache entries checked per pool, over all forward steps (FULL covers [0, prefix_len), "
+        "SWA only the window [max(0, prefix_len - window), prefix_len))",
+        "verify_full (pool=full), verify_swa (pool=swa)",
+        lambda r: ((r.verify_full, _FULL), (r.verify_swa, _SWA)),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "forward_steps", TOTAL_COUNTER, "{forward}",
+        "Forward steps seen by the reporter, as of its latest delivered sample",
+        "forward_ct",
+        lambda r: ((r.forward_ct, _NONE),),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "tokens.divergent", GAUGE, "{token}",
+        "Live tokens of the sampled batch whose SWA slot is non-zero and differs from their FULL slot",
+        "swa_full_idx_divergence",
+        lambda r: ((r.swa_full_idx_divergence, _NONE),),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "tokens.out_of_window", GAUGE, "{token}",
+        "Live tokens of the sampled batch whose SWA slot was freed (mapping 0: left the sliding window)",
+        "swa_out_of_window_tokens",
+        lambda r: ((r.swa_out_of_window_tokens, _NONE),),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "reporter.delivery.delay", DELAY_HISTOGRAM, "{forward}",
+        "Forward steps between taking a sample and delivering its record to the sinks",
+        "reporter.forward_ct at delivery - forward_ct",
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "reporter.resets", EVENT_COUNTER, "{reset}",
+        "Records whose cumulative totals went backwards (the reporter was restarted)",
+        "verify_full, verify_swa, forward_ct lower than in the previous record",
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "reporter.samples.taken", STATS_COUNTER, "{sample}",
+        "Samples the reporter started on the device", "ReporterStats.samples_taken", "samples_taken",
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "reporter.samples.delivered", STATS_COUNTER, "{sample}",
+        "Sample records handed to the sinks", "ReporterStats.samples_delivered", "samples_delivered",
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "reporter.ring_full.waits", STATS_COUNTER, "{wait}",
+        "Times the host waited for the oldest device-to-host copy because every ring slot was in flight",
+        "ReporterStats.ring_full_waits", "ring_full_waits",
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "reporter.sink.errors", STATS_COUNTER, "{error}",
+        "Exceptions raised by sinks (caught and logged by the reporter)",
+        "ReporterStats.sink_errors", "sink_errors",
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "reporter.samples.pending", STATS_GAUGE, "{sample}",
+        "Samples taken whose device-to-host copy has not been delivered yet",
+        "ReporterStats.pending", "pending",
+    ),
+)
+
+
+class SwaMetrics:
+    """Creates the instruments of :data:`INSTRUMENTS` on ``meter`` and records records on them.
+
+    Args:
+        meter: an OpenTelemetry ``Meter`` (the package's, see ``setup``).
+
+    Thread safety: :meth:`record` may be called from any thread; the last-total state is locked.
+    """
+
+    def __init__(self, meter: Meter) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[tuple[str, tuple], int] = {}
+        self._reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._instruments: dict[str, Any] = {}
+        for spec in INSTRUMENTS:
+            self._instruments[spec.name] = self._create(meter, spec)
+        self._resets = self._instruments[sc.NAMESPACE + "reporter.resets"]
+        self._delay = self._instruments[sc.NAMESPACE + "reporter.delivery.delay"]
+
+    # ------------------------------------------------------------------ creation (the one loop)
+    def _create(self, meter: Meter, spec: InstrumentSpec) -> Any:
+        common = dict(name=spec.name, unit=spec.unit, description=spec.description)
+        if spec.kind in (TOTAL_COUNTER, EVENT_COUNTER):
+            return meter.create_counter(**common)
+        if spec.kind == GAUGE:
+            return meter.create_gauge(**common)
+        if spec.kind == DELAY_HISTOGRAM:
+            return meter.create_histogram(**common, explicit_bucket_boundaries_advisory=list(DELAY_BUCKETS))
+        if spec.kind == STATS_COUNTER:
+            return meter.create_observable_counter(callbacks=[self._stats_callback(spec.read)], **common)
+        if spec.kind == STATS_GAUGE:
+            return meter.create_observable_gauge(callbacks=[self._stats_callback(spec.read)], **common)
+        raise ValueError(f"instrument {spec.name!r} has unknown kind {spec.kind!r}")
+
+    def _stats_callback(self, field: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+        def callback(options: CallbackOptions) -> Iterator[Observation]:
+            reporters = list(self._reporters)
+            if not reporters:
+                return
+            total = 0
+            for reporter in reporters:
+                try:
+                    total += int(getattr(reporter.stats, field))
+                except Exception:  # telemetry never breaks the export cycle
+                    _log.exception("could not read reporter.stats.%s", field)
+            yield Observation(total)
+
+        return callback
+
+    # ------------------------------------------------------------------ recording
+    def attach(self, reporter: Any) -> None:
+        """Observe ``reporter.stats`` (samples taken/delivered, ring-full waits, sink errors,
+        pending) in the asynchronous health instruments. Several reporters are summed. The
+        reporter is held by a weak reference."""
+        self._reporters.add(reporter)
+
+    def record(
+        self,
+        record: SwaDivergenceRecord,
+        context: Context | None = None,
+        *,
+        delivered_at: int | None = None,
+    ) -> None:
+        """Record one delivered sample.
+
+        Args:
+            record: the sample.
+            context: the context of the forward step where it was taken (exemplars point there).
+            delivered_at: ``reporter.forward_ct`` when the record was delivered; when given, the
+                delivery delay ``delivered_at - record.forward_ct`` goes to the histogram.
+
+        Raises:
+            TypeError: ``record`` is not a :class:`SwaDivergenceRecord`.
+        """
+        if not isinstance(record, SwaDivergenceRecord):
+            raise TypeError(f"expected a SwaDivergenceRecord, got {type(record).__name__}")
+        went_back = False
+        for spec in INSTRUMENTS:
+            if spec.kind == TOTAL_COUNTER:
+                instrument = self._instruments[spec.name]
+                for total, attributes in spec.read(record):
+                    increment, reset = self._increment(spec.name, attributes, total)
+                    went_back = went_back or reset
+                    if increment:
+                        instrument.add(increment, attributes, context=context)
+            elif spec.kind == GAUGE:
+                instrument = self._instruments[spec.name]
+                for value, attributes in spec.read(record):
+                    instrument.set(value, attributes, context=context)
+        if went_back:
+            self._resets.add(1, context=context)
+        if delivered_at is not None:
+            self._delay.record(max(0, delivered_at - record.forward_ct), context=context)
+
+    def _increment(self, name: str, attributes: Attributes, total: int) -> tuple[int, bool]:
+        """The increment of a cumulative total since the last record, and whether it went back."""
+        key = (name, tuple(sorted(attributes.items())))
+        with self._lock:
+            last = self._last.get(key, 0)
+            self._last[key] = total
+        if total >= last:
+            return total - last, False
+        _log.warning(
+            "%s%s went back from %d to %d: the reporter was restarted; counting from 0 again",
+            name, dict(attributes) or "", last, total,
+        )
+        return total, True

@@ -1,0 +1,62 @@
+"""Names otel-swa gives its telemetry: the metric namespace, event name, span names, attribute keys.
+
+Namespace: every metric, event and record attribute starts with ``kv_cache.swa.``. The names
+describe the thing observed (the sliding-window-attention pool of the KV cache), not the package
+that observes it, in the way OpenTelemetry's semantic conventions name ``system.memory.*`` or
+``gen_ai.*``; the reporter's own health sits below ``kv_cache.swa.reporter.``. Names are dotted and
+lowercase, units are UCUM with curly-brace annotations, and units never appear in names
+(OpenTelemetry metric naming guidelines).
+
+Attributes on metrics are bounded: ``pool`` (``full`` | ``swa``) and nothing per request. The rank
+of the engine process (tensor/data/pipeline parallel) is a *resource* attribute (see
+:mod:`otel_swa.telemetry.setup`).
+"""
+
+from __future__ import annotations
+
+from otel_swa.record import FIELDS
+
+#: Prefix of every metric name, event name and record attribute key.
+NAMESPACE = "kv_cache.swa."
+
+#: Name of the event emitted for every delivered sample (Logs API event and span event).
+EVENT_NAME = NAMESPACE + "divergence_sample"
+
+#: Name of the span the engine wraps around one forward step.
+FORWARD_SPAN_NAME = "forward step"
+
+#: Name of the short child span of the forward step that carries a late sample's span event.
+SAMPLE_SPAN_NAME = "swa divergence sample"
+
+#: Name of the span of one request (``otel-swa replay`` and the request-span helper).
+REQUEST_SPAN_NAME = "request"
+
+#: Metric attribute: which KV pool a value belongs to.
+ATTR_POOL = "pool"
+POOL_FULL = "full"
+POOL_SWA = "swa"
+
+#: Event attribute key of each record field, e.g. ``kv_cache.swa.forward_ct``.
+RECORD_ATTRIBUTES = {name: NAMESPACE + name for name in FIELDS}
+
+# Attributes of the forward-step span (all bounded: counts, never request ids).
+ATTR_FORWARD_CT = "forward_step.forward_ct"
+ATTR_BATCH_SIZE = "forward_step.batch_size"
+ATTR_NUM_PREFILL = "forward_step.num_prefill"
+ATTR_NUM_DECODE = "forward_step.num_decode"
+#: Request links not added to the forward-step span (over the link limit).
+ATTR_LINKS_DROPPED = "forward_step.links.dropped"
+#: Requests of the batch without a usable W3C ``traceparent`` (none known, or unparsable).
+ATTR_LINKS_MISSING = "forward_step.links.missing"
+
+# Resource attributes for the rank of the engine process.
+ATTR_TP_RANK = "otel_swa.tp_rank"
+ATTR_DP_RANK = "otel_swa.dp_rank"
+ATTR_PP_RANK = "otel_swa.pp_rank"
+
+#: Schema URL given to the meter, tracer and logger (the semantic-conventions version the
+#: resource and span attributes follow).
+SCHEMA_URL = "https://opentelemetry.io/schemas/1.26.0"
+
+#: Instrumentation scope name (the meter, tracer and logger are named after the package).
+SCOPE_NAME = "otel_swa"

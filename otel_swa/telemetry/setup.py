@@ -1,0 +1,353 @@
+"""``configure(...)``: OpenTelemetry set up for an engine or for ``otel-swa replay``.
+
+What it does, per signal (traces, metrics, logs):
+
+1. a provider given as an argument is used as is;
+2. otherwise, if the application already installed a global provider (any provider that is not the
+   API's default proxy), that one is used: ``configure`` never replaces it;
+3. otherwise it builds an SDK provider with the resource below and the exporters selected, and
+   (``set_global=True``, the default) installs it as the global provider.
+
+It only shuts down what it built (:meth:`SwaTelemetry.shutdown`).
+
+Exporters. ``exporters`` (argument, a list or a comma-separated string) names exporters for all
+signals at once: ``otlp``, ``console``, ``logline`` (the SGLang line, logs only: ``swa_logline``),
+``none``. When it is not given, the standard variables ``OTEL_TRACES_EXPORTER``,
+``OTEL_METRICS_EXPORTER``, ``OTEL_LOGS_EXPORTER`` choose, per signal, among the entry points installed
+in the groups ``opentelemetry_{traces,metrics,logs}_exporter`` (as ``opentelemetry-instrument`` does;
+unset means none). ``otlp`` resolves to gRPC or HTTP by ``OTEL_EXPORTER_OTLP_{SIGNAL}_PROTOCOL`` /
+``OTEL_EXPORTER_OTLP_PROTOCOL`` (``grpc``, the Python SDK's default, or ``http/protobuf``). Every
+other setting is read by the SDK's own classes from the standard variables: endpoint
+(``OTEL_EXPORTER_OTLP_ENDPOINT``...), headers, compression, timeout, metric temporality
+(``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``), export interval
+(``OTEL_METRIC_EXPORT_INTERVAL``), exemplar filter (``OTEL_METRICS_EXEMPLAR_FILTER``), span limits,
+batch processor settings.
+
+Resource. ``Resource.create`` (so ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME`` apply),
+plus ``resource_attributes`` and the ranks ``otel_swa.tp_rank``/``dp_rank``/``pp_rank`` from the
+arguments or ``OTEL_SWA_TP_RANK``/``OTEL_SWA_DP_RANK``/``OTEL_SWA_PP_RANK``.
+``default_service_name`` is used only when neither variable names the service.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from opentelemetry import metrics as metrics_api
+from opentelemetry import trace
+from opentelemetry._logs import get_logger_provider, set_logger_provider
+from opentelemetry.environment_variables import OTEL_LOGS_EXPORTER, OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
+from opentelemetry.sdk._logs import LoggerProvider
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor
+from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_SERVICE_NAME
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import OTEL_RESOURCE_ATTRIBUTES, SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.util._importlib_metadata import entry_points
+
+from otel_swa import config
+from otel_swa.config import ConfigError
+from otel_swa.telemetry import semconv as sc
+from otel_swa.telemetry.logline import SwaLogLineExporter
+from otel_swa.telemetry.sink import SwaTelemetrySink
+from otel_swa.telemetry.spans import ForwardSpans, RequestSpans
+from otel_swa.version import __version__
+
+__all__ = ["configure", "SwaTelemetry", "resolve_exporters", "LOGLINE_EXPORTER", "SIGNALS"]
+
+_log = logging.getLogger(__name__)
+
+SIGNALS = ("traces", "metrics", "logs")
+#: Entry-point name of the SGLang log-line exporter (group ``opentelemetry_logs_exporter``).
+LOGLINE_EXPORTER = "swa_logline"
+_SIGNAL_VARIABLE = {"traces": OTEL_TRACES_EXPORTER, "metrics": OTEL_METRICS_EXPORTER, "logs": OTEL_LOGS_EXPORTER}
+_OTLP_BY_PROTOCOL = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
+#: Short names accepted by ``exporters=`` / ``--exporter``.
+EXPORTER_CHOICES = ("otlp", "console", "logline", "none")
+
+
+def _split(names: "str | Iterable[str]") -> list[str]:
+    items = names.split(",") if isinstance(names, str) else [n for name in names for n in str(name).split(",")]
+    return [item.strip().lower() for item in items if item.strip()]
+
+
+def _otlp_entry_point(signal: str, environ: Mapping[str, str]) -> str:
+    variable = f"OTEL_EXPORTER_OTLP_{signal.upper()}_PROTOCOL"
+    protocol = (environ.get(variable) or environ.get(OTEL_EXPORTER_OTLP_PROTOCOL) or "grpc").strip()
+    if protocol not in _OTLP_BY_PROTOCOL:
+        name = variable if environ.get(variable) else OTEL_EXPORTER_OTLP_PROTOCOL
+        raise ConfigError(f"{name}={protocol!r}; expected one of {', '.join(_OTLP_BY_PROTOCOL)}")
+    return _OTLP_BY_PROTOCOL[protocol]
+
+
+def resolve_exporters(exporters: "str | Iterable[str] | None" = None, environ: Mapping[str, str] | None = None) -> dict[str, list[str]]:
+    """The exporter entry-point names per signal, e.g. ``{"traces": ["otlp_proto_grpc"], ...}``.
+
+    Args:
+        exporters: names from :data:`EXPORTER_CHOICES` applying to every signal (``logline`` to
+            logs only); ``None``: the ``OTEL_*_EXPORTER`` variables, per signal.
+        environ: the environment to read (default ``os.environ``).
+
+    Raises:
+        ConfigError: an unknown exporter name, or an unknown OTLP protocol.
+    """
+    env = os.environ if environ is None else environ
+    chosen: dict[str, list[str]] = {signal: [] for signal in SIGNALS}
+    if exporters is not None:
+        for name in _split(exporters):
+            if name not in EXPORTER_CHOICES:
+                raise ConfigError(f"exporter {name!r} is unknown; expected one or more of {', '.join(EXPORTER_CHOICES)}")
+            for signal in SIGNALS:
+                if name == "otlp":
+                    chosen[signal].append(_otlp_entry_point(signal, env))
+                elif name == "console":
+                    chosen[signal].append("console")
+                elif name == "logline" and signal == "logs":
+                    chosen[signal].append(LOGLINE_EXPORTER)
+    else:
+        for signal in SIGNALS:
+            for name in _split(env.get(_SIGNAL_VARIABLE[signal], "") or ""):
+                if name == "none":
+                    continue
+                chosen[signal].append(_otlp_entry_point(signal, env) if name == "otlp" else name)
+    return {signal: list(dict.fromkeys(names)) for signal, names in chosen.items()}
+
+
+def _load_exporter(signal: str, name: str) -> type:
+    group = f"opentelemetry_{signal}_exporter"
+    found = list(entry_points(group=group, name=name))
+    if not found:
+        raise ConfigError(f"exporter {name!r} is not installed for {signal} (no entry point {name!r} in group {group!r})")
+    return found[0].load()
+
+
+def _resource(
+    resource_attributes: Mapping[str, Any] | None,
+    ranks: Mapping[str, int],
+    default_service_name: str | None,
+    environ: Mapping[str, str],
+) -> Resource:
+    attributes: dict[str, Any] = {}
+    env_names_service = bool(environ.get(OTEL_SERVICE_NAME, "").strip()) or any(
+        item.split("=", 1)[0].strip() == SERVICE_NAME for item in environ.get(OTEL_RESOURCE_ATTRIBUTES, "").split(",")
+    )
+    if default_service_name and not env_names_service:
+        attributes[SERVICE_NAME] = default_service_name
+    attributes.update(resource_attributes or {})
+    rank_keys = {"tp": sc.ATTR_TP_RANK, "dp": sc.ATTR_DP_RANK, "pp": sc.ATTR_PP_RANK}
+    for dim, rank in ranks.items():
+        attributes[rank_keys[dim]] = rank
+    return Resource.create(attributes)
+
+
+def _is_proxy_tracer_provider(provider: Any) -> bool:
+    return isinstance(provider, trace.ProxyTracerProvider)
+
+
+def _is_proxy_meter_provider(provider: Any) -> bool:
+    # The API's placeholder until a provider is set (opentelemetry.metrics._internal._ProxyMeterProvider).
+    return type(provider).__name__ == "_ProxyMeterProvider"
+
+
+def _is_proxy_logger_provider(provider: Any) -> bool:
+    # The API's placeholder until a provider is set (opentelemetry._logs._internal.ProxyLoggerProvider).
+    return type(provider).__name__ == "ProxyLoggerProvider"
+
+
+@dataclass
+class SwaTelemetry:
+    """The configured pipeline (returned by :func:`configure`).
+
+    Attributes:
+        tracer_provider, meter_provider, logger_provider: the providers in use.
+        owned: the signals whose provider ``configure`` built (and :meth:`shutdown` shuts down).
+        sink: the :class:`~otel_swa.telemetry.sink.SwaTelemetrySink`; hand it to the reporter
+            (or call :meth:`attach`).
+        request_spans: :class:`~otel_swa.telemetry.spans.RequestSpans`, one span per request.
+        forward_spans: :class:`~otel_swa.telemetry.spans.ForwardSpans`, whose traceparent lookup is
+            the given one or, by default, ``request_spans``.
+        resource: the resource of the providers built here (``None`` when none was built).
+        exporters: the exporter entry-point names per signal that were set up.
+    """
+
+    tracer_provider: Any
+    meter_provider: Any
+    logger_provider: Any
+    owned: tuple[str, ...]
+    sink: SwaTelemetrySink
+    request_spans: RequestSpans
+    forward_spans: ForwardSpans
+    resource: Resource | None
+    exporters: dict[str, list[str]] = field(default_factory=dict)
+    _closed: bool = False
+
+    def attach(self, reporter: Any) -> Any:
+        """Add :attr:`sink` to ``reporter`` and observe its health; returns ``reporter``."""
+        return self.sink.attach(reporter)
+
+    def forward_span(self, batch_info: Any = None, **values: Any):
+        """The forward-step span context manager (see :meth:`ForwardSpans.forward_span`)."""
+        return self.forward_spans.forward_span(batch_info, **values)
+
+    def start_request_span(self, request_id: Any, **kwargs: Any) -> str:
+        """Start the span of a request; returns its W3C traceparent (see :class:`RequestSpans`)."""
+        return self.request_spans.start(request_id, **kwargs)
+
+    def end_request_span(self, request_id: Any, **kwargs: Any) -> None:
+        """End the span of a request."""
+        self.request_spans.end(request_id, **kwargs)
+
+    def force_flush(self, timeout_millis: int = 30000) -> None:
+        """Export what is buffered, in every provider in use (built here or not)."""
+        for provider in (self.tracer_provider, self.meter_provider, self.logger_provider):
+            flush = getattr(provider, "force_flush", None)
+            if flush is not None:
+                try:
+                    flush(timeout_millis)
+                except Exception:
+                    _log.exception("force_flush of %s failed", type(provider).__name__)
+
+    def shutdown(self) -> None:
+        """End open request spans, then force_flush and shut down the providers built by
+        :func:`configure` (only those). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self.request_spans.end_all()
+        providers = {"traces": self.tracer_provider, "metrics": self.meter_provider, "logs": self.logger_provider}
+        # logs and traces first: the metric reader's final collection comes last.
+        for signal in ("logs", "traces", "metrics"):
+            if signal not in self.owned:
+                continue
+            provider = providers[signal]
+            try:
+                provider.force_flush()
+                provider.shutdown()
+            except Exception:
+                _log.exception("shutdown of the %s provider failed", signal)
+
+    def __enter__(self) -> "SwaTelemetry":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def configure(
+    *,
+    exporters: "str | Iterable[str] | None" = None,
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
+    logger_provider: Any = None,
+    resource_attributes: Mapping[str, Any] | None = None,
+    default_service_name: str | None = None,
+    tp_rank: int | None = None,
+    dp_rank: int | None = None,
+    pp_rank: int | None = None,
+    metric_readers: Sequence[MetricReader] = (),
+    span_processors: Sequence[Any] = (),
+    log_record_processors: Sequence[Any] = (),
+    traceparents: Any = None,
+    max_links: int | None = None,
+    span_events: bool = True,
+    use_global: bool = True,
+    set_global: bool = True,
+    environ: Mapping[str, str] | None = None,
+) -> SwaTelemetry:
+    """Set up (or reuse) the three providers and return the pipeline with its reporter sink.
+
+    Args:
+        exporters: see the module docstring; ``None``: the ``OTEL_*_EXPORTER`` variables.
+        tracer_provider, meter_provider, logger_provider: providers to use instead of building.
+        resource_attributes: extra resource attributes (override the variables).
+        default_service_name: ``service.name`` when neither ``OTEL_SERVICE_NAME`` nor
+            ``OTEL_RESOURCE_ATTRIBUTES`` gives one.
+        tp_rank, dp_rank, pp_rank: ranks for the resource (default ``OTEL_SWA_*_RANK``).
+        metric_readers, span_processors, log_record_processors: extra readers/processors for the
+            providers built here (e.g. the SDK's in-memory ones in tests).
+        traceparents: request id -> traceparent lookup for the forward-step links (mapping or
+            callable); default: the returned object's ``request_spans``.
+        max_links: link limit of the forward-step span (default ``SpanLimits().max_links``).
+        span_events: emit span events besides the Logs API events.
+        use_global: reuse global providers already installed (step 2 above).
+        set_global: install the providers built here as the global ones.
+        environ: environment for our own variables and the exporter choice (default ``os.environ``;
+            the SDK classes always read ``os.environ``).
+
+    Raises:
+        ConfigError: an unknown exporter or protocol, an exporter that is not installed, a rank that
+            is not an integer >= 0.
+    """
+    env = os.environ if environ is None else environ
+    names = resolve_exporters(exporters, env)
+    ranks = config.parallel_ranks(env)
+    for dim, value in (("tp", tp_rank), ("dp", dp_rank), ("pp", pp_rank)):
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{dim}_rank={value!r}; expected an integer >= 0")
+            ranks[dim] = value
+    classes = {signal: [(name, _load_exporter(signal, name)) for name in names[signal]] for signal in SIGNALS}
+
+    owned: list[str] = []
+    resource: Resource | None = None
+
+    def need_resource() -> Resource:
+        nonlocal resource
+        if resource is None:
+            resource = _resource(resource_attributes, ranks, default_service_name, env)
+        return resource
+
+    if tracer_provider is None and use_global and not _is_proxy_tracer_provider(trace.get_tracer_provider()):
+        tracer_provider = trace.get_tracer_provider()
+    if tracer_provider is None:
+        tracer_provider = TracerProvider(resource=need_resource())
+        for processor in span_processors:
+            tracer_provider.add_span_processor(processor)
+        for _, cls in classes["traces"]:
+            tracer_provider.add_span_processor(BatchSpanProcessor(cls()))
+        owned.append("traces")
+        if set_global:
+            trace.set_tracer_provider(tracer_provider)
+
+    if meter_provider is None and use_global and not _is_proxy_meter_provider(metrics_api.get_meter_provider()):
+        meter_provider = metrics_api.get_meter_provider()
+    if meter_provider is None:
+        readers = list(metric_readers)
+        for _, cls in classes["metrics"]:
+            readers.append(cls() if issubclass(cls, MetricReader) else PeriodicExportingMetricReader(cls()))
+        meter_provider = MeterProvider(resource=need_resource(), metric_readers=readers)
+        owned.append("metrics")
+        if set_global:
+            metrics_api.set_meter_provider(meter_provider)
+
+    if logger_provider is None and use_global and not _is_proxy_logger_provider(get_logger_provider()):
+        logger_provider = get_logger_provider()
+    if logger_provider is None:
+        logger_provider = LoggerProvider(resource=need_resource())
+        for processor in log_record_processors:
+            logger_provider.add_log_record_processor(processor)
+        for name, cls in classes["logs"]:
+            # The SGLang line is written at once, in order, as SGLang's logger does; the others batch.
+            processor_cls = SimpleLogRecordProcessor if issubclass(cls, SwaLogLineExporter) else BatchLogRecordProcessor
+            logger_provider.add_log_record_processor(processor_cls(cls()))
+        owned.append("logs")
+        if set_global:
+            set_logger_provider(logger_provider)
+
+    sink = SwaTelemetrySink(
+        meter_provider=meter_provider, tracer_provider=tracer_provider, logger_provider=logger_provider,
+        span_events=span_events,
+    )
+    tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__, schema_url=sc.SCHEMA_URL)
+    request_spans = RequestSpans(tracer)
+    forward_spans = ForwardSpans(tracer, traceparents if traceparents is not None else request_spans, max_links=max_links)
+    return SwaTelemetry(
+        tracer_provider=tracer_provider, meter_provider=meter_provider, logger_provider=logger_provider,
+        owned=tuple(owned), sink=sink, request_spans=request_spans, forward_spans=forward_spans,
+        resource=resource, exporters=names,
+    )

@@ -1,0 +1,231 @@
+"""The forward-step span, its links to the requests of the batch, and request spans.
+
+:class:`ForwardSpans` is what an engine wraps around each forward step::
+
+    with forward_spans.forward_span(batch_info):   # span "forward step", current while inside
+        logits = model(batch)
+        reporter.step(view)                        # the reporter keeps this context for the sample
+
+``batch_info`` is any object with the attributes ``forward_ct``, ``batch_size``, ``num_prefill``,
+``num_decode`` and ``request_ids`` (the reference engine's batch info has them), or the same values
+as keyword arguments. The span (kind INTERNAL) carries only bounded attributes (counts; never a
+request id) and one link per request of the batch, to the request's span as identified by its W3C
+``traceparent`` header (``00-<trace-id>-<span-id>-<flags>``, W3C Trace Context, parsed with
+OpenTelemetry's TraceContext propagator), as a serving front end receives it.
+
+Link limit: OpenTelemetry keeps at most ``SpanLimits.max_links`` links per span (128 by default,
+``OTEL_SPAN_LINK_COUNT_LIMIT``) and silently drops the rest. The helper adds at most that many and
+counts the others in ``forward_step.links.dropped``; requests with no usable traceparent are counted
+in ``forward_step.links.missing``.
+
+:class:`RequestSpans` gives each request a span of its own (kind SERVER, root of its own trace),
+started at arrival and ended when the request finishes, and hands out its traceparent; it can be
+given to :class:`ForwardSpans` as the traceparent lookup.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from contextlib import contextmanager
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import SpanLimits
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from otel_swa.telemetry import semconv as sc
+
+__all__ = ["parse_traceparent", "format_traceparent", "ForwardSpans", "RequestSpans"]
+
+_log = logging.getLogger(__name__)
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+
+@functools.lru_cache(maxsize=8192)
+def parse_traceparent(traceparent: str) -> SpanContext | None:
+    """The remote ``SpanContext`` of a W3C ``traceparent`` value, or ``None`` if it is not valid.
+
+    Parsed by OpenTelemetry's ``TraceContextTextMapPropagator`` (W3C Trace Context level 1); results
+    are cached because a request's traceparent is looked up at every step it takes part in.
+    """
+    if not isinstance(traceparent, str):
+        return None
+    span_context = trace.get_current_span(_PROPAGATOR.extract({"traceparent": traceparent})).get_span_context()
+    return span_context if span_context.is_valid else None
+
+
+def format_traceparent(span_context: SpanContext) -> str:
+    """The W3C ``traceparent`` value of ``span_context`` (``00-<32 hex>-<16 hex>-<2 hex>``)."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
+    return carrier["traceparent"]
+
+
+def _default_max_links() -> int:
+    return SpanLimits().max_links  # OTEL_SPAN_LINK_COUNT_LIMIT, else 128
+
+
+class ForwardSpans:
+    """Starts the forward-step span with links to the request spans of the batch.
+
+    Args:
+        tracer: the ``Tracer`` to start spans with.
+        traceparents: how to find a request's W3C traceparent from its request id: a mapping, or a
+            callable returning the string or ``None``; ``None``: no links.
+        max_links: most links per forward-step span; default ``SpanLimits().max_links``
+            (``OTEL_SPAN_LINK_COUNT_LIMIT``, 128). Keep it at or below the tracer provider's limit.
+
+    Raises:
+        ValueError: ``max_links`` is negative.
+        TypeError: ``traceparents`` is neither a mapping nor callable.
+    """
+
+    def __init__(self, tracer: Tracer, traceparents: Any = None, *, max_links: int | None = None) -> None:
+        if max_links is None:
+            max_links = _default_max_links()
+        if isinstance(max_links, bool) or not isinstance(max_links, int) or max_links < 0:
+            raise ValueError(f"max_links={max_links!r}; expected an integer >= 0")
+        if traceparents is not None and not isinstance(traceparents, Mapping) and not callable(traceparents):
+            raise TypeError(
+                f"traceparents must be a mapping or a callable request_id -> traceparent, got {type(traceparents).__name__}"
+            )
+        self._tracer = tracer
+        self._traceparents = traceparents
+        self.max_links = max_links
+
+    def _lookup(self, request_id: Any) -> str | None:
+        source = self._traceparents
+        if source is None:
+            return None
+        try:
+            return source.get(request_id) if isinstance(source, Mapping) else source(request_id)
+        except Exception:  # a lookup failure never breaks the forward step
+            _log.exception("traceparent lookup failed for a request; no link added")
+            return None
+
+    def links(self, request_ids: Iterable[Any]) -> tuple[list[Link], int, int]:
+        """The links for ``request_ids`` and the counts ``(dropped over the limit, missing)``."""
+        links: list[Link] = []
+        dropped = missing = 0
+        for request_id in request_ids:
+            span_context = parse_traceparent(self._lookup(request_id))
+            if span_context is None:
+                missing += 1
+            elif len(links) < self.max_links:
+                links.append(Link(span_context))
+            else:
+                dropped += 1
+        return links, dropped, missing
+
+    @contextmanager
+    def forward_span(
+        self,
+        batch_info: Any = None,
+        *,
+        forward_ct: int | None = None,
+        batch_size: int | None = None,
+        num_prefill: int | None = None,
+        num_decode: int | None = None,
+        request_ids: Iterable[Any] | None = None,
+        context: Context | None = None,
+    ) -> Iterator[Span]:
+        """Run the body inside a new current span ``forward step``; yields the span.
+
+        Values come from ``batch_info``'s attributes of the same names unless given as keywords.
+        ``context`` is the parent (default: the current context). An exception in the body is
+        recorded on the span (status ERROR) and re-raised.
+        """
+
+        def pick(name: str, value: Any) -> Any:
+            return value if value is not None else getattr(batch_info, name, None)
+
+        forward_ct = pick("forward_ct", forward_ct)
+        batch_size = pick("batch_size", batch_size)
+        num_prefill = pick("num_prefill", num_prefill)
+        num_decode = pick("num_decode", num_decode)
+        request_ids = pick("request_ids", request_ids) or ()
+        links, dropped, missing = self.links(request_ids)
+        attributes = {
+            key: int(value)
+            for key, value in (
+                (sc.ATTR_FORWARD_CT, forward_ct),
+                (sc.ATTR_BATCH_SIZE, batch_size),
+                (sc.ATTR_NUM_PREFILL, num_prefill),
+                (sc.ATTR_NUM_DECODE, num_decode),
+            )
+            if value is not None
+        }
+        attributes[sc.ATTR_LINKS_DROPPED] = dropped
+        attributes[sc.ATTR_LINKS_MISSING] = missing
+        with self._tracer.start_as_current_span(
+            sc.FORWARD_SPAN_NAME, context=context, kind=SpanKind.INTERNAL, attributes=attributes, links=links
+        ) as span:
+            yield span
+
+    __call__ = forward_span
+
+
+class RequestSpans:
+    """One span per request (kind SERVER, a new trace each), keyed by request id.
+
+    Args:
+        tracer: the ``Tracer`` to start spans with.
+
+    A request's traceparent is available from :meth:`start` until :meth:`end`; the object itself is
+    the lookup callable :class:`ForwardSpans` accepts.
+    """
+
+    def __init__(self, tracer: Tracer) -> None:
+        self._tracer = tracer
+        self._spans: dict[Any, tuple[Span, str]] = {}
+
+    def start(self, request_id: Any, *, attributes: Mapping[str, Any] | None = None, start_time: int | None = None) -> str:
+        """Start the span of ``request_id`` (root of its own trace) and return its traceparent.
+
+        ``start_time`` is in nanoseconds since the epoch (default now).
+
+        Raises:
+            ValueError: a span for ``request_id`` is already open.
+        """
+        if request_id in self._spans:
+            raise ValueError(f"request {request_id!r} already has an open span")
+        span = self._tracer.start_span(
+            sc.REQUEST_SPAN_NAME, context=Context(), kind=SpanKind.SERVER,
+            attributes=dict(attributes or {}), start_time=start_time,
+        )
+        traceparent = format_traceparent(span.get_span_context())
+        self._spans[request_id] = (span, traceparent)
+        return traceparent
+
+    def traceparent(self, request_id: Any) -> str | None:
+        """The traceparent of the open span of ``request_id``, or ``None``."""
+        entry = self._spans.get(request_id)
+        return None if entry is None else entry[1]
+
+    __call__ = traceparent
+
+    def span(self, request_id: Any) -> Span | None:
+        """The open span of ``request_id``, or ``None``."""
+        entry = self._spans.get(request_id)
+        return None if entry is None else entry[0]
+
+    def end(self, request_id: Any, *, attributes: Mapping[str, Any] | None = None, end_time: int | None = None) -> None:
+        """End the span of ``request_id`` (no-op when it has none)."""
+        entry = self._spans.pop(request_id, None)
+        if entry is None:
+            return
+        if attributes:
+            entry[0].set_attributes(dict(attributes))
+        entry[0].end(end_time=end_time)
+
+    def end_all(self) -> None:
+        """End every open request span (at shutdown)."""
+        for request_id in list(self._spans):
+            self.end(request_id)
+
+    def __len__(self) -> int:
+        return len(self._spans)
