@@ -1,0 +1,157 @@
+"""otel-swa check / records / plot, run in process through the dispatcher."""
+
+import csv
+import io
+import json
+import struct
+import sys
+import threading
+
+import pytest
+
+from otel_swa.cli import main
+from otel_swa.record import SwaDivergenceRecord
+
+R = SwaDivergenceRecord
+RUN = [  # (rank, record): two data-parallel ranks, one noise line in between
+    ("DP0 TP0", R(20, 1000, 400, 0, 0)),
+    ("DP1 TP0", R(20, 800, 350, 0, 12)),
+    ("DP0 TP0", R(40, 2100, 800, 6, 30)),
+    ("DP1 TP0", R(40, 1700, 690, 3, 25)),
+]
+
+
+def write_log(path, items=RUN):
+    lines = []
+    for i, (rank, record) in enumerate(items):
+        lines.append(f"[2025-06-01 12:00:{i:02d} {rank}] {record.format()}")
+        if i == 1:
+            lines.append("[2025-06-01 12:00:01 DP0 TP0] Decode batch. #running-req: 3")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def set_stdin(monkeypatch, text):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(text.encode())))
+
+
+# ------------------------------------------------------------------ check
+def test_check_passes(tmp_path, capsys):
+    assert main(["check", str(write_log(tmp_path / "s.log"))]) == 0
+    out = capsys.readouterr().out
+    assert "SWA path observed" in out and "peak swa_full_idx_divergence=6 at forward_ct=40" in out
+    assert "last record (line 5):" in out
+
+
+def test_check_fails_with_explanation(tmp_path, capsys):
+    log = write_log(tmp_path / "s.log")
+    assert main(["check", str(log), "--min-out-of-window", "31"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED out-of-window: peak swa_out_of_window_tokens=30 at forward_ct=40 (need >= 31)" in out
+    assert main(["check", str(log), "--min-divergence", "0", "--min-out-of-window", "0", "-q"]) == 0
+    assert capsys.readouterr().out == ""
+
+
+def test_check_verify_lag_option(tmp_path, capsys):
+    log = write_log(tmp_path / "s.log", [("TP0", R(20, 100, 40, 1, 1)), ("TP0", R(40, 200, 200, 1, 1))])
+    assert main(["check", str(log)]) == 1
+    assert main(["check", str(log), "--no-verify-lag"]) == 0
+
+
+def test_check_stdin(monkeypatch, tmp_path, capsys):
+    set_stdin(monkeypatch, write_log(tmp_path / "s.log").read_text())
+    assert main(["check", "-"]) == 0
+    assert "observed in standard input: 4 record(s) seen" in capsys.readouterr().out
+
+
+def test_check_unusable_input(tmp_path, capsys):
+    assert main(["check", str(tmp_path / "missing.log")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["check", str(tmp_path)]) == 2  # a directory
+    assert "cannot be read" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main(["check", "x.log", "--wait", "-1"])
+    assert info.value.code == 2
+    assert "'-1' is not a finite number >= 0" in capsys.readouterr().err
+
+
+def test_check_waits_for_growing_file(tmp_path, capsys):
+    log = tmp_path / "s.log"
+    log.write_text(f"[2025-06-01 12:00:00 TP0] {R(20, 100, 100, 0, 0).format()}\n")
+
+    def append():
+        with open(log, "a") as f:
+            f.write(f"[2025-06-01 12:00:01 TP0] {R(40, 300, 120, 2, 5).format()}\n")
+
+    timer = threading.Timer(0.3, append)
+    timer.start()
+    try:
+        rc = main(["check", str(log), "--wait", "30", "--poll", "0.05"])
+    finally:
+        timer.join()
+    assert rc == 0
+    assert "2 record(s) seen" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ records
+def test_records_jsonl(tmp_path, capsys):
+    assert main(["records", str(write_log(tmp_path / "s.log"))]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert rows[0] == {"line_no": 1, "timestamp": "2025-06-01 12:00:00", "rank": "DP0 TP0", "forward_ct": 20,
+                       "verify_full": 1000, "verify_swa": 400, "swa_full_idx_divergence": 0,
+                       "swa_out_of_window_tokens": 0}
+    assert [(r["line_no"], r["rank"], r["forward_ct"], r["swa_out_of_window_tokens"]) for r in rows] == [
+        (1, "DP0 TP0", 20, 0), (2, "DP1 TP0", 20, 12), (4, "DP0 TP0", 40, 30), (5, "DP1 TP0", 40, 25)]
+
+
+def test_records_csv_from_stdin_plain_logging(monkeypatch, capsys):
+    text = (f"2025-06-01 12:34:56,789 INFO {R(20, 10, 4, 1, 2).format()}\n"
+            "kv_canary_swa_divergence={bad\n"
+            f"{R(40, 20, 8, 3, 4).format()}\n")
+    set_stdin(monkeypatch, text)
+    assert main(["records", "-", "--format", "csv"]) == 0
+    captured = capsys.readouterr()
+    assert list(csv.reader(io.StringIO(captured.out))) == [
+        ["line_no", "timestamp", "rank", "forward_ct", "verify_full", "verify_swa",
+         "swa_full_idx_divergence", "swa_out_of_window_tokens"],
+        ["1", "2025-06-01 12:34:56,789", "", "20", "10", "4", "1", "2"],
+        ["3", "", "", "40", "20", "8", "3", "4"],
+    ]
+    assert "1 malformed record(s) skipped" in captured.err
+
+
+def test_records_missing_file(tmp_path, capsys):
+    assert main(["records", str(tmp_path / "nope.log")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ plot
+def png_size(path):
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plot_one_row_per_rank(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "run.png"
+    assert main(["plot", str(write_log(tmp_path / "s.log")), "-o", str(out)]) == 0
+    assert "4 records, 2 panel row(s)" in capsys.readouterr().out
+    # figure: 12 in wide, 1.2 + 2.9 in per rank row, at 110 dpi
+    assert png_size(out) == (1320, round((1.2 + 2 * 2.9) * 110))
+    single = tmp_path / "one.png"
+    assert main(["plot", str(write_log(tmp_path / "t.log", [("TP0", r) for _, r in RUN[::2]])), "-o", str(single)]) == 0
+    assert png_size(single) == (1320, round((1.2 + 2.9) * 110))
+
+
+def test_plot_without_records_or_matplotlib(tmp_path, monkeypatch, capsys):
+    empty = tmp_path / "empty.log"
+    empty.write_text("nothing here\n")
+    assert main(["plot", str(empty), "-o", str(tmp_path / "x.png")]) == 2
+    assert "nothing to plot" in capsys.readouterr().err
+    for name in ("matplotlib", "matplotlib.figure", "matplotlib.backends.backend_agg"):
+        monkeypatch.setitem(sys.modules, name, None)  # makes the import raise ImportError
+    assert main(["plot", str(write_log(tmp_path / "s.log")), "-o", str(tmp_path / "x.png")]) == 2
+    err = capsys.readouterr().err
+    assert "needs matplotlib" in err and "pip install 'otel-swa[plot]'" in err
+    assert not (tmp_path / "x.png").exists()
