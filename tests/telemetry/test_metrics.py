@@ -1,0 +1,178 @@
+"""Metric values equal the records, under cumulative and delta temporality; exemplars; resets."""
+
+from __future__ import annotations
+
+import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.metrics._internal.exemplar import AlwaysOffExemplarFilter, TraceBasedExemplarFilter
+
+from otel_swa.record import SwaDivergenceRecord
+from otel_swa.telemetry import INSTRUMENTS, SwaTelemetrySink
+from otel_swa.telemetry.metrics import DELAY_BUCKETS
+
+R = SwaDivergenceRecord
+# Three records as a reporter with interval 20 would deliver them.
+RECORDS = [R(20, 5120, 2048, 17, 311), R(40, 9000, 3000, 25, 640), R(60, 15000, 4100, 3, 900)]
+
+
+def value(points, **attributes):
+    found = [p for p in points if dict(p.attributes) == attributes]
+    assert len(found) == 1, (attributes, [dict(p.attributes) for p in points])
+    return found[0].value
+
+
+def test_instrument_table_names_units_are_well_formed():
+    names = [spec.name for spec in INSTRUMENTS]
+    assert len(set(names)) == len(names)
+    for spec in INSTRUMENTS:
+        assert spec.name == spec.name.lower() and spec.name.startswith("kv_cache.swa.")
+        assert spec.unit.startswith("{") and spec.unit.endswith("}")
+        assert spec.description
+
+
+def test_cumulative_counters_equal_the_last_record_and_gauges_the_sampled_values(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    for record in RECORDS[:2]:
+        sink(record, None)
+    m = pipeline.metrics()
+    assert m["kv_cache.swa.entries.verified"]["unit"] == "{entry}"
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 9000
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="swa") == 3000
+    assert value(m["kv_cache.swa.forward_steps"]["points"]) == 40
+    assert m["kv_cache.swa.forward_steps"]["data"].is_monotonic is True
+    assert value(m["kv_cache.swa.tokens.divergent"]["points"]) == 25
+    assert value(m["kv_cache.swa.tokens.out_of_window"]["points"]) == 640
+    assert m["kv_cache.swa.tokens.out_of_window"]["unit"] == "{token}"
+    sink(RECORDS[2], None)
+    m = pipeline.metrics()
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 15000
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="swa") == 4100
+    assert value(m["kv_cache.swa.forward_steps"]["points"]) == 60
+    assert value(m["kv_cache.swa.tokens.divergent"]["points"]) == 3
+    assert sink.errors == 0
+
+
+def test_delta_temporality_exports_the_differences_between_records(make_pipeline):
+    p = make_pipeline("delta")
+    sink = SwaTelemetrySink(**p.providers())
+    sink(RECORDS[0], None)
+    m = p.metrics()
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 5120
+    assert value(m["kv_cache.swa.forward_steps"]["points"]) == 20
+    sink(RECORDS[1], None)
+    sink(RECORDS[2], None)
+    m = p.metrics()
+    # (9000 - 5120) + (15000 - 9000), (3000 - 2048) + (4100 - 3000), 60 - 20
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 9880
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="swa") == 2052
+    assert value(m["kv_cache.swa.forward_steps"]["points"]) == 40
+    assert value(m["kv_cache.swa.tokens.out_of_window"]["points"]) == 900
+
+
+def test_a_restarted_reporter_is_counted_as_a_reset_and_totals_stay_monotonic(pipeline, caplog):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    sink(RECORDS[1], None)  # totals 9000 / 3000 / 40
+    with caplog.at_level("WARNING"):
+        sink(R(20, 1000, 500, 1, 2), None)  # a new reporter starts from 0
+    m = pipeline.metrics()
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 10000
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="swa") == 3500
+    assert value(m["kv_cache.swa.forward_steps"]["points"]) == 60
+    assert value(m["kv_cache.swa.reporter.resets"]["points"]) == 1
+    assert "went back from 9000 to 1000" in caplog.text
+
+
+def test_exemplars_point_at_the_forward_step_span(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    tracer = pipeline.tracer_provider.get_tracer("test")
+    with tracer.start_as_current_span("forward step") as span:
+        from opentelemetry import context
+
+        forward_context = context.get_current()
+    ids = (span.get_span_context().trace_id, span.get_span_context().span_id)
+    # delivered later, outside the span, in another span's context
+    with tracer.start_as_current_span("a later step"):
+        sink(RECORDS[0], forward_context)
+    m = pipeline.metrics()
+    for name in ("kv_cache.swa.entries.verified", "kv_cache.swa.tokens.divergent", "kv_cache.swa.tokens.out_of_window",
+                 "kv_cache.swa.forward_steps"):
+        for point in m[name]["points"]:
+            assert [(e.trace_id, e.span_id) for e in point.exemplars] == [ids], name
+            assert point.exemplars[0].value == point.value
+
+
+@pytest.mark.parametrize("exemplar_filter, expected", [(TraceBasedExemplarFilter(), 1), (AlwaysOffExemplarFilter(), 0)])
+def test_exemplar_filter_is_the_sdks(make_pipeline, exemplar_filter, expected):
+    p = make_pipeline(exemplar_filter=exemplar_filter)
+    sink = SwaTelemetrySink(**p.providers())
+    with p.tracer_provider.get_tracer("test").start_as_current_span("forward step"):
+        from opentelemetry import context
+
+        sink(RECORDS[0], context.get_current())
+    point = p.metrics()["kv_cache.swa.tokens.divergent"]["points"][0]
+    assert len(point.exemplars) == expected
+
+
+def test_trace_based_filter_takes_no_exemplar_without_a_sampled_span(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    sink(RECORDS[0], None)
+    assert pipeline.metrics()["kv_cache.swa.tokens.divergent"]["points"][0].exemplars == []
+
+
+class FakeReporter:
+    """Just what the sink reads: add_sink, forward_ct, stats."""
+
+    def __init__(self):
+        self.sinks = []
+        self.forward_ct = 0
+        from types import SimpleNamespace
+
+        self.stats = SimpleNamespace(samples_taken=0, samples_delivered=0, ring_full_waits=0, sink_errors=0, pending=0)
+
+    def add_sink(self, sink):
+        self.sinks.append(sink)
+
+
+def test_health_instruments_read_the_attached_reporter(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    reporter = FakeReporter()
+    sink.attach(reporter)
+    assert reporter.sinks == [sink]
+    reporter.stats.samples_taken, reporter.stats.samples_delivered = 3, 2
+    reporter.stats.ring_full_waits, reporter.stats.pending = 1, 1
+    reporter.forward_ct = 21
+    sink(RECORDS[0], None)  # delay 21 - 20 = 1
+    reporter.forward_ct = 43
+    sink(RECORDS[1], None)  # delay 3
+    m = pipeline.metrics()
+    assert value(m["kv_cache.swa.reporter.samples.taken"]["points"]) == 3
+    assert value(m["kv_cache.swa.reporter.samples.delivered"]["points"]) == 2
+    assert value(m["kv_cache.swa.reporter.ring_full.waits"]["points"]) == 1
+    assert value(m["kv_cache.swa.reporter.sink.errors"]["points"]) == 0
+    assert value(m["kv_cache.swa.reporter.samples.pending"]["points"]) == 1
+    hist = m["kv_cache.swa.reporter.delivery.delay"]["points"][0]
+    assert m["kv_cache.swa.reporter.delivery.delay"]["unit"] == "{forward}"
+    assert (hist.count, hist.sum, hist.min, hist.max) == (2, 4, 1, 3)
+    assert list(hist.explicit_bounds) == list(DELAY_BUCKETS)
+    # buckets (-inf,0], (0,1], (1,2], (2,3], ...: one delay of 1 and one of 3
+    assert list(hist.bucket_counts)[:5] == [0, 1, 0, 1, 0]
+
+
+def test_a_failing_meter_never_raises_into_the_reporter(pipeline, caplog):
+    sink = SwaTelemetrySink(**pipeline.providers())
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("exporter down")
+
+    sink.metrics.record = broken
+    sink(RECORDS[0], None)  # must not raise
+    assert sink.errors == 1
+    assert "exporter down" in caplog.text
+    # the events part still ran
+    assert len(pipeline.logs.get_finished_logs()) == 1
+
+
+def test_record_refuses_what_is_not_a_record(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    with pytest.raises(TypeError, match="expected a SwaDivergenceRecord, got dict"):
+        sink.metrics.record({"forward_ct": 20}, None)
