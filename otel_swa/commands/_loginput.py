@@ -10,7 +10,16 @@ import sys
 from otel_swa.logsource import LoggedRecord, read_log
 from otel_swa.record import MalformedRecordError
 
-__all__ = ["non_negative_int", "seconds", "positive_seconds", "add_source_argument", "load_records", "InputError"]
+__all__ = [
+    "InputError",
+    "non_negative_int",
+    "seconds",
+    "positive_seconds",
+    "add_source_argument",
+    "load_records",
+    "error",
+    "stdout_closed",
+]
 
 
 class InputError(Exception):

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence, Union
@@ -327,7 +326,6 @@ def wait_for_observation(
     require_verify_lag: bool = True,
     timeout_s: float | None = None,
     poll_s: float = DEFAULT_POLL_S,
-    stop: threading.Event | None = None,
 ) -> SwaObservation:
     """Read ``source`` until the signals are observed or ``timeout_s`` has passed; never raises for
     what the source holds.
@@ -370,7 +368,7 @@ def wait_for_observation(
 
     while True:
         now = time.monotonic()
-        final = now >= deadline or (stop is not None and stop.is_set())
+        final = now >= deadline
         observation = observe(src.read(final=final), round(now - start, 3) if timeout_s else 0.0)
         if observation.ok or final:
             return observation
