@@ -48,3 +48,11 @@ OTEL_SWA_PP_RANK = "OTEL_SWA_PP_RANK"
 
 Pipeline-parallel rank of the engine process (integer >= 0), resource attribute ``otel_swa.pp_rank``.
 """
+
+OTEL_SWA_REQUIRE_SGLANG = "OTEL_SWA_REQUIRE_SGLANG"
+"""
+.. envvar:: OTEL_SWA_REQUIRE_SGLANG
+
+Test suite only: ``1`` makes the SGLang engine tests fail, instead of skip, when SGLang cannot be
+imported (set by ``.ci/sglang-tests.sh``).
+"""
