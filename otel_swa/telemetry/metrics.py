@@ -203,6 +203,7 @@ class SwaMetrics:
         context: Context | None = None,
         *,
         delivered_at: int | None = None,
+        totals: dict | None = None,
     ) -> None:
         """Record one delivered sample.
 
@@ -211,6 +212,9 @@ class SwaMetrics:
             context: the context of the forward step where it was taken (exemplars point there).
             delivered_at: ``reporter.forward_ct`` when the record was delivered; when given, the
                 delivery delay ``delivered_at - record.forward_ct`` goes to the histogram.
+            totals: where the last cumulative totals of this record's source (one reporter) are
+                kept, so that several reporters can share the instruments; default: one store
+                held by this object.
 
         Raises:
             TypeError: ``record`` is not a :class:`SwaDivergenceRecord`.
@@ -222,7 +226,7 @@ class SwaMetrics:
             if spec.kind == TOTAL_COUNTER:
                 instrument = self._instruments[spec.name]
                 for total, attributes in spec.read(record):
-                    increment, reset = self._increment(spec.name, attributes, total)
+                    increment, reset = self._increment(totals, spec.name, attributes, total)
                     went_back = went_back or reset
                     if increment:
                         instrument.add(increment, attributes, context=context)
@@ -235,12 +239,13 @@ class SwaMetrics:
         if delivered_at is not None:
             self._delay.record(max(0, delivered_at - record.forward_ct), context=context)
 
-    def _increment(self, name: str, attributes: Attributes, total: int) -> tuple[int, bool]:
+    def _increment(self, totals: dict | None, name: str, attributes: Attributes, total: int) -> tuple[int, bool]:
         """The increment of a cumulative total since the last record, and whether it went back."""
         key = (name, tuple(sorted(attributes.items())))
+        store = self._last if totals is None else totals
         with self._lock:
-            last = self._last.get(key, 0)
-            self._last[key] = total
+            last = store.get(key, 0)
+            store[key] = total
         if total >= last:
             return total - last, False
         _log.warning(

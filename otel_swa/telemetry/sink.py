@@ -39,6 +39,9 @@ class SwaTelemetrySink:
             version and :data:`~otel_swa.telemetry.semconv.SCHEMA_URL`.
         span_events: also emit the span event (default True).
         log_events: also emit the Logs API event (default True; the log-line exporter needs it).
+        metrics, events: share the instruments and event emitters of another sink (one sink per
+            reporter, several reporters in a process: the SDK keeps one instrument per name).
+            Each sink keeps the last cumulative totals of its own reporter.
     """
 
     def __init__(
@@ -49,16 +52,27 @@ class SwaTelemetrySink:
         logger_provider: Any = None,
         span_events: bool = True,
         log_events: bool = True,
+        metrics: SwaMetrics | None = None,
+        events: SampleEvents | None = None,
     ) -> None:
         scope = dict(schema_url=sc.SCHEMA_URL)
-        meter = (meter_provider or metrics_api.get_meter_provider()).get_meter(sc.SCOPE_NAME, __version__, **scope)
-        tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(sc.SCOPE_NAME, __version__, **scope)
-        logger = (logger_provider or get_logger_provider()).get_logger(sc.SCOPE_NAME, __version__, **scope)
-        self.metrics = SwaMetrics(meter)
-        self.events = SampleEvents(logger if log_events else None, tracer if span_events else None)
+        if metrics is None:
+            meter = (meter_provider or metrics_api.get_meter_provider()).get_meter(sc.SCOPE_NAME, __version__, **scope)
+            metrics = SwaMetrics(meter)
+        if events is None:
+            tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(sc.SCOPE_NAME, __version__, **scope)
+            logger = (logger_provider or get_logger_provider()).get_logger(sc.SCOPE_NAME, __version__, **scope)
+            events = SampleEvents(logger if log_events else None, tracer if span_events else None)
+        self.metrics = metrics
+        self.events = events
+        self._totals: dict = {}
         self._reporter: "weakref.ref[Any] | None" = None
         self.records = 0
         self.errors = 0
+
+    def for_another_reporter(self) -> "SwaTelemetrySink":
+        """A new sink sharing this one's instruments and event emitters, with its own totals."""
+        return SwaTelemetrySink(metrics=self.metrics, events=self.events)
 
     def attach(self, reporter: Any) -> Any:
         """Hand this sink to ``reporter`` (``reporter.add_sink``) and observe its health
@@ -79,7 +93,7 @@ class SwaTelemetrySink:
             except Exception:
                 delivered_at = None
         for part, call in (
-            ("metrics", lambda: self.metrics.record(record, context, delivered_at=delivered_at)),
+            ("metrics", lambda: self.metrics.record(record, context, delivered_at=delivered_at, totals=self._totals)),
             ("events", lambda: self.events.emit(record, context)),
         ):
             try:

@@ -1,1 +1,190 @@
-"""placeholder"""
+"""OpenTelemetry instrumentation of otel-swa's reference hybrid-SWA engine.
+
+Instrumenting wraps :class:`otel_swa.reference.engine.ReferenceEngine` so that every engine created
+afterwards is observed:
+
+* it gets an SWA divergence reporter from ``SwaDivergenceReporter.from_env`` when it was given none:
+  ``OTEL_SWA_DIVERGENCE_INTERVAL`` (or SGLang's ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``)
+  unset or 0 means no reporter and no reporter work at all; an unusable value is logged and
+  leaves the engine without a reporter;
+* the reporter's records become metrics and events (:mod:`otel_swa.telemetry`):
+
+  ==========================================  ==============  ===========
+  metric                                      kind            unit
+  ==========================================  ==============  ===========
+  kv_cache.swa.entries.verified (pool)        Counter         {entry}
+  kv_cache.swa.forward_steps                  Counter         {forward}
+  kv_cache.swa.tokens.divergent               Gauge           {token}
+  kv_cache.swa.tokens.out_of_window           Gauge           {token}
+  kv_cache.swa.reporter.delivery.delay        Histogram       {forward}
+  kv_cache.swa.reporter.resets                Counter         {reset}
+  kv_cache.swa.reporter.samples.taken         ObservableCtr   {sample}
+  kv_cache.swa.reporter.samples.delivered     ObservableCtr   {sample}
+  kv_cache.swa.reporter.ring_full.waits       ObservableCtr   {wait}
+  kv_cache.swa.reporter.sink.errors           ObservableCtr   {error}
+  kv_cache.swa.reporter.samples.pending       ObservableGauge {sample}
+  ==========================================  ==============  ===========
+
+  and the event ``kv_cache.swa.divergence_sample`` (Logs API and span event) under the forward step
+  where each sample was taken;
+* each forward step runs in a span ``forward step`` linked to the spans of its requests;
+* each submitted request gets a span ``request`` (kind SERVER, its own trace) from submission to
+  completion, unless the request object carries a W3C ``traceparent`` attribute (from a serving
+  front end), in which case the forward steps link to that span instead;
+* ``run_until_done`` flushes the reporter at its end, so the last samples are delivered.
+
+Providers come from ``instrument(tracer_provider=..., meter_provider=..., logger_provider=...)``,
+the global ones otherwise; the instrumentor never installs providers itself. ``uninstrument()``
+restores the class; engines created before keep their wiring. Both are idempotent.
+
+Usage::
+
+    from opentelemetry.instrumentation.swa_reference import SwaReferenceInstrumentor
+    from otel_swa.reference.engine import ReferenceEngine
+
+    SwaReferenceInstrumentor().instrument()          # or: opentelemetry-instrument python app.py
+    engine = ReferenceEngine()                       # reporter per OTEL_SWA_DIVERGENCE_INTERVAL
+    ...
+    engine.run_until_done()
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from types import SimpleNamespace
+from typing import Any, Collection
+
+from opentelemetry import trace
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+from opentelemetry.instrumentation.swa_reference.package import _instruments
+from opentelemetry.instrumentation.swa_reference.version import __version__
+
+__all__ = ["SwaReferenceInstrumentor"]
+
+_log = logging.getLogger(__name__)
+
+#: Attribute of an instrumented engine holding its telemetry wiring.
+ENGINE_ATTRIBUTE = "_otel_swa_telemetry"
+_WRAPPED = ("__init__", "submit", "step", "run_until_done")
+
+
+class SwaReferenceInstrumentor(BaseInstrumentor):
+    """Instrumentor for :class:`otel_swa.reference.engine.ReferenceEngine` (module docstring).
+
+    ``instrument(**kwargs)`` accepts ``tracer_provider``, ``meter_provider``, ``logger_provider``,
+    ``span_events`` (default True) and ``max_links`` (forward-step link limit).
+    """
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return _instruments
+
+    def _instrument(self, **kwargs: Any) -> None:
+        from otel_swa.reference.engine import ReferenceEngine
+        from otel_swa.telemetry import SwaTelemetrySink
+        from otel_swa.telemetry import semconv as sc
+
+        tracer = trace.get_tracer(
+            sc.SCOPE_NAME, __version__, tracer_provider=kwargs.get("tracer_provider"), schema_url=sc.SCHEMA_URL
+        )
+        self._sink = SwaTelemetrySink(
+            tracer_provider=kwargs.get("tracer_provider"),
+            meter_provider=kwargs.get("meter_provider"),
+            logger_provider=kwargs.get("logger_provider"),
+            span_events=kwargs.get("span_events", True),
+        )
+        self._tracer = tracer
+        self._max_links = kwargs.get("max_links")
+        self._originals = {name: ReferenceEngine.__dict__[name] for name in _WRAPPED}
+        self._engine_class = ReferenceEngine
+        for name in _WRAPPED:
+            setattr(ReferenceEngine, name, getattr(self, f"_wrap_{name.strip('_')}")(self._originals[name]))
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        for name, original in self._originals.items():
+            setattr(self._engine_class, name, original)
+        self._originals = {}
+
+    # ------------------------------------------------------------------ per engine
+    def _wire(self, engine: Any) -> None:
+        from otel_swa.reporter import SwaDivergenceReporter
+        from otel_swa.telemetry import ForwardSpans, RequestSpans
+
+        if getattr(engine, "reporter", None) is None:
+            try:
+                engine.reporter = SwaDivergenceReporter.from_env(device=engine.device)
+            except Exception:  # an unusable variable must not stop the engine
+                _log.exception("SWA divergence reporter not created; the engine runs without it")
+                engine.reporter = None
+        sink = None
+        if engine.reporter is not None:
+            sink = self._sink.for_another_reporter()
+            sink.attach(engine.reporter)
+        request_spans = RequestSpans(self._tracer)
+        traceparents: dict[Any, str] = {}
+        forward_spans = ForwardSpans(self._tracer, traceparents, max_links=self._max_links)
+        engine.forward_span = forward_spans.forward_span
+        setattr(engine, ENGINE_ATTRIBUTE, SimpleNamespace(
+            sink=sink, request_spans=request_spans, traceparents=traceparents, forward_spans=forward_spans,
+        ))
+
+    def _wrap_init(self, original):
+        instrumentor = self
+
+        @functools.wraps(original)
+        def __init__(engine, *args, **kwargs):
+            original(engine, *args, **kwargs)
+            try:
+                instrumentor._wire(engine)
+            except Exception:
+                _log.exception("instrumenting the reference engine failed; it runs uninstrumented")
+
+        return __init__
+
+    def _wrap_submit(self, original):
+        @functools.wraps(original)
+        def submit(engine, request, *args, **kwargs):
+            state = original(engine, request, *args, **kwargs)
+            wiring = getattr(engine, ENGINE_ATTRIBUTE, None)
+            if wiring is not None:
+                try:
+                    traceparent = getattr(request, "traceparent", None)
+                    if not traceparent:
+                        traceparent = wiring.request_spans.start(state.rid, attributes={
+                            "gen_ai.usage.input_tokens": int(request.context_tokens),
+                            "gen_ai.request.max_tokens": int(request.generated_tokens),
+                        })
+                    wiring.traceparents[state.rid] = traceparent
+                except Exception:
+                    _log.exception("request span not started")
+            return state
+
+        return submit
+
+    def _wrap_step(self, original):
+        @functools.wraps(original)
+        def step(engine, *args, **kwargs):
+            result = original(engine, *args, **kwargs)
+            wiring = getattr(engine, ENGINE_ATTRIBUTE, None)
+            if wiring is not None and result is not None:
+                for rid in result.finished:
+                    wiring.traceparents.pop(rid, None)
+                    wiring.request_spans.end(rid)
+            return result
+
+        return step
+
+    def _wrap_run_until_done(self, original):
+        @functools.wraps(original)
+        def run_until_done(engine, *args, **kwargs):
+            stats = original(engine, *args, **kwargs)
+            reporter = getattr(engine, "reporter", None)
+            if reporter is not None and getattr(engine, ENGINE_ATTRIBUTE, None) is not None:
+                try:
+                    reporter.flush()
+                except Exception:
+                    _log.exception("flushing the SWA divergence reporter failed")
+            return stats
+
+        return run_until_done
