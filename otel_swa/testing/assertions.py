@@ -102,11 +102,14 @@ class SwaObservation:
         seen = f"{self.records} record(s) seen"
         if self.malformed:
             seen += f" ({self.malformed} malformed skipped)"
-        lines = [f"{head} in {self.source}: {seen}" + (f", waited {self.waited_s:.1f} s" if self.waited_s else "")]
+        waited = f", waited {self.waited_s:.1f} s" if self.waited_s else ""
+        lines = [f"{head} in {self.source}: {seen}{waited}"]
         if self.problem is not None:
             lines.append(f"  unusable source: {self.problem}")
         if self.records == 0 and self.problem is None:
-            lines.append(f"  no {LINE_PREFIX!r} record found; is the reporter on (interval > 0) and the run long enough?")
+            lines.append(
+                f"  no {LINE_PREFIX!r} record found; is the reporter on (interval > 0) and the run long enough?"
+            )
 
         def verdict(name: str) -> str:
             return "FAILED" if name in self.failed else "ok    "
@@ -140,6 +143,10 @@ def _check_threshold(name: str, value: object) -> int:
     if type(value) is not int or value < 0:  # noqa: E721 - bool refused
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return value
+
+
+def _is_seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def judge(
@@ -275,7 +282,10 @@ class _RecordsSource(_Source):
         return _Snapshot(records, self.get_malformed())
 
 
-SourceLike = Union[str, "os.PathLike[str]", bytes, Callable[[], Union[str, bytes]], Iterable[SwaDivergenceRecord], object]
+#: What :func:`open_source` accepts (see there); ``object`` stands for a ``SwaRecordCapture``.
+SourceLike = Union[
+    str, "os.PathLike[str]", bytes, Callable[[], Union[str, bytes]], Iterable[SwaDivergenceRecord], object
+]
 
 
 def open_source(source: SourceLike) -> _Source:
@@ -346,9 +356,9 @@ def wait_for_observation(
     src = open_source(source)
     if timeout_s is None:
         timeout_s = DEFAULT_TIMEOUT_S if src.growing else 0.0
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s >= 0 or math.isinf(timeout_s):
+    if not _is_seconds(timeout_s) or not timeout_s >= 0:
         raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}")
-    if isinstance(poll_s, bool) or not isinstance(poll_s, (int, float)) or not poll_s > 0 or math.isinf(poll_s):
+    if not _is_seconds(poll_s) or not poll_s > 0:
         raise ValueError(f"poll_s must be a finite number of seconds > 0, got {poll_s!r}")
     start = time.monotonic()
     deadline = start + timeout_s
