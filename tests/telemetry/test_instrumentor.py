@@ -1,0 +1,133 @@
+"""The reference-engine instrumentor end to end in process: reporter -> records -> metrics, events
+under forward-step spans linked to request spans, and the SGLang line, all from one run."""
+
+from __future__ import annotations
+
+import io
+from types import SimpleNamespace
+
+import pytest
+from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
+
+from otel_swa.record import find_all
+
+pytest.importorskip("otel_swa.reference.engine")
+
+from opentelemetry.instrumentation.swa_reference import ENGINE_ATTRIBUTE, SwaReferenceInstrumentor  # noqa: E402
+from otel_swa.reference.engine import EngineConfig, ReferenceEngine  # noqa: E402
+from otel_swa.telemetry import SwaLogLineExporter  # noqa: E402
+
+# prompts longer than the window so the SWA pool evicts and remaps
+REQUESTS = [SimpleNamespace(arrival_s=0.0, context_tokens=c, generated_tokens=g)
+            for c, g in ((40, 12), (25, 20), (70, 6), (33, 15))]
+CONFIG = EngineConfig(window=16, full_pool_size=1024, swa_pool_size=256, max_running=4, token_budget=64,
+                      max_context_len=256, step_time_s=0.0)
+
+
+@pytest.fixture
+def instrumented(pipeline, monkeypatch):
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "3")
+    monkeypatch.setenv("OTEL_SWA_RING_SIZE", "2")
+    lines = io.StringIO()
+    pipeline.logger_provider.add_log_record_processor(SimpleLogRecordProcessor(SwaLogLineExporter(lines)))
+    instrumentor = SwaReferenceInstrumentor()
+    instrumentor.instrument(**pipeline.providers())
+    yield pipeline, lines
+    instrumentor.uninstrument()
+
+
+def run_engine():
+    engine = ReferenceEngine(CONFIG)
+    for request in REQUESTS:
+        engine.submit(request, arrival_s=0.0)
+    engine.run_until_done()
+    return engine
+
+
+def test_one_run_gives_metrics_events_and_lines_that_agree(instrumented):
+    pipeline, lines = instrumented
+    engine = run_engine()
+    assert engine.reporter is not None and engine.reporter.interval == 3
+    records = list(find_all(lines.getvalue()))
+    # every multiple of 3 up to the last step was sampled and delivered (run_until_done flushes)
+    assert [r.forward_ct for r in records] == list(range(3, engine.forward_ct + 1, 3))
+    assert engine.reporter.stats.pending == 0
+    last = records[-1]
+    assert max(r.swa_out_of_window_tokens for r in records) >= 1
+    assert last.verify_swa < last.verify_full
+
+    metrics = pipeline.metrics()
+    verified = {dict(p.attributes)["pool"]: p.value for p in metrics["kv_cache.swa.entries.verified"]["points"]}
+    assert verified == {"full": last.verify_full, "swa": last.verify_swa}
+    assert metrics["kv_cache.swa.forward_steps"]["points"][0].value == last.forward_ct
+    assert metrics["kv_cache.swa.tokens.out_of_window"]["points"][0].value == last.swa_out_of_window_tokens
+    assert metrics["kv_cache.swa.tokens.divergent"]["points"][0].value == last.swa_full_idx_divergence
+    assert metrics["kv_cache.swa.reporter.samples.delivered"]["points"][0].value == len(records)
+
+    spans = pipeline.spans.get_finished_spans()
+    forward = {s.attributes["forward_step.forward_ct"]: s for s in spans if s.name == "forward step"}
+    assert sorted(forward) == list(range(1, engine.forward_ct + 1))
+    requests = {(s.context.trace_id, s.context.span_id) for s in spans if s.name == "request"}
+    assert len(requests) == len(REQUESTS)
+    # each forward step links to exactly the request spans of its batch
+    for span in forward.values():
+        assert len(span.links) == span.attributes["forward_step.batch_size"]
+        assert {(l.context.trace_id, l.context.span_id) for l in span.links} <= requests
+        assert span.attributes["forward_step.links.missing"] == 0
+
+    events = [l.log_record for l in pipeline.logs.get_finished_logs()
+              if l.log_record.event_name == "kv_cache.swa.divergence_sample"]
+    assert len(events) == len(records)
+    for event, record in zip(events, records):
+        assert event.attributes["kv_cache.swa.forward_ct"] == record.forward_ct
+        step = forward[record.forward_ct]  # the step where it was sampled, not where it landed
+        assert (event.trace_id, event.span_id) == (step.context.trace_id, step.context.span_id)
+    samples = [s for s in spans if s.name == "swa divergence sample"]
+    for s in samples:
+        assert s.parent.span_id == forward[s.attributes["kv_cache.swa.forward_ct"]].context.span_id
+    on_step = [e for s in forward.values() for e in s.events if e.name == "kv_cache.swa.divergence_sample"]
+    assert len(samples) + len(on_step) == len(records)
+
+
+def test_interval_zero_means_no_reporter(pipeline, monkeypatch):
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "0")
+    monkeypatch.delenv("SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL", raising=False)
+    instrumentor = SwaReferenceInstrumentor()
+    instrumentor.instrument(**pipeline.providers())
+    try:
+        engine = ReferenceEngine(CONFIG)
+        assert engine.reporter is None
+        assert getattr(engine, ENGINE_ATTRIBUTE).sink is None
+    finally:
+        instrumentor.uninstrument()
+
+
+def test_instrument_and_uninstrument_are_idempotent_and_restore_the_class(pipeline, monkeypatch):
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "5")
+    original_init = ReferenceEngine.__init__
+    instrumentor = SwaReferenceInstrumentor()
+    instrumentor.instrument(**pipeline.providers())
+    wrapped = ReferenceEngine.__init__
+    instrumentor.instrument(**pipeline.providers())  # second call: no double wrapping
+    assert ReferenceEngine.__init__ is wrapped is not original_init
+    instrumentor.uninstrument()
+    instrumentor.uninstrument()
+    assert ReferenceEngine.__init__ is original_init
+    engine = ReferenceEngine(CONFIG)
+    assert engine.reporter is None and not hasattr(engine, ENGINE_ATTRIBUTE)
+
+
+def test_a_bad_interval_is_logged_and_the_engine_still_runs(pipeline, monkeypatch, caplog):
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "often")
+    instrumentor = SwaReferenceInstrumentor()
+    instrumentor.instrument(**pipeline.providers())
+    try:
+        engine = ReferenceEngine(CONFIG)
+        assert engine.reporter is None
+        assert "OTEL_SWA_DIVERGENCE_INTERVAL='often'" in caplog.text
+    finally:
+        instrumentor.uninstrument()
+
+
+def test_dependencies_are_declared():
+    assert list(SwaReferenceInstrumentor().instrumentation_dependencies()) == ["otel-swa >= 0.1.0"]
