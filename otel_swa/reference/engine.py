@@ -1,0 +1,379 @@
+"""The reference hybrid-SWA inference engine: pools, scheduler and tiny model tied into forward steps.
+
+One call to :meth:`ReferenceEngine.step` is one forward step:
+
+1. requests whose arrival time has come join the waiting queue; the scheduler plans the step
+   (decodes, prefill chunks, admissions; see :mod:`otel_swa.reference.scheduler`);
+2. inside ``forward_span(batch_info)`` (a null context unless set): FULL and SWA slots are
+   allocated for the new tokens, the model runs (:mod:`otel_swa.reference.model`), then, when a
+   reporter is attached, ``reporter.observe("full", n_full)``, ``reporter.observe("swa", n_swa)`` and
+   ``reporter.step(view)``, with ``view`` an :class:`otel_swa.views.SwaBatch` of the batch exactly as
+   the forward used it;
+3. after the forward, the SWA slots of tokens that left the window are freed and finished requests
+   release all their slots.
+
+The KV entries each layer read in the step, per request with ``seq_len`` tokens after the step and
+``extend_len`` new ones: FULL ``seq_len`` (every cached position), SWA ``min(seq_len, window +
+extend_len - 1)`` (the union of the windows of its queries). These are the ``verify_full`` and
+``verify_swa`` increments.
+
+Time is virtual: each forward step advances ``clock_s`` by ``step_time_s``; when nothing runs and
+nothing waits, the clock jumps to the next arrival.
+
+Example::
+
+    from otel_swa.reference.engine import EngineConfig, ReferenceEngine
+    from otel_swa.reference.trace import load_trace
+
+    engine = ReferenceEngine(EngineConfig(window=64, full_pool_size=8192, swa_pool_size=2048))
+    for request in load_trace("conv", limit=20):
+        engine.submit(request, arrival_s=0.0)
+    engine.run_until_done()
+    print(engine.stats)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from otel_swa.reference.model import ForwardBatch, KVStorage, TinyHybridModel, prompt_token_ids
+from otel_swa.reference.pools import HybridKVPools
+from otel_swa.reference.scheduler import ForwardItem, RequestState, Scheduler
+from otel_swa.views import SwaBatch
+
+__all__ = ["EngineConfig", "ReferenceEngine", "BatchInfo", "StepResult", "EngineStats"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Sizes and policy of the reference engine.
+
+    Attributes:
+        window: sliding window of the SWA layer, in tokens.
+        full_pool_size: usable FULL slots (a multiple of ``page_size``).
+        swa_pool_size: usable SWA slots (a multiple of ``page_size``).
+        page_size: slots per page in both pools.
+        max_running: the most requests in one forward step.
+        token_budget: the most new tokens in one forward step (>= ``max_running``).
+        max_context_len: the longest request in tokens (prompt + output - 1).
+        seed: seed of the model weights and the prompt token ids.
+        step_time_s: virtual seconds per forward step.
+        vocab_size, num_heads, head_dim: model sizes.
+
+    Raises:
+        ValueError: a value is out of range (the message names it).
+    """
+
+    window: int = 128
+    full_pool_size: int = 65536
+    swa_pool_size: int = 8192
+    page_size: int = 1
+    max_running: int = 48
+    token_budget: int = 1024
+    max_context_len: int = 16384
+    seed: int = 0
+    step_time_s: float = 0.05
+    vocab_size: int = 128
+    num_heads: int = 1
+    head_dim: int = 16
+
+    def __post_init__(self) -> None:
+        for name in (
+            "window", "full_pool_size", "swa_pool_size", "page_size", "max_running", "token_budget",
+            "max_context_len", "vocab_size", "num_heads", "head_dim",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name}={value!r}; expected an integer >= 1")
+        for name in ("full_pool_size", "swa_pool_size"):
+            if getattr(self, name) % self.page_size:
+                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} is not a multiple of page_size={self.page_size}")
+        if self.token_budget < self.max_running:
+            raise ValueError(f"EngineConfig.token_budget={self.token_budget} is below max_running={self.max_running}")
+        if not self.step_time_s >= 0:
+            raise ValueError(f"EngineConfig.step_time_s={self.step_time_s!r}; expected a number >= 0")
+
+
+@dataclass(frozen=True)
+class BatchInfo:
+    """What the forward-step span is told about the step before it runs."""
+
+    forward_ct: int
+    batch_size: int
+    num_prefill: int
+    num_decode: int
+    request_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """The outcome of one forward step.
+
+    Attributes:
+        forward_ct: the engine's forward count after this step (1 for the first).
+        batch_size, num_prefill, num_decode: requests in the step, by kind.
+        prefill_tokens, decode_tokens: new tokens in the step, by kind.
+        full_entries_read, swa_entries_read: KV entries each layer read (the ``observe`` counts).
+        swa_slots_freed: SWA slots freed by window eviction after the step.
+        finished: ids of the requests that finished in this step.
+        clock_s: the virtual clock after the step.
+    """
+
+    forward_ct: int
+    batch_size: int
+    num_prefill: int
+    num_decode: int
+    prefill_tokens: int
+    decode_tokens: int
+    full_entries_read: int
+    swa_entries_read: int
+    swa_slots_freed: int
+    finished: tuple[int, ...]
+    clock_s: float
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counts of an engine (slots are counted in whole pages x page_size)."""
+
+    forward_steps: int = 0
+    submitted: int = 0
+    finished_requests: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    full_entries_read: int = 0
+    swa_entries_read: int = 0
+    swa_slots_freed: int = 0
+    peak_full_slots: int = 0
+    peak_swa_slots: int = 0
+    peak_running: int = 0
+    admission_held: dict[str, int] = field(default_factory=dict)
+
+
+def _null_span(info: BatchInfo) -> ContextManager[Any]:
+    return contextlib.nullcontext()
+
+
+class ReferenceEngine:
+    """A small continuous-batching engine with a hybrid FULL + SWA KV cache (module docstring).
+
+    Args:
+        config: sizes and policy (:class:`EngineConfig`; defaults when ``None``).
+        reporter: an ``otel_swa.reporter.SwaDivergenceReporter`` on ``device``, or ``None`` for no
+            reporter work at all.
+        device: where the KV cache, the tables and the model live.
+
+    Attributes:
+        forward_span: ``Callable[[BatchInfo], ContextManager]`` entered around each forward step
+            (allocation, forward, ``reporter.observe`` and ``reporter.step``); the scheduler's plan
+            is made just before, so the span knows the batch. Default: a null context.
+        pools, scheduler, model, kv: the parts (read them for checks; do not mutate).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, reporter: Any = None, device: "str | torch.device" = "cpu") -> None:
+        self.config = config = config if config is not None else EngineConfig()
+        self.device = torch.device(device)
+        self.reporter = reporter
+        self.pools = HybridKVPools(
+            config.full_pool_size, config.swa_pool_size, config.page_size, config.max_running,
+            config.max_context_len, self.device,
+        )
+        self.scheduler = Scheduler(self.pools, config.window, config.max_running, config.token_budget)
+        self.model = TinyHybridModel(
+            config.window, config.vocab_size, config.num_heads, config.head_dim, config.seed, self.device
+        )
+        self.kv = KVStorage.for_pools(self.pools, config.num_heads, config.head_dim)
+        self.forward_span: Callable[[BatchInfo], ContextManager[Any]] = _null_span
+        self.forward_ct = 0
+        self.clock_s = 0.0
+        self.stats = EngineStats()
+        self.finished: list[RequestState] = []
+        self._pending: list[tuple[float, int, RequestState]] = []
+        self._order = itertools.count()
+        self._next_rid = 0
+        self._last_items: list[ForwardItem] = []
+
+    # -- input ------------------------------------------------------------------------------------
+
+    def submit(self, request: Any, *, arrival_s: float | None = None, rid: int | None = None) -> RequestState:
+        """Queue a request (any object with ``context_tokens``, ``generated_tokens`` and optionally
+        ``arrival_s``, e.g. a :class:`otel_swa.reference.trace.TraceRequest`).
+
+        Args:
+            arrival_s: virtual arrival time overriding ``request.arrival_s`` (0 = at once).
+            rid: request id; by default the number of requests submitted before.
+
+        Raises:
+            RequestTooLargeError: the request can never run with this configuration.
+            ValueError: negative token counts or arrival time.
+        """
+        context, generated = int(request.context_tokens), int(request.generated_tokens)
+        arrival = float(getattr(request, "arrival_s", 0.0) if arrival_s is None else arrival_s)
+        rid = self._next_rid if rid is None else rid
+        if context < 0 or generated < 0 or not arrival >= 0:
+            raise ValueError(
+                f"request {rid}: context_tokens={context}, generated_tokens={generated}, arrival_s={arrival}; "
+                "expected counts >= 0 and a time >= 0"
+            )
+        state = RequestState(rid, max(1, context), generated, arrival)
+        self.scheduler.check_fits(state)
+        self._next_rid = max(self._next_rid, rid + 1)
+        heapq.heappush(self._pending, (arrival, next(self._order), state))
+        self.stats.submitted += 1
+        return state
+
+    def _admit_arrivals(self) -> None:
+        if not self.scheduler.running and not self.scheduler.waiting and self._pending:
+            self.clock_s = max(self.clock_s, self._pending[0][0])
+        while self._pending and self._pending[0][0] <= self.clock_s:
+            state = heapq.heappop(self._pending)[2]
+            state.prompt_ids = prompt_token_ids(self.config.seed, state.rid, state.context_tokens, self.config.vocab_size)
+            self.scheduler.add(state)
+
+    @property
+    def has_work(self) -> bool:
+        """Whether requests are pending, waiting or running."""
+        return bool(self._pending or self.scheduler.waiting or self.scheduler.running)
+
+    # -- the forward step -------------------------------------------------------------------------
+
+    def step(self) -> StepResult | None:
+        """Run one forward step (module docstring). Returns ``None`` when there is no work left."""
+        self._admit_arrivals()
+        if not (self.scheduler.waiting or self.scheduler.running):
+            return None
+        items = self.scheduler.schedule(self.forward_ct + 1)
+        if self.scheduler.last_hold is not None:
+            held = self.stats.admission_held
+            held[self.scheduler.last_hold] = held.get(self.scheduler.last_hold, 0) + 1
+        if not items:  # the reservations make this impossible; guard against a silent stall
+            raise RuntimeError(f"forward step {self.forward_ct + 1}: nothing could be scheduled")
+        num_decode = sum(1 for it in items if it.decode)
+        info = BatchInfo(self.forward_ct + 1, len(items), len(items) - num_decode, num_decode, tuple(it.req.rid for it in items))
+        window = self.config.window
+        full_read = sum(it.seq_len for it in items)
+        swa_read = sum(min(it.seq_len, window + it.extend_len - 1) for it in items)
+        with self.forward_span(info):
+            next_ids = self._forward(items)
+            self.forward_ct += 1
+            self._last_items = items
+            if self.reporter is not None:
+                self.reporter.observe("full", full_read)
+                self.reporter.observe("swa", swa_read)
+                self.reporter.step(self.view())
+        return self._after_forward(items, next_ids, full_read, swa_read)
+
+    def _forward(self, items: list[ForwardItem]) -> list[int]:
+        pools, dev = self.pools, self.device
+        full_slots, swa_slots = pools.extend([(it.req.slots, it.extend_len) for it in items])
+        self.stats.peak_full_slots = max(self.stats.peak_full_slots, pools.full_used_slots)
+        self.stats.peak_swa_slots = max(self.stats.peak_swa_slots, pools.swa_used_slots)
+        self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
+        token_parts = []
+        for it in items:
+            if it.decode:
+                token_parts.append(torch.tensor(it.req.output_ids[-1:], dtype=torch.int64))
+            else:
+                token_parts.append(it.req.prompt_ids[it.prefix_len : it.seq_len])
+        positions = torch.cat([torch.arange(it.prefix_len, it.seq_len, dtype=torch.int64) for it in items])
+        batch = ForwardBatch(
+            token_ids=torch.cat(token_parts).to(dev),
+            positions=positions.to(dev),
+            full_slots=torch.tensor(full_slots, dtype=torch.int64, device=dev),
+            swa_slots=torch.tensor(swa_slots, dtype=torch.int64, device=dev),
+            rows=[it.req.slots.row for it in items],
+            prefix_lens=[it.prefix_len for it in items],
+            extend_lens=[it.extend_len for it in items],
+        )
+        self.last_hidden, next_ids = self.model.forward(batch, pools, self.kv)
+        return next_ids.tolist()
+
+    def _after_forward(self, items: list[ForwardItem], next_ids: list[int], full_read: int, swa_read: int) -> StepResult:
+        finished: list[RequestState] = []
+        prefill_tokens = decode_tokens = 0
+        for it, token in zip(items, next_ids):
+            req = it.req
+            if it.decode:
+                decode_tokens += 1
+                req.output_ids.append(token)
+            else:
+                prefill_tokens += it.extend_len
+                req.prefilled += it.extend_len
+                if not req.in_prefill and req.generated_tokens > 0:
+                    req.output_ids.append(token)
+            if req.finished:
+                req.finished_at = self.forward_ct
+                finished.append(req)
+        done = set(map(id, finished))
+        freed = self.pools.evict_out_of_window(
+            [req.slots for req in self.scheduler.running if id(req) not in done], self.config.window
+        )
+        self.pools.free_requests([req.slots for req in finished])
+        self.scheduler.retire(finished)
+        self.finished.extend(finished)
+        self.clock_s += self.config.step_time_s
+        s = self.stats
+        s.forward_steps += 1
+        s.finished_requests += len(finished)
+        s.prefill_tokens += prefill_tokens
+        s.decode_tokens += decode_tokens
+        s.full_entries_read += full_read
+        s.swa_entries_read += swa_read
+        s.swa_slots_freed += freed
+        return StepResult(
+            self.forward_ct, len(items), len(items) - decode_tokens, decode_tokens, prefill_tokens, decode_tokens,
+            full_read, swa_read, freed, tuple(req.rid for req in finished), self.clock_s,
+        )
+
+    def run_until_done(self, max_steps: int | None = None) -> EngineStats:
+        """Step until every submitted request has finished (or ``max_steps`` steps ran)."""
+        steps = 0
+        while (max_steps is None or steps < max_steps) and self.step() is not None:
+            steps += 1
+        return self.stats
+
+    # -- what the reporter and the checks read ----------------------------------------------------
+
+    def view(self) -> SwaBatch:
+        """The batch of the last forward step as the reporter's view (device tensors, by reference).
+
+        Valid inside the step (where the reporter reads it): after the step, finished requests have
+        released their rows.
+
+        ``req_pool_indices`` and ``seq_lens`` are ``int64`` ``[batch]`` on the engine's device;
+        ``seq_lens_cpu`` is the host list of the same lengths.
+
+        Raises:
+            RuntimeError: no forward step has run yet.
+        """
+        if not self._last_items:
+            raise RuntimeError("no forward step has run yet")
+        seq_lens = [it.seq_len for it in self._last_items]
+        return SwaBatch(
+            req_to_token=self.pools.req_to_token,
+            full_to_swa_index_mapping=self.pools.full_to_swa_index_mapping,
+            req_pool_indices=torch.tensor([it.req.slots.row for it in self._last_items], dtype=torch.int64, device=self.device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
+            seq_lens_cpu=seq_lens,
+        )
+
+    @property
+    def running(self) -> list[RequestState]:
+        """The running requests (a copy of the list)."""
+        return list(self.scheduler.running)
+
+    def free_full_slots(self) -> list[int]:
+        """Every free FULL slot (the free pages expanded to slots)."""
+        ps = self.pools.page_size
+        return [page * ps + o for page in self.pools.free_full_page_list() for o in range(ps)]
+
+    def free_swa_slots(self) -> list[int]:
+        """Every free SWA slot (the free pages expanded to slots)."""
+        ps = self.pools.page_size
+        return [page * ps + o for page in self.pools.free_swa_page_list() for o in range(ps)]
