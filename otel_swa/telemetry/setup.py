@@ -213,8 +213,9 @@ class SwaTelemetry:
                     _log.exception("force_flush of %s failed", type(provider).__name__)
 
     def shutdown(self) -> None:
-        """End open request spans, then force_flush and shut down the providers built by
-        :func:`configure` (only those). Idempotent."""
+        """End open request spans, then shut down the providers built by :func:`configure` (only
+        those; the SDK's shutdown exports what is buffered, and the metric reader collects a last
+        time). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -226,7 +227,6 @@ class SwaTelemetry:
                 continue
             provider = providers[signal]
             try:
-                provider.force_flush()
                 provider.shutdown()
             except Exception:
                 _log.exception("shutdown of the %s provider failed", signal)
