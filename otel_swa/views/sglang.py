@@ -1,0 +1,441 @@
+"""SGLang adapter: the reporter's view over SGLang's hybrid SWA KV cache, the KV-canary hook points,
+and a leak / stale-mapping audit of the SWA pool.
+
+Nothing here imports SGLang: the adapter reads the attributes SGLang's objects carry (names and
+layouts from sglang 0.5.23, ``python/sglang/srt/mem_cache/``):
+
+``SWATokenToKVPoolAllocator``
+    ``full_to_swa_index_mapping``: ``int64 [size + page_size + 1]`` on the KV device; entry ``f`` is
+    the SWA slot of FULL slot ``f``, ``0`` when unmapped or freed because the token left the sliding
+    window, and the last entry is ``-1``. ``page_size``; ``swa_attn_allocator``: the SWA pool's own
+    allocator (its free list, see :func:`swa_free_pages`).
+``ReqToTokenPool``
+    ``req_to_token``: ``int32 [size + 1, max_context_len]``; row 0 is padding, row ``r`` holds the
+    FULL slot of each position of the request in row ``r``.
+``ForwardBatch`` (or ``ScheduleBatch``)
+    ``req_pool_indices`` (``int64 [batch]``), ``seq_lens`` (``int32``/``int64 [batch]``) on the KV
+    device, and ``seq_lens_cpu`` (host copy, optional).
+
+Switching it on inside SGLang's KV canary (the reporter SGLang builds in
+``sglang/srt/kv_canary/runner/canary_manager.py`` when
+``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL`` > 0) is one substitution: build
+:class:`KvCanaryHooks` instead of SGLang's ``SwaDivergenceReporter``. It has the same methods and
+keyword arguments (``observe_after_invoke_plan(group=, verify_plan=)`` after each plan,
+``step(outer_step_counter=, maybe_inaccurate_forward_batch=)`` once per outer step), and with
+:func:`log_line_sink` among the reporter's sinks it logs the same line, byte for byte, so SGLang's
+own e2e assertion (``assert_swa_divergence_observed``) accepts it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from otel_swa.record import SwaDivergenceRecord
+from otel_swa.views.base import SwaBatch
+
+__all__ = [
+    "SUPPORTED_SGLANG",
+    "batch_view",
+    "KvCanaryHooks",
+    "log_line_sink",
+    "observe_verified",
+    "SwaSlotAudit",
+    "swa_free_pages",
+    "audit_swa_slots",
+    "audit_sglang_swa_slots",
+]
+
+#: The SGLang versions whose allocator layout this adapter was tested against (pip specifier).
+SUPPORTED_SGLANG = "sglang >= 0.5.23, < 0.6"
+
+#: SGLang's logger name for the line (``sglang/srt/kv_canary/runner/swa_divergence.py``).
+SGLANG_LOGGER_NAME = "sglang.srt.kv_canary.runner.swa_divergence"
+
+_log = logging.getLogger("otel_swa.views.sglang")
+
+
+def _attr(obj: Any, name: str, what: str) -> Any:
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        raise TypeError(
+            f"{what} {type(obj).__name__} has no attribute {name!r}; expected SGLang's {what} "
+            f"({SUPPORTED_SGLANG})"
+        ) from None
+
+
+def batch_view(
+    allocator: Any,
+    req_to_token_pool: Any,
+    forward_batch: Any = None,
+    *,
+    req_pool_indices: torch.Tensor | None = None,
+    seq_lens: torch.Tensor | None = None,
+    seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
+) -> SwaBatch:
+    """The reporter's view (:class:`otel_swa.views.SwaBatch`) of one SGLang forward step.
+
+    Everything is taken by reference: no copy, no device work, no host sync.
+
+    Args:
+        allocator: SGLang's ``SWATokenToKVPoolAllocator`` (anything with a
+            ``full_to_swa_index_mapping`` tensor).
+        req_to_token_pool: SGLang's ``ReqToTokenPool`` (``req_to_token``, ``int32 [rows, max_context_len]``).
+        forward_batch: SGLang's ``ForwardBatch`` or ``ScheduleBatch``: ``req_pool_indices``,
+            ``seq_lens`` and, when present and not ``None``, ``seq_lens_cpu`` are read from it.
+        req_pool_indices, seq_lens, seq_lens_cpu: the same, given directly (they override the
+            batch's). ``seq_lens_cpu`` lets the reporter gather exactly the live tokens; without
+            it the gather is dense over ``[batch, max_context_len]``, as in SGLang.
+
+    Returns:
+        A :class:`~otel_swa.views.SwaBatch`. With neither a batch nor indices, an empty batch (the
+        sample then counts 0 divergence and 0 out-of-window tokens, as SGLang's reporter does
+        without a batch).
+
+    Raises:
+        TypeError: ``allocator`` or ``req_to_token_pool`` lacks SGLang's attributes.
+    """
+    mapping = _attr(allocator, "full_to_swa_index_mapping", "allocator")
+    req_to_token = _attr(req_to_token_pool, "req_to_token", "req_to_token_pool")
+    if forward_batch is not None:
+        if req_pool_indices is None:
+            req_pool_indices = _attr(forward_batch, "req_pool_indices", "forward batch")
+        if seq_lens is None:
+            seq_lens = _attr(forward_batch, "seq_lens", "forward batch")
+        if seq_lens_cpu is None:
+            seq_lens_cpu = getattr(forward_batch, "seq_lens_cpu", None)
+    if req_pool_indices is None or seq_lens is None:
+        device = mapping.device
+        req_pool_indices = torch.zeros(0, dtype=torch.int64, device=device)
+        seq_lens = torch.zeros(0, dtype=torch.int64, device=device)
+        seq_lens_cpu = ()
+    return SwaBatch(
+        req_to_token=req_to_token,
+        full_to_swa_index_mapping=mapping,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
+        seq_lens_cpu=seq_lens_cpu,
+    )
+
+
+# ---------------------------------------------------------------------------------------- KV canary
+
+
+def _pool_of_group(group: Any) -> str:
+    """``"full"`` or ``"swa"`` for a KV-canary buffer group (``CanaryBufferGroup.kind`` is SGLang's
+    ``PoolKind.FULL``/``PoolKind.SWA``), a ``PoolKind``, or the strings themselves."""
+    kind = getattr(group, "kind", group)
+    name = getattr(kind, "name", kind)
+    if isinstance(name, str) and name.lower() in ("full", "swa"):
+        return name.lower()
+    raise ValueError(f"unknown KV canary pool kind {kind!r}; expected PoolKind.FULL or PoolKind.SWA")
+
+
+def observe_verified(reporter: Any, group: Any, verify_num_valid: "torch.Tensor | int") -> None:
+    """Add the KV entries verified by one canary plan to ``reporter`` (after each plan).
+
+    Args:
+        reporter: an :class:`otel_swa.reporter.SwaDivergenceReporter`.
+        group: the plan's buffer group (``.kind`` is ``PoolKind.FULL`` or ``PoolKind.SWA``), a
+            ``PoolKind``, or ``"full"``/``"swa"``.
+        verify_num_valid: SGLang's ``VerifyPlan.verify_num_valid``: an integer device tensor of
+            shape ``[1]`` (or ``[]``), or a Python int. Added in place on the device through a view:
+            no sync, safe inside CUDA graph capture.
+
+    Raises:
+        ValueError: unknown pool kind, or a tensor with more than one element.
+    """
+    count = verify_num_valid
+    if isinstance(count, torch.Tensor):
+        if count.numel() != 1:
+            raise ValueError(
+                f"verify_num_valid must hold one count, got shape {tuple(count.shape)}"
+            )
+        count = count.reshape(())
+    reporter.observe(_pool_of_group(group), count)
+
+
+def log_line_sink(logger: "logging.Logger | None" = None, level: int = logging.INFO) -> Callable[..., None]:
+    """A reporter sink that logs each record's SGLang line (``kv_canary_swa_divergence={...}``).
+
+    The message is exactly :meth:`SwaDivergenceRecord.format`, the line SGLang's reporter logs, so
+    log greps and SGLang's ``SwaDivergenceLog.find_all`` read it unchanged. Default logger: SGLang's
+    (``sglang.srt.kv_canary.runner.swa_divergence``), so the engine's log handlers apply.
+    """
+    target = logger if logger is not None else logging.getLogger(SGLANG_LOGGER_NAME)
+
+    def sink(record: SwaDivergenceRecord, context: Any = None) -> None:
+        target.log(level, record.format())
+
+    return sink
+
+
+class KvCanaryHooks:
+    """Drop-in for SGLang's KV-canary ``SwaDivergenceReporter``, backed by an otel-swa reporter.
+
+    Same call points and keyword arguments as SGLang's class (sglang 0.5.23,
+    ``srt/kv_canary/runner/swa_divergence.py``), so the canary manager can hold either.
+
+    Args:
+        reporter: an :class:`otel_swa.reporter.SwaDivergenceReporter` (its sinks receive the
+            records; add :func:`log_line_sink` for SGLang's log line).
+        swa_allocator: SGLang's ``SWATokenToKVPoolAllocator``, or ``None`` (then every sample
+            reports 0 divergence and 0 out-of-window tokens, as SGLang does).
+        req_to_token_pool: SGLang's ``ReqToTokenPool`` (needed with an allocator).
+
+    Sampling: the reporter samples when its own forward count is a non-zero multiple of its
+    interval; SGLang samples on ``outer_step_counter``. Both count the calls to ``step`` from 1,
+    so they agree when the hooks are created with the canary manager (as SGLang creates its
+    reporter).
+
+    Raises:
+        ValueError: an allocator without a ``req_to_token_pool``.
+    """
+
+    def __init__(self, reporter: Any, *, swa_allocator: Any = None, req_to_token_pool: Any = None) -> None:
+        if swa_allocator is not None and req_to_token_pool is None:
+            raise ValueError("KvCanaryHooks: swa_allocator given without req_to_token_pool")
+        self.reporter = reporter
+        self._swa_allocator = swa_allocator
+        self._req_to_token_pool = req_to_token_pool
+
+    @property
+    def verify_total_count_device(self) -> torch.Tensor:
+        """Running totals of verified entries, ``int64 [2]`` (FULL, SWA) on the reporter's device.
+
+        SGLang's own counter is ``int32 [2]``; the values are the same until ``2**31``.
+        """
+        return self.reporter.totals
+
+    def observe_after_invoke_plan(self, *, group: Any, verify_plan: Any) -> None:
+        """After each canary plan: add ``verify_plan.verify_num_valid`` to ``group``'s pool."""
+        observe_verified(self.reporter, group, verify_plan.verify_num_valid)
+
+    def step(self, *, outer_step_counter: int, maybe_inaccurate_forward_batch: Any = None, context: Any = None) -> None:
+        """Once per outer step, after the forward: count it and, at sampling steps, sample the batch.
+
+        ``outer_step_counter`` is accepted for signature compatibility (see the class docstring).
+        """
+        reporter = self.reporter
+        # Build the view only at sampling steps: the other steps cost one increment.
+        if (reporter.forward_ct + 1) % reporter.interval != 0:
+            reporter.step(None, context)
+            return
+        if self._swa_allocator is None:
+            view = _empty_view(reporter.device)
+        else:
+            view = batch_view(self._swa_allocator, self._req_to_token_pool, maybe_inaccurate_forward_batch)
+        reporter.step(view, context)
+
+    def close(self) -> None:
+        """Deliver every pending sample (SGLang's reporter loses the last one at shutdown)."""
+        self.reporter.close()
+
+
+def _empty_view(device: torch.device) -> SwaBatch:
+    empty = torch.zeros(0, dtype=torch.int64, device=device)
+    return SwaBatch(
+        req_to_token=torch.zeros((1, 1), dtype=torch.int32, device=device),
+        full_to_swa_index_mapping=torch.zeros(1, dtype=torch.int64, device=device),
+        req_pool_indices=empty,
+        seq_lens=empty,
+        seq_lens_cpu=(),
+    )
+
+
+# ---------------------------------------------------------------------------------- leak / stale audit
+
+
+@dataclass(frozen=True)
+class SwaSlotAudit:
+    """Health of the SWA pool at one moment: leaked slots and stale mappings (all ints).
+
+    Attributes:
+        page_size: tokens per page of both pools.
+        live_tokens: live tokens examined (positions ``< seq_len`` of the given rows, plus
+            ``held_full_slots``).
+        swa_slots_in_use: SWA slots not on the SWA free list, counted in whole pages
+            (``pages in use x page_size``), the unit the SWA allocator hands out.
+        swa_slots_referenced: slots of the SWA pages that at least one live token maps to
+            (``pages x page_size``).
+        leaked_swa_slots: slots of in-use SWA pages that no live token maps to: allocated, never
+            freed, unreachable (nothing will free them). SGLang #27789, #36081.
+        stale_tokens: live tokens whose SWA slot lies on a page the SWA free list holds: the slot
+            may be handed to another request while this token still reads it. SGLang #27586.
+        duplicate_swa_slots: SWA slots that two or more distinct live FULL slots map to.
+    """
+
+    page_size: int
+    live_tokens: int
+    swa_slots_in_use: int
+    swa_slots_referenced: int
+    leaked_swa_slots: int
+    stale_tokens: int
+    duplicate_swa_slots: int
+
+    @property
+    def ok(self) -> bool:
+        """No leaked slot, no stale token, no SWA slot shared by two FULL slots."""
+        return self.leaked_swa_slots == 0 and self.stale_tokens == 0 and self.duplicate_swa_slots == 0
+
+
+def _live_full_slots(
+    req_to_token: torch.Tensor, req_pool_indices: Sequence[int], seq_lens: Sequence[int]
+) -> torch.Tensor:
+    if len(req_pool_indices) != len(seq_lens):
+        raise ValueError(
+            f"req_pool_indices has {len(req_pool_indices)} entries but seq_lens has {len(seq_lens)}"
+        )
+    width = req_to_token.shape[1]
+    parts = []
+    for row, length in zip(req_pool_indices, seq_lens):
+        row, length = int(row), int(length)
+        if not 0 <= row < req_to_token.shape[0]:
+            raise ValueError(f"req_pool_index {row} is outside req_to_token's {req_to_token.shape[0]} rows")
+        if not 0 <= length <= width:
+            raise ValueError(f"seq_len {length} is outside [0, max_context_len={width}]")
+        parts.append(req_to_token[row, :length])
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
+    return torch.cat(parts).long()
+
+
+def audit_swa_slots(
+    full_to_swa_index_mapping: torch.Tensor,
+    swa_free_page_ids: torch.Tensor,
+    num_swa_pages: int,
+    page_size: int,
+    live_full_slots: torch.Tensor,
+) -> SwaSlotAudit:
+    """Leaked SWA slots and stale mappings, from the mapping, the SWA free list and the live tokens.
+
+    Engine-neutral; :func:`audit_sglang_swa_slots` reads the arguments from SGLang's objects.
+    Runs on the tensors' device (a handful of gathers and a ``bincount``) and synchronises once
+    to return host ints: call it at sampling steps, outside any CUDA graph, never in the forward.
+
+    Args:
+        full_to_swa_index_mapping: ``int64 [num_full_slots]``; SWA slot per FULL slot, 0 = none.
+        swa_free_page_ids: ``int64 [k]``: the SWA pool's free pages (slot ids when
+            ``page_size == 1``), all lists together. Page 0 is reserved and never counted.
+        num_swa_pages: pages of the SWA pool, ids ``1 .. num_swa_pages``.
+        page_size: tokens per page (>= 1).
+        live_full_slots: ``int [n]``: the FULL slot of every token some live holder (a running
+            request, the prefix cache) still reads. Give them all, or the audit reports the
+            missing holders' slots as leaked.
+
+    Raises:
+        ValueError: ``page_size`` or ``num_swa_pages`` below 1, a free page id or a live FULL
+            slot outside its range.
+    """
+    if page_size < 1:
+        raise ValueError(f"page_size must be >= 1, got {page_size}")
+    if num_swa_pages < 1:
+        raise ValueError(f"num_swa_pages must be >= 1, got {num_swa_pages}")
+    device = full_to_swa_index_mapping.device
+    free = swa_free_page_ids.to(device=device, dtype=torch.int64).reshape(-1)
+    if free.numel() and (int(free.min()) < 1 or int(free.max()) > num_swa_pages):
+        raise ValueError(f"SWA free list holds page ids outside 1..{num_swa_pages}")
+    full = live_full_slots.to(device=device, dtype=torch.int64).reshape(-1)
+    size = full_to_swa_index_mapping.shape[0]
+    if full.numel() and (int(full.min()) < 0 or int(full.max()) >= size):
+        raise ValueError(f"live FULL slots outside the mapping's range 0..{size - 1}")
+    swa = full_to_swa_index_mapping[full].long()
+    mapped = swa > 0
+    swa_page = torch.div(swa, page_size, rounding_mode="floor")
+
+    slots = num_swa_pages + 1
+    is_free = torch.zeros(slots, dtype=torch.bool, device=device)
+    is_free[free] = True
+    referenced = torch.zeros(slots, dtype=torch.bool, device=device)
+    referenced[swa_page[mapped]] = True
+    in_use = ~is_free
+    in_use[0] = False
+    referenced[0] = False
+
+    stale = (mapped & is_free[swa_page.clamp(0, num_swa_pages)]).sum()
+    # Distinct FULL slots per SWA slot: a FULL slot shared by two requests (prefix sharing) is fine.
+    pairs = torch.unique(torch.stack([full[mapped], swa[mapped]]), dim=1)
+    duplicate = (torch.bincount(pairs[1]) > 1).sum() if pairs.shape[1] else torch.zeros((), device=device)
+    values = torch.stack(
+        [
+            in_use.sum(),
+            (referenced & in_use).sum(),
+            (in_use & ~referenced).sum(),
+            stale.to(torch.int64),
+            duplicate.to(torch.int64),
+        ]
+    ).tolist()
+    return SwaSlotAudit(
+        page_size=page_size,
+        live_tokens=int(full.numel()),
+        swa_slots_in_use=values[0] * page_size,
+        swa_slots_referenced=values[1] * page_size,
+        leaked_swa_slots=values[2] * page_size,
+        stale_tokens=values[3],
+        duplicate_swa_slots=values[4],
+    )
+
+
+def swa_free_pages(allocator: Any) -> tuple[torch.Tensor, int]:
+    """The SWA pool's free pages and its page count, read from SGLang's allocator.
+
+    For ``page_size == 1`` SGLang's ``TokenToKVPoolAllocator`` keeps free slots in ``free_pages``
+    and, with ``need_sort``, ``release_pages``; the paged allocator keeps free page ids in
+    ``free_pages`` and ``staged_pages``. Pool ids run ``1 .. size`` (page 1) or ``1 .. num_pages``.
+
+    Returns:
+        ``(free_page_ids int64 [k], num_pages)``.
+
+    Raises:
+        TypeError: not an SGLang SWA allocator.
+        RuntimeError: a free group is open (frees are held back until ``free_group_end``), or the
+            allocator uses the per-request SWA ring, which has no SWA free list.
+    """
+    if getattr(allocator, "swa_req_ring", False):
+        raise RuntimeError("the per-request SWA ring has no SWA free list to audit")
+    if getattr(allocator, "free_group", None) is not None:
+        raise RuntimeError("a free group is open on the allocator; audit between free_group_end and the next begin")
+    swa = _attr(allocator, "swa_attn_allocator", "allocator")
+    page_size = int(_attr(allocator, "page_size", "allocator"))
+    lists = [_attr(swa, "free_pages", "SWA allocator")]
+    if page_size == 1:
+        release = getattr(swa, "release_pages", None)
+        if release is not None:
+            lists.append(release)
+        num_pages = int(swa.size)
+    else:
+        lists.extend(getattr(swa, "staged_pages", ()) or ())
+        num_pages = int(swa.num_pages)
+    return torch.cat([t.reshape(-1).long() for t in lists]), num_pages
+
+
+def audit_sglang_swa_slots(
+    allocator: Any,
+    req_to_token_pool: Any,
+    req_pool_indices: Sequence[int],
+    seq_lens: Sequence[int],
+    *,
+    held_full_slots: torch.Tensor | None = None,
+) -> SwaSlotAudit:
+    """:func:`audit_swa_slots` over SGLang's objects.
+
+    Args:
+        allocator: SGLang's ``SWATokenToKVPoolAllocator``.
+        req_to_token_pool: SGLang's ``ReqToTokenPool``.
+        req_pool_indices, seq_lens: the rows and live lengths of EVERY request that holds KV (not
+            just one forward batch), as host ints.
+        held_full_slots: FULL slots held outside requests (the prefix cache's), ``int [m]``.
+
+    Raises:
+        TypeError, RuntimeError: see :func:`swa_free_pages`; ValueError: see :func:`audit_swa_slots`.
+    """
+    free, num_pages = swa_free_pages(allocator)
+    req_to_token = _attr(req_to_token_pool, "req_to_token", "req_to_token_pool")
+    live = _live_full_slots(req_to_token, list(req_pool_indices), list(seq_lens))
+    if held_full_slots is not None:
+        live = torch.cat([live, held_full_slots.to(device=live.device, dtype=torch.int64).reshape(-1)])
+    return audit_swa_slots(allocator.full_to_swa_index_mapping, free, num_pages, int(allocator.page_size), live)

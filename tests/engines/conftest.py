@@ -1,0 +1,65 @@
+"""Engine tests: SGLang's real classes (marker ``sglang``) and the vLLM stand-in.
+
+The ``sglang`` tests run in their own environment (``.ci/sglang-tests.sh``). They are skipped when
+SGLang cannot be imported, unless ``OTEL_SWA_REQUIRE_SGLANG=1`` (the CI script sets it), where a
+failed import fails them instead.
+
+Two test-only shims (``shims/``) let SGLang's allocator import chain load on a CPU-only machine;
+each goes on ``sys.path`` only when SGLang is installed and the real module is not:
+
+* ``torchvision``: the PyPI wheel does not install beside CPU torch; a stub with ``__version__``.
+* ``triton``: the real wheel is ~1 GB; a stand-in whose decorators return the function unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from otel_swa import environment_variables as ev
+
+_SHIMS = Path(__file__).parent / "shims"
+
+
+def _install_shims() -> None:
+    if importlib.util.find_spec("sglang") is None:
+        return
+    if importlib.util.find_spec("triton") is None:
+        import torch.utils._triton
+
+        # Cache "no triton" in torch before the stand-in becomes importable, so that torch's
+        # inductor never takes the stand-in for a compiler.
+        torch.utils._triton.has_triton_package()
+        sys.path.append(str(_SHIMS / "triton_standin"))
+    if importlib.util.find_spec("torchvision") is None:
+        sys.path.append(str(_SHIMS / "torchvision_stub"))
+
+
+_install_shims()
+
+
+def _require_sglang() -> bool:
+    return os.environ.get(ev.OTEL_SWA_REQUIRE_SGLANG, "").strip() == "1"
+
+
+@pytest.fixture(scope="session")
+def sglang_modules():
+    """SGLang's real classes (a namespace), or skip (fail under ``OTEL_SWA_REQUIRE_SGLANG=1``)."""
+    try:
+        import _sglang_sim
+    except ImportError as exc:
+        if _require_sglang():
+            pytest.fail(f"{ev.OTEL_SWA_REQUIRE_SGLANG}=1 but SGLang does not import: {exc!r}")
+        pytest.skip(f"SGLang is not importable here ({exc}); run .ci/sglang-tests.sh")
+    return _sglang_sim
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "sglang" in item.keywords and "sglang_modules" not in getattr(item, "fixturenames", ()):
+            item.fixturenames.append("sglang_modules")
