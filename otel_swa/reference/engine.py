@@ -65,6 +65,9 @@ class EngineConfig:
         seed: seed of the model weights and the prompt token ids.
         step_time_s: virtual seconds per forward step.
         vocab_size, num_heads, head_dim: model sizes.
+        run_model: ``False`` skips the attention math (slot allocation, the tables, eviction and
+            the reporter calls are unchanged; every generated token id is then 0): for checks
+            and benchmarks of the KV cache bookkeeping alone.
 
     Raises:
         ValueError: a value is out of range (the message names it).
@@ -82,6 +85,7 @@ class EngineConfig:
     vocab_size: int = 128
     num_heads: int = 1
     head_dim: int = 16
+    run_model: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -188,7 +192,7 @@ class ReferenceEngine:
         self.model = TinyHybridModel(
             config.window, config.vocab_size, config.num_heads, config.head_dim, config.seed, self.device
         )
-        self.kv = KVStorage.for_pools(self.pools, config.num_heads, config.head_dim)
+        self.kv = KVStorage.for_pools(self.pools, config.num_heads, config.head_dim) if config.run_model else None
         self.forward_span: Callable[[BatchInfo], ContextManager[Any]] = _null_span
         self.forward_ct = 0
         self.clock_s = 0.0
@@ -275,6 +279,8 @@ class ReferenceEngine:
         self.stats.peak_full_slots = max(self.stats.peak_full_slots, pools.full_used_slots)
         self.stats.peak_swa_slots = max(self.stats.peak_swa_slots, pools.swa_used_slots)
         self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
+        if not self.config.run_model:
+            return [0] * len(items)
         token_parts = []
         for it in items:
             if it.decode:

@@ -1,0 +1,178 @@
+"""Replay a request trace through the reference engine: the main job behind ``otel-swa replay``.
+
+``DEFAULT_REPLAY`` is the run with no options: the first 200 requests of the conversation trace,
+all arriving at once, through :class:`~otel_swa.reference.engine.EngineConfig` defaults (window 128
+tokens, a 65,536-slot FULL pool, an 8,192-slot SWA pool, page size 1, up to 48 running requests,
+1,024 tokens per forward step). Prompts of that slice are up to 4,107 tokens long, so tokens leave
+the window in every long request, the SWA pool is recycled many times over, and the SWA slot of a
+token soon differs from its FULL slot: with the reporter sampling every 20 forward steps the run
+shows divergence >= 1, out-of-window tokens >= 1 and ``verify_swa < verify_full``.
+
+Example::
+
+    from otel_swa.reference.replay import DEFAULT_REPLAY, replay
+    from otel_swa.reference.trace import load_trace
+
+    summary = replay(load_trace(DEFAULT_REPLAY.trace, DEFAULT_REPLAY.limit), DEFAULT_REPLAY.config)
+    print(summary.forward_steps, summary.requests_finished, summary.wall_s)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterable, Iterator
+
+import torch
+
+from otel_swa.reference.engine import BatchInfo, EngineConfig, EngineStats, ReferenceEngine
+from otel_swa.reference.trace import TraceRequest
+
+__all__ = ["ReplayDefaults", "DEFAULT_REPLAY", "ReplaySummary", "replay", "ARRIVALS"]
+
+#: How arrival times are used: all requests at t=0, or the trace's times divided by ``time_scale``.
+ARRIVALS = ("ignore", "compress")
+
+
+@dataclass(frozen=True)
+class ReplayDefaults:
+    """The default main job (see the module docstring).
+
+    Attributes:
+        trace: packaged trace name or path (for :func:`otel_swa.reference.trace.load_trace`).
+        limit: number of requests taken from the start of the trace (``None`` = all).
+        interval: the reporter's sampling interval in forward steps.
+        arrivals: one of :data:`ARRIVALS`.
+        time_scale: arrival times are divided by this when ``arrivals == "compress"``.
+        config: the engine configuration.
+    """
+
+    trace: str = "conv"
+    limit: int | None = 200
+    interval: int = 20
+    arrivals: str = "ignore"
+    time_scale: float = 10.0
+    config: EngineConfig = field(default_factory=EngineConfig)
+
+
+DEFAULT_REPLAY = ReplayDefaults()
+
+
+@dataclass(frozen=True)
+class ReplaySummary:
+    """The outcome of a replay.
+
+    Attributes:
+        forward_steps: forward steps the engine ran.
+        requests_total, requests_finished: requests submitted and finished.
+        wall_s: wall-clock seconds of the replay (engine steps and reporter work, not trace loading).
+        virtual_s: the engine's virtual clock at the end, in seconds.
+        peak_full_slots, peak_swa_slots: most slots in use per pool (whole pages x page size).
+        full_pool_size, swa_pool_size: the pool sizes, in slots.
+        engine: the engine's cumulative statistics.
+    """
+
+    forward_steps: int
+    requests_total: int
+    requests_finished: int
+    wall_s: float
+    virtual_s: float
+    peak_full_slots: int
+    peak_swa_slots: int
+    full_pool_size: int
+    swa_pool_size: int
+    engine: EngineStats
+
+
+@contextlib.contextmanager
+def _torch_threads(num_threads: int | None) -> Iterator[None]:
+    if num_threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def replay(
+    requests: Iterable[TraceRequest],
+    config: EngineConfig | None = None,
+    reporter: Any = None,
+    *,
+    progress: bool = False,
+    arrivals: str = "ignore",
+    time_scale: float = 1.0,
+    device: "str | torch.device" = "cpu",
+    forward_span: "Callable[[BatchInfo], ContextManager[Any]] | None" = None,
+    num_threads: int | None = 1,
+) -> ReplaySummary:
+    """Run ``requests`` through a fresh :class:`ReferenceEngine` until all have finished.
+
+    The reporter, when given, is flushed at the end (its last samples are delivered) but not
+    closed: the caller owns it.
+
+    Args:
+        requests: the trace (e.g. from :func:`otel_swa.reference.trace.load_trace`).
+        config: engine configuration (``EngineConfig()`` when ``None``).
+        reporter: an ``otel_swa.reporter.SwaDivergenceReporter`` on ``device`` or ``None``.
+        progress: show a tqdm progress bar of finished requests (on stderr).
+        arrivals: ``"ignore"`` (all at t=0) or ``"compress"`` (arrival at ``arrival_s /
+            time_scale`` on the virtual clock, which advances ``config.step_time_s`` per step).
+        time_scale: compression factor for ``arrivals="compress"`` (> 0).
+        device: where the engine lives.
+        forward_span: installed as the engine's ``forward_span`` hook when given.
+        num_threads: torch intra-op threads during the replay (restored afterwards); ``None``
+            leaves the setting alone. The reference model's operations are small, and on a busy
+            machine extra threads cost more in synchronisation than they save, hence 1.
+
+    Raises:
+        ValueError: unknown ``arrivals`` or ``time_scale <= 0``.
+        RequestTooLargeError: a request can never run with ``config`` (raised before any step).
+    """
+    if arrivals not in ARRIVALS:
+        raise ValueError(f"arrivals={arrivals!r}; expected one of {', '.join(ARRIVALS)}")
+    if not time_scale > 0:
+        raise ValueError(f"time_scale={time_scale!r}; expected a number > 0")
+    engine = ReferenceEngine(config, reporter=reporter, device=device)
+    if forward_span is not None:
+        engine.forward_span = forward_span
+    for request in requests:
+        engine.submit(request, arrival_s=0.0 if arrivals == "ignore" else request.arrival_s / time_scale)
+    total = engine.stats.submitted
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="req", desc="replay", leave=False)
+    start = time.perf_counter()
+    try:
+        with _torch_threads(num_threads):
+            while True:
+                result = engine.step()
+                if result is None:
+                    break
+                if bar is not None and result.finished:
+                    bar.update(len(result.finished))
+            if reporter is not None:
+                reporter.flush()
+    finally:
+        if bar is not None:
+            bar.close()
+    wall = time.perf_counter() - start
+    stats = engine.stats
+    return ReplaySummary(
+        forward_steps=stats.forward_steps,
+        requests_total=total,
+        requests_finished=stats.finished_requests,
+        wall_s=wall,
+        virtual_s=engine.clock_s,
+        peak_full_slots=stats.peak_full_slots,
+        peak_swa_slots=stats.peak_swa_slots,
+        full_pool_size=engine.config.full_pool_size,
+        swa_pool_size=engine.config.swa_pool_size,
+        engine=stats,
+    )
