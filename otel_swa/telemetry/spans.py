@@ -112,7 +112,8 @@ class ForwardSpans:
         links: list[Link] = []
         dropped = missing = 0
         for request_id in request_ids:
-            span_context = parse_traceparent(self._lookup(request_id))
+            traceparent = self._lookup(request_id)
+            span_context = parse_traceparent(traceparent) if isinstance(traceparent, str) else None
             if span_context is None:
                 missing += 1
             elif len(links) < self.max_links:

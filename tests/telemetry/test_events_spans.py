@@ -140,6 +140,14 @@ def test_default_link_limit_is_the_sdk_default_128(pipeline):
     assert forward.max_links == 128
 
 
+def test_a_traceparent_that_is_not_a_string_counts_as_missing(pipeline):
+    forward = ForwardSpans(pipeline.tracer_provider.get_tracer("engine"), {"a": ["not", "hashable"], "b": 7})
+    with forward.forward_span(request_ids=["a", "b"]):
+        pass
+    (fwd,) = pipeline.spans.get_finished_spans()
+    assert fwd.attributes["forward_step.links.missing"] == 2
+
+
 def test_a_failing_traceparent_lookup_counts_as_missing(pipeline, caplog):
     def lookup(request_id):
         raise KeyError(request_id)
