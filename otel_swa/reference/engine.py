@@ -370,6 +370,11 @@ class ReferenceEngine:
         )
 
     @property
+    def last_batch(self) -> tuple[ForwardItem, ...]:
+        """The items of the last forward step (request, prefix length, extend length)."""
+        return tuple(self._last_items)
+
+    @property
     def running(self) -> list[RequestState]:
         """The running requests (a copy of the list)."""
         return list(self.scheduler.running)
