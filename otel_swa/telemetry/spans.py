@@ -58,6 +58,13 @@ def parse_traceparent(traceparent: str) -> SpanContext | None:
     return span_context if span_context.is_valid else None
 
 
+@functools.lru_cache(maxsize=8192)
+def _link(traceparent: str) -> Link | None:
+    """The span link to the span of ``traceparent`` (cached: a request takes part in many steps)."""
+    span_context = parse_traceparent(traceparent)
+    return None if span_context is None else Link(span_context)
+
+
 def format_traceparent(span_context: SpanContext) -> str:
     """The W3C ``traceparent`` value of ``span_context`` (``00-<32 hex>-<16 hex>-<2 hex>``)."""
     carrier: dict[str, str] = {}
@@ -95,14 +102,20 @@ class ForwardSpans:
             )
         self._tracer = tracer
         self._traceparents = traceparents
+        # decided once: an isinstance check against the Mapping ABC per request costs more than the lookup
+        if traceparents is None:
+            self._get = None
+        elif isinstance(traceparents, Mapping):
+            self._get = traceparents.get
+        else:
+            self._get = traceparents
         self.max_links = max_links
 
     def _lookup(self, request_id: Any) -> str | None:
-        source = self._traceparents
-        if source is None:
+        if self._get is None:
             return None
         try:
-            return source.get(request_id) if isinstance(source, Mapping) else source(request_id)
+            return self._get(request_id)
         except Exception:  # a lookup failure never breaks the forward step
             _log.exception("traceparent lookup failed for a request; no link added")
             return None
@@ -113,11 +126,11 @@ class ForwardSpans:
         dropped = missing = 0
         for request_id in request_ids:
             traceparent = self._lookup(request_id)
-            span_context = parse_traceparent(traceparent) if isinstance(traceparent, str) else None
-            if span_context is None:
+            link = _link(traceparent) if type(traceparent) is str else None
+            if link is None:
                 missing += 1
             elif len(links) < self.max_links:
-                links.append(Link(span_context))
+                links.append(link)
             else:
                 dropped += 1
         return links, dropped, missing
