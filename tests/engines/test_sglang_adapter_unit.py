@@ -1,0 +1,86 @@
+"""The SGLang adapter's engine-neutral parts on hand-built tensors (no SGLang needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from otel_swa.reporter import SwaDivergenceReporter
+from otel_swa.views import sglang as adapter
+
+
+def test_audit_on_hand_built_pool():
+    # page_size 2, SWA pages 1..4 (slots 2..9); free pages: 4.
+    # live FULL slots 10, 11 -> SWA 2, 3 (page 1); FULL 12 -> SWA 8 (page 4, on the free list: stale);
+    # FULL 13 -> 0 (out of window). Pages 2 and 3 are in use and unreferenced: leaked, 2 x 2 slots.
+    mapping = torch.zeros(20, dtype=torch.int64)
+    mapping[10], mapping[11], mapping[12] = 2, 3, 8
+    audit = adapter.audit_swa_slots(mapping, torch.tensor([4]), 4, 2, torch.tensor([10, 11, 12, 13]))
+    assert audit == adapter.SwaSlotAudit(
+        page_size=2, live_tokens=4, swa_slots_in_use=6, swa_slots_referenced=2,
+        leaked_swa_slots=4, stale_tokens=1, duplicate_swa_slots=0,
+    )
+    assert not audit.ok
+
+
+def test_audit_counts_swa_slots_shared_by_two_full_slots_but_not_prefix_sharing():
+    mapping = torch.zeros(10, dtype=torch.int64)
+    mapping[4], mapping[5] = 1, 1  # two FULL slots, one SWA slot: corrupt
+    mapping[6] = 2
+    # FULL slot 6 appears twice (two requests sharing a prefix): fine.
+    audit = adapter.audit_swa_slots(mapping, torch.tensor([], dtype=torch.int64), 2, 1, torch.tensor([4, 5, 6, 6]))
+    assert (audit.duplicate_swa_slots, audit.leaked_swa_slots, audit.stale_tokens) == (1, 0, 0)
+
+
+def test_audit_rejects_out_of_range_input():
+    mapping = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="page_size"):
+        adapter.audit_swa_slots(mapping, torch.tensor([1]), 4, 0, torch.tensor([1]))
+    with pytest.raises(ValueError, match="free list"):
+        adapter.audit_swa_slots(mapping, torch.tensor([9]), 4, 1, torch.tensor([1]))
+    with pytest.raises(ValueError, match="live FULL slots"):
+        adapter.audit_swa_slots(mapping, torch.tensor([1]), 4, 1, torch.tensor([8]))
+
+
+def test_batch_view_reads_sglang_attributes_by_reference():
+    allocator = SimpleNamespace(full_to_swa_index_mapping=torch.tensor([0, 1, 0, 3, -1]))
+    pool = SimpleNamespace(req_to_token=torch.tensor([[0, 0], [1, 2], [3, 0]], dtype=torch.int32))
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1, 2]), seq_lens=torch.tensor([2, 1]), seq_lens_cpu=None)
+    view = adapter.batch_view(allocator, pool, batch)
+    assert view.req_to_token is pool.req_to_token
+    assert view.full_to_swa_index_mapping is allocator.full_to_swa_index_mapping
+    assert view.seq_lens_cpu is None
+    with pytest.raises(TypeError, match="full_to_swa_index_mapping"):
+        adapter.batch_view(SimpleNamespace(), pool, batch)
+    # Through the reporter: tokens (row 1) FULL 1 -> 1, FULL 2 -> 0; (row 2) FULL 3 -> 3:
+    # 1 out of window, no divergence.
+    records = []
+    reporter = SwaDivergenceReporter(interval=1, sinks=[lambda r, c: records.append(r)])
+    reporter.step(view)
+    reporter.close()
+    assert (records[0].swa_full_idx_divergence, records[0].swa_out_of_window_tokens) == (0, 1)
+
+
+def test_hooks_without_allocator_report_zero_and_count_verified_entries():
+    lines = []
+    reporter = SwaDivergenceReporter(interval=2, sinks=[lambda r, c: lines.append(r.format())])
+    hooks = adapter.KvCanaryHooks(reporter)
+    for step in (1, 2, 3, 4):
+        hooks.observe_after_invoke_plan(group=SimpleNamespace(kind=SimpleNamespace(name="FULL")),
+                                        verify_plan=SimpleNamespace(verify_num_valid=torch.tensor([10], dtype=torch.int32)))
+        hooks.observe_after_invoke_plan(group="swa", verify_plan=SimpleNamespace(verify_num_valid=torch.tensor([4])))
+        hooks.step(outer_step_counter=step, maybe_inaccurate_forward_batch=None)
+    hooks.close()
+    assert lines == [
+        'kv_canary_swa_divergence={"forward_ct":2,"verify_full":20,"verify_swa":8,"swa_full_idx_divergence":0,"swa_out_of_window_tokens":0}',
+        'kv_canary_swa_divergence={"forward_ct":4,"verify_full":40,"verify_swa":16,"swa_full_idx_divergence":0,"swa_out_of_window_tokens":0}',
+    ]
+    assert hooks.verify_total_count_device.tolist() == [40, 16]
+    with pytest.raises(ValueError, match="pool kind"):
+        adapter.observe_verified(reporter, "mamba", 1)
+    with pytest.raises(ValueError, match="one count"):
+        adapter.observe_verified(reporter, "full", torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="req_to_token_pool"):
+        adapter.KvCanaryHooks(reporter, swa_allocator=object())
