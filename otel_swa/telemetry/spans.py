@@ -65,11 +65,12 @@ def _link(traceparent: str) -> Link | None:
     return None if span_context is None else Link(span_context)
 
 
-def format_traceparent(span_context: SpanContext) -> str:
-    """The W3C ``traceparent`` value of ``span_context`` (``00-<32 hex>-<16 hex>-<2 hex>``)."""
+def format_traceparent(span_context: SpanContext) -> str | None:
+    """The W3C ``traceparent`` value of ``span_context`` (``00-<32 hex>-<16 hex>-<2 hex>``), or
+    ``None`` for an invalid span context (no tracing SDK installed: the API's no-op spans)."""
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
-    return carrier["traceparent"]
+    return carrier.get("traceparent")
 
 
 def _default_max_links() -> int:
@@ -197,8 +198,9 @@ class RequestSpans:
         self._tracer = tracer
         self._spans: dict[Any, tuple[Span, str]] = {}
 
-    def start(self, request_id: Any, *, attributes: Mapping[str, Any] | None = None, start_time: int | None = None) -> str:
-        """Start the span of ``request_id`` (root of its own trace) and return its traceparent.
+    def start(self, request_id: Any, *, attributes: Mapping[str, Any] | None = None, start_time: int | None = None) -> str | None:
+        """Start the span of ``request_id`` (root of its own trace) and return its traceparent
+        (``None`` when no tracing SDK is installed and the span is the API's no-op span).
 
         ``start_time`` is in nanoseconds since the epoch (default now).
 

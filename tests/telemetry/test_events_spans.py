@@ -6,6 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 from opentelemetry import context as otel_context
+from opentelemetry import trace
 from opentelemetry.trace import SpanKind
 
 from otel_swa.record import SwaDivergenceRecord
@@ -89,6 +90,7 @@ def test_traceparent_round_trip_and_invalid_values():
     assert (sc.trace_id, sc.span_id, int(sc.trace_flags)) == (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, 1)
     assert sc.is_remote
     assert format_traceparent(sc) == tp
+    assert format_traceparent(trace.INVALID_SPAN_CONTEXT) is None
     for bad in ("", "garbage", "00-00000000000000000000000000000000-b7ad6b7169203331-01", None, 17):
         assert parse_traceparent(bad) is None
 

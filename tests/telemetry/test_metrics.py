@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from opentelemetry import trace
-from opentelemetry.sdk.metrics._internal.exemplar import AlwaysOffExemplarFilter, TraceBasedExemplarFilter
 
 from otel_swa.record import SwaDivergenceRecord
 from otel_swa.telemetry import INSTRUMENTS, SwaTelemetrySink
@@ -101,16 +99,17 @@ def test_exemplars_point_at_the_forward_step_span(pipeline):
             assert point.exemplars[0].value == point.value
 
 
-@pytest.mark.parametrize("exemplar_filter, expected", [(TraceBasedExemplarFilter(), 1), (AlwaysOffExemplarFilter(), 0)])
-def test_exemplar_filter_is_the_sdks(make_pipeline, exemplar_filter, expected):
-    p = make_pipeline(exemplar_filter=exemplar_filter)
+@pytest.mark.parametrize("exemplar_filter, expected", [("trace_based", 1), ("always_off", 0), ("always_on", 1)])
+def test_exemplar_filter_variable_is_respected(make_pipeline, monkeypatch, exemplar_filter, expected):
+    monkeypatch.setenv("OTEL_METRICS_EXEMPLAR_FILTER", exemplar_filter)
+    p = make_pipeline()  # the MeterProvider reads the variable
     sink = SwaTelemetrySink(**p.providers())
-    with p.tracer_provider.get_tracer("test").start_as_current_span("forward step"):
+    with p.tracer_provider.get_tracer("test").start_as_current_span("forward step") as span:
         from opentelemetry import context
 
         sink(RECORDS[0], context.get_current())
     point = p.metrics()["kv_cache.swa.tokens.divergent"]["points"][0]
-    assert len(point.exemplars) == expected
+    assert [(e.span_id, e.value) for e in point.exemplars] == [(span.get_span_context().span_id, 17)] * expected
 
 
 def test_trace_based_filter_takes_no_exemplar_without_a_sampled_span(pipeline):

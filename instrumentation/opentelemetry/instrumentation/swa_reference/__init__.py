@@ -155,7 +155,8 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
                             "gen_ai.usage.input_tokens": int(request.context_tokens),
                             "gen_ai.request.max_tokens": int(request.generated_tokens),
                         })
-                    wiring.traceparents[state.rid] = traceparent
+                    if traceparent:
+                        wiring.traceparents[state.rid] = traceparent
                 except Exception:
                     _log.exception("request span not started")
             return state
