@@ -228,8 +228,8 @@ class SwaMetrics:
                 for total, attributes in spec.read(record):
                     increment, reset = self._increment(totals, spec.name, attributes, total)
                     went_back = went_back or reset
-                    if increment:
-                        instrument.add(increment, attributes, context=context)
+                    # add(0) too: the series exists from the first record on
+                    instrument.add(increment, attributes, context=context)
             elif spec.kind == GAUGE:
                 instrument = self._instruments[spec.name]
                 for value, attributes in spec.read(record):

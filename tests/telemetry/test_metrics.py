@@ -67,6 +67,13 @@ def test_delta_temporality_exports_the_differences_between_records(make_pipeline
     assert value(m["kv_cache.swa.tokens.out_of_window"]["points"]) == 900
 
 
+def test_a_zero_total_still_creates_its_series(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    sink(R(20, 640, 0, 0, 0), None)
+    points = pipeline.metrics()["kv_cache.swa.entries.verified"]["points"]
+    assert value(points, pool="swa") == 0 and value(points, pool="full") == 640
+
+
 def test_a_restarted_reporter_is_counted_as_a_reset_and_totals_stay_monotonic(pipeline, caplog):
     sink = SwaTelemetrySink(**pipeline.providers())
     sink(RECORDS[1], None)  # totals 9000 / 3000 / 40
