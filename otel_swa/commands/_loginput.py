@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
+from otel_swa.commands._args import non_negative_int, positive_seconds, seconds
 from otel_swa.logsource import LoggedRecord, read_log
 from otel_swa.record import MalformedRecordError
 
@@ -24,36 +24,6 @@ __all__ = [
 
 class InputError(Exception):
     """The input cannot be used (exit status 2); the message says why."""
-
-
-def non_negative_int(text: str) -> int:
-    """argparse type: a base-10 integer >= 0."""
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; expected an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative; expected an integer >= 0")
-    return value
-
-
-def seconds(text: str) -> float:
-    """argparse type: a finite number of seconds >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected seconds >= 0") from None
-    if not value >= 0 or math.isinf(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0; expected seconds >= 0")
-    return value
-
-
-def positive_seconds(text: str) -> float:
-    """argparse type: a finite number of seconds > 0."""
-    value = seconds(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is zero; expected seconds > 0")
-    return value
 
 
 def add_source_argument(parser: argparse.ArgumentParser) -> None:

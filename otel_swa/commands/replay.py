@@ -1,0 +1,186 @@
+"""Replay an LLM request trace through the reference hybrid-SWA engine with the SWA divergence reporter on.
+
+The default run (no options) replays the first 200 requests of the Azure LLM inference trace 2023
+(conversation service) shipped with the package, samples the SWA KV cache every 20 forward steps,
+prints each sample as SGLang's ``kv_canary_swa_divergence=`` line and ends with a summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from typing import Any
+
+from otel_swa import config as otel_swa_config
+from otel_swa.commands._args import non_negative_int, positive_float, positive_int
+from otel_swa.record import SwaDivergenceRecord
+
+#: The SGLang log prefix shape (``[time TP0] message``), so the output reads like an engine's log.
+LOG_FORMAT = "[%(asctime)s TP0] %(message)s"
+LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
+EXPORTERS = ("logline", "console", "otlp", "none")
+
+
+def _exporter_list(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    for name in names:
+        if name not in EXPORTERS:
+            raise argparse.ArgumentTypeError(f"unknown exporter {name!r}; expected one of {', '.join(EXPORTERS)}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from otel_swa.reference.replay import ARRIVALS, DEFAULT_REPLAY
+
+    cfg = DEFAULT_REPLAY.config
+    src = parser.add_argument_group("trace")
+    src.add_argument("--trace", default=DEFAULT_REPLAY.trace, metavar="conv|code|FILE",
+                     help="packaged Azure 2023 trace ('conv' or 'code') or a CSV file in its format (default: %(default)s)")
+    src.add_argument("--requests", type=non_negative_int, default=DEFAULT_REPLAY.limit, metavar="N",
+                     help="requests taken from the start of the trace; 0 = the whole trace (default: %(default)s)")
+    src.add_argument("--all", action="store_const", const=0, dest="requests", help="replay the whole trace (same as --requests 0)")
+    src.add_argument("--arrivals", choices=ARRIVALS, default=DEFAULT_REPLAY.arrivals,
+                     help="ignore arrival times (all requests at t=0) or honour them, compressed (default: %(default)s)")
+    src.add_argument("--time-scale", type=positive_float, default=DEFAULT_REPLAY.time_scale, metavar="X",
+                     help="with --arrivals compress, arrival times are divided by X (default: %(default)s)")
+    eng = parser.add_argument_group("engine")
+    eng.add_argument("--window", type=positive_int, default=cfg.window, help="sliding window in tokens (default: %(default)s)")
+    eng.add_argument("--full-pool", type=positive_int, default=cfg.full_pool_size, metavar="SLOTS", help="FULL pool size in slots (default: %(default)s)")
+    eng.add_argument("--swa-pool", type=positive_int, default=cfg.swa_pool_size, metavar="SLOTS", help="SWA pool size in slots (default: %(default)s)")
+    eng.add_argument("--page-size", type=positive_int, default=cfg.page_size, help="slots per page (default: %(default)s)")
+    eng.add_argument("--max-running", type=positive_int, default=cfg.max_running, help="most requests per forward step (default: %(default)s)")
+    eng.add_argument("--token-budget", type=positive_int, default=cfg.token_budget, help="most new tokens per forward step (default: %(default)s)")
+    eng.add_argument("--seed", type=int, default=cfg.seed, help="seed of the model weights and prompt tokens (default: %(default)s)")
+    eng.add_argument("--no-model", action="store_true", help="skip the attention math (KV cache bookkeeping and reporter only; faster)")
+    rep = parser.add_argument_group("reporter and output")
+    rep.add_argument("--interval", type=positive_int, default=None,
+                     help="sample every N forward steps (default: OTEL_SWA_DIVERGENCE_INTERVAL or SGLang's variable when set, else "
+                          f"{DEFAULT_REPLAY.interval})")
+    rep.add_argument("--exporter", type=_exporter_list, action="extend", default=None, metavar="NAMES",
+                     help="where samples go: logline (SGLang's line on stdout), console (OpenTelemetry console exporters), "
+                          "otlp (OTLP, configured by the standard OTEL_EXPORTER_OTLP_* variables), none; "
+                          "comma-separated or repeated (default: logline)")
+    rep.add_argument("--log-file", metavar="FILE", help="also append the log lines to FILE")
+    rep.add_argument("--plot", metavar="PNG", help="draw the run's records to this image (needs the 'plot' extra)")
+    rep.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown when stderr is a terminal)")
+
+
+def _interval(args: argparse.Namespace) -> int:
+    from otel_swa.reference.replay import DEFAULT_REPLAY
+
+    if args.interval is not None:
+        return args.interval
+    from_env = otel_swa_config.divergence_interval()
+    return from_env if from_env > 0 else DEFAULT_REPLAY.interval
+
+
+def _line_logger(log_file: str | None) -> logging.Logger:
+    logger = logging.getLogger("otel_swa.replay")
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    formatter = logging.Formatter(LOG_FORMAT, LOG_DATEFMT)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    if log_file:
+        handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        logger.addHandler(handler)
+    return logger
+
+
+def _close_logger(logger: logging.Logger) -> None:
+    for handler in list(logger.handlers):
+        handler.flush()
+        handler.close()
+        logger.removeHandler(handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    from otel_swa.config import ConfigError
+    from otel_swa.logline import LogLineSink
+    from otel_swa.reference.engine import EngineConfig
+    from otel_swa.reference.replay import replay
+    from otel_swa.reference.scheduler import RequestTooLargeError
+    from otel_swa.reference.trace import load_trace
+    from otel_swa.reporter import SwaDivergenceReporter
+
+    try:
+        interval = _interval(args)
+        engine_config = dataclasses.replace(
+            EngineConfig(),
+            window=args.window, full_pool_size=args.full_pool, swa_pool_size=args.swa_pool,
+            page_size=args.page_size, max_running=args.max_running, token_budget=args.token_budget,
+            seed=args.seed, run_model=not args.no_model,
+        )
+        requests = load_trace(args.trace, limit=args.requests or None)
+    except (ConfigError, ValueError, OSError) as exc:
+        print(f"otel-swa replay: {exc}", file=sys.stderr)
+        return 2
+    if not requests:
+        print(f"otel-swa replay: the trace {args.trace!r} holds no request", file=sys.stderr)
+        return 2
+
+    exporters = args.exporter if args.exporter is not None else ["logline"]
+    records: list[SwaDivergenceRecord] = []
+    reporter = SwaDivergenceReporter(interval, device="cpu", sinks=[lambda record, context: records.append(record)])
+    logger = None
+    if "logline" in exporters:
+        logger = _line_logger(args.log_file)
+        reporter.add_sink(LogLineSink(logger))
+    telemetry = None
+    otel_exporters = [name for name in exporters if name in ("console", "otlp")]
+    if otel_exporters:
+        from otel_swa.telemetry import configure
+
+        telemetry = configure(exporters=",".join(otel_exporters), default_service_name="otel-swa-replay")
+        telemetry.attach(reporter)
+    progress = not args.no_progress and sys.stderr.isatty()
+    try:
+        summary = replay(
+            requests, engine_config, reporter,
+            progress=progress, arrivals=args.arrivals, time_scale=args.time_scale,
+            forward_span=telemetry.forward_span if telemetry is not None else None,
+        )
+    except RequestTooLargeError as exc:
+        print(f"otel-swa replay: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        reporter.close()
+        if telemetry is not None:
+            telemetry.shutdown()
+        if logger is not None:
+            _close_logger(logger)
+    _print_summary(args, interval, summary, records, reporter.stats)
+    if args.plot:
+        from otel_swa.plot import PlotUnavailableError, plot_records
+
+        try:
+            plot_records(records, args.plot, title=f"otel-swa replay of {args.trace} ({summary.requests_total} requests)")
+        except (PlotUnavailableError, ValueError, OSError) as exc:
+            print(f"otel-swa replay: cannot draw {args.plot}: {exc}", file=sys.stderr)
+            return 2
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def _print_summary(args: argparse.Namespace, interval: int, summary: Any, records: list, stats: Any) -> None:
+    last = records[-1] if records else None
+    rows = [
+        ("trace", f"{args.trace} ({summary.requests_total} requests)"),
+        ("engine", f"window {args.window}, FULL pool {args.full_pool} slots, SWA pool {args.swa_pool} slots, page size {args.page_size}"),
+        ("forward steps", f"{summary.forward_steps}"),
+        ("requests finished", f"{summary.requests_finished} / {summary.requests_total}"),
+        ("samples delivered", f"{stats.samples_delivered} / {stats.samples_taken} taken (every {interval} forward steps)"),
+        ("peak divergence", f"{max((r.swa_full_idx_divergence for r in records), default=0)} tokens"),
+        ("peak out-of-window", f"{max((r.swa_out_of_window_tokens for r in records), default=0)} tokens"),
+        ("last verify_full", f"{last.verify_full if last else 0} entries"),
+        ("last verify_swa", f"{last.verify_swa if last else 0} entries"),
+        ("peak slots in use", f"FULL {summary.peak_full_slots} / {summary.full_pool_size}, SWA {summary.peak_swa_slots} / {summary.swa_pool_size}"),
+        ("wall time", f"{summary.wall_s:.1f} s"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    print("otel-swa replay summary")
+    for name, value in rows:
+        print(f"  {name:<{width}}  {value}")
