@@ -1,0 +1,99 @@
+"""`otel-swa replay` end to end on the packaged trace: SGLang-parsable lines and a summary that agrees."""
+
+import json
+import re
+
+import pytest
+
+from otel_swa.cli import main
+
+PREFIX = "kv_canary_swa_divergence="
+
+
+def sglang_rule(text):
+    """SGLang's parsing rule, written independently: find the prefix, take the following run of
+    non-space characters, JSON-decode it."""
+    out = []
+    for line in text.splitlines():
+        at = line.find(PREFIX)
+        if at < 0:
+            continue
+        payload = re.match(r"\S+", line[at + len(PREFIX):]).group(0)
+        out.append(json.loads(payload))
+    return out
+
+
+@pytest.fixture(scope="module")
+def replay_run(tmp_path_factory):
+    log_file = tmp_path_factory.mktemp("replay") / "run.log"
+    capture = pytest.MonkeyPatch()
+    import io
+    import sys
+
+    buffer = io.StringIO()
+    capture.setattr(sys, "stdout", buffer)
+    try:
+        code = main(["replay", "--requests", "300", "--no-model", "--no-progress", "--interval", "20", "--log-file", str(log_file)])
+    finally:
+        capture.undo()
+    return code, buffer.getvalue(), log_file.read_text()
+
+
+def test_replay_lines_follow_sglang_rule_and_show_the_swa_path(replay_run):
+    code, out, log_text = replay_run
+    assert code == 0
+    records = sglang_rule(out)
+    assert len(records) >= 10
+    for rec in records:
+        assert list(rec) == ["forward_ct", "verify_full", "verify_swa", "swa_full_idx_divergence", "swa_out_of_window_tokens"]
+        assert rec["forward_ct"] % 20 == 0
+    assert [r["forward_ct"] for r in records] == list(range(20, 20 * len(records) + 1, 20))
+    # SGLang's CI assertion: peaks for divergence/out-of-window, verify lag on the last record
+    assert max(r["swa_full_idx_divergence"] for r in records) >= 1
+    assert max(r["swa_out_of_window_tokens"] for r in records) >= 1
+    assert records[-1]["verify_swa"] < records[-1]["verify_full"]
+    # verify totals are cumulative
+    assert all(a["verify_full"] <= b["verify_full"] and a["verify_swa"] <= b["verify_swa"] for a, b in zip(records, records[1:]))
+    # the log file holds the same lines, each with an SGLang-style prefix
+    assert sglang_rule(log_text) == records
+    assert all(re.match(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d TP0\] kv_canary_swa_divergence=\{", line) for line in log_text.splitlines())
+
+
+def test_replay_summary_agrees_with_lines(replay_run):
+    code, out, _ = replay_run
+    records = sglang_rule(out)
+    summary = dict(
+        (m.group(1), m.group(2)) for m in re.finditer(r"^  ([a-z_ -]+?)\s{2,}(.+)$", out, re.MULTILINE)
+    )
+    assert summary["requests finished"] == "300 / 300"
+    steps = int(summary["forward steps"])
+    assert len(records) == steps // 20  # the last sample is delivered, none lost
+    assert summary["samples delivered"].startswith(f"{len(records)} / {len(records)} taken")
+    assert summary["peak divergence"] == f"{max(r['swa_full_idx_divergence'] for r in records)} tokens"
+    assert summary["peak out-of-window"] == f"{max(r['swa_out_of_window_tokens'] for r in records)} tokens"
+    assert summary["last verify_full"] == f"{records[-1]['verify_full']} entries"
+    assert summary["last verify_swa"] == f"{records[-1]['verify_swa']} entries"
+
+
+def test_replay_exporter_none_prints_no_line(capsys):
+    assert main(["replay", "--requests", "5", "--no-model", "--no-progress", "--exporter", "none"]) == 0
+    out = capsys.readouterr().out
+    assert PREFIX not in out and "otel-swa replay summary" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--trace", "/no/such/file.csv"], "/no/such/file.csv"),
+        (["--interval", "0"], "'0' is below 1"),
+        (["--requests", "-1"], "'-1' is negative"),
+        (["--exporter", "zipkin"], "unknown exporter 'zipkin'"),
+    ],
+)
+def test_replay_bad_arguments(argv, message, capsys):
+    try:
+        code = main(["replay", "--no-progress", *argv])
+    except SystemExit as exc:  # argparse errors
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
