@@ -382,9 +382,11 @@ class ReferenceEngine:
     def free_full_slots(self) -> list[int]:
         """Every free FULL slot (the free pages expanded to slots)."""
         ps = self.pools.page_size
-        return [page * ps + o for page in self.pools.free_full_page_list() for o in range(ps)]
+        pages = self.pools.free_full_page_list()
+        return pages if ps == 1 else [page * ps + o for page in pages for o in range(ps)]
 
     def free_swa_slots(self) -> list[int]:
         """Every free SWA slot (the free pages expanded to slots)."""
         ps = self.pools.page_size
-        return [page * ps + o for page in self.pools.free_swa_page_list() for o in range(ps)]
+        pages = self.pools.free_swa_page_list()
+        return pages if ps == 1 else [page * ps + o for page in pages for o in range(ps)]
