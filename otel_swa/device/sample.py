@@ -10,7 +10,7 @@ FULL slot ``f`` and its SWA slot ``s = full_to_swa_index_mapping[f]``;
 * out-of-window counts the tokens with ``s == 0`` (slot freed because the token left the window;
   slot 0 is the reserved "none").
 
-A FULL slot outside ``[0, len(mapping))`` (a corrupt row) is counted as out-of-window rather than read
+A FULL slot outside ``[0, len(mapping))`` is counted as out-of-window rather than read
 out of bounds, so a bad engine state can never fault the device.
 """
 
@@ -26,12 +26,12 @@ __all__ = ["live_full_slots", "count_divergence", "stage_sample", "STAGE_WIDTH"]
 STAGE_WIDTH = 4
 
 
-def _host_total(seq_lens_cpu: "torch.Tensor | Sequence[int]") -> int:
+def _host_lengths(seq_lens_cpu: "torch.Tensor | Sequence[int]") -> torch.Tensor:
     if isinstance(seq_lens_cpu, torch.Tensor):
         if seq_lens_cpu.device.type != "cpu":
             raise ValueError(f"seq_lens_cpu must be a host tensor, got one on {seq_lens_cpu.device}")
-        return int(seq_lens_cpu.sum())
-    return int(sum(seq_lens_cpu))
+        return seq_lens_cpu.to(torch.int64)
+    return torch.tensor(list(seq_lens_cpu), dtype=torch.int64)
 
 
 def live_full_slots(
@@ -39,7 +39,7 @@ def live_full_slots(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The FULL slots of the live tokens of a batch.
 
     Args:
@@ -49,26 +49,35 @@ def live_full_slots(
         seq_lens_cpu: the same lengths known on the host, or ``None``.
 
     Returns:
-        ``(slots, mask)``. With ``seq_lens_cpu``: ``slots`` is ``int64 [sum(seq_lens)]`` holding
-        exactly the live tokens and ``mask`` is ``None`` (work proportional to live tokens). Without
-        it: ``slots`` is ``int64 [batch, max_context_len]`` and ``mask`` the ``bool`` tensor of the
-        same shape selecting live positions (a dense masked gather; still no host sync).
+        ``(slots, mask)``, both of one shape, ``slots`` ``int64`` and ``mask`` ``bool`` (the tokens
+        to count). With ``seq_lens_cpu`` the shape is ``[sum(seq_lens_cpu)]``: exactly the live
+        tokens, work proportional to them; the host lengths are then the authoritative ones (they
+        size the gather) and ``seq_lens`` is not read. Without it the shape is ``[batch,
+        max_context_len]``: a dense masked gather, still with no host sync.
+
+    Lengths are clamped to ``[0, max_context_len]`` and a row index outside ``req_to_token`` selects
+    no token, so a corrupt batch can never make the device read out of bounds.
     """
+    num_rows, width = req_to_token.shape
+    device = req_to_token.device
     rows = req_pool_indices.long()
+    valid_row = (rows >= 0) & (rows < num_rows)
+    rows = torch.where(valid_row, rows, 0)
     if seq_lens_cpu is not None:
-        total = _host_total(seq_lens_cpu)
-        lens = seq_lens.long()
-        if total == 0:
-            return torch.zeros(0, dtype=torch.int64, device=req_to_token.device), None
-        # Token t of the flattened batch belongs to request i = token_req[t] at position
-        # t - start[i]; output_size keeps repeat_interleave free of a device-to-host sync.
-        token_req = torch.repeat_interleave(rows, lens, output_size=total)
+        lens_host = _host_lengths(seq_lens_cpu).clamp(0, width)
+        total = int(lens_host.sum())
+        lens = lens_host.to(device)
+        # Token t of the flattened batch belongs to batch entry i = owner[t], at position
+        # t - start[i]; output_size keeps repeat_interleave free of a device-to-host sync, and it
+        # equals the sum of `lens` by construction.
+        owner = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=total)
         starts = torch.cumsum(lens, 0) - lens
-        positions = torch.arange(total, device=lens.device) - torch.repeat_interleave(starts, lens, output_size=total)
-        return req_to_token[token_req, positions].long(), None
-    width = req_to_token.shape[1]
+        positions = torch.arange(total, device=device) - starts.index_select(0, owner)
+        slots = req_to_token[rows.index_select(0, owner), positions].long()
+        return slots, valid_row.index_select(0, owner)
+    lens = torch.where(valid_row, seq_lens.long().clamp(0, width), 0)
     slots = req_to_token.index_select(0, rows).long()
-    mask = torch.arange(width, device=req_to_token.device).unsqueeze(0) < seq_lens.long().unsqueeze(1)
+    mask = torch.arange(width, device=device).unsqueeze(0) < lens.unsqueeze(1)
     return slots, mask
 
 

@@ -299,3 +299,36 @@ def test_observe_inside_cuda_graph():
         graph.replay()
     torch.cuda.synchronize()
     assert reporter.totals.tolist() == [0, 5 + 3 * 5]  # warm-up + 3 replays (capture itself does not run)
+
+
+@pytest.mark.parametrize("host_lens", [True, False])
+def test_corrupt_batch_never_reads_out_of_bounds(host_lens):
+    """A row index outside req_to_token selects nothing; a length beyond max_context_len is clamped."""
+    req_to_token = [[0, 0, 0], [1, 2, 3], [3, 3, 3]]
+    mapping = [0, 1, 7, 0]
+    # row 9 does not exist; row 1 claims 10 tokens in a 3-wide table
+    view = make_view(req_to_token, mapping, [9, 1], [2, 10], host_lens=host_lens)
+    got = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
+    reporter.step(view)
+    reporter.flush()
+    # row 1 clamped to 3 tokens: 1 -> 1 (same), 2 -> 7 (remapped), 3 -> 0 (evicted)
+    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1)]
+
+
+def test_host_lengths_are_authoritative_for_the_live_gather():
+    """With seq_lens_cpu the gather is sized by the host lengths, never by a disagreeing device copy."""
+    req_to_token = [[0, 0, 0], [1, 2, 3]]
+    mapping = [0, 1, 7, 0]
+    view = SwaBatch(
+        torch.tensor(req_to_token, dtype=torch.int32),
+        torch.tensor(mapping, dtype=torch.int64),
+        torch.tensor([1]),
+        torch.tensor([1]),  # stale device copy
+        seq_lens_cpu=[3],
+    )
+    got = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
+    reporter.step(view)
+    reporter.flush()
+    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1)]
