@@ -1,9 +1,12 @@
 """KV cache invariants of the reference engine after every forward step of a real-trace replay."""
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from otel_swa.reference.engine import EngineConfig, ReferenceEngine
-from otel_swa.reference.trace import load_trace
+from otel_swa.reference.scheduler import RequestTooLargeError
+from otel_swa.reference.trace import TraceRequest, load_trace
 
 
 def check_invariants(engine, config):
@@ -82,3 +85,45 @@ def test_invariants_after_every_step_of_a_code_trace_replay(page_size):
     assert engine.stats.prefill_tokens == sum(max(1, r.context_tokens) for r in requests)
     assert engine.stats.decode_tokens == sum(max(0, r.generated_tokens - 1) for r in requests)
     assert steps == engine.stats.forward_steps
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    window=st.integers(1, 40),
+    page_size=st.sampled_from([1, 2, 4]),
+    swa_pages=st.integers(12, 40),
+    full_pages=st.integers(40, 120),
+    max_running=st.integers(1, 6),
+    extra_budget=st.integers(0, 60),
+    requests=st.lists(st.tuples(st.integers(0, 120), st.integers(0, 40)), min_size=1, max_size=12),
+)
+def test_random_small_engines_never_stall_and_keep_the_invariants(
+    window, page_size, swa_pages, full_pages, max_running, extra_budget, requests
+):
+    config = EngineConfig(
+        window=window, full_pool_size=full_pages * page_size, swa_pool_size=swa_pages * page_size,
+        page_size=page_size, max_running=max_running, token_budget=max_running + extra_budget,
+        max_context_len=200, run_model=False,
+    )
+    engine = ReferenceEngine(config)
+    accepted = []
+    for context, generated in requests:
+        kv_len = max(1, context) + max(0, generated - 1)
+        pages = -(-kv_len // page_size)
+        swa_needed = min(pages, -(-(window + page_size - 1) // page_size) + 1)
+        fits = pages <= full_pages and swa_needed <= swa_pages
+        try:
+            engine.submit(TraceRequest(0.0, context, generated))
+            accepted.append((context, generated))
+            assert fits
+        except RequestTooLargeError:
+            assert not fits
+    bound = sum(max(1, c) + g for c, g in accepted) + 1
+    steps = 0
+    while engine.step() is not None:
+        steps += 1
+        assert steps <= bound, "the engine stalled"
+        check_invariants(engine, config)
+    assert engine.stats.finished_requests == len(accepted)
+    assert len(engine.free_full_slots()) == config.full_pool_size
+    assert len(engine.free_swa_slots()) == config.swa_pool_size
