@@ -88,9 +88,8 @@ class RequestState:
 
     def token_ids(self) -> list[int]:
         """Every token fed to the model so far, in position order (prompt then output)."""
-        fed = self.slots.seq_len if self.slots is not None else self.prefilled
-        ids = self.prompt_ids.tolist() + self.output_ids
-        return ids[:fed]
+        fed = self.prefilled + max(0, len(self.output_ids) - 1)  # the newest output is not fed yet
+        return (self.prompt_ids.tolist() + self.output_ids)[:fed]
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,7 @@ def test_greedy_output_matches_dense_argmax():
     req = engine.submit(TraceRequest(0.0, 21, 12))
     engine.run_until_done()
     assert len(req.output_ids) == 12
+    assert req.token_ids() == req.prompt_ids.tolist() + req.output_ids[:11]
     fed = req.prompt_ids.tolist() + req.output_ids[:-1]
     h = dense_hidden(engine.model, fed)
     expected = (h[20:] @ engine.model.lm_head).argmax(-1).tolist()
