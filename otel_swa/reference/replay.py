@@ -109,6 +109,8 @@ def replay(
     device: "str | torch.device" = "cpu",
     forward_span: "Callable[[BatchInfo], ContextManager[Any]] | None" = None,
     num_threads: int | None = 1,
+    on_submit: "Callable[[Any, TraceRequest], None] | None" = None,
+    on_step: "Callable[[Any], None] | None" = None,
 ) -> ReplaySummary:
     """Run ``requests`` through a fresh :class:`ReferenceEngine` until all have finished.
 
@@ -125,6 +127,11 @@ def replay(
         time_scale: compression factor for ``arrivals="compress"`` (> 0).
         device: where the engine lives.
         forward_span: installed as the engine's ``forward_span`` hook when given.
+        on_submit: called as ``on_submit(state, request)`` after each request is queued (``state``
+            is the engine's ``RequestState``; ``state.rid`` is the id forward steps report), e.g.
+            to start the request's span.
+        on_step: called with each forward step's ``StepResult`` (``result.finished`` holds the ids
+            of the requests that finished in it), e.g. to end request spans.
         num_threads: torch intra-op threads during the replay (restored afterwards); ``None``
             leaves the setting alone. The reference model's operations are small, and on a busy
             machine extra threads cost more in synchronisation than they save, hence 1.
@@ -141,7 +148,9 @@ def replay(
     if forward_span is not None:
         engine.forward_span = forward_span
     for request in requests:
-        engine.submit(request, arrival_s=0.0 if arrivals == "ignore" else request.arrival_s / time_scale)
+        state = engine.submit(request, arrival_s=0.0 if arrivals == "ignore" else request.arrival_s / time_scale)
+        if on_submit is not None:
+            on_submit(state, request)
     total = engine.stats.submitted
     bar = None
     if progress:
@@ -155,6 +164,8 @@ def replay(
                 result = engine.step()
                 if result is None:
                     break
+                if on_step is not None:
+                    on_step(result)
                 if bar is not None and result.finished:
                     bar.update(len(result.finished))
             if reporter is not None:
