@@ -37,6 +37,8 @@ from __future__ import annotations
 import contextlib
 import heapq
 import itertools
+import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
@@ -48,6 +50,8 @@ from otel_swa.reference.scheduler import ForwardItem, RequestState, Scheduler
 from otel_swa.views import SwaBatch
 
 __all__ = ["EngineConfig", "ReferenceEngine", "BatchInfo", "StepResult", "EngineStats"]
+
+_log = logging.getLogger("otel_swa.reference.engine")
 
 
 @dataclass(frozen=True)
@@ -176,7 +180,9 @@ class ReferenceEngine:
     Attributes:
         forward_span: ``Callable[[BatchInfo], ContextManager]`` entered around each forward step
             (allocation, forward, ``reporter.observe`` and ``reporter.step``); the scheduler's plan
-            is made just before, so the span knows the batch. Default: a null context.
+            is made just before, so the span knows the batch. Default: a null context. An
+            exception raised by the hook when the span starts or ends is logged (logger
+            ``otel_swa.reference.engine``) and the step goes on: telemetry never stops the engine.
         pools, scheduler, model, kv: the parts (read them for checks; do not mutate).
     """
 
@@ -263,7 +269,9 @@ class ReferenceEngine:
         window = self.config.window
         full_read = sum(it.seq_len for it in items)
         swa_read = sum(min(it.seq_len, window + it.extend_len - 1) for it in items)
-        with self.forward_span(info):
+        span = self._open_span(info)
+        exc_info: tuple = (None, None, None)
+        try:
             next_ids = self._forward(items)
             self.forward_ct += 1
             self._last_items = items
@@ -271,7 +279,30 @@ class ReferenceEngine:
                 self.reporter.observe("full", full_read)
                 self.reporter.observe("swa", swa_read)
                 self.reporter.step(self.view())
+        except BaseException:
+            exc_info = sys.exc_info()
+            raise
+        finally:
+            self._close_span(span, exc_info)
         return self._after_forward(items, next_ids, full_read, swa_read)
+
+    def _open_span(self, info: BatchInfo) -> "ContextManager[Any] | None":
+        """Enter ``forward_span(info)``; a failing hook is logged and skipped, never raised."""
+        try:
+            span = self.forward_span(info)
+            span.__enter__()
+            return span
+        except Exception:
+            _log.exception("forward_span hook failed to start the span of forward step %d", info.forward_ct)
+            return None
+
+    def _close_span(self, span: "ContextManager[Any] | None", exc_info: tuple) -> None:
+        if span is None:
+            return
+        try:
+            span.__exit__(*exc_info)
+        except Exception:
+            _log.exception("forward_span hook failed to end its span")
 
     def _forward(self, items: list[ForwardItem]) -> list[int]:
         pools, dev = self.pools, self.device

@@ -128,3 +128,32 @@ def test_view_before_any_step_is_an_error_and_no_reporter_is_fine():
         engine.view()
     engine.submit(load_trace("conv", limit=1)[0])
     assert engine.step() is not None and engine.reporter is None
+
+
+class _BrokenSpan:
+    def __init__(self, fail_on):
+        self.fail_on = fail_on
+
+    def __enter__(self):
+        if self.fail_on == "enter":
+            raise RuntimeError("span start failed")
+
+    def __exit__(self, *exc):
+        if self.fail_on == "exit":
+            raise RuntimeError("span end failed")
+
+
+@pytest.mark.parametrize("fail_on", ["hook", "enter", "exit"])
+def test_a_failing_forward_span_hook_is_logged_and_the_engine_goes_on(fail_on, caplog):
+    def forward_span(info):
+        if fail_on == "hook":
+            raise RuntimeError("no span")
+        return _BrokenSpan(fail_on)
+
+    engine = ReferenceEngine(EngineConfig(window=16, full_pool_size=1024, swa_pool_size=128, max_running=4, token_budget=64, max_context_len=512, run_model=False))
+    engine.forward_span = forward_span
+    engine.submit(load_trace("conv", limit=1)[0])
+    with caplog.at_level("ERROR", logger="otel_swa.reference.engine"):
+        stats = engine.run_until_done()
+    assert stats.finished_requests == 1
+    assert len([r for r in caplog.records if r.name == "otel_swa.reference.engine"]) == stats.forward_steps
