@@ -128,20 +128,34 @@ def run(args: argparse.Namespace) -> int:
     logger = None
     if "logline" in exporters:
         logger = _line_logger(args.log_file)
-        reporter.add_sink(LogLineSink(logger))
     telemetry = None
     otel_exporters = [name for name in exporters if name in ("console", "otlp")]
     if otel_exporters:
         from otel_swa.telemetry import configure
 
-        telemetry = configure(exporters=",".join(otel_exporters), default_service_name="otel-swa-replay")
+        # With an OpenTelemetry pipeline the SGLang line is one more exporter on it (swa_logline,
+        # written to the same logger); without one, a plain sink writes it at no OpenTelemetry cost.
+        if logger is not None:
+            otel_exporters.append("logline")
+        try:
+            telemetry = configure(exporters=",".join(otel_exporters), default_service_name="otel-swa-replay",
+                                  logline_logger=logger.name if logger is not None else None)
+        except ConfigError as exc:
+            print(f"otel-swa replay: {exc}", file=sys.stderr)
+            return 2
         telemetry.attach(reporter)
+    elif logger is not None:
+        reporter.add_sink(LogLineSink(logger))
+    hooks: dict[str, Any] = {}
+    if telemetry is not None:
+        hooks = _request_span_hooks(telemetry)
     progress = not args.no_progress and sys.stderr.isatty()
     try:
         summary = replay(
             requests, engine_config, reporter,
             progress=progress, arrivals=args.arrivals, time_scale=args.time_scale,
             forward_span=telemetry.forward_span if telemetry is not None else None,
+            **hooks,
         )
     except RequestTooLargeError as exc:
         print(f"otel-swa replay: {exc}", file=sys.stderr)
@@ -163,6 +177,23 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _request_span_hooks(telemetry: Any) -> dict[str, Any]:
+    """replay() hooks giving each trace request its own span (kind SERVER, its own trace), from
+    submission to completion; the forward-step spans link to them by their traceparent."""
+
+    def on_submit(state: Any, request: Any) -> None:
+        telemetry.start_request_span(state.rid, attributes={
+            "gen_ai.usage.input_tokens": int(request.context_tokens),
+            "gen_ai.usage.output_tokens": int(request.generated_tokens),
+        })
+
+    def on_step(result: Any) -> None:
+        for rid in result.finished:
+            telemetry.end_request_span(rid)
+
+    return {"on_submit": on_submit, "on_step": on_step}
 
 
 def _print_summary(args: argparse.Namespace, interval: int, summary: Any, records: list, stats: Any) -> None:
