@@ -255,6 +255,7 @@ def configure(
     traceparents: Any = None,
     max_links: int | None = None,
     span_events: bool = True,
+    logline_logger: str | None = None,
     use_global: bool = True,
     set_global: bool = True,
     environ: Mapping[str, str] | None = None,
@@ -274,6 +275,8 @@ def configure(
             callable); default: the returned object's ``request_spans``.
         max_links: link limit of the forward-step span (default ``SpanLimits().max_links``).
         span_events: emit span events besides the Logs API events.
+        logline_logger: name of the Python logger the ``swa_logline`` exporter writes to (default
+            ``otel_swa``), so that the lines get the application's log format and handlers.
         use_global: reuse global providers already installed (step 2 above).
         set_global: install the providers built here as the global ones.
         environ: environment for our own variables and the exporter choice (default ``os.environ``;
@@ -333,8 +336,11 @@ def configure(
             logger_provider.add_log_record_processor(processor)
         for name, cls in classes["logs"]:
             # The SGLang line is written at once, in order, as SGLang's logger does; the others batch.
-            processor_cls = SimpleLogRecordProcessor if issubclass(cls, SwaLogLineExporter) else BatchLogRecordProcessor
-            logger_provider.add_log_record_processor(processor_cls(cls()))
+            if issubclass(cls, SwaLogLineExporter):
+                exporter = cls(logger_name=logline_logger) if logline_logger else cls()
+                logger_provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
+            else:
+                logger_provider.add_log_record_processor(BatchLogRecordProcessor(cls()))
         owned.append("logs")
         if set_global:
             set_logger_provider(logger_provider)
