@@ -1,6 +1,6 @@
 """End to end against a real OpenTelemetry collector (rotel): OTLP over gRPC and over HTTP.
 
-A run of the engine, wired as in ``examples/engine_by_hand.py``, exports to ``rotel-agent`` started
+A small ``otel-swa replay --exporter otlp,logline`` exports to ``rotel-agent`` started
 on free loopback ports with its debug output (``--debug-log traces|metrics|logs
 --debug-log-verbosity detailed``, the layout of the Collector's debug exporter). The test reads what
 the collector printed and compares it with the SGLang lines the same run wrote.
@@ -25,7 +25,11 @@ from otel_swa.record import find_all
 
 pytestmark = pytest.mark.collector
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "engine_by_hand.py"
+#: A small replay: 8 requests of the packaged trace; a small SWA pool and window so that slots are
+#: remapped (divergence > 0) and tokens leave the window; about 150 forward steps, 14 samples.
+REPLAY_ARGS = ["--requests", "8", "--no-model", "--interval", "10", "--window", "64", "--swa-pool", "1024",
+               "--no-progress"]
+REQUESTS = 8
 
 
 def rotel_agent() -> str | None:
@@ -73,7 +77,7 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> N
 def parse_debug_output(text: str) -> dict:
     """Spans, metric data points and log records from the collector's detailed debug output."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
-    spans, metrics, logs = [], [], []
+    spans, metrics, logs, resource = [], [], [], {}
     item = None  # the span / log record being read
     section = None  # attributes | events | links | point
     metric = None
@@ -93,6 +97,9 @@ def parse_debug_output(text: str) -> dict:
             item, section = None, None
         elif re.match(r"^(ResourceSpans|ResourceLog|ResourceMetrics) #\d+$", line):
             item, metric, section = None, None, "resource"
+        elif section == "resource" and line.startswith("-> "):
+            key, _, value = line[3:].partition(":")
+            resource[key.strip()] = value.strip()
         elif line.startswith("-> Name:") and metric is not None and not metric.get("name"):
             metric["name"] = line.split(":", 1)[1].strip()
         elif line.startswith("-> Unit:") and metric is not None:
@@ -152,7 +159,7 @@ def parse_debug_output(text: str) -> dict:
         if section == "point" and line.startswith("-> ") and metric is not None and metric["points"]:
             key, _, value = line[3:].partition(":")
             metric["points"][-1]["attributes"][key.strip()] = value.strip()
-    return {"spans": spans, "metrics": metrics, "logs": logs}
+    return {"spans": spans, "metrics": metrics, "logs": logs, "resource": resource}
 
 
 def int_value(text: str) -> int:
@@ -189,9 +196,8 @@ def run_against_rotel(agent: str, tmp_path: Path, protocol: str, temporality: st
                 "OTEL_SERVICE_NAME": "otel-swa-e2e",
                 "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment.name=test",
                 "OTEL_SWA_TP_RANK": "1",
-                "OTEL_SWA_DIVERGENCE_INTERVAL": "4",
             })
-            run = subprocess.run([sys.executable, str(EXAMPLE), "--exporter", "otlp,logline"],
+            run = subprocess.run([sys.executable, "-m", "otel_swa.cli", "replay", *REPLAY_ARGS, "--exporter", "otlp,logline"],
                                  env=env, capture_output=True, text=True, timeout=120)
             assert run.returncode == 0, run.stderr
             time.sleep(0.5)  # let the collector print what it received
@@ -204,9 +210,14 @@ def run_against_rotel(agent: str, tmp_path: Path, protocol: str, temporality: st
 @pytest.mark.parametrize("protocol, temporality", [("grpc", "cumulative"), ("http/protobuf", "delta")])
 def test_collector_receives_every_record_as_metrics_and_events(agent_binary, tmp_path, protocol, temporality):
     run, seen = run_against_rotel(agent_binary, tmp_path, protocol, temporality)
-    records = list(find_all(run.stderr))
-    assert len(records) >= 5
+    records = list(find_all(run.stdout))
+    assert len(records) >= 10 and max(r.swa_full_idx_divergence for r in records) > 0
     last = records[-1]
+
+    # resource: service name, OTEL_RESOURCE_ATTRIBUTES and the rank
+    assert seen["resource"]["service.name"] == "Str(otel-swa-e2e)"
+    assert seen["resource"]["deployment.environment.name"] == "Str(test)"
+    assert seen["resource"]["otel_swa.tp_rank"] == "Int(1)"
 
     # metrics: names, units, values equal to the lines (one export at shutdown: delta == total)
     by_name = {}
@@ -241,7 +252,7 @@ def test_collector_receives_every_record_as_metrics_and_events(agent_binary, tmp
     # spans: forward steps, request spans, links
     forward = {int_value(s["attributes"]["forward_step.forward_ct"]): s for s in seen["spans"] if s.get("name") == "forward step"}
     requests = {(s["trace_id"], s["span_id"]) for s in seen["spans"] if s.get("name") == "request"}
-    assert len(requests) == 6
+    assert len(requests) == REQUESTS
     assert sorted(forward)[-1] >= last.forward_ct
     linked = set()
     for span in forward.values():
