@@ -60,6 +60,8 @@ class RequestState:
         output_ids: the generated token ids so far.
         slots: the request's host state in the pools while it runs.
         prefilled: prompt positions already in the KV cache.
+        admitted_at: the forward step (engine count) of its first chunk, -1 while queued.
+        finished_at: the forward step it finished in, -1 before.
     """
 
     rid: int
