@@ -25,7 +25,7 @@ import logging
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
