@@ -42,6 +42,10 @@ class SwaTelemetrySink:
         metrics, events: share the instruments and event emitters of another sink (one sink per
             reporter, several reporters in a process: the SDK keeps one instrument per name).
             Each sink keeps the last cumulative totals of its own reporter.
+
+    Attributes:
+        records: records received.
+        errors: parts (metrics or events) that raised, caught and logged.
     """
 
     def __init__(
