@@ -26,7 +26,7 @@ import torch
 from otel_swa import config
 from otel_swa.device import STAGE_WIDTH, DeviceToHostRing, KVPool, PoolAccumulator, stage_sample
 from otel_swa.record import SwaDivergenceRecord
-from otel_swa.views.base import validate_view
+from otel_swa.views.base import SwaBatchView, validate_view
 
 try:  # opentelemetry-api is a dependency; the reporter itself only needs its context object.
     from opentelemetry import context as _otel_context
@@ -163,8 +163,9 @@ class SwaDivergenceReporter:
         Also delivers, without blocking, every earlier sample whose copy has finished.
 
         Args:
-            view: a :class:`otel_swa.views.SwaBatchView` describing the batch of this forward step.
-                Only read at sampling steps.
+            view: a :class:`otel_swa.views.SwaBatchView` describing the batch of this forward step,
+                or a zero-argument callable returning one (called only at sampling steps, so an
+                engine pays nothing to build it on the other steps). Only read at sampling steps.
             context: the OpenTelemetry context of this forward step, handed to the sinks with the
                 record; default: the current context at this call.
 
@@ -238,6 +239,8 @@ class SwaDivergenceReporter:
         if self._is_cuda and torch.cuda.is_current_stream_capturing():
             self._skipped_captures += 1
             return
+        if callable(view) and not isinstance(view, SwaBatchView):
+            view = view()
         validate_view(view, self.device)
         if len(self._pending) == self._ring.slots:
             # Every slot is in flight: wait for the oldest, never drop it.

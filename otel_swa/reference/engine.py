@@ -278,7 +278,7 @@ class ReferenceEngine:
             if self.reporter is not None:
                 self.reporter.observe("full", full_read)
                 self.reporter.observe("swa", swa_read)
-                self.reporter.step(self.view())
+                self.reporter.step(self.view)  # built only at sampling steps
         except BaseException:
             exc_info = sys.exc_info()
             raise

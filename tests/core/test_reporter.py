@@ -332,3 +332,21 @@ def test_host_lengths_are_authoritative_for_the_live_gather():
     reporter.step(view)
     reporter.flush()
     assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1)]
+
+
+def test_lazy_view_is_built_only_at_sampling_steps():
+    state = random_state(random.Random(21))
+    built = []
+
+    def view():
+        built.append(True)
+        return make_view(*state, host_lens=True)
+
+    got = []
+    reporter = SwaDivergenceReporter(4, sinks=[lambda r, c: got.append(r)])
+    for _ in range(8):
+        reporter.step(view)
+    reporter.flush()
+    assert len(built) == 2
+    assert [r.forward_ct for r in got] == [4, 8]
+    assert (got[0].swa_full_idx_divergence, got[0].swa_out_of_window_tokens) == recount(*state)

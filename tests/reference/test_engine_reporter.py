@@ -28,6 +28,8 @@ class RecountingReporter:
         self.reporter.observe(pool, count)
 
     def step(self, view, context=None):
+        if callable(view):  # the engine may pass a view factory (built at sampling steps only)
+            view = view()
         self.forward_ct += 1
         seq_lens = [int(x) for x in view.seq_lens.tolist()]
         rids = [item.req.rid for item in self.engine.last_batch]
