@@ -42,7 +42,8 @@ and at ``uninstrument()``.
 
 Where a wrapped method is missing or its parameters differ (another SGLang version),
 ``instrument()`` raises :class:`SglangVersionError` naming the installed version and the method it
-expected; ``opentelemetry-instrument`` logs it and starts the engine uninstrumented.
+expected (an ``ImportError``: ``opentelemetry-instrument`` logs it, skips this instrumentor and
+starts the engine without it).
 
 Providers come from ``instrument(tracer_provider=..., meter_provider=..., logger_provider=...)``,
 the global ones otherwise; the instrumentor never installs providers itself. ``uninstrument()``
@@ -91,8 +92,11 @@ WRAPPED = (
 )
 
 
-class SglangVersionError(RuntimeError):
-    """The installed SGLang lacks a method (or parameter) this instrumentation wraps."""
+class SglangVersionError(ImportError):
+    """The installed SGLang lacks a method (or parameter) this instrumentation wraps.
+
+    An ``ImportError``, so that ``opentelemetry-instrument`` logs it, skips this instrumentor and
+    loads the others."""
 
 
 def _installed_version() -> str:

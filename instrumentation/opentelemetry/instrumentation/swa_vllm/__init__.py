@@ -83,8 +83,11 @@ WRAPPED = (
 _SLIDING_WINDOW_MANAGER = ("vllm.v1.core.single_type_kv_cache_manager", "SlidingWindowManager")
 
 
-class VllmVersionError(RuntimeError):
-    """The installed vLLM lacks a method (or parameter) this instrumentation wraps."""
+class VllmVersionError(ImportError):
+    """The installed vLLM lacks a method (or parameter) this instrumentation wraps.
+
+    An ``ImportError``, so that ``opentelemetry-instrument`` logs it, skips this instrumentor and
+    loads the others."""
 
 
 def _installed_version() -> str:
