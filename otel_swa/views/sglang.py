@@ -29,12 +29,12 @@ own e2e assertion (``assert_swa_divergence_observed``) accepts it.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 
 from otel_swa.record import SwaDivergenceRecord
+from otel_swa.device.audit import SwaSlotAudit, audit_swa_slots
 from otel_swa.views.base import SwaBatch
 
 __all__ = [
@@ -250,39 +250,6 @@ def _empty_view(device: torch.device) -> SwaBatch:
 # ---------------------------------------------------------------------------------- leak / stale audit
 
 
-@dataclass(frozen=True)
-class SwaSlotAudit:
-    """Health of the SWA pool at one moment: leaked slots and stale mappings (all ints).
-
-    Attributes:
-        page_size: tokens per page of both pools.
-        live_tokens: live tokens examined (positions ``< seq_len`` of the given rows, plus
-            ``held_full_slots``).
-        swa_slots_in_use: SWA slots not on the SWA free list, counted in whole pages
-            (``pages in use x page_size``), the unit the SWA allocator hands out.
-        swa_slots_referenced: slots of the SWA pages that at least one live token maps to
-            (``pages x page_size``).
-        leaked_swa_slots: slots of in-use SWA pages that no live token maps to: allocated, never
-            freed, unreachable (nothing will free them). SGLang #27789, #36081.
-        stale_tokens: live tokens whose SWA slot lies on a page the SWA free list holds: the slot
-            may be handed to another request while this token still reads it. SGLang #27586.
-        duplicate_swa_slots: SWA slots that two or more distinct live FULL slots map to.
-    """
-
-    page_size: int
-    live_tokens: int
-    swa_slots_in_use: int
-    swa_slots_referenced: int
-    leaked_swa_slots: int
-    stale_tokens: int
-    duplicate_swa_slots: int
-
-    @property
-    def ok(self) -> bool:
-        """No leaked slot, no stale token, no SWA slot shared by two FULL slots."""
-        return self.leaked_swa_slots == 0 and self.stale_tokens == 0 and self.duplicate_swa_slots == 0
-
-
 def _live_full_slots(
     req_to_token: torch.Tensor, req_pool_indices: Sequence[int], seq_lens: Sequence[int]
 ) -> torch.Tensor:
@@ -302,82 +269,6 @@ def _live_full_slots(
     if not parts:
         return torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
     return torch.cat(parts).long()
-
-
-def audit_swa_slots(
-    full_to_swa_index_mapping: torch.Tensor,
-    swa_free_page_ids: torch.Tensor,
-    num_swa_pages: int,
-    page_size: int,
-    live_full_slots: torch.Tensor,
-) -> SwaSlotAudit:
-    """Leaked SWA slots and stale mappings, from the mapping, the SWA free list and the live tokens.
-
-    Engine-neutral; :func:`audit_sglang_swa_slots` reads the arguments from SGLang's objects.
-    Runs on the tensors' device (a handful of gathers and a ``bincount``) and synchronises once
-    to return host ints: call it at sampling steps, outside any CUDA graph, never in the forward.
-
-    Args:
-        full_to_swa_index_mapping: ``int64 [num_full_slots]``; SWA slot per FULL slot, 0 = none.
-        swa_free_page_ids: ``int64 [k]``: the SWA pool's free pages (slot ids when
-            ``page_size == 1``), all lists together. Page 0 is reserved and never counted.
-        num_swa_pages: pages of the SWA pool, ids ``1 .. num_swa_pages``.
-        page_size: tokens per page (>= 1).
-        live_full_slots: ``int [n]``: the FULL slot of every token some live holder (a running
-            request, the prefix cache) still reads. Give them all, or the audit reports the
-            missing holders' slots as leaked.
-
-    Raises:
-        ValueError: ``page_size`` or ``num_swa_pages`` below 1, a free page id or a live FULL
-            slot outside its range.
-    """
-    if page_size < 1:
-        raise ValueError(f"page_size must be >= 1, got {page_size}")
-    if num_swa_pages < 1:
-        raise ValueError(f"num_swa_pages must be >= 1, got {num_swa_pages}")
-    device = full_to_swa_index_mapping.device
-    free = swa_free_page_ids.to(device=device, dtype=torch.int64).reshape(-1)
-    if free.numel() and (int(free.min()) < 1 or int(free.max()) > num_swa_pages):
-        raise ValueError(f"SWA free list holds page ids outside 1..{num_swa_pages}")
-    full = live_full_slots.to(device=device, dtype=torch.int64).reshape(-1)
-    size = full_to_swa_index_mapping.shape[0]
-    if full.numel() and (int(full.min()) < 0 or int(full.max()) >= size):
-        raise ValueError(f"live FULL slots outside the mapping's range 0..{size - 1}")
-    swa = full_to_swa_index_mapping[full].long()
-    mapped = swa > 0
-    swa_page = torch.div(swa, page_size, rounding_mode="floor")
-
-    slots = num_swa_pages + 1
-    is_free = torch.zeros(slots, dtype=torch.bool, device=device)
-    is_free[free] = True
-    referenced = torch.zeros(slots, dtype=torch.bool, device=device)
-    referenced[swa_page[mapped]] = True
-    in_use = ~is_free
-    in_use[0] = False
-    referenced[0] = False
-
-    stale = (mapped & is_free[swa_page.clamp(0, num_swa_pages)]).sum()
-    # Distinct FULL slots per SWA slot: a FULL slot shared by two requests (prefix sharing) is fine.
-    pairs = torch.unique(torch.stack([full[mapped], swa[mapped]]), dim=1)
-    duplicate = (torch.bincount(pairs[1]) > 1).sum() if pairs.shape[1] else torch.zeros((), device=device)
-    values = torch.stack(
-        [
-            in_use.sum(),
-            (referenced & in_use).sum(),
-            (in_use & ~referenced).sum(),
-            stale.to(torch.int64),
-            duplicate.to(torch.int64),
-        ]
-    ).tolist()
-    return SwaSlotAudit(
-        page_size=page_size,
-        live_tokens=int(full.numel()),
-        swa_slots_in_use=values[0] * page_size,
-        swa_slots_referenced=values[1] * page_size,
-        leaked_swa_slots=values[2] * page_size,
-        stale_tokens=values[3],
-        duplicate_swa_slots=values[4],
-    )
 
 
 def swa_free_pages(allocator: Any) -> tuple[torch.Tensor, int]:
