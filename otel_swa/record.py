@@ -20,12 +20,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, NamedTuple
 
 __all__ = [
     "LINE_PREFIX",
     "FIELDS",
+    "AUDIT_FIELDS",
     "MalformedRecordError",
     "SwaDivergenceRecord",
     "RecordMatch",
@@ -45,6 +46,13 @@ FIELDS = (
     "verify_swa",
     "swa_full_idx_divergence",
     "swa_out_of_window_tokens",
+)
+
+#: Fields beyond SGLang's (never in the line): the SWA slot audit, ``None`` when not audited.
+AUDIT_FIELDS = (
+    "swa_leaked_slots",
+    "swa_stale_tokens",
+    "swa_shared_slots",
 )
 
 # CSI sequences such as "\x1b[32m" (colour) and "\x1b[0m" (reset), as written by coloured log handlers.
@@ -93,8 +101,20 @@ class SwaDivergenceRecord:
         swa_out_of_window_tokens: at the sampled step, the number of live tokens whose SWA slot is
             0 (freed because the token left the window; slot 0 is the reserved "none").
 
+    Beyond SGLang's five fields, keyword-only and never written into the line:
+
+    Attributes:
+        divergence_applicable: ``False`` for engines without a FULL-to-SWA mapping (vLLM): the
+            line still carries ``swa_full_idx_divergence`` (0) for compatibility, but telemetry
+            does not report it as a measurement.
+        swa_leaked_slots: SWA slots of pages in use that no live token maps into (leaked), or
+            ``None`` when the engine gave no audit inputs.
+        swa_stale_tokens: live tokens whose SWA page is on the free list (stale), or ``None``.
+        swa_shared_slots: SWA slots that two distinct live FULL slots map to, or ``None``.
+
     Raises:
-        TypeError: a field is not an ``int`` (or is a ``bool``).
+        TypeError: a field is not an ``int`` (or is a ``bool``); an audit field is neither
+            ``None`` nor an ``int``; ``divergence_applicable`` is not a ``bool``.
         ValueError: a field is negative.
     """
 
@@ -103,20 +123,37 @@ class SwaDivergenceRecord:
     verify_swa: int
     swa_full_idx_divergence: int
     swa_out_of_window_tokens: int
+    divergence_applicable: bool = field(default=True, kw_only=True)
+    swa_leaked_slots: "int | None" = field(default=None, kw_only=True)
+    swa_stale_tokens: "int | None" = field(default=None, kw_only=True)
+    swa_shared_slots: "int | None" = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
-        for name in FIELDS:
+        for name in FIELDS + AUDIT_FIELDS:
             value = getattr(self, name)
+            if value is None and name in AUDIT_FIELDS:
+                continue
             if type(value) is not int:  # noqa: E721 - bool and int subclasses are refused on purpose
                 raise TypeError(
                     f"SwaDivergenceRecord.{name} must be an int, got {value!r} ({type(value).__name__})"
                 )
             if value < 0:
                 raise ValueError(f"SwaDivergenceRecord.{name} must be >= 0, got {value}")
+        if type(self.divergence_applicable) is not bool:
+            raise TypeError(f"SwaDivergenceRecord.divergence_applicable must be a bool, got {self.divergence_applicable!r}")
+
+    @property
+    def audited(self) -> bool:
+        """Whether the SWA slot audit fields are present."""
+        return self.swa_leaked_slots is not None
+
+    def audit_dict(self) -> dict[str, int]:
+        """The audit fields that are present (empty when not audited)."""
+        return {name: getattr(self, name) for name in AUDIT_FIELDS if getattr(self, name) is not None}
 
     # ------------------------------------------------------------------ conversions
     def to_dict(self) -> dict[str, int]:
-        """The five fields as a dict, in SGLang's key order."""
+        """SGLang's five fields as a dict, in SGLang's key order (the line's JSON object)."""
         return {name: getattr(self, name) for name in FIELDS}
 
     @classmethod

@@ -24,7 +24,13 @@ from typing import Any, Callable, Iterable, Mapping, NamedTuple
 import torch
 
 from otel_swa import config
-from otel_swa.device import STAGE_WIDTH, DeviceToHostRing, KVPool, PoolAccumulator, stage_sample
+from otel_swa.device import (
+    STAGE_WIDTH,
+    DeviceToHostRing,
+    KVPool,
+    PoolAccumulator,
+    stage_sample,
+)
 from otel_swa.record import SwaDivergenceRecord
 from otel_swa.views.base import SwaBatchView, validate_view
 
@@ -69,6 +75,8 @@ class _Pending(NamedTuple):
     slot: int
     forward_ct: int
     context: Any
+    divergence_applicable: bool
+    audit_page_size: int  # 0 when the sample carries no audit
 
 
 class SwaDivergenceReporter:
@@ -250,6 +258,7 @@ class SwaDivergenceReporter:
             self._deliver(head)
         if context is None and _otel_context is not None:
             context = _otel_context.get_current()
+        audit = getattr(view, "swa_audit", None)
         slot = self._next_slot
         self._next_slot = (slot + 1) % self._ring.slots
         stage_sample(
@@ -260,9 +269,11 @@ class SwaDivergenceReporter:
             view.req_pool_indices,
             view.seq_lens,
             getattr(view, "seq_lens_cpu", None),
+            audit,
         )
         self._ring.start_copy(slot)
-        self._pending.append(_Pending(slot, self._forward_ct, context))
+        applicable = getattr(view, "divergence_applicable", True) is not False
+        self._pending.append(_Pending(slot, self._forward_ct, context, applicable, audit.page_size if audit else 0))
         self._samples_taken += 1
 
     # ------------------------------------------------------------------ host side
@@ -272,13 +283,20 @@ class SwaDivergenceReporter:
             self._deliver(pending.popleft())
 
     def _deliver(self, pending: _Pending) -> None:
-        verify_full, verify_swa, divergence, out_of_window = self._ring.read(pending.slot)
+        values = self._ring.read(pending.slot)
+        verify_full, verify_swa, divergence, out_of_window = values[:4]
+        _in_use, _referenced, leaked_pages, stale, shared = values[4:]
+        audited = pending.audit_page_size > 0
         record = SwaDivergenceRecord(
             forward_ct=pending.forward_ct,
             verify_full=verify_full,
             verify_swa=verify_swa,
             swa_full_idx_divergence=divergence,
             swa_out_of_window_tokens=out_of_window,
+            divergence_applicable=pending.divergence_applicable,
+            swa_leaked_slots=leaked_pages * pending.audit_page_size if audited else None,
+            swa_stale_tokens=stale if audited else None,
+            swa_shared_slots=shared if audited else None,
         )
         self._samples_delivered += 1
         for sink in self._sinks:

@@ -16,14 +16,18 @@ out of bounds, so a bad engine state can never fault the device.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
+from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
+
 __all__ = ["live_full_slots", "count_divergence", "stage_sample", "STAGE_WIDTH"]
 
-#: Layout of one staged sample: verify_full, verify_swa, divergence, out_of_window (all int64).
-STAGE_WIDTH = 4
+#: Layout of one staged sample (all int64): verify_full, verify_swa, divergence, out_of_window,
+#: then the audit counts of :func:`otel_swa.device.audit.audit_counts` (pages in use, pages
+#: referenced, leaked pages, stale tokens, shared SWA slots), or ``-1`` there when not audited.
+STAGE_WIDTH = 4 + AUDIT_WIDTH
 
 
 def _host_lengths(seq_lens_cpu: "torch.Tensor | Sequence[int]") -> torch.Tensor:
@@ -109,15 +113,24 @@ def stage_sample(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
+    swa_audit: Any = None,
 ) -> None:
     """Write one sample into ``out`` (``int64 [STAGE_WIDTH]`` on the device), in stream order.
 
-    ``out`` receives ``totals[0]`` (verify_full), ``totals[1]`` (verify_swa), the divergence count and
-    the out-of-window count. The batch tensors are read now, at the sampled forward step: later
-    changes to them by the engine cannot leak into this sample.
+    ``out`` receives ``totals[0]`` (verify_full), ``totals[1]`` (verify_swa), the divergence count,
+    the out-of-window count and, when ``swa_audit`` (an ``otel_swa.views.SwaAuditInputs``) is
+    given, the audit counts (else ``-1``). The tensors are read now, at the sampled forward step:
+    later changes to them by the engine cannot leak into this sample.
     """
     slots, mask = live_full_slots(req_to_token, req_pool_indices, seq_lens, seq_lens_cpu)
     divergence, out_of_window = count_divergence(slots, mask, full_to_swa_index_mapping)
     out[0:2].copy_(totals)
     out[2].copy_(divergence)
     out[3].copy_(out_of_window)
+    if swa_audit is None:
+        out[4:].fill_(-1)
+    else:
+        audit_counts(
+            out[4:], full_to_swa_index_mapping, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
+            swa_audit.page_size, swa_audit.holder_full_slots,
+        )

@@ -47,7 +47,7 @@ import torch
 from otel_swa.reference.model import ForwardBatch, KVStorage, TinyHybridModel, prompt_token_ids
 from otel_swa.reference.pools import HybridKVPools
 from otel_swa.reference.scheduler import ForwardItem, RequestState, Scheduler
-from otel_swa.views import SwaBatch
+from otel_swa.views import SwaAuditInputs, SwaBatch
 
 __all__ = ["EngineConfig", "ReferenceEngine", "BatchInfo", "StepResult", "EngineStats"]
 
@@ -384,7 +384,9 @@ class ReferenceEngine:
         released their rows.
 
         ``req_pool_indices`` and ``seq_lens`` are ``int64`` ``[batch]`` on the engine's device;
-        ``seq_lens_cpu`` is the host list of the same lengths.
+        ``seq_lens_cpu`` is the host list of the same lengths; ``swa_audit`` holds the SWA free
+        list and the FULL slots of every request holding KV (not only the batch's), so the reporter
+        also audits the SWA pool for leaked slots, stale tokens and shared slots.
 
         Raises:
             RuntimeError: no forward step has run yet.
@@ -398,6 +400,18 @@ class ReferenceEngine:
             req_pool_indices=torch.tensor([it.req.slots.row for it in self._last_items], dtype=torch.int64, device=self.device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
             seq_lens_cpu=seq_lens,
+            swa_audit=self._swa_audit_inputs(),
+        )
+
+    def _swa_audit_inputs(self) -> SwaAuditInputs:
+        pools = self.pools
+        held = [pools.req_to_token[slots.row, : slots.seq_len] for slots in pools.requests.values()]
+        holder_full_slots = torch.cat(held).long() if held else torch.zeros(0, dtype=torch.int64, device=self.device)
+        return SwaAuditInputs(
+            swa_free_page_ids=torch.tensor(pools.free_swa_page_list(), dtype=torch.int64, device=self.device),
+            num_swa_pages=pools.swa_pages,
+            page_size=pools.page_size,
+            holder_full_slots=holder_full_slots,
         )
 
     @property

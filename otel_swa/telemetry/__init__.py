@@ -12,6 +12,9 @@ kv_cache.swa.entries.verified               Counter         {entry}      verify_
 kv_cache.swa.forward_steps                  Counter         {forward}    forward_ct
 kv_cache.swa.tokens.divergent               Gauge           {token}      swa_full_idx_divergence
 kv_cache.swa.tokens.out_of_window           Gauge           {token}      swa_out_of_window_tokens
+kv_cache.swa.slots.leaked                   Gauge           {slot}       swa_leaked_slots (audited samples)
+kv_cache.swa.tokens.stale                   Gauge           {token}      swa_stale_tokens (audited samples)
+kv_cache.swa.slots.shared                   Gauge           {slot}       swa_shared_slots (audited samples)
 kv_cache.swa.reporter.delivery.delay        Histogram       {forward}    reporter.forward_ct - forward_ct at delivery
 kv_cache.swa.reporter.resets                Counter         {reset}      totals that went backwards
 kv_cache.swa.reporter.samples.taken         ObservableCtr   {sample}     reporter.stats.samples_taken

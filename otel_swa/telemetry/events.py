@@ -29,9 +29,16 @@ from otel_swa.telemetry import semconv as sc
 __all__ = ["record_attributes", "record_from_attributes", "SampleEvents"]
 
 
-def record_attributes(record: SwaDivergenceRecord) -> dict[str, int]:
-    """The event attributes of ``record``: ``{"kv_cache.swa.<field>": value}`` in SGLang's order."""
-    return {sc.RECORD_ATTRIBUTES[name]: getattr(record, name) for name in FIELDS}
+def record_attributes(record: SwaDivergenceRecord) -> dict[str, int | bool]:
+    """The event attributes of ``record``: ``{"kv_cache.swa.<field>": value}`` in SGLang's order,
+    then the SWA slot audit fields when present, and ``kv_cache.swa.divergence_applicable=False``
+    for engines without a FULL-to-SWA mapping."""
+    attributes: dict[str, int | bool] = {sc.RECORD_ATTRIBUTES[name]: getattr(record, name) for name in FIELDS}
+    for name, value in record.audit_dict().items():
+        attributes[sc.AUDIT_ATTRIBUTES[name]] = value
+    if not record.divergence_applicable:
+        attributes[sc.ATTR_DIVERGENCE_APPLICABLE] = False
+    return attributes
 
 
 def record_from_attributes(attributes) -> SwaDivergenceRecord:
@@ -47,7 +54,9 @@ def record_from_attributes(attributes) -> SwaDivergenceRecord:
         if key not in attributes:
             raise KeyError(f"event attribute {key!r} is missing")
         values[name] = attributes[key]
-    return SwaDivergenceRecord(**values)
+    extras = {name: attributes[key] for name, key in sc.AUDIT_ATTRIBUTES.items() if key in attributes}
+    applicable = attributes.get(sc.ATTR_DIVERGENCE_APPLICABLE, True)
+    return SwaDivergenceRecord(**values, **extras, divergence_applicable=applicable)
 
 
 class SampleEvents:

@@ -96,14 +96,32 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     InstrumentSpec(
         sc.NAMESPACE + "tokens.divergent", GAUGE, "{token}",
         "Live tokens of the sampled batch whose SWA slot is non-zero and differs from their FULL slot",
-        "swa_full_idx_divergence",
-        lambda r: ((r.swa_full_idx_divergence, _NONE),),
+        "swa_full_idx_divergence (not recorded when divergence_applicable is false: vLLM)",
+        lambda r: ((r.swa_full_idx_divergence, _NONE),) if r.divergence_applicable else (),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "tokens.out_of_window", GAUGE, "{token}",
         "Live tokens of the sampled batch whose SWA slot was freed (mapping 0: left the sliding window)",
         "swa_out_of_window_tokens",
         lambda r: ((r.swa_out_of_window_tokens, _NONE),),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "slots.leaked", GAUGE, "{slot}",
+        "SWA slots of pages in use that no live token maps into: allocated and unreachable",
+        "swa_leaked_slots (when the engine gives audit inputs)",
+        lambda r: ((r.swa_leaked_slots, _NONE),) if r.swa_leaked_slots is not None else (),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "tokens.stale", GAUGE, "{token}",
+        "Live tokens whose SWA page is on the free list: the slot may be handed to another request",
+        "swa_stale_tokens (when the engine gives audit inputs)",
+        lambda r: ((r.swa_stale_tokens, _NONE),) if r.swa_stale_tokens is not None else (),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "slots.shared", GAUGE, "{slot}",
+        "SWA slots that two distinct live FULL slots map to: two tokens write one slot",
+        "swa_shared_slots (when the engine gives audit inputs)",
+        lambda r: ((r.swa_shared_slots, _NONE),) if r.swa_shared_slots is not None else (),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "reporter.delivery.delay", DELAY_HISTOGRAM, "{forward}",

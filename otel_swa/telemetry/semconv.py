@@ -14,7 +14,7 @@ of the engine process (tensor/data/pipeline parallel) is a *resource* attribute 
 
 from __future__ import annotations
 
-from otel_swa.record import FIELDS
+from otel_swa.record import AUDIT_FIELDS, FIELDS
 
 #: Prefix of every metric name, event name and record attribute key.
 NAMESPACE = "kv_cache.swa."
@@ -38,6 +38,13 @@ POOL_SWA = "swa"
 
 #: Event attribute key of each record field, e.g. ``kv_cache.swa.forward_ct``.
 RECORD_ATTRIBUTES = {name: NAMESPACE + name for name in FIELDS}
+
+#: Event attribute key of each SWA slot audit field (present only when the sample was audited).
+AUDIT_ATTRIBUTES = {name: NAMESPACE + name for name in AUDIT_FIELDS}
+
+#: Event attribute set to ``False`` when the engine has no FULL-to-SWA mapping (vLLM): the
+#: divergence attribute is then a placeholder 0, kept for the SGLang line.
+ATTR_DIVERGENCE_APPLICABLE = NAMESPACE + "divergence_applicable"
 
 # Attributes of the forward-step span (all bounded: counts, never request ids).
 ATTR_FORWARD_CT = "forward_step.forward_ct"

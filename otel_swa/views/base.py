@@ -17,9 +17,18 @@ An engine exposes its hybrid KV cache to the reporter through an object with fou
     ``int32`` or ``int64``, shape ``[batch]``: the number of live tokens (positions ``0 ..
     seq_len - 1``) of each request of the batch.
 
-and, optionally, ``seq_lens_cpu``: the same as ``seq_lens`` as a host tensor or a sequence of ints.
-With it the reporter gathers exactly the live tokens (``sum(seq_lens)`` of them); without it it
-falls back to a masked gather over ``[batch, max_context_len]``, which needs no host sync either.
+and, optionally:
+
+``seq_lens_cpu``
+    the same as ``seq_lens`` as a host tensor or a sequence of ints. With it the reporter gathers
+    exactly the live tokens (``sum(seq_lens)`` of them); without it it falls back to a masked gather
+    over ``[batch, max_context_len]``, which needs no host sync either.
+``swa_audit``
+    a :class:`SwaAuditInputs` (the SWA free list and every live holder's FULL slots): the reporter
+    then also counts leaked SWA slots, stale tokens and shared SWA slots in the same device pass
+    (see :mod:`otel_swa.device.audit`).
+``divergence_applicable``
+    ``False`` for engines without a FULL-to-SWA mapping (vLLM); default ``True``.
 
 Engines adapt their own objects to this protocol (see ``otel_swa.views`` for the adapters).
 """
@@ -31,7 +40,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["SwaBatchView", "SwaBatch", "validate_view"]
+__all__ = ["SwaBatchView", "SwaBatch", "SwaAuditInputs", "validate_view"]
 
 
 @runtime_checkable
@@ -42,6 +51,25 @@ class SwaBatchView(Protocol):
     full_to_swa_index_mapping: torch.Tensor
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class SwaAuditInputs:
+    """What the SWA slot audit reads besides the mapping (see :mod:`otel_swa.device.audit`).
+
+    Attributes:
+        swa_free_page_ids: ``int32``/``int64 [k]`` on the reporter's device: the SWA pool's free
+            page ids (slot ids when ``page_size == 1``), every free list together.
+        num_swa_pages: pages of the SWA pool (ids ``1 .. num_swa_pages``).
+        page_size: slots per page.
+        holder_full_slots: ``int32``/``int64 [n]`` on the reporter's device: the FULL slot of every
+            token a live holder (running request, prefix cache) still reads, not only the batch's.
+    """
+
+    swa_free_page_ids: torch.Tensor
+    num_swa_pages: int
+    page_size: int
+    holder_full_slots: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -57,6 +85,8 @@ class SwaBatch:
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None
+    swa_audit: SwaAuditInputs | None = None
+    divergence_applicable: bool = True
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -91,6 +121,16 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
     _check_tensor("full_to_swa_index_mapping", view.full_to_swa_index_mapping, 1, (torch.int64, torch.int32), device)
     _check_tensor("req_pool_indices", view.req_pool_indices, 1, _INDEX_DTYPES, device)
     _check_tensor("seq_lens", view.seq_lens, 1, _INDEX_DTYPES, device)
+    audit = getattr(view, "swa_audit", None)
+    if audit is not None:
+        if not isinstance(audit, SwaAuditInputs):
+            raise TypeError(f"view.swa_audit must be a SwaAuditInputs or None, got {type(audit).__name__}")
+        _check_tensor("swa_audit.swa_free_page_ids", audit.swa_free_page_ids, 1, _INDEX_DTYPES, device)
+        _check_tensor("swa_audit.holder_full_slots", audit.holder_full_slots, 1, _INDEX_DTYPES, device)
+        for name in ("num_swa_pages", "page_size"):
+            value = getattr(audit, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"view.swa_audit.{name} must be an int >= 1, got {value!r}")
     if view.req_pool_indices.shape[0] != view.seq_lens.shape[0]:
         raise ValueError(
             f"view.req_pool_indices has {view.req_pool_indices.shape[0]} entries but view.seq_lens has "

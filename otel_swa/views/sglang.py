@@ -35,7 +35,7 @@ import torch
 
 from otel_swa.record import SwaDivergenceRecord
 from otel_swa.device.audit import SwaSlotAudit, audit_swa_slots
-from otel_swa.views.base import SwaBatch
+from otel_swa.views.base import SwaAuditInputs, SwaBatch
 
 __all__ = [
     "SUPPORTED_SGLANG",
@@ -76,6 +76,7 @@ def batch_view(
     req_pool_indices: torch.Tensor | None = None,
     seq_lens: torch.Tensor | None = None,
     seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
+    holder_full_slots: torch.Tensor | None = None,
 ) -> SwaBatch:
     """The reporter's view (:class:`otel_swa.views.SwaBatch`) of one SGLang forward step.
 
@@ -90,6 +91,11 @@ def batch_view(
         req_pool_indices, seq_lens, seq_lens_cpu: the same, given directly (they override the
             batch's). ``seq_lens_cpu`` lets the reporter gather exactly the live tokens; without
             it the gather is dense over ``[batch, max_context_len]``, as in SGLang.
+        holder_full_slots: ``int [n]`` on the allocator's device, the FULL slots of every token a
+            live holder still reads (all running requests and the prefix cache, not only this
+            batch). When given, the view also carries the SWA slot audit inputs (the allocator's
+            SWA free lists, see :func:`swa_free_pages`) and each record gets leaked / stale /
+            shared SWA slot counts.
 
     Returns:
         A :class:`~otel_swa.views.SwaBatch`. With neither a batch nor indices, an empty batch (the
@@ -98,6 +104,7 @@ def batch_view(
 
     Raises:
         TypeError: ``allocator`` or ``req_to_token_pool`` lacks SGLang's attributes.
+        RuntimeError: with ``holder_full_slots``, see :func:`swa_free_pages`.
     """
     mapping = _attr(allocator, "full_to_swa_index_mapping", "allocator")
     req_to_token = _attr(req_to_token_pool, "req_to_token", "req_to_token_pool")
@@ -119,6 +126,17 @@ def batch_view(
         req_pool_indices=req_pool_indices,
         seq_lens=seq_lens,
         seq_lens_cpu=seq_lens_cpu,
+        swa_audit=_audit_inputs(allocator, holder_full_slots) if holder_full_slots is not None else None,
+    )
+
+
+def _audit_inputs(allocator: Any, holder_full_slots: torch.Tensor) -> SwaAuditInputs:
+    free, num_pages = swa_free_pages(allocator)
+    return SwaAuditInputs(
+        swa_free_page_ids=free,
+        num_swa_pages=num_pages,
+        page_size=int(_attr(allocator, "page_size", "allocator")),
+        holder_full_slots=holder_full_slots,
     )
 
 

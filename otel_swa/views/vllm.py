@@ -13,9 +13,10 @@ What maps, per live request of ``n`` tokens in the SWA group's block table:
 * SWA entries read: ``n - out_of_window``; FULL entries read: ``n`` (give these to ``observe``);
 * ``swa_full_idx_divergence``: not applicable. There is no second index to diverge from.
   :class:`WindowCounts` carries ``None``. Through the reporter (:func:`batch_view`) the field is
-  0 by construction, because the record and SGLang's line hold integers only; an exporter that
-  knows the engine is vLLM (``DIVERGENCE_APPLICABLE is False``) should emit no divergence data
-  point rather than a 0.
+  0 by construction, because SGLang's line holds integers only; the view sets
+  ``divergence_applicable=False``, so each record says so and the telemetry emits no
+  ``kv_cache.swa.tokens.divergent`` data point (the event carries
+  ``kv_cache.swa.divergence_applicable=false``) rather than a misleading 0.
 
 Nothing here imports vLLM.
 """
@@ -185,7 +186,7 @@ def batch_view(
     vLLM has no FULL-to-SWA mapping, so the view builds one that states only what exists: token
     slot ``block_id * block_size + offset`` of the SWA block table, mapped to itself for a real
     block and to 0 for the null block. The reporter then counts null-block tokens as out of window
-    and divergence as 0 (not applicable; see the module docstring). Build it at sampling steps
+    and divergence as 0, marked not applicable (``divergence_applicable=False``; see the module docstring). Build it at sampling steps
     only: it allocates ``[batch, max_blocks * block_size]`` on the device (no host sync).
 
     Args:
@@ -218,6 +219,7 @@ def batch_view(
         req_pool_indices=torch.arange(batch, dtype=torch.int64, device=device),
         seq_lens=num_tokens,
         seq_lens_cpu=num_tokens_cpu,
+        divergence_applicable=False,
     )
 
 

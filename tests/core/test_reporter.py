@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otel_swa.device import DeviceToHostRing
+from otel_swa.device import STAGE_WIDTH, DeviceToHostRing
 from otel_swa.record import SwaDivergenceRecord
 from otel_swa.reporter import KVPool, SwaDivergenceReporter
 from otel_swa.views import SwaBatch
@@ -145,7 +145,7 @@ class ControlledRing(DeviceToHostRing):
 def test_poll_never_blocks_and_full_ring_waits_for_oldest_without_dropping():
     got = []
     reporter = SwaDivergenceReporter(1, ring_size=2, sinks=[lambda r, c: got.append(r.forward_ct)])
-    ring = ControlledRing(2, 4, torch.device("cpu"))
+    ring = ControlledRing(2, STAGE_WIDTH, torch.device("cpu"))
     reporter._ring = ring
     state = random_state(random.Random(3))
     view = make_view(*state, host_lens=True)

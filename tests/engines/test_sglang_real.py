@@ -214,3 +214,41 @@ def test_audit_refuses_an_open_free_group(sglang_modules):
     with pytest.raises(RuntimeError, match="free group"):
         _audit(sim)
     sim.allocator.free_group_end()
+
+
+def _holders(sim):
+    r2t = sim.req_to_token_pool.req_to_token
+    parts = [r2t[r.row, : r.seq_len] for r in sim.requests]
+    return torch.cat(parts).long() if parts else torch.zeros(0, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_reporter_audits_the_real_allocator_in_its_sample(sglang_modules, page_size):
+    """Through the reporter's own device pass: clean, then a leaked page, on SGLang's allocator."""
+    sim = sglang_modules.SglangSim(page_size=page_size, window=WINDOW, seed=5)
+    for _ in range(60):
+        sim.step()
+    records, sink = _collect()
+    reporter = SwaDivergenceReporter(1, sinks=[sink])
+
+    def sample():
+        view = adapter.batch_view(
+            sim.allocator, sim.req_to_token_pool,
+            req_pool_indices=torch.tensor([r.row for r in sim.requests]),
+            seq_lens=torch.tensor([r.seq_len for r in sim.requests]),
+            holder_full_slots=_holders(sim),
+        )
+        reporter.step(view)
+        reporter.flush()
+        return records[-1]
+
+    healthy = sample()
+    host = _audit(sim)
+    assert (healthy.swa_leaked_slots, healthy.swa_stale_tokens, healthy.swa_shared_slots) == (0, 0, 0)
+    assert (host.leaked_swa_slots, host.stale_tokens) == (0, 0)
+    full, _ = _mapped_token(sim)
+    page_start = full // page_size * page_size
+    sim.allocator.clear_full_to_swa_mapping(torch.arange(page_start, page_start + page_size))
+    faulty = sample()
+    assert faulty.swa_leaked_slots == page_size == _audit(sim).leaked_swa_slots
+    assert faulty.format() == faulty.replace(swa_leaked_slots=None, swa_stale_tokens=None, swa_shared_slots=None).format()

@@ -46,10 +46,36 @@ class RecountingReporter:
                     swa = mapping[full]
                     out += swa == 0
                     divergent += swa != 0 and swa != full
+            leaked, stale, shared = self.audit(mapping)
             self.expected.append(
-                SwaDivergenceRecord(self.forward_ct, self.verify_full, self.verify_swa, divergent, out)
+                SwaDivergenceRecord(
+                    self.forward_ct, self.verify_full, self.verify_swa, divergent, out,
+                    swa_leaked_slots=leaked, swa_stale_tokens=stale, swa_shared_slots=shared,
+                )
             )
         self.reporter.step(view, context)
+
+    def audit(self, mapping):
+        """Leaked SWA slots, stale tokens and shared SWA slots, from the pools' host state."""
+        pools = self.engine.pools
+        ps = pools.page_size
+        free = set(pools.free_swa_page_list())
+        held_full = set()
+        for slots in pools.requests.values():
+            held_full.update(pools.req_to_token[slots.row, : slots.seq_len].tolist())
+        held_full.discard(0)
+        referenced_pages, stale, users = set(), 0, {}
+        for full in held_full:
+            swa = mapping[full]
+            if swa:
+                referenced_pages.add(swa // ps)
+                users[swa] = users.get(swa, 0) + 1
+        for slots in pools.requests.values():  # stale counts tokens, with repeats
+            for full in pools.req_to_token[slots.row, : slots.seq_len].tolist():
+                stale += bool(mapping[full]) and mapping[full] // ps in free
+        in_use = set(range(1, pools.swa_pages + 1)) - free
+        leaked = len(in_use - referenced_pages) * ps
+        return leaked, stale, sum(1 for n in users.values() if n > 1)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

@@ -1,0 +1,122 @@
+"""The SWA slot audit (leaked / stale / shared) against a plain-Python recount, and faults made on purpose."""
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
+from otel_swa.reference.engine import EngineConfig, ReferenceEngine
+from otel_swa.reference.trace import TraceRequest
+from otel_swa.reporter import SwaDivergenceReporter
+
+
+def recount(mapping, free_pages, num_pages, page_size, holders):
+    free = {p for p in free_pages if 1 <= p <= num_pages}
+    swa_slots = (num_pages + 1) * page_size
+    referenced, stale, users = set(), 0, {}
+    for full in holders:
+        swa = mapping[full] if 0 <= full < len(mapping) else 0
+        if 0 < swa < swa_slots:
+            referenced.add(swa // page_size)
+            stale += swa // page_size in free
+    for full in {f for f in holders if 0 < f < len(mapping)}:
+        swa = mapping[full]
+        if 0 < swa < swa_slots:
+            users[swa] = users.get(swa, 0) + 1
+    in_use = set(range(1, num_pages + 1)) - free
+    referenced.discard(0)
+    return [len(in_use), len(in_use & referenced), len(in_use - referenced), stale, sum(n > 1 for n in users.values())]
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 2, 4]))
+def test_audit_counts_equal_plain_recount(seed, page_size):
+    rng = random.Random(seed)
+    num_pages = rng.randint(1, 12)
+    full_size = rng.randint(2, 60)
+    swa_slots = (num_pages + 1) * page_size
+    mapping = [0] + [rng.choice([0, rng.randrange(0, swa_slots + 3)]) for _ in range(full_size - 1)]
+    free = rng.sample(range(1, num_pages + 1), rng.randint(0, num_pages))
+    holders = [rng.randrange(-2, full_size + 3) for _ in range(rng.randint(0, 40))]
+    out = torch.full((AUDIT_WIDTH,), 99, dtype=torch.int64)
+    audit_counts(out, torch.tensor(mapping), torch.tensor(free, dtype=torch.int64), num_pages, page_size, torch.tensor(holders, dtype=torch.int64))
+    assert out.tolist() == recount(mapping, free, num_pages, page_size, holders)
+
+
+def test_prefix_sharing_is_not_a_shared_slot():
+    mapping = torch.tensor([0, 0, 0, 0, 1, 1, 2])
+    out = torch.zeros(AUDIT_WIDTH, dtype=torch.int64)
+    # FULL 6 held twice (prefix sharing): fine; FULL 4 and 5 both map to SWA 1: shared
+    audit_counts(out, mapping, torch.tensor([], dtype=torch.int64), 2, 1, torch.tensor([4, 5, 6, 6]))
+    assert out.tolist() == [2, 2, 0, 0, 1]
+
+
+# ----------------------------------------------------------------------- faults in the reference engine
+
+
+def run_engine(fault, page_size):
+    config = EngineConfig(window=16, full_pool_size=4096, swa_pool_size=512, page_size=page_size,
+                          max_running=4, token_budget=64, max_context_len=1024, run_model=False)
+    records = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: records.append(r)])
+    engine = ReferenceEngine(config, reporter=reporter)
+    for rid in range(3):
+        engine.submit(TraceRequest(arrival_s=0.0, context_tokens=40 + rid, generated_tokens=30), arrival_s=0.0)
+    for _ in range(6):
+        engine.step()
+    reporter.flush()
+    healthy = records[-1]
+    measure = fault(engine)
+    engine.step()
+    reporter.flush()
+    return healthy, records[-1], measure(engine)
+
+
+def leak_a_page(engine):
+    """Take a page off the SWA free list and give it to nobody (the #27789 shape)."""
+    engine.pools._swa_free.pop()
+    return lambda engine: engine.pools.page_size
+
+
+def free_a_live_page(engine, reuse_next):
+    """Put a page that live tokens still map into back on the free list (the #27586 shape): at the
+    back (stays free: its tokens are stale) or at the front (handed out at the next allocation:
+    two FULL slots then share an SWA slot). Returns a function counting, after the step, the live tokens mapping into the page."""
+    pools = engine.pools
+    slots = max(pools.requests.values(), key=lambda s: s.seq_len)
+    page = slots.swa_pages[-1]
+    (pools._swa_free.appendleft if reuse_next else pools._swa_free.append)(page)
+
+    def live_tokens_in_page(engine):  # measured after the step (a decode may add one to the page)
+        mapping = pools.full_to_swa_index_mapping.tolist()
+        fulls = [f for r in pools.requests.values() for f in pools.req_to_token[r.row, : r.seq_len].tolist()]
+        return sum(1 for f in fulls if mapping[f] and mapping[f] // pools.page_size == page)
+
+    return live_tokens_in_page
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_leaked_page_is_reported(page_size):
+    healthy, record, leaked = run_engine(leak_a_page, page_size)
+    assert (healthy.swa_leaked_slots, healthy.swa_stale_tokens, healthy.swa_shared_slots) == (0, 0, 0)
+    assert record.swa_leaked_slots == leaked
+    assert record.swa_stale_tokens == 0
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_stale_mapping_is_reported(page_size):
+    healthy, record, live_in_page = run_engine(lambda e: free_a_live_page(e, reuse_next=False), page_size)
+    assert (healthy.swa_leaked_slots, healthy.swa_stale_tokens) == (0, 0)
+    assert live_in_page >= 1
+    assert record.swa_stale_tokens == live_in_page
+    assert record.swa_leaked_slots == 0
+
+
+def test_reused_live_page_shows_as_shared_slots():
+    healthy, record, live_in_page = run_engine(lambda e: free_a_live_page(e, reuse_next=True), 1)
+    assert healthy.swa_shared_slots == 0
+    assert live_in_page == 2  # the old token and the new one
+    assert record.swa_shared_slots == 1  # the new token and the old one now write one SWA slot

@@ -1,0 +1,57 @@
+"""SWA slot audit fields and vLLM's 'divergence not applicable' in metrics and events."""
+
+from __future__ import annotations
+
+from otel_swa.record import SwaDivergenceRecord
+from otel_swa.telemetry import SwaTelemetrySink, record_attributes, record_from_attributes
+
+R = SwaDivergenceRecord
+
+
+def single(points):
+    assert len(points) == 1
+    return points[0].value
+
+
+def test_audit_gauges_are_recorded_when_present(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    sink(R(20, 100, 40, 3, 9, swa_leaked_slots=16, swa_stale_tokens=2, swa_shared_slots=1), None)
+    m = pipeline.metrics()
+    assert single(m["kv_cache.swa.slots.leaked"]["points"]) == 16
+    assert m["kv_cache.swa.slots.leaked"]["unit"] == "{slot}"
+    assert single(m["kv_cache.swa.tokens.stale"]["points"]) == 2
+    assert single(m["kv_cache.swa.slots.shared"]["points"]) == 1
+    events = pipeline.logs.get_finished_logs()
+    attributes = dict(events[-1].log_record.attributes)
+    assert attributes["kv_cache.swa.swa_leaked_slots"] == 16
+    assert attributes["kv_cache.swa.swa_stale_tokens"] == 2
+    assert attributes["kv_cache.swa.swa_shared_slots"] == 1
+
+
+def test_no_audit_means_no_audit_series_and_no_audit_attributes(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    sink(R(20, 100, 40, 3, 9), None)
+    m = pipeline.metrics()
+    assert "kv_cache.swa.slots.leaked" not in m
+    assert "kv_cache.swa.tokens.stale" not in m
+    attributes = dict(pipeline.logs.get_finished_logs()[-1].log_record.attributes)
+    assert not any("leaked" in key or "stale" in key for key in attributes)
+
+
+def test_divergence_not_applicable_is_not_a_measurement(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    sink(R(20, 100, 40, 0, 9, divergence_applicable=False), None)
+    m = pipeline.metrics()
+    assert "kv_cache.swa.tokens.divergent" not in m
+    assert single(m["kv_cache.swa.tokens.out_of_window"]["points"]) == 9
+    attributes = dict(pipeline.logs.get_finished_logs()[-1].log_record.attributes)
+    assert attributes["kv_cache.swa.divergence_applicable"] is False
+    assert attributes["kv_cache.swa.swa_full_idx_divergence"] == 0  # kept for the SGLang line
+
+
+def test_event_attributes_round_trip_with_extras():
+    record = R(40, 9, 8, 7, 6, swa_leaked_slots=4, swa_stale_tokens=0, swa_shared_slots=2, divergence_applicable=False)
+    assert record_from_attributes(record_attributes(record)) == record
+    plain = R(40, 9, 8, 7, 6)
+    assert record_from_attributes(record_attributes(plain)) == plain
+    assert record.format() == plain.format()  # the line never carries the extras
