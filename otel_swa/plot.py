@@ -134,7 +134,8 @@ def plot_records(
     for ax in axes[-1]:
         ax.set_xlabel("forward_ct (forward steps)")
     named = [rank for rank, _ in ranks if rank is not None]
-    fig.suptitle(title or f"SWA KV cache over a run: {total} records" + (f", {len(named)} ranks" if named else ""))
+    rank_note = f", {len(named)} rank{'s' if len(named) != 1 else ''}" if named else ""
+    fig.suptitle(title or f"SWA KV cache over a run: {total} record{'s' if total != 1 else ''}{rank_note}")
     out = Path(path)
     fig.savefig(out, dpi=dpi)
     return out
