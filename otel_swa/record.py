@@ -11,8 +11,8 @@ The line format is the one SGLang's KV canary prints (sgl-project/sglang PR #268
 i.e. the prefix followed directly by compact JSON (separators ``","`` and ``":"``) of five integer
 fields in this order. SGLang's parser finds the prefix, takes the following run of non-space
 characters and JSON-decodes it; :meth:`SwaDivergenceRecord.parse` and the ``find_*`` functions apply
-the same rule, after removing ANSI colour codes and carriage returns so that coloured or CRLF logs
-parse too.
+the same rule, after removing ANSI colour codes and reading CRLF or bare CR as line ends, so that
+coloured, CRLF and progress-bar-interleaved logs parse too.
 """
 
 from __future__ import annotations
@@ -77,10 +77,13 @@ class MalformedRecordError(ValueError):
 
 
 def _clean(text: str) -> str:
-    """Remove ANSI escape sequences and carriage returns."""
+    """Remove ANSI escape sequences; CRLF and bare CR (progress-bar redraws, old Mac files) end
+    lines like LF."""
     if "\x1b" in text:
         text = _ANSI_RE.sub("", text)
-    return text.replace("\r", "")
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    return text
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,6 +61,8 @@ class ReporterStats:
         pending: samples staged and not yet delivered.
         skipped_captures: sampling steps skipped because the current CUDA stream was capturing a
             graph (a sample cannot be taken inside capture).
+        invalid_samples: samples whose values could not form a record (a negative total: a
+            negative count was given to ``observe`` as a device tensor); logged, never delivered.
     """
 
     samples_taken: int
@@ -69,6 +71,7 @@ class ReporterStats:
     sink_errors: int
     pending: int
     skipped_captures: int
+    invalid_samples: int = 0
 
 
 class _Pending(NamedTuple):
@@ -130,6 +133,7 @@ class SwaDivergenceReporter:
         self._ring_full_waits = 0
         self._sink_errors = 0
         self._skipped_captures = 0
+        self._invalid_samples = 0
 
     # ------------------------------------------------------------------ construction from the gate
     @classmethod
@@ -240,6 +244,7 @@ class SwaDivergenceReporter:
             sink_errors=self._sink_errors,
             pending=len(self._pending),
             skipped_captures=self._skipped_captures,
+            invalid_samples=self._invalid_samples,
         )
 
     # ------------------------------------------------------------------ device side
@@ -287,17 +292,22 @@ class SwaDivergenceReporter:
         verify_full, verify_swa, divergence, out_of_window = values[:4]
         _in_use, _referenced, leaked_pages, stale, shared = values[4:]
         audited = pending.audit_page_size > 0
-        record = SwaDivergenceRecord(
-            forward_ct=pending.forward_ct,
-            verify_full=verify_full,
-            verify_swa=verify_swa,
-            swa_full_idx_divergence=divergence,
-            swa_out_of_window_tokens=out_of_window,
-            divergence_applicable=pending.divergence_applicable,
-            swa_leaked_slots=leaked_pages * pending.audit_page_size if audited else None,
-            swa_stale_tokens=stale if audited else None,
-            swa_shared_slots=shared if audited else None,
-        )
+        try:
+            record = SwaDivergenceRecord(
+                forward_ct=pending.forward_ct,
+                verify_full=verify_full,
+                verify_swa=verify_swa,
+                swa_full_idx_divergence=divergence,
+                swa_out_of_window_tokens=out_of_window,
+                divergence_applicable=pending.divergence_applicable,
+                swa_leaked_slots=leaked_pages * pending.audit_page_size if audited else None,
+                swa_stale_tokens=stale if audited else None,
+                swa_shared_slots=shared if audited else None,
+            )
+        except (TypeError, ValueError) as exc:  # never let a bad value escape into the engine
+            self._invalid_samples += 1
+            _log.error("otel-swa sample at forward_ct=%d is invalid and was not delivered: %s", pending.forward_ct, exc)
+            return
         self._samples_delivered += 1
         for sink in self._sinks:
             try:

@@ -66,8 +66,11 @@ class PoolAccumulator:
                 CUDA graph a Python int is captured as a constant: pass a device tensor there.
 
         Raises:
-            ValueError: unknown pool.
+            ValueError: unknown pool, or a negative Python int ``count`` (a tensor's value is not
+                read: that would synchronise).
         """
+        if type(count) is int and count < 0:
+            raise ValueError(f"count of KV entries must be >= 0, got {count} for pool {pool!r}")
         self._cells[pool_index(pool)].add_(count)
 
     def reset(self) -> None:

@@ -112,7 +112,7 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
     Raises:
         TypeError: an attribute is missing, is not a tensor, or has the wrong dtype.
         ValueError: a tensor has the wrong number of dimensions or is on another device, or
-            ``req_pool_indices`` and ``seq_lens`` differ in length.
+            ``req_pool_indices``, ``seq_lens`` and ``seq_lens_cpu`` differ in length.
     """
     for name in ("req_to_token", "full_to_swa_index_mapping", "req_pool_indices", "seq_lens"):
         if not hasattr(view, name):
@@ -121,6 +121,15 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
     _check_tensor("full_to_swa_index_mapping", view.full_to_swa_index_mapping, 1, (torch.int64, torch.int32), device)
     _check_tensor("req_pool_indices", view.req_pool_indices, 1, _INDEX_DTYPES, device)
     _check_tensor("seq_lens", view.seq_lens, 1, _INDEX_DTYPES, device)
+    host_lens = getattr(view, "seq_lens_cpu", None)
+    if host_lens is not None:
+        if isinstance(host_lens, torch.Tensor) and host_lens.dim() != 1:
+            raise ValueError(f"view.seq_lens_cpu must have 1 dimension, got shape {tuple(host_lens.shape)}")
+        if len(host_lens) != view.req_pool_indices.shape[0]:
+            raise ValueError(
+                f"view.seq_lens_cpu has {len(host_lens)} entries but view.req_pool_indices has "
+                f"{view.req_pool_indices.shape[0]}; they must describe the same batch"
+            )
     audit = getattr(view, "swa_audit", None)
     if audit is not None:
         if not isinstance(audit, SwaAuditInputs):

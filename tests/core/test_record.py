@@ -118,3 +118,11 @@ def test_round_trip(a, b, c, d, e, prefix):
     record = SwaDivergenceRecord(a, b, c, d, e)
     assert SwaDivergenceRecord.parse(prefix + record.format()) == record
     assert find_last(prefix + record.format() + "\n")[0] == record
+
+
+def test_bare_carriage_returns_end_lines():
+    a = SwaDivergenceRecord(20, 1, 1, 0, 0)
+    b = SwaDivergenceRecord(40, 2, 1, 1, 1)
+    found = find_all(a.format() + "\r" + b.format() + "\r")
+    assert list(found) == [a, b] and found.malformed == 0
+    assert [m.line_no for m in found.matches] == [1, 2]

@@ -350,3 +350,31 @@ def test_lazy_view_is_built_only_at_sampling_steps():
     assert len(built) == 2
     assert [r.forward_ct for r in got] == [4, 8]
     assert (got[0].swa_full_idx_divergence, got[0].swa_out_of_window_tokens) == recount(*state)
+
+
+def test_negative_int_count_is_refused_at_the_call():
+    reporter = SwaDivergenceReporter(1)
+    with pytest.raises(ValueError, match="count of KV entries must be >= 0, got -5"):
+        reporter.observe("full", -5)
+    assert reporter.totals.tolist() == [0, 0]
+
+
+def test_negative_device_total_never_raises_into_the_engine_and_is_counted(caplog):
+    got = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
+    state = random_state(random.Random(2))
+    reporter.observe("full", torch.tensor(-5))  # a tensor's value is not read at observe
+    for _ in range(3):
+        reporter.step(make_view(*state, host_lens=True))
+    reporter.flush()
+    stats = reporter.stats
+    assert got == []
+    assert (stats.samples_taken, stats.samples_delivered, stats.invalid_samples, stats.pending) == (3, 0, 3, 0)
+    assert "verify_full must be >= 0" in caplog.text
+
+
+def test_host_lengths_must_match_the_batch():
+    view = SwaBatch(torch.zeros(3, 4, dtype=torch.int32), torch.zeros(5, dtype=torch.int64),
+                    torch.tensor([1, 2]), torch.tensor([1, 1]), seq_lens_cpu=[1, 1, 1])
+    with pytest.raises(ValueError, match="seq_lens_cpu has 3 entries but view.req_pool_indices has 2"):
+        SwaDivergenceReporter(1).step(view)
