@@ -32,7 +32,7 @@ def _exporter_list(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from otel_swa.reference.replay import ARRIVALS, DEFAULT_REPLAY
+    from otel_swa.reference.config import ARRIVALS, DEFAULT_REPLAY  # torch-free: --help stays fast
 
     cfg = DEFAULT_REPLAY.config
     src = parser.add_argument_group("trace")
@@ -68,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _interval(args: argparse.Namespace) -> int:
-    from otel_swa.reference.replay import DEFAULT_REPLAY
+    from otel_swa.reference.config import DEFAULT_REPLAY
 
     if args.interval is not None:
         return args.interval
@@ -100,7 +100,7 @@ def _close_logger(logger: logging.Logger) -> None:
 def run(args: argparse.Namespace) -> int:
     from otel_swa.config import ConfigError
     from otel_swa.logline import LogLineSink
-    from otel_swa.reference.engine import EngineConfig
+    from otel_swa.reference.config import EngineConfig
     from otel_swa.reference.replay import replay
     from otel_swa.reference.scheduler import RequestTooLargeError
     from otel_swa.reference.trace import load_trace

@@ -45,6 +45,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from otel_swa.reference.model import ForwardBatch, KVStorage, TinyHybridModel, prompt_token_ids
+from otel_swa.reference.config import EngineConfig
 from otel_swa.reference.pools import HybridKVPools
 from otel_swa.reference.scheduler import ForwardItem, RequestState, Scheduler
 from otel_swa.views import SwaAuditInputs, SwaBatch
@@ -52,60 +53,6 @@ from otel_swa.views import SwaAuditInputs, SwaBatch
 __all__ = ["EngineConfig", "ReferenceEngine", "BatchInfo", "StepResult", "EngineStats"]
 
 _log = logging.getLogger("otel_swa.reference.engine")
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Sizes and policy of the reference engine.
-
-    Attributes:
-        window: sliding window of the SWA layer, in tokens.
-        full_pool_size: usable FULL slots (a multiple of ``page_size``).
-        swa_pool_size: usable SWA slots (a multiple of ``page_size``).
-        page_size: slots per page in both pools.
-        max_running: the most requests in one forward step.
-        token_budget: the most new tokens in one forward step (>= ``max_running``).
-        max_context_len: the longest request in tokens (prompt + output - 1).
-        seed: seed of the model weights and the prompt token ids.
-        step_time_s: virtual seconds per forward step.
-        vocab_size, num_heads, head_dim: model sizes.
-        run_model: ``False`` skips the attention math (slot allocation, the tables, eviction and
-            the reporter calls are unchanged; every generated token id is then 0): for checks
-            and benchmarks of the KV cache bookkeeping alone.
-
-    Raises:
-        ValueError: a value is out of range (the message names it).
-    """
-
-    window: int = 128
-    full_pool_size: int = 65536
-    swa_pool_size: int = 8192
-    page_size: int = 1
-    max_running: int = 48
-    token_budget: int = 1024
-    max_context_len: int = 16384
-    seed: int = 0
-    step_time_s: float = 0.05
-    vocab_size: int = 128
-    num_heads: int = 1
-    head_dim: int = 16
-    run_model: bool = True
-
-    def __post_init__(self) -> None:
-        for name in (
-            "window", "full_pool_size", "swa_pool_size", "page_size", "max_running", "token_budget",
-            "max_context_len", "vocab_size", "num_heads", "head_dim",
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"EngineConfig.{name}={value!r}; expected an integer >= 1")
-        for name in ("full_pool_size", "swa_pool_size"):
-            if getattr(self, name) % self.page_size:
-                raise ValueError(f"EngineConfig.{name}={getattr(self, name)} is not a multiple of page_size={self.page_size}")
-        if self.token_budget < self.max_running:
-            raise ValueError(f"EngineConfig.token_budget={self.token_budget} is below max_running={self.max_running}")
-        if not self.step_time_s >= 0:
-            raise ValueError(f"EngineConfig.step_time_s={self.step_time_s!r}; expected a number >= 0")
 
 
 @dataclass(frozen=True)

@@ -21,43 +21,16 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Iterator
 
 import torch
 
-from otel_swa.reference.engine import BatchInfo, EngineConfig, EngineStats, ReferenceEngine
+from otel_swa.reference.config import ARRIVALS, DEFAULT_REPLAY, EngineConfig, ReplayDefaults
+from otel_swa.reference.engine import BatchInfo, EngineStats, ReferenceEngine
 from otel_swa.reference.trace import TraceRequest
 
 __all__ = ["ReplayDefaults", "DEFAULT_REPLAY", "ReplaySummary", "replay", "ARRIVALS"]
-
-#: How arrival times are used: all requests at t=0, or the trace's times divided by ``time_scale``.
-ARRIVALS = ("ignore", "compress")
-
-
-@dataclass(frozen=True)
-class ReplayDefaults:
-    """The default main job (see the module docstring).
-
-    Attributes:
-        trace: packaged trace name or path (for :func:`otel_swa.reference.trace.load_trace`).
-        limit: number of requests taken from the start of the trace (``None`` = all).
-        interval: the reporter's sampling interval in forward steps.
-        arrivals: one of :data:`ARRIVALS`.
-        time_scale: arrival times are divided by this when ``arrivals == "compress"``.
-        config: the engine configuration.
-    """
-
-    trace: str = "conv"
-    limit: int | None = 200
-    interval: int = 20
-    arrivals: str = "ignore"
-    time_scale: float = 10.0
-    config: EngineConfig = field(default_factory=EngineConfig)
-
-
-DEFAULT_REPLAY = ReplayDefaults()
-
 
 @dataclass(frozen=True)
 class ReplaySummary:
