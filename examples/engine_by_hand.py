@@ -22,7 +22,8 @@ from otel_swa.reference.engine import EngineConfig, ReferenceEngine
 from otel_swa.reporter import SwaDivergenceReporter
 from otel_swa.telemetry import configure
 
-# Small prompts against a 16-token window: the SWA pool evicts and remaps within a few steps.
+# Small prompts against a 16-token window and a 128-slot SWA pool: tokens leave the window and
+# their SWA slots are reused within a few steps, so divergence and out-of-window tokens show.
 REQUESTS = [(40, 12), (25, 20), (70, 6), (33, 15), (90, 10), (18, 24)]
 
 
@@ -37,7 +38,7 @@ def main() -> int:
     telemetry = configure(exporters=args.exporter, default_service_name="otel-swa-example")
 
     # 2. the engine and its reporter (None when the interval is 0: no reporter work at all)
-    engine = ReferenceEngine(EngineConfig(window=16, full_pool_size=2048, swa_pool_size=512, max_running=4,
+    engine = ReferenceEngine(EngineConfig(window=16, full_pool_size=2048, swa_pool_size=128, max_running=4,
                                           token_budget=64, max_context_len=256, step_time_s=0.0))
     engine.reporter = SwaDivergenceReporter.from_env(device=engine.device)
     if engine.reporter is not None:
