@@ -4,7 +4,9 @@ Each subcommand lives in its own module under :mod:`otel_swa.commands` with two 
 ``add_arguments(parser)`` and ``run(args) -> int``; this module only dispatches.
 
 Exit status: 0 success; 1 the command ran and its check failed (``check``); 2 unusable input or
-arguments (the message names the value and what was expected).
+arguments (the message names the value and what was expected). When the reader of standard output
+goes away (``otel-swa replay | head -1``), output stops quietly and the exit status is the one the
+command would have had (``check`` keeps its verdict).
 """
 
 from __future__ import annotations
@@ -51,7 +53,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except BrokenPipeError:
+        # Standard output was closed by its reader. As the Python documentation advises (signal
+        # module, "Note on SIGPIPE"), point it at devnull so that the flush at exit cannot fail again.
+        from otel_swa.commands._output import stdout_closed
+
+        return stdout_closed()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from otel_swa.commands._args import non_negative_int, positive_seconds, seconds
+from otel_swa.commands._output import stdout_closed
 from otel_swa.logsource import LoggedRecord, read_log
 from otel_swa.record import MalformedRecordError
 
@@ -50,10 +50,3 @@ def error(message: str) -> int:
     """Print ``otel-swa: error: message`` on stderr; return exit status 2."""
     print(f"otel-swa: error: {message}", file=sys.stderr)
     return 2
-
-
-def stdout_closed() -> int:
-    """Standard output was closed by the reader (``| head``): stop quietly."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    return 0

@@ -6,7 +6,8 @@ peak ``swa_full_idx_divergence`` >= ``--min-divergence`` and peak ``swa_out_of_w
 (unless ``--no-verify-lag``).
 
 Exit status: 0 observed; 1 not observed (the explanation is printed on stdout); 2 unusable input (a
-missing or unreadable file; the message is on stderr). With ``--wait SECONDS`` a file that is still
+missing or unreadable file; the message is on stderr). The exit status is the verdict even when the
+explanation cannot be written (a reader that closed the pipe, a full disk). With ``--wait SECONDS`` a file that is still
 being written (or does not exist yet) is read again every ``--poll`` seconds until the signals are
 observed or the time is up. Standard input (``-``) is read to its end.
 """
@@ -24,6 +25,7 @@ from otel_swa.commands._loginput import (
     positive_seconds,
     seconds,
 )
+from otel_swa.commands._output import print_result
 from otel_swa.testing.assertions import DEFAULT_POLL_S, judge, wait_for_observation
 
 
@@ -65,5 +67,5 @@ def run(args: argparse.Namespace) -> int:
         if observation.problem is not None:
             return error(observation.problem)
     if not (observation.ok and args.quiet):
-        print(observation.explain(), flush=True)
+        print_result(observation.explain())  # the verdict stands even when it cannot be printed
     return 0 if observation.ok else 1

@@ -15,6 +15,7 @@ from typing import Any
 
 from otel_swa import config as otel_swa_config
 from otel_swa.commands._args import non_negative_int, positive_float, positive_int
+from otel_swa.commands._output import StdoutLogHandler, discard_stdout
 from otel_swa.record import SwaDivergenceRecord
 
 #: The SGLang log prefix shape (``[time TP0] message``), so the output reads like an engine's log.
@@ -81,7 +82,7 @@ def _line_logger(log_file: str | None) -> logging.Logger:
     logger.setLevel(logging.INFO)
     logger.propagate = False
     formatter = logging.Formatter(LOG_FORMAT, LOG_DATEFMT)
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout)]
+    handlers: list[logging.Handler] = [StdoutLogHandler()]
     if log_file:
         handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
     for handler in handlers:
@@ -166,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
             telemetry.shutdown()
         if logger is not None:
             _close_logger(logger)
-    _print_summary(args, interval, summary, records, reporter.stats)
+    try:
+        _print_summary(args, interval, summary, records, reporter.stats)
+    except BrokenPipeError:  # the reader of stdout is gone; the plot is still drawn
+        discard_stdout()
     if args.plot:
         from otel_swa.plot import PlotUnavailableError, plot_records
 

@@ -1,0 +1,68 @@
+"""Standard output closed by its reader (``| head -1``, ``| true``) or unwritable (``> /dev/full``).
+
+The commands run in a child process whose standard output is a pipe with no reader left (its read end
+is closed before the child starts), so every write fails with EPIPE, deterministically.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+OBSERVED = (
+    '[2025-06-01 12:34:56 TP0] kv_canary_swa_divergence={"forward_ct":20,"verify_full":90,"verify_swa":40,'
+    '"swa_full_idx_divergence":3,"swa_out_of_window_tokens":5}\n'
+)
+NOT_OBSERVED = (
+    '[2025-06-01 12:34:56 TP0] kv_canary_swa_divergence={"forward_ct":20,"verify_full":90,"verify_swa":90,'
+    '"swa_full_idx_divergence":0,"swa_out_of_window_tokens":0}\n'
+)
+CLI = [sys.executable, "-m", "otel_swa.cli"]
+
+
+def _run_with_closed_stdout(args, tmp_path):
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(CLI + args, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    return proc.returncode, proc.stderr
+
+
+def test_replay_into_a_closed_pipe_is_quiet_and_exits_0(tmp_path):
+    log_file = tmp_path / "run.log"
+    code, err = _run_with_closed_stdout(
+        ["replay", "--requests", "10", "--no-model", "--no-progress", "--interval", "20", "--log-file", str(log_file)], tmp_path
+    )
+    assert err == ""
+    assert code == 0
+    # the run went on: the log file holds every line (10 requests take more than 20 forward steps)
+    lines = log_file.read_text().splitlines()
+    assert len(lines) >= 1 and all("kv_canary_swa_divergence=" in line for line in lines)
+
+
+@pytest.mark.parametrize("text, verdict", [(OBSERVED, 0), (NOT_OBSERVED, 1)])
+def test_check_into_a_closed_pipe_keeps_its_verdict(tmp_path, text, verdict):
+    log = tmp_path / "run.log"
+    log.write_text(text)
+    code, err = _run_with_closed_stdout(["check", str(log)], tmp_path)
+    assert (code, err) == (verdict, "")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("text, verdict", [(OBSERVED, 0), (NOT_OBSERVED, 1)])
+def test_check_into_dev_full_keeps_its_verdict_and_says_why_in_one_line(tmp_path, text, verdict):
+    log = tmp_path / "run.log"
+    log.write_text(text)
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(CLI + ["check", str(log)], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert proc.returncode == verdict
+    assert proc.stderr.splitlines() == ["otel-swa: cannot write to standard output: No space left on device"]
+
+
+def test_records_into_a_closed_pipe_is_quiet(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text(OBSERVED * 3)
+    assert _run_with_closed_stdout(["records", str(log)], tmp_path) == (0, "")
