@@ -12,6 +12,7 @@ A test against the real classes is missing.
 
 from __future__ import annotations
 
+import logging
 import random
 from collections import defaultdict
 from types import SimpleNamespace
@@ -202,3 +203,18 @@ def test_unsupported_version_is_not_instrumented(vllm_standin, instrumentor, pip
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
     instrumentor.instrument(**pipeline.providers())
     assert v.Scheduler.__dict__["schedule"] is v.schedule
+
+
+
+def test_unsupported_version_under_the_loaders_call_warns_once_and_wraps_nothing(
+    vllm_standin, instrumentor, pipeline, monkeypatch, caplog
+):
+    v = vllm_standin(version="0.9.2")
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
+    with caplog.at_level(logging.WARNING):
+        instrumentor.instrument(skip_dep_check=True, **pipeline.providers())  # as opentelemetry-instrument
+    assert v.Scheduler.__dict__["schedule"] is v.schedule
+    assert v.GPUModelRunner.__dict__["execute_model"] is v.execute_model
+    ours = [r.getMessage() for r in caplog.records if r.name == "opentelemetry.instrumentation.swa_vllm"]
+    assert ours == ["swa_vllm: installed vllm 0.9.2 is outside the supported vllm >= 0.10, < 0.34; "
+                    "vLLM is not instrumented"]

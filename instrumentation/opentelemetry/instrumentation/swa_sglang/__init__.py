@@ -40,10 +40,15 @@ SGLang variable also switches on SGLang's own reporter, which then logs its line
 Pending samples are delivered when the model runner is garbage-collected, at interpreter exit,
 and at ``uninstrument()``.
 
-Where a wrapped method is missing or its parameters differ (another SGLang version),
-``instrument()`` raises :class:`SglangVersionError` naming the installed version and the method it
-expected (an ``ImportError``: ``opentelemetry-instrument`` logs it, skips this instrumentor and
-starts the engine without it).
+When SGLang is not installed, or its version is outside ``_instruments``, ``instrument()`` logs one
+warning (logger ``opentelemetry.instrumentation.swa_sglang``) and wraps nothing, also when called as
+``opentelemetry-instrument`` calls it (``instrument(skip_dep_check=True)``, which bypasses
+``BaseInstrumentor``'s own version check), so the loader goes on to the other instrumentors.
+Where a supported SGLang lacks a wrapped method or its parameters differ, ``instrument()`` raises
+:class:`SglangVersionError` naming the installed version and the method it expected (an
+``ImportError``, the one kind of error the loader of opentelemetry-instrumentation 0.66b2 logs and
+skips; any other exception would end all auto-instrumentation). A failure while setting up the
+telemetry is logged and leaves SGLang unwrapped.
 
 Providers come from ``instrument(tracer_provider=..., meter_provider=..., logger_provider=...)``,
 the global ones otherwise; the instrumentor never installs providers itself. ``uninstrument()``
@@ -68,6 +73,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Collection
 
 from opentelemetry import trace
+from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from opentelemetry.instrumentation.swa_sglang.package import _instruments
@@ -97,6 +103,17 @@ class SglangVersionError(ImportError):
 
     An ``ImportError``, so that ``opentelemetry-instrument`` logs it, skips this instrumentor and
     loads the others."""
+
+
+def _unavailable() -> str | None:
+    """Why SGLang cannot be instrumented here (not installed, or a version outside
+    ``_instruments``), or ``None`` when it can. Reads the installed distribution's metadata only."""
+    conflict = get_dependency_conflicts(_instruments)
+    if conflict is None:
+        return None
+    if conflict.found is None:
+        return f"sglang is not installed (supported: {conflict.required})"
+    return f"installed {conflict.found} is outside the supported {conflict.required}"
 
 
 def _installed_version() -> str:
@@ -153,7 +170,8 @@ class SwaSglangInstrumentor(BaseInstrumentor):
     spans of ``forward_batch.rids``).
 
     Raises (from ``instrument``):
-        SglangVersionError: a wrapped method is missing or has other parameters.
+        SglangVersionError: a supported SGLang version lacks a wrapped method or has other
+            parameters (not raised when SGLang is missing or unsupported: a warning is logged).
     """
 
     def __init__(self) -> None:
@@ -174,8 +192,23 @@ class SwaSglangInstrumentor(BaseInstrumentor):
             return
         if interval == 0:
             return  # off: nothing wrapped, no reporter work at all
+        # opentelemetry-instrument calls instrument(skip_dep_check=True): check the version here too
+        unavailable = _unavailable()
+        if unavailable is not None:
+            _log.warning("swa_sglang: %s; SGLang is not instrumented", unavailable)
+            return
         targets = [_resolve(*spec) for spec in WRAPPED]  # every check before any change
+        try:
+            self._set_up_telemetry(kwargs)
+        except Exception:  # only ImportError is safe to raise under opentelemetry-instrument
+            _log.exception("swa_sglang: telemetry set-up failed; SGLang is not instrumented")
+            return
+        wrappers = (self._wrap_forward, self._wrap_canary_init, self._wrap_pre_ops)
+        for (cls, function), (_, _, method, _), wrap in zip(targets, WRAPPED, wrappers):
+            self._originals[(cls, method)] = function
+            setattr(cls, method, wrap(function))
 
+    def _set_up_telemetry(self, kwargs: dict) -> None:
         from otel_swa.telemetry import ForwardSpans, SwaTelemetrySink
         from otel_swa.telemetry import semconv as sc
 
@@ -190,10 +223,6 @@ class SwaSglangInstrumentor(BaseInstrumentor):
         )
         self._traceparents = kwargs.get("traceparents")
         self._forward_spans = ForwardSpans(tracer, self._traceparents, max_links=kwargs.get("max_links"))
-        wrappers = (self._wrap_forward, self._wrap_canary_init, self._wrap_pre_ops)
-        for (cls, function), (_, _, method, _), wrap in zip(targets, WRAPPED, wrappers):
-            self._originals[(cls, method)] = function
-            setattr(cls, method, wrap(function))
 
     def _uninstrument(self, **kwargs: Any) -> None:
         for (cls, method), function in self._originals.items():

@@ -35,8 +35,14 @@ nothing is wrapped. A scheduler whose KV cache has no sliding-window group gets 
 Pending samples are delivered when the scheduler is garbage-collected, at interpreter exit, and at
 ``uninstrument()``.
 
-Where a wrapped method is missing or its parameters differ, ``instrument()`` raises
-:class:`VllmVersionError` naming the installed version and the method it expected.
+When vLLM is not installed, or its version is outside ``_instruments``, ``instrument()`` logs one
+warning (logger ``opentelemetry.instrumentation.swa_vllm``) and wraps nothing, also when called as
+``opentelemetry-instrument`` calls it (``instrument(skip_dep_check=True)``), so the loader goes on
+to the other instrumentors. Where a supported vLLM lacks a wrapped method or its parameters differ,
+``instrument()`` raises :class:`VllmVersionError` naming the installed version and the method it
+expected (an ``ImportError``, which the loader of opentelemetry-instrumentation 0.66b2 logs and
+skips; any other exception would end all auto-instrumentation). A failure while setting up the
+telemetry is logged and leaves vLLM unwrapped.
 
 Providers come from ``instrument(tracer_provider=..., meter_provider=..., logger_provider=...)``,
 the global ones otherwise; the instrumentor never installs providers itself. ``uninstrument()``
@@ -62,6 +68,7 @@ from types import SimpleNamespace
 from typing import Any, Callable, Collection
 
 from opentelemetry import trace
+from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from opentelemetry.instrumentation.swa_vllm.package import _instruments
@@ -88,6 +95,17 @@ class VllmVersionError(ImportError):
 
     An ``ImportError``, so that ``opentelemetry-instrument`` logs it, skips this instrumentor and
     loads the others."""
+
+
+def _unavailable() -> str | None:
+    """Why vLLM cannot be instrumented here (not installed, or a version outside
+    ``_instruments``), or ``None`` when it can. Reads the installed distribution's metadata only."""
+    conflict = get_dependency_conflicts(_instruments)
+    if conflict is None:
+        return None
+    if conflict.found is None:
+        return f"vllm is not installed (supported: {conflict.required})"
+    return f"installed {conflict.found} is outside the supported {conflict.required}"
 
 
 def _installed_version() -> str:
@@ -127,7 +145,9 @@ class SwaVllmInstrumentor(BaseInstrumentor):
     traceparent: the forward-step span then links to the scheduled requests' spans).
 
     Raises (from ``instrument``):
-        VllmVersionError: a wrapped method or ``SlidingWindowManager`` is missing.
+        VllmVersionError: a supported vLLM version lacks a wrapped method or
+            ``SlidingWindowManager`` (not raised when vLLM is missing or unsupported: a warning
+            is logged).
     """
 
     def __init__(self) -> None:
@@ -148,9 +168,25 @@ class SwaVllmInstrumentor(BaseInstrumentor):
             return
         if interval == 0:
             return  # off: nothing wrapped, no reporter work at all
+        # opentelemetry-instrument calls instrument(skip_dep_check=True): check the version here too
+        unavailable = _unavailable()
+        if unavailable is not None:
+            _log.warning("swa_vllm: %s; vLLM is not instrumented", unavailable)
+            return
         targets = [_resolve(*spec) for spec in WRAPPED]
         self._swa_manager_class = _resolve(*_SLIDING_WINDOW_MANAGER, None)
+        try:
+            self._set_up_telemetry(kwargs)
+        except Exception:  # only ImportError is safe to raise under opentelemetry-instrument
+            _log.exception("swa_vllm: telemetry set-up failed; vLLM is not instrumented")
+            return
+        for (cls, function), (_, _, method, _), wrap in zip(
+            targets, WRAPPED, (self._wrap_schedule, self._wrap_execute_model)
+        ):
+            self._originals[(cls, method)] = function
+            setattr(cls, method, wrap(function))
 
+    def _set_up_telemetry(self, kwargs: dict) -> None:
         from otel_swa.telemetry import ForwardSpans, SwaTelemetrySink
         from otel_swa.telemetry import semconv as sc
 
@@ -165,11 +201,6 @@ class SwaVllmInstrumentor(BaseInstrumentor):
         )
         self._traceparents = kwargs.get("traceparents")
         self._forward_spans = ForwardSpans(tracer, self._traceparents, max_links=kwargs.get("max_links"))
-        for (cls, function), (_, _, method, _), wrap in zip(
-            targets, WRAPPED, (self._wrap_schedule, self._wrap_execute_model)
-        ):
-            self._originals[(cls, method)] = function
-            setattr(cls, method, wrap(function))
 
     def _uninstrument(self, **kwargs: Any) -> None:
         for (cls, method), function in self._originals.items():
