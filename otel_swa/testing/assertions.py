@@ -73,6 +73,8 @@ class SwaObservation:
         failed: the names (from :data:`SIGNALS`) of the signals that failed, in that order.
         waited_s: seconds spent waiting for the source to grow.
         problem: why the source could not be read (missing file, permission...), else ``None``.
+        empty: the source held no text at all (e.g. the captured output of an engine that crashed
+            before logging anything), as opposed to text without records.
     """
 
     source: str
@@ -90,6 +92,7 @@ class SwaObservation:
     failed: tuple[str, ...]
     waited_s: float = 0.0
     problem: str | None = None
+    empty: bool = False
 
     @property
     def ok(self) -> bool:
@@ -106,7 +109,9 @@ class SwaObservation:
         lines = [f"{head} in {self.source}: {seen}{waited}"]
         if self.problem is not None:
             lines.append(f"  unusable source: {self.problem}")
-        if self.records == 0 and self.problem is None:
+        if self.empty and self.problem is None:
+            lines.append("  the source was empty (no text at all): did the engine crash, or log to another stream?")
+        elif self.records == 0 and self.problem is None:
             lines.append(
                 f"  no {LINE_PREFIX!r} record found; is the reporter on (interval > 0) and the run long enough?"
             )
@@ -160,6 +165,7 @@ def judge(
     last_line_no: int | None = None,
     waited_s: float = 0.0,
     problem: str | None = None,
+    empty: bool = False,
 ) -> SwaObservation:
     """Judge ``records`` (in log order) by the peak/last rules of the module docstring.
 
@@ -198,6 +204,7 @@ def judge(
         failed=tuple(failed),
         waited_s=waited_s,
         problem=problem,
+        empty=bool(empty) and not records,
     )
 
 
@@ -208,6 +215,7 @@ class _Snapshot:
     malformed: int = 0
     last_line_no: int | None = None
     problem: str | None = None
+    empty: bool = False
 
 
 class _Source:
@@ -258,7 +266,9 @@ class _TextSource(_Source):
             raise TypeError(f"a text source must return str or bytes, got {type(text).__name__}")
         errors: list[MalformedRecordError] = []
         found = logged_records(text, errors=errors)
-        return _Snapshot([item.record for item in found], len(errors), found[-1].line_no if found else None)
+        return _Snapshot(
+            [item.record for item in found], len(errors), found[-1].line_no if found else None, empty=not text.strip()
+        )
 
 
 class _RecordsSource(_Source):
@@ -295,7 +305,9 @@ def open_source(source: SourceLike) -> _Source:
         * a :class:`~otel_swa.testing.SwaRecordCapture` (the ``swa_records`` fixture): its sink,
           captured logging and followed files; grows when it follows a file or captured output;
         * a path (``str`` or ``os.PathLike``) of a log file, possibly still being written (grows);
-        * log text: a ``str`` holding a newline or the record prefix, or ``bytes`` (fixed);
+        * log text: a ``str`` holding a newline or the record prefix, an empty or blank ``str``
+          (e.g. the empty ``stdout`` of an engine that crashed: no records, judged at once), or
+          ``bytes`` (fixed);
         * a callable returning the whole log text so far, e.g. captured server output (grows);
         * an object with ``getvalue()`` (``io.StringIO``) holding the log text (grows);
         * an iterable of :class:`~otel_swa.record.SwaDivergenceRecord` (fixed).
@@ -309,6 +321,8 @@ def open_source(source: SourceLike) -> _Source:
     if isinstance(source, bytes):
         return _TextSource(lambda: source, "log text", growing=False)
     if isinstance(source, str):
+        if not source.strip():
+            return _TextSource(lambda: source, "empty log text", growing=False)
         if "\n" in source or LINE_PREFIX in source:
             return _TextSource(lambda: source, "log text", growing=False)
         return _FileSource(source)
@@ -374,6 +388,7 @@ def wait_for_observation(
             last_line_no=snap.last_line_no,
             waited_s=waited,
             problem=snap.problem,
+            empty=snap.empty,
         )
 
     while True:
