@@ -166,8 +166,10 @@ class SwaTelemetry:
     Attributes:
         tracer_provider, meter_provider, logger_provider: the providers in use.
         owned: the signals whose provider ``configure`` built (and :meth:`shutdown` shuts down).
-        sink: the :class:`~otel_swa.telemetry.sink.SwaTelemetrySink`; hand it to the reporter
-            (or call :meth:`attach`).
+        sink: the :class:`~otel_swa.telemetry.sink.SwaTelemetrySink` of the first reporter
+            attached with :meth:`attach` (or hand it to one reporter yourself); each further
+            reporter gets its own sink from ``sink.for_another_reporter()``.
+        sinks: the sink of every reporter attached with :meth:`attach`, in attach order.
         request_spans: :class:`~otel_swa.telemetry.spans.RequestSpans`, one span per request.
         forward_spans: :class:`~otel_swa.telemetry.spans.ForwardSpans`, whose traceparent lookup is
             the given one or, by default, ``request_spans``.
@@ -184,11 +186,24 @@ class SwaTelemetry:
     forward_spans: ForwardSpans
     resource: Resource | None
     exporters: dict[str, list[str]] = field(default_factory=dict)
+    sinks: list = field(default_factory=list)
     _closed: bool = False
 
     def attach(self, reporter: Any) -> Any:
-        """Add :attr:`sink` to ``reporter`` and observe its health; returns ``reporter``."""
-        return self.sink.attach(reporter)
+        """Give ``reporter`` a sink of this pipeline and observe its health; returns ``reporter``.
+
+        The first reporter gets :attr:`sink`; every other one a sink of its own
+        (``sink.for_another_reporter()``) that shares the instruments and event emitters but keeps
+        that reporter's cumulative totals, so the counters add up the work of all reporters.
+        Attaching a reporter twice does nothing.
+        """
+        for sink in self.sinks:
+            if sink.reporter is reporter:
+                return reporter
+        sink = self.sink if not self.sink.attached else self.sink.for_another_reporter()
+        sink.attach(reporter)
+        self.sinks.append(sink)
+        return reporter
 
     def forward_span(self, batch_info: Any = None, **values: Any):
         """The forward-step span context manager (see :meth:`ForwardSpans.forward_span`)."""

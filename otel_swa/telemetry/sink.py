@@ -43,6 +43,11 @@ class SwaTelemetrySink:
             reporter, several reporters in a process: the SDK keeps one instrument per name).
             Each sink keeps the last cumulative totals of its own reporter.
 
+    One sink serves one reporter: it turns that reporter's cumulative totals (``forward_ct``,
+    ``verify_full``, ``verify_swa``) into counter increments, so records of a second reporter
+    would be taken for a restart. For another reporter use :meth:`for_another_reporter` (or
+    :meth:`otel_swa.telemetry.setup.SwaTelemetry.attach`, which does it).
+
     Attributes:
         records: records received.
         errors: parts (metrics or events) that raised, caught and logged.
@@ -78,9 +83,32 @@ class SwaTelemetrySink:
         """A new sink sharing this one's instruments and event emitters, with its own totals."""
         return SwaTelemetrySink(metrics=self.metrics, events=self.events)
 
+    @property
+    def reporter(self) -> Any:
+        """The reporter this sink was attached to (``None``: none yet, or it was garbage-collected)."""
+        return self._reporter() if self._reporter is not None else None
+
+    @property
+    def attached(self) -> bool:
+        """Whether :meth:`attach` was called (the sink's totals then belong to that reporter)."""
+        return self._reporter is not None
+
     def attach(self, reporter: Any) -> Any:
         """Hand this sink to ``reporter`` (``reporter.add_sink``) and observe its health
-        (``reporter.stats``; delivery delay from ``reporter.forward_ct``). Returns ``reporter``."""
+        (``reporter.stats``; delivery delay from ``reporter.forward_ct``). Returns ``reporter``.
+        Attaching the same reporter again does nothing.
+
+        Raises:
+            ValueError: this sink is already attached to another reporter (use
+                :meth:`for_another_reporter`).
+        """
+        if self._reporter is not None:
+            if self._reporter() is reporter:
+                return reporter
+            raise ValueError(
+                "this SwaTelemetrySink already serves another reporter and keeps that reporter's "
+                "cumulative totals; attach sink.for_another_reporter() to a second reporter"
+            )
         reporter.add_sink(self)
         self.metrics.attach(reporter)
         self._reporter = weakref.ref(reporter)
