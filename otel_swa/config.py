@@ -10,7 +10,14 @@ from typing import Mapping
 
 from otel_swa import environment_variables as ev
 
-__all__ = ["ConfigError", "read_int", "divergence_interval", "ring_size", "parallel_ranks"]
+__all__ = [
+    "ConfigError",
+    "read_int",
+    "divergence_interval",
+    "divergence_interval_if_set",
+    "ring_size",
+    "parallel_ranks",
+]
 
 DEFAULT_RING_SIZE = 4
 
@@ -55,6 +62,23 @@ def divergence_interval(environ: Mapping[str, str] | None = None) -> int:
     else:
         name = ev.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL
     return read_int(name, env.get(name), default=0, minimum=0)
+
+
+def divergence_interval_if_set(environ: Mapping[str, str] | None = None) -> int | None:
+    """The sampling interval when one of its variables is set, else ``None``.
+
+    Same variables and precedence as :func:`divergence_interval`; a variable set to blank text counts
+    as unset. Lets a caller with its own default (``otel-swa replay`` samples every 20 steps) tell
+    "explicitly 0: off" from "not configured".
+
+    Raises:
+        ConfigError: the variable in use is not an integer >= 0.
+    """
+    env = os.environ if environ is None else environ
+    names = (ev.OTEL_SWA_DIVERGENCE_INTERVAL, ev.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL)
+    if all(env.get(name, "").strip() == "" for name in names):
+        return None
+    return divergence_interval(env)
 
 
 def ring_size(environ: Mapping[str, str] | None = None) -> int:

@@ -3,6 +3,16 @@
 The default run (no options) replays the first 200 requests of the Azure LLM inference trace 2023
 (conversation service) shipped with the package, samples the SWA KV cache every 20 forward steps,
 prints each sample as SGLang's ``kv_canary_swa_divergence=`` line and ends with a summary.
+
+Environment (read through :mod:`otel_swa.config`; an unusable value exits with status 2 and names
+the variable):
+
+* ``OTEL_SWA_DIVERGENCE_INTERVAL`` (else SGLang's ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``):
+  the sampling interval when ``--interval`` is not given; ``0`` switches the reporter off (no line;
+  the summary says so). Unset: every 20 forward steps.
+* ``OTEL_SWA_RING_SIZE``: slots of the reporter's device-to-host ring.
+* ``OTEL_SWA_DP_RANK``, ``OTEL_SWA_PP_RANK``, ``OTEL_SWA_TP_RANK``: the rank tokens of the log
+  prefix, in SGLang's shape ``[time DP1 PP0 TP3]`` (DP and PP only when set; TP0 by default).
 """
 
 from __future__ import annotations
@@ -18,8 +28,8 @@ from otel_swa.commands._args import non_negative_int, positive_float, positive_i
 from otel_swa.commands._output import StdoutLogHandler, discard_stdout
 from otel_swa.record import SwaDivergenceRecord
 
-#: The SGLang log prefix shape (``[time TP0] message``), so the output reads like an engine's log.
-LOG_FORMAT = "[%(asctime)s TP0] %(message)s"
+#: The SGLang log format (``[time{rank tokens}] message``), so the output reads like an engine's log.
+LOG_FORMAT = "[%(asctime)s{prefix}] %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 EXPORTERS = ("logline", "console", "otlp", "none")
 
@@ -57,7 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--no-model", action="store_true", help="skip the attention math (KV cache bookkeeping and reporter only; faster)")
     rep = parser.add_argument_group("reporter and output")
     rep.add_argument("--interval", type=positive_int, default=None,
-                     help="sample every N forward steps (default: OTEL_SWA_DIVERGENCE_INTERVAL or SGLang's variable when set, else "
+                     help="sample every N forward steps (default: OTEL_SWA_DIVERGENCE_INTERVAL or SGLang's variable when set, "
+                          "where 0 switches the reporter off; else "
                           f"{DEFAULT_REPLAY.interval})")
     rep.add_argument("--exporter", type=_exporter_list, action="extend", default=None, metavar="NAMES",
                      help="where samples go: logline (SGLang's line on stdout), console (OpenTelemetry console exporters), "
@@ -69,19 +80,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _interval(args: argparse.Namespace) -> int:
+    """``--interval``, else the environment's interval when set (0 = reporter off), else 20.
+
+    Raises:
+        ConfigError: the variable in use is not an integer >= 0.
+    """
     from otel_swa.reference.config import DEFAULT_REPLAY
 
     if args.interval is not None:
         return args.interval
-    from_env = otel_swa_config.divergence_interval()
-    return from_env if from_env > 0 else DEFAULT_REPLAY.interval
+    from_env = otel_swa_config.divergence_interval_if_set()
+    return DEFAULT_REPLAY.interval if from_env is None else from_env
 
 
-def _line_logger(log_file: str | None) -> logging.Logger:
+def rank_prefix(ranks: dict[str, int]) -> str:
+    """SGLang's rank tokens for the log prefix, each after a space: `` DP1 PP0 TP3``.
+
+    ``ranks`` is :func:`otel_swa.config.parallel_ranks`'s dict; DP and PP appear only when set, TP
+    always (``TP0`` by default), the shape :mod:`otel_swa.logsource` reads back as the rank.
+    """
+    tokens = [f"DP{ranks['dp']}"] if "dp" in ranks else []
+    if "pp" in ranks:
+        tokens.append(f"PP{ranks['pp']}")
+    tokens.append(f"TP{ranks.get('tp', 0)}")
+    return "".join(" " + token for token in tokens)
+
+
+def _line_logger(log_file: str | None, prefix: str) -> logging.Logger:
     logger = logging.getLogger("otel_swa.replay")
     logger.setLevel(logging.INFO)
     logger.propagate = False
-    formatter = logging.Formatter(LOG_FORMAT, LOG_DATEFMT)
+    formatter = logging.Formatter(LOG_FORMAT.replace("{prefix}", prefix), LOG_DATEFMT)
     handlers: list[logging.Handler] = [StdoutLogHandler()]
     if log_file:
         handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
@@ -109,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         interval = _interval(args)
+        ring_size = otel_swa_config.ring_size()
+        prefix = rank_prefix(otel_swa_config.parallel_ranks())
         engine_config = dataclasses.replace(
             EngineConfig(),
             window=args.window, full_pool_size=args.full_pool, swa_pool_size=args.swa_pool,
@@ -125,10 +156,14 @@ def run(args: argparse.Namespace) -> int:
 
     exporters = args.exporter if args.exporter is not None else ["logline"]
     records: list[SwaDivergenceRecord] = []
-    reporter = SwaDivergenceReporter(interval, device="cpu", sinks=[lambda record, context: records.append(record)])
+    reporter = None
+    if interval > 0:  # 0: the reporter is off, as in an engine (no reporter work at all)
+        reporter = SwaDivergenceReporter(
+            interval, device="cpu", ring_size=ring_size, sinks=[lambda record, context: records.append(record)]
+        )
     logger = None
-    if "logline" in exporters:
-        logger = _line_logger(args.log_file)
+    if "logline" in exporters and reporter is not None:
+        logger = _line_logger(args.log_file, prefix)
     telemetry = None
     otel_exporters = [name for name in exporters if name in ("console", "otlp")]
     if otel_exporters:
@@ -144,7 +179,8 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"otel-swa replay: {exc}", file=sys.stderr)
             return 2
-        telemetry.attach(reporter)
+        if reporter is not None:
+            telemetry.attach(reporter)
     elif logger is not None:
         reporter.add_sink(LogLineSink(logger))
     hooks: dict[str, Any] = {}
@@ -162,13 +198,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"otel-swa replay: {exc}", file=sys.stderr)
         return 2
     finally:
-        reporter.close()
+        if reporter is not None:
+            reporter.close()
         if telemetry is not None:
             telemetry.shutdown()
         if logger is not None:
             _close_logger(logger)
     try:
-        _print_summary(args, interval, summary, records, reporter.stats)
+        _print_summary(args, interval, summary, records, reporter.stats if reporter is not None else None)
     except BrokenPipeError:  # the reader of stdout is gone; the plot is still drawn
         discard_stdout()
     if args.plot:
@@ -207,7 +244,8 @@ def _print_summary(args: argparse.Namespace, interval: int, summary: Any, record
         ("engine", f"window {args.window}, FULL pool {args.full_pool} slots, SWA pool {args.swa_pool} slots, page size {args.page_size}"),
         ("forward steps", f"{summary.forward_steps}"),
         ("requests finished", f"{summary.requests_finished} / {summary.requests_total}"),
-        ("samples delivered", f"{stats.samples_delivered} / {stats.samples_taken} taken (every {interval} forward steps)"),
+        ("samples delivered", "reporter off (interval 0)" if stats is None else
+         f"{stats.samples_delivered} / {stats.samples_taken} taken (every {interval} forward steps)"),
         ("peak divergence", f"{max((r.swa_full_idx_divergence for r in records), default=0)} tokens"),
         ("peak out-of-window", f"{max((r.swa_out_of_window_tokens for r in records), default=0)} tokens"),
         ("last verify_full", f"{last.verify_full if last else 0} entries"),
