@@ -10,7 +10,13 @@ Where the line goes:
 
 * by default through Python ``logging``, logger ``otel_swa``, level INFO, so the application's
   log format (time, level, rank...) stands before it as in SGLang; when that logger has no
-  handler anywhere up its hierarchy the line is written to ``sys.stderr`` instead of being lost;
+  handler anywhere up its hierarchy the line is written to ``sys.stderr`` instead of being lost.
+  Selecting this exporter asks for the lines, so when the logger's own level is unset (NOTSET)
+  and the level it inherits would drop INFO (``logging.basicConfig()`` leaves the root at
+  WARNING), creating the exporter sets that logger's level to INFO. A level the application set
+  on the logger itself is kept (``logging.getLogger("otel_swa").setLevel(logging.WARNING)``
+  silences the lines). The ``otel_swa`` logger is the parent of the package's other loggers,
+  which log warnings and errors only;
 * or to a text stream given as ``stream=`` (one line, ``\\n``-terminated, flushed).
 
 Registered under the entry point group ``opentelemetry_logs_exporter`` as ``swa_logline``, so
@@ -46,7 +52,9 @@ class SwaLogLineExporter(LogRecordExporter):
         stream: a text stream to write to; ``None`` (default): Python logging, logger
             ``logger_name``.
         logger_name: the logger used when ``stream`` is ``None`` (default ``otel_swa``).
-        level: the logging level of the lines (default INFO).
+        level: the logging level of the lines (default INFO). With ``stream=None``, a logger
+            whose own level is NOTSET and which would not pass ``level`` is set to ``level``
+            (see the module docstring).
 
     Records whose attributes do not form a valid record are counted in :attr:`malformed` and
     logged; the export still succeeds for the others.
@@ -56,6 +64,8 @@ class SwaLogLineExporter(LogRecordExporter):
         self._stream = stream
         self._logger = logging.getLogger(logger_name)
         self._level = level
+        if stream is None and self._logger.level == logging.NOTSET and not self._logger.isEnabledFor(level):
+            self._logger.setLevel(level)
         self._lock = threading.Lock()
         self._shutdown = False
         self.lines_written = 0

@@ -155,3 +155,41 @@ get_logger_provider().shutdown()
     assert out.returncode == 0, out.stderr
     # no handler on logger otel_swa: the exporter falls back to stderr
     assert LINES[0] + "\n" in out.stderr
+
+
+@pytest.fixture
+def basic_config_root():
+    """A root logger as ``logging.basicConfig()`` leaves it (one stream handler, level WARNING),
+    with logger ``otel_swa`` at NOTSET; both restored afterwards."""
+    import io as _io
+
+    root, ours = logging.getLogger(), logging.getLogger("otel_swa")
+    saved = (root.level, ours.level)
+    stream = _io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s:%(name)s:%(message)s"))
+    root.addHandler(handler)
+    root.setLevel(logging.WARNING)
+    ours.setLevel(logging.NOTSET)
+    yield stream
+    root.removeHandler(handler)
+    root.setLevel(saved[0])
+    ours.setLevel(saved[1])
+
+
+def test_logline_exporter_is_heard_under_basic_config(basic_config_root):
+    provider = logline_provider(SwaLogLineExporter())
+    sink = SwaTelemetrySink(logger_provider=provider, span_events=False)
+    sink(RECORDS[0], None)
+    provider.shutdown()
+    assert basic_config_root.getvalue() == "INFO:otel_swa:" + LINES[0] + "\n"
+    assert logging.getLogger("otel_swa").level == logging.INFO
+
+
+def test_logline_exporter_keeps_a_level_the_application_set(basic_config_root):
+    logging.getLogger("otel_swa").setLevel(logging.ERROR)  # the application silenced otel_swa
+    provider = logline_provider(SwaLogLineExporter())
+    SwaTelemetrySink(logger_provider=provider, span_events=False)(RECORDS[0], None)
+    provider.shutdown()
+    assert basic_config_root.getvalue() == ""
+    assert logging.getLogger("otel_swa").level == logging.ERROR
