@@ -20,30 +20,37 @@ __all__ = [
 ]
 
 DEFAULT_RING_SIZE = 4
+#: The largest ``OTEL_SWA_RING_SIZE``: a ring holds a few samples in flight; thousands mean a typo,
+#: and a huge value would only fail later as a host-memory allocation error.
+MAX_RING_SIZE = 1024
 
 
 class ConfigError(ValueError):
     """An environment variable (or an argument standing for one) has an unusable value."""
 
 
-def read_int(name: str, value: str | None, *, default: int, minimum: int) -> int:
-    """Parse ``value`` (the raw text of variable ``name``) as a base-10 integer >= ``minimum``.
+def read_int(name: str, value: str | None, *, default: int, minimum: int, maximum: int | None = None) -> int:
+    """Parse ``value`` (the raw text of variable ``name``) as a base-10 integer >= ``minimum`` (and
+    <= ``maximum`` when given).
 
     ``None`` or blank text gives ``default``.
 
     Raises:
-        ConfigError: the text is not an integer ("abc", "2.5") or is below ``minimum`` ("-3"); the
-            message names the variable and the value.
+        ConfigError: the text is not an integer ("abc", "2.5") or is out of range ("-3"); the
+            message names the variable, the value and the range expected.
     """
     if value is None or value.strip() == "":
         return default
     text = value.strip()
+    expected = f"an integer >= {minimum}" if maximum is None else f"an integer from {minimum} to {maximum}"
     try:
         number = int(text, 10)
     except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer; expected an integer >= {minimum}") from None
+        raise ConfigError(f"{name}={value!r} is not an integer; expected {expected}") from None
     if number < minimum:
-        raise ConfigError(f"{name}={value!r} is below {minimum}; expected an integer >= {minimum}")
+        raise ConfigError(f"{name}={value!r} is below {minimum}; expected {expected}")
+    if maximum is not None and number > maximum:
+        raise ConfigError(f"{name}={value!r} is above {maximum}; expected {expected}")
     return number
 
 
@@ -82,14 +89,15 @@ def divergence_interval_if_set(environ: Mapping[str, str] | None = None) -> int 
 
 
 def ring_size(environ: Mapping[str, str] | None = None) -> int:
-    """Slots of the device-to-host ring (``OTEL_SWA_RING_SIZE``, default 4).
+    """Slots of the device-to-host ring (``OTEL_SWA_RING_SIZE``, default 4, at most
+    :data:`MAX_RING_SIZE`).
 
     Raises:
-        ConfigError: not an integer >= 1.
+        ConfigError: not an integer from 1 to :data:`MAX_RING_SIZE`.
     """
     env = os.environ if environ is None else environ
     name = ev.OTEL_SWA_RING_SIZE
-    return read_int(name, env.get(name), default=DEFAULT_RING_SIZE, minimum=1)
+    return read_int(name, env.get(name), default=DEFAULT_RING_SIZE, minimum=1, maximum=MAX_RING_SIZE)
 
 
 #: Parallel dimension -> the variable holding this process's rank in it.

@@ -23,7 +23,7 @@ OTEL_SWA_RING_SIZE = "OTEL_SWA_RING_SIZE"
 """
 .. envvar:: OTEL_SWA_RING_SIZE
 
-Number of device-to-host slots in the pinned host ring (integer >= 1, default 4). When all are in
+Number of device-to-host slots in the pinned host ring (integer from 1 to 1024, default 4). When all are in
 flight, the reporter waits for the oldest; samples are never dropped.
 """
 
