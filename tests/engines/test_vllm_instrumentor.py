@@ -218,3 +218,24 @@ def test_unsupported_version_under_the_loaders_call_warns_once_and_wraps_nothing
     ours = [r.getMessage() for r in caplog.records if r.name == "opentelemetry.instrumentation.swa_vllm"]
     assert ours == ["swa_vllm: installed vllm 0.9.2 is outside the supported vllm >= 0.10, < 0.34; "
                     "vLLM is not instrumented"]
+
+def test_vllm_records_mark_divergence_not_applicable_and_export_no_divergent_point(
+    vllm_standin, instrumentor, pipeline, monkeypatch
+):
+    v = vllm_standin()
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "4")
+    instrumentor.instrument(**pipeline.providers())
+    scheduler, runner = v.Scheduler(5), v.GPUModelRunner()
+    out_of_window = {}
+    for step in range(1, 21):
+        output = scheduler.schedule()
+        if step % 4 == 0:
+            out_of_window[step] = recount(scheduler, output)[2]
+        runner.execute_model(output)
+    scheduler.__dict__[SCHEDULER_ATTRIBUTE].reporter.flush()
+    events = pipeline.events()
+    assert [e.attributes["kv_cache.swa.forward_ct"] for e in events] == [4, 8, 12, 16, 20]
+    assert [e.attributes["kv_cache.swa.divergence_applicable"] for e in events] == [False] * 5
+    assert [e.attributes["kv_cache.swa.swa_out_of_window_tokens"] for e in events] == list(out_of_window.values())
+    assert pipeline.points("kv_cache.swa.tokens.divergent") == []
+    assert [p.value for p in pipeline.points("kv_cache.swa.tokens.out_of_window")] == [out_of_window[20]]

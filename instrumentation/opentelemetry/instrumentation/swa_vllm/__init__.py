@@ -26,8 +26,12 @@ Instrumenting wraps two methods:
     lives in the worker; the samples are taken in the scheduler, so their events carry the
     context current at ``schedule()`` (no forward-step span), unless both run in one call stack.
 
-Divergence is not applicable to vLLM (no FULL-to-SWA mapping, see :mod:`otel_swa.views.vllm`):
-records carry ``swa_full_idx_divergence=0`` by construction, and so do the metric and the line.
+Divergence is not applicable to vLLM (no FULL-to-SWA mapping, see :mod:`otel_swa.views.vllm`).
+Every sample goes through :func:`otel_swa.views.vllm.batch_view`, whose view sets
+``divergence_applicable=False``; the reporter carries it into each record, so the telemetry
+records no ``kv_cache.swa.tokens.divergent`` point and the event has
+``kv_cache.swa.divergence_applicable=false``. Only the SGLang line, whose fields are integers,
+still shows ``"swa_full_idx_divergence":0``.
 
 Switch: ``OTEL_SWA_DIVERGENCE_INTERVAL`` (or ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``),
 read when ``instrument()`` runs. Unset or 0: nothing is wrapped. An unusable value is logged and
