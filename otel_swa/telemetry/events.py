@@ -6,8 +6,11 @@ For every record two events of the same name, :data:`~otel_swa.telemetry.semconv
 
 * a Logs API event (``Logger.emit(event_name=..., context=...)``, OTEP 4430, the form OpenTelemetry
   is moving span events to). Its trace and span ids are those of the ``context`` handed to the
-  sink, the forward step where the sample was taken, not the step where the copy finished. Its body
-  is the SGLang line body (``record.format()``), so any log backend shows the familiar text;
+  sink, the forward step where the sample was taken, not the step where the copy finished. Its
+  timestamp is the time of emission (``time.time_ns()``, ns since the Unix epoch, when the record
+  is delivered), so backends order the events; the forward step's span gives the sampling time.
+  Its body is the SGLang line body (``record.format()``), so any log backend shows the familiar
+  text;
 * a span event. The copy to the host lands one or more steps later, when the forward-step span
   has normally ended and can no longer take events. The event then goes on a short child span of
   the forward step, named ``swa divergence sample`` (kind INTERNAL, attribute
@@ -17,6 +20,8 @@ For every record two events of the same name, :data:`~otel_swa.telemetry.semconv
 """
 
 from __future__ import annotations
+
+import time
 
 from opentelemetry import trace
 from opentelemetry._logs import Logger, SeverityNumber
@@ -76,6 +81,7 @@ class SampleEvents:
         attributes = record_attributes(record)
         if self._logger is not None:
             self._logger.emit(
+                timestamp=time.time_ns(),
                 event_name=sc.EVENT_NAME,
                 body=record.format(),
                 attributes=attributes,

@@ -53,6 +53,19 @@ def test_log_event_carries_the_fields_and_the_forward_step_trace_context(pipelin
     assert log.instrumentation_scope.name == "otel_swa"
 
 
+def test_log_event_has_the_emission_time_as_timestamp(pipeline):
+    import time
+
+    sink = SwaTelemetrySink(**pipeline.providers())
+    ctx, trace_id, span_id = forward_step_context(pipeline)
+    before = time.time_ns()
+    sink(RECORD, ctx)
+    after = time.time_ns()
+    (log,) = pipeline.logs.get_finished_logs()
+    rec = log.log_record
+    assert isinstance(rec.timestamp, int) and before <= rec.timestamp <= after
+    assert (rec.trace_id, rec.span_id) == (trace_id, span_id)  # still the sampled forward step
+
 def test_late_sample_goes_on_a_child_span_of_the_ended_forward_step(pipeline):
     sink = SwaTelemetrySink(**pipeline.providers())
     ctx, trace_id, span_id = forward_step_context(pipeline)
