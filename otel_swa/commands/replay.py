@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
+import re
 import sys
 from typing import Any
 
@@ -147,6 +149,9 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, run_model=not args.no_model,
         )
         requests = load_trace(args.trace, limit=args.requests or None)
+        _check_pool_memory(engine_config, _available_memory())
+        if args.log_file:
+            _check_log_file(args.log_file)
     except (ConfigError, ValueError, OSError) as exc:
         print(f"otel-swa replay: {exc}", file=sys.stderr)
         return 2
@@ -179,6 +184,10 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             print(f"otel-swa replay: {exc}", file=sys.stderr)
             return 2
+        except ValueError as exc:  # the SDK refused one of the standard OTEL_* variables
+            print(f"otel-swa replay: OpenTelemetry cannot be set up from the environment: {exc}{_otel_hint(exc)}",
+                  file=sys.stderr)
+            return 2
         if reporter is not None:
             telemetry.attach(reporter)
     elif logger is not None:
@@ -196,6 +205,11 @@ def run(args: argparse.Namespace) -> int:
         )
     except RequestTooLargeError as exc:
         print(f"otel-swa replay: {exc}", file=sys.stderr)
+        return 2
+    except (MemoryError, RuntimeError) as exc:
+        if not _is_allocation_error(exc):
+            raise
+        print(f"otel-swa replay: {_pool_too_large(args, exc)}", file=sys.stderr)
         return 2
     finally:
         if reporter is not None:
@@ -218,6 +232,103 @@ def run(args: argparse.Namespace) -> int:
             return 2
         print(f"plot written to {args.plot}")
     return 0
+
+
+def _check_log_file(path: str) -> None:
+    """Open ``--log-file`` for appending once, before the run, so a bad path fails at once.
+
+    Raises:
+        ValueError: the file cannot be opened (the message names the option, the path and why).
+    """
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"--log-file {path!r} cannot be opened for appending: {exc.strerror or exc}") from None
+
+
+#: Standard OpenTelemetry variables the SDK validates when the providers are built: a word in the
+#: SDK's error -> the variable and the values it accepts (OpenTelemetry SDK environment variables).
+_OTEL_HINTS = {
+    "exemplar filter": "OTEL_METRICS_EXEMPLAR_FILTER expects always_on, always_off or trace_based",
+}
+
+
+def _otel_hint(exc: Exception) -> str:
+    text = str(exc).lower()
+    for word, hint in _OTEL_HINTS.items():
+        if word in text:
+            return f" ({hint})"
+    return " (check the OTEL_* environment variables)"
+
+
+#: Host bytes per slot of the reference engine's pools, besides the KV entries: a free-list entry
+#: (a Python int in a deque, about 36 bytes) in each pool, plus the int64 full-to-SWA mapping (8
+#: bytes) per FULL slot. A coarse figure, enough to refuse a size no machine can hold before the
+#: engine starts filling its free lists.
+_FREE_LIST_BYTES_PER_SLOT = 36
+_MAPPING_BYTES_PER_FULL_SLOT = 8
+
+
+def _available_memory() -> int | None:
+    """Bytes of host memory available now (``MemAvailable`` of /proc/meminfo, else the physical
+    memory), or ``None`` when the system does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def _check_pool_memory(config: Any, available: int | None) -> None:
+    """Refuse pool sizes whose host memory alone exceeds what is available.
+
+    Raises:
+        ValueError: the message names the option that is too large, the estimate and what is available.
+    """
+    if available is None:
+        return
+    kv_bytes = 2 * 4 * config.num_heads * config.head_dim if config.run_model else 0  # float32 K and V
+    need = {
+        "--full-pool": config.full_pool_size * (_FREE_LIST_BYTES_PER_SLOT + _MAPPING_BYTES_PER_FULL_SLOT + kv_bytes),
+        "--swa-pool": config.swa_pool_size * (_FREE_LIST_BYTES_PER_SLOT + kv_bytes),
+    }
+    if sum(need.values()) <= available:
+        return
+    option = max(need, key=need.__getitem__)
+    slots = config.full_pool_size if option == "--full-pool" else config.swa_pool_size
+    raise ValueError(
+        f"{option} {slots} slots is too large for this machine's memory: the KV pools need about "
+        f"{_gib(sum(need.values()))} of host memory, {_gib(available)} is available; lower {option}"
+    )
+
+
+def _gib(n_bytes: int) -> str:
+    """``n_bytes`` in GiB, or in MiB below 1 GiB (one decimal)."""
+    if n_bytes < 2**30:
+        return f"{n_bytes / 2**20:,.1f} MiB"
+    return f"{n_bytes / 2**30:,.1f} GiB"
+
+
+def _is_allocation_error(exc: BaseException) -> bool:
+    """A host or device memory allocation failed (torch raises RuntimeError, or its subclass
+    OutOfMemoryError, with "allocate" in the message; Python raises MemoryError)."""
+    return isinstance(exc, MemoryError) or "allocate" in str(exc).lower()
+
+
+def _pool_too_large(args: argparse.Namespace, exc: BaseException) -> str:
+    """One line naming the pool option that is too large for this machine's memory."""
+    match = re.search(r"allocate (\d+) bytes", str(exc))
+    tried = f" (an allocation of {int(match.group(1)):,} bytes failed)" if match else ""
+    option, value = max((("--full-pool", args.full_pool), ("--swa-pool", args.swa_pool)), key=lambda item: item[1])
+    return (f"cannot allocate the KV pools{tried}: {option} {value} slots is too large for this machine's memory; "
+            f"lower {option}")
 
 
 def _request_span_hooks(telemetry: Any) -> dict[str, Any]:
