@@ -31,7 +31,6 @@ import torch
 from otel_swa.views.base import SwaBatch
 
 __all__ = [
-    "DIVERGENCE_APPLICABLE",
     "NULL_BLOCK_ID",
     "SUPPORTED_VLLM",
     "WindowCounts",
@@ -41,9 +40,6 @@ __all__ = [
     "batch_view",
     "observe_counts",
 ]
-
-#: vLLM has no FULL-to-SWA index mapping: divergence is not applicable (see the module docstring).
-DIVERGENCE_APPLICABLE = False
 
 #: The null block's id in vLLM's ``BlockPool`` (the pool reserves block 0 for it).
 NULL_BLOCK_ID = 0
