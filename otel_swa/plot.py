@@ -23,7 +23,14 @@ from typing import Mapping, Sequence
 
 from otel_swa.record import SwaDivergenceRecord
 
-__all__ = ["PlotUnavailableError", "PLOT_INSTALL_HINT", "verify_lag_per_interval", "plot_records"]
+__all__ = [
+    "PlotUnavailableError",
+    "PLOT_INSTALL_HINT",
+    "verify_lag_per_interval",
+    "image_suffixes",
+    "check_image_path",
+    "plot_records",
+]
 
 #: The command that installs what :func:`plot_records` needs.
 PLOT_INSTALL_HINT = "pip install 'otel-swa[plot]'"
@@ -61,6 +68,47 @@ def _import_matplotlib():
     return Figure, FigureCanvasAgg
 
 
+def image_suffixes() -> list[str]:
+    """The file suffixes matplotlib can write (``[".eps", ".jpg", ".pdf", ".png", ".svg", ...]``), sorted.
+
+    Raises:
+        PlotUnavailableError: matplotlib is not installed.
+    """
+    _, FigureCanvasAgg = _import_matplotlib()
+    return sorted("." + name for name in FigureCanvasAgg.get_supported_filetypes())
+
+
+def check_image_path(path: str | os.PathLike[str]) -> Path:
+    """Check, before any drawing, that an image can be written at ``path``.
+
+    The suffix must be one matplotlib writes and the folder must exist. A path without a suffix gets
+    ``.png`` (as matplotlib would append it).
+
+    Returns:
+        the path the image will have, as a :class:`~pathlib.Path`.
+
+    Raises:
+        PlotUnavailableError: matplotlib is not installed.
+        ValueError: the suffix is not an image format; the message lists the ones that work.
+        FileNotFoundError: the folder does not exist (``NotADirectoryError``: it is a file).
+    """
+    out = Path(path)
+    if not out.suffix:
+        out = out.with_name(out.name + ".png")
+    suffixes = image_suffixes()
+    if out.suffix and out.suffix.lower() not in suffixes:
+        raise ValueError(
+            f"cannot write {os.fspath(path)!r}: {out.suffix!r} is not an image format matplotlib writes; "
+            f"use one of {', '.join(suffixes)}"
+        )
+    folder = out.parent
+    if not folder.exists():
+        raise FileNotFoundError(f"cannot write {os.fspath(path)!r}: the folder {os.fspath(folder)!r} does not exist")
+    if not folder.is_dir():
+        raise NotADirectoryError(f"cannot write {os.fspath(path)!r}: {os.fspath(folder)!r} is not a folder")
+    return out
+
+
 def plot_records(
     records_by_rank: Mapping[str | None, Sequence[SwaDivergenceRecord]] | Sequence[SwaDivergenceRecord],
     path: str | os.PathLike[str],
@@ -79,12 +127,13 @@ def plot_records(
         dpi: resolution of raster formats.
 
     Returns:
-        ``path`` as a :class:`~pathlib.Path`.
+        the path written, as a :class:`~pathlib.Path` (``.png`` appended when ``path`` has no suffix).
 
     Raises:
         PlotUnavailableError: matplotlib is not installed (an ``ImportError``; the message gives
             :data:`PLOT_INSTALL_HINT`).
-        ValueError: there is no record to draw.
+        ValueError: there is no record to draw, or the suffix of ``path`` is no image format (the
+            message lists those that work; see :func:`check_image_path`).
         TypeError: an item is not a :class:`~otel_swa.record.SwaDivergenceRecord`.
         OSError: the file cannot be written.
     """
@@ -98,6 +147,7 @@ def plot_records(
     if not ranks:
         raise ValueError("no record to plot: every rank is empty")
     Figure, FigureCanvasAgg = _import_matplotlib()
+    out = check_image_path(path)
 
     total = sum(len(records) for _, records in ranks)
     fig = Figure(figsize=(12, 1.2 + 2.9 * len(ranks)), layout="constrained")
@@ -136,6 +186,5 @@ def plot_records(
     named = [rank for rank, _ in ranks if rank is not None]
     rank_note = f", {len(named)} rank{'s' if len(named) != 1 else ''}" if named else ""
     fig.suptitle(title or f"SWA KV cache over a run: {total} record{'s' if total != 1 else ''}{rank_note}")
-    out = Path(path)
     fig.savefig(out, dpi=dpi)
     return out

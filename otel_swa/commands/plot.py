@@ -32,10 +32,10 @@ def run(args: argparse.Namespace) -> int:
         return error(f"no kv_canary_swa_divergence record in {what}{extra}; nothing to plot")
     try:
         path = plot_records(group_by_rank(found), args.output, title=args.title)
-    except PlotUnavailableError as exc:
+    except (PlotUnavailableError, ValueError) as exc:
         return error(str(exc))
     except OSError as exc:
-        return error(f"cannot write {args.output!r}: {exc.strerror or exc}")
+        return error(f"cannot write {args.output!r}: {exc.strerror}" if exc.strerror else str(exc))
     ranks = len({item.rank for item in found})
     print(f"wrote {path} ({len(found)} records, {ranks} panel row(s))")
     return 0
