@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from otel_swa import config as otel_swa_config
@@ -152,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
         _check_pool_memory(engine_config, _available_memory())
         if args.log_file:
             _check_log_file(args.log_file)
-    except (ConfigError, ValueError, OSError) as exc:
+        plot_path = _check_plot(args.plot, interval) if args.plot else None
+    except (ConfigError, ValueError, OSError, ImportError) as exc:
         print(f"otel-swa replay: {exc}", file=sys.stderr)
         return 2
     if not requests:
@@ -222,16 +224,35 @@ def run(args: argparse.Namespace) -> int:
         _print_summary(args, interval, summary, records, reporter.stats if reporter is not None else None)
     except BrokenPipeError:  # the reader of stdout is gone; the plot is still drawn
         discard_stdout()
-    if args.plot:
+    if plot_path is not None:
         from otel_swa.plot import PlotUnavailableError, plot_records
 
         try:
-            plot_records(records, args.plot, title=f"otel-swa replay of {args.trace} ({summary.requests_total} requests)")
+            plot_records(records, plot_path, title=f"otel-swa replay of {args.trace} ({summary.requests_total} requests)")
         except (PlotUnavailableError, ValueError, OSError) as exc:
             print(f"otel-swa replay: cannot draw {args.plot}: {exc}", file=sys.stderr)
             return 2
-        print(f"plot written to {args.plot}")
+        print(f"plot written to {plot_path}")
     return 0
+
+
+def _check_plot(path: str, interval: int) -> Path:
+    """Check ``--plot`` before the run: matplotlib imports, the suffix is an image format, the folder
+    exists, and the reporter is on (else there is nothing to draw).
+
+    Returns:
+        the path the image will have (``.png`` appended when there is no suffix).
+
+    Raises:
+        PlotUnavailableError: matplotlib is not installed (the message gives the pip command).
+        ValueError, OSError: the path cannot take an image, or the reporter is off.
+    """
+    from otel_swa.plot import check_image_path
+
+    out = check_image_path(path)
+    if interval == 0:
+        raise ValueError(f"--plot {path!r} needs records, but the reporter is off (interval 0)")
+    return out
 
 
 def _check_log_file(path: str) -> None:
