@@ -24,7 +24,7 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 import torch
 

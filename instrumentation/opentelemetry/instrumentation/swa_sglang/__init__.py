@@ -66,18 +66,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import logging
 import weakref
 from types import SimpleNamespace
 from typing import Any, Callable, Collection
 
 from opentelemetry import trace
-from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
-
 from opentelemetry.instrumentation.swa_sglang.package import _instruments
 from opentelemetry.instrumentation.swa_sglang.version import __version__
+
+from otel_swa.engine_wrapping import (
+    EngineVersionError,
+    resolve_method,
+    unavailable_reason,
+)
 
 __all__ = ["SwaSglangInstrumentor", "SglangVersionError", "WRAPPED", "RUNNER_ATTRIBUTE", "CANARY_ATTRIBUTE"]
 
@@ -98,7 +101,7 @@ WRAPPED = (
 )
 
 
-class SglangVersionError(ImportError):
+class SglangVersionError(EngineVersionError):
     """The installed SGLang lacks a method (or parameter) this instrumentation wraps.
 
     An ``ImportError``, so that ``opentelemetry-instrument`` logs it, skips this instrumentor and
@@ -106,46 +109,13 @@ class SglangVersionError(ImportError):
 
 
 def _unavailable() -> str | None:
-    """Why SGLang cannot be instrumented here (not installed, or a version outside
-    ``_instruments``), or ``None`` when it can. Reads the installed distribution's metadata only."""
-    conflict = get_dependency_conflicts(_instruments)
-    if conflict is None:
-        return None
-    if conflict.found is None:
-        return f"sglang is not installed (supported: {conflict.required})"
-    return f"installed {conflict.found} is outside the supported {conflict.required}"
+    """Why SGLang cannot be instrumented here, or ``None`` (see :func:`otel_swa.engine_wrapping.unavailable_reason`)."""
+    return unavailable_reason("sglang", _instruments)
 
 
-def _installed_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:
-        return "unknown"
-
-
-def _resolve(module_name: str, class_name: str, method: str, params: tuple[str, ...]) -> tuple[type, Callable]:
-    """The class and the function to wrap, checked; raises :class:`SglangVersionError`."""
-    expected = f"{module_name}.{class_name}.{method}({', '.join(params)}, ...)"
-    try:
-        import importlib
-
-        cls = getattr(importlib.import_module(module_name), class_name)
-        function = cls.__dict__[method]
-    except (ImportError, AttributeError, KeyError) as exc:
-        raise SglangVersionError(
-            f"swa_sglang supports {_instruments[0]}; installed sglang {_installed_version()} has no "
-            f"{expected} ({exc!r})"
-        ) from exc
-    names = set(inspect.signature(function).parameters)
-    missing = [p for p in params if p not in names]
-    if missing:
-        raise SglangVersionError(
-            f"swa_sglang supports {_instruments[0]}; installed sglang {_installed_version()}: expected "
-            f"{expected}, its parameters lack {missing}"
-        )
-    return cls, function
+def _resolve(module_name: str, class_name: str, method: "str | None" = None, params: tuple[str, ...] = ()) -> Any:
+    """The class (and the function to wrap), checked; raises :class:`SglangVersionError`."""
+    return resolve_method(SglangVersionError, "swa_sglang", "sglang", _instruments[0], module_name, class_name, method, params)
 
 
 def _forward_mode_counts(forward_batch: Any, batch_size: int | None) -> tuple[int | None, int | None]:

@@ -64,19 +64,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
-import inspect
 import logging
 import weakref
 from types import SimpleNamespace
 from typing import Any, Callable, Collection
 
 from opentelemetry import trace
-from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
-
 from opentelemetry.instrumentation.swa_vllm.package import _instruments
 from opentelemetry.instrumentation.swa_vllm.version import __version__
+
+from otel_swa.engine_wrapping import (
+    EngineVersionError,
+    resolve_method,
+    unavailable_reason,
+)
 
 __all__ = ["SwaVllmInstrumentor", "VllmVersionError", "WRAPPED", "SCHEDULER_ATTRIBUTE"]
 
@@ -94,7 +96,7 @@ WRAPPED = (
 _SLIDING_WINDOW_MANAGER = ("vllm.v1.core.single_type_kv_cache_manager", "SlidingWindowManager")
 
 
-class VllmVersionError(ImportError):
+class VllmVersionError(EngineVersionError):
     """The installed vLLM lacks a method (or parameter) this instrumentation wraps.
 
     An ``ImportError``, so that ``opentelemetry-instrument`` logs it, skips this instrumentor and
@@ -102,43 +104,13 @@ class VllmVersionError(ImportError):
 
 
 def _unavailable() -> str | None:
-    """Why vLLM cannot be instrumented here (not installed, or a version outside
-    ``_instruments``), or ``None`` when it can. Reads the installed distribution's metadata only."""
-    conflict = get_dependency_conflicts(_instruments)
-    if conflict is None:
-        return None
-    if conflict.found is None:
-        return f"vllm is not installed (supported: {conflict.required})"
-    return f"installed {conflict.found} is outside the supported {conflict.required}"
+    """Why vLLM cannot be instrumented here, or ``None`` (see :func:`otel_swa.engine_wrapping.unavailable_reason`)."""
+    return unavailable_reason("vllm", _instruments)
 
 
-def _installed_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("vllm")
-    except Exception:
-        return "unknown"
-
-
-def _resolve(module_name: str, class_name: str, method: str | None, params: tuple[str, ...] = ()) -> Any:
-    expected = f"{module_name}.{class_name}" + (f".{method}({', '.join(params)}, ...)" if method else "")
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-        function = cls.__dict__[method] if method else None
-    except (ImportError, AttributeError, KeyError) as exc:
-        raise VllmVersionError(
-            f"swa_vllm supports {_instruments[0]}; installed vllm {_installed_version()} has no {expected} ({exc!r})"
-        ) from exc
-    if function is None:
-        return cls
-    missing = [p for p in params if p not in inspect.signature(function).parameters]
-    if missing:
-        raise VllmVersionError(
-            f"swa_vllm supports {_instruments[0]}; installed vllm {_installed_version()}: expected {expected}, "
-            f"its parameters lack {missing}"
-        )
-    return cls, function
+def _resolve(module_name: str, class_name: str, method: "str | None" = None, params: tuple[str, ...] = ()) -> Any:
+    """The class (and the function to wrap), checked; raises :class:`VllmVersionError`."""
+    return resolve_method(VllmVersionError, "swa_vllm", "vllm", _instruments[0], module_name, class_name, method, params)
 
 
 class SwaVllmInstrumentor(BaseInstrumentor):
