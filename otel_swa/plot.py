@@ -1,6 +1,7 @@
 """A picture of a run: the records of each rank against ``forward_ct``.
 
-One row per rank (one row when the log names no rank), two panels per row:
+One row per rank (one row when the log names no rank; when only some lines name a rank, the lines
+without one get their own row, labelled "no rank"), two panels per row:
 
 * left: ``swa_full_idx_divergence`` and ``swa_out_of_window_tokens`` at each sampled forward step,
   unit ``{token}``;
@@ -109,6 +110,16 @@ def check_image_path(path: str | os.PathLike[str]) -> Path:
     return out
 
 
+#: Row label of the records without a rank in a log where other lines name one.
+NO_RANK_LABEL = "no rank"
+
+
+def _row_label(rank: str | None, any_named: bool) -> str:
+    if rank is not None:
+        return f"{rank}\n"
+    return f"{NO_RANK_LABEL}\n" if any_named else ""
+
+
 def plot_records(
     records_by_rank: Mapping[str | None, Sequence[SwaDivergenceRecord]] | Sequence[SwaDivergenceRecord],
     path: str | os.PathLike[str],
@@ -150,6 +161,7 @@ def plot_records(
     out = check_image_path(path)
 
     total = sum(len(records) for _, records in ranks)
+    named = [rank for rank, _ in ranks if rank is not None]
     fig = Figure(figsize=(12, 1.2 + 2.9 * len(ranks)), layout="constrained")
     FigureCanvasAgg(fig)
     axes = fig.subplots(len(ranks), 2, sharex=True, squeeze=False)
@@ -161,7 +173,7 @@ def plot_records(
                        color="tab:blue", label="swa_full_idx_divergence")
         ax_tokens.plot(x, [r.swa_out_of_window_tokens for r in records], marker=marker, markersize=3,
                        color="tab:orange", label="swa_out_of_window_tokens")
-        ax_tokens.set_ylabel(("" if rank is None else f"{rank}\n") + "tokens at sampled step")
+        ax_tokens.set_ylabel(f"{_row_label(rank, bool(named))}tokens at sampled step")
         peak = max(max(r.swa_full_idx_divergence, r.swa_out_of_window_tokens) for r in records)
         ax_tokens.set_ylim(0, max(peak, 1) * 1.25)  # headroom for the legend
         ax_tokens.grid(True, alpha=0.3)
@@ -183,8 +195,8 @@ def plot_records(
             ax_tokens.legend(loc="upper left", ncols=2, fontsize="small")
     for ax in axes[-1]:
         ax.set_xlabel("forward_ct (forward steps)")
-    named = [rank for rank, _ in ranks if rank is not None]
-    rank_note = f", {len(named)} rank{'s' if len(named) != 1 else ''}" if named else ""
+    # rows, not named ranks: lines without a rank, next to ranked ones, are a row of their own
+    rank_note = f", {len(ranks)} rank{'s' if len(ranks) != 1 else ''}" if named else ""
     fig.suptitle(title or f"SWA KV cache over a run: {total} record{'s' if total != 1 else ''}{rank_note}")
     fig.savefig(out, dpi=dpi)
     return out
