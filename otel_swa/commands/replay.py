@@ -79,7 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "comma-separated or repeated (default: logline)")
     rep.add_argument("--log-file", metavar="FILE", help="also append the log lines to FILE")
     rep.add_argument("--plot", metavar="PNG", help="draw the run's records to this image (needs the 'plot' extra)")
-    rep.add_argument("--no-progress", action="store_true", help="no progress bar (default: shown when stderr is a terminal)")
+    rep.add_argument("--no-progress", action="store_true",
+                     help="no progress on stderr (default: a bar on a terminal; elsewhere, such as a CI log, "
+                          "a line every 30 s of a long run)")
 
 
 def _interval(args: argparse.Namespace) -> int:
@@ -198,6 +200,10 @@ def run(args: argparse.Namespace) -> int:
     if telemetry is not None:
         hooks = _request_span_hooks(telemetry)
     progress = not args.no_progress and sys.stderr.isatty()
+    if not args.no_progress and not progress:  # a log, not a terminal: a plain line now and then
+        from otel_swa.commands._progress import ProgressLines
+
+        hooks["on_step"] = _both(hooks.get("on_step"), ProgressLines(len(requests)))
     try:
         summary = replay(
             requests, engine_config, reporter,
@@ -350,6 +356,18 @@ def _pool_too_large(args: argparse.Namespace, exc: BaseException) -> str:
     option, value = max((("--full-pool", args.full_pool), ("--swa-pool", args.swa_pool)), key=lambda item: item[1])
     return (f"cannot allocate the KV pools{tried}: {option} {value} slots is too large for this machine's memory; "
             f"lower {option}")
+
+
+def _both(first: Any, second: Any) -> Any:
+    """One ``on_step`` hook calling ``first`` (when given), then ``second``."""
+    if first is None:
+        return second
+
+    def on_step(result: Any) -> None:
+        first(result)
+        second(result)
+
+    return on_step
 
 
 def _request_span_hooks(telemetry: Any) -> dict[str, Any]:
