@@ -3,7 +3,7 @@
 import io
 from types import SimpleNamespace
 
-import pytest
+
 
 from otel_swa.cli import main
 from otel_swa.commands import _progress
