@@ -3,8 +3,6 @@
 import io
 from types import SimpleNamespace
 
-
-
 from otel_swa.cli import main
 from otel_swa.commands import _progress
 from otel_swa.commands._progress import ProgressLines
