@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import logging
+import weakref
 from importlib import metadata
-from typing import Any, Collection
+from typing import Any, Callable, Collection
 
 from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
+from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-__all__ = ["EngineVersionError", "unavailable_reason", "installed_version", "resolve_method"]
+__all__ = ["EngineInstrumentor", "EngineVersionError", "unavailable_reason", "installed_version", "resolve_method"]
 
 
 class EngineVersionError(ImportError):
@@ -78,3 +81,128 @@ def resolve_method(
     if missing:
         raise error(f"{where}: expected {expected}, its parameters lack {missing}")
     return cls, function
+
+
+class EngineInstrumentor(BaseInstrumentor):
+    """Base of the engine instrumentors: the gate, the checks, the telemetry, wrapping and restoring.
+
+    A subclass sets the class attributes below and implements :meth:`_wrappers`; ``instrument()``
+    then:
+
+    1. does nothing when the interval variable is 0 or unset (no wrapping, no reporter work), or
+       logs and does nothing when it is unusable;
+    2. logs one warning and does nothing when the engine is not installed or its version is
+       outside ``instruments`` (``opentelemetry-instrument`` calls ``instrument(skip_dep_check=True)``,
+       so the check is made here too);
+    3. resolves every method in ``wrapped`` (and :meth:`_resolve_more`) before changing anything,
+       raising ``version_error`` for an unsupported build;
+    4. builds the telemetry sink and forward-step spans from the ``instrument()`` kwargs
+       (``tracer_provider``, ``meter_provider``, ``logger_provider``, ``span_events``,
+       ``max_links``, ``traceparents``), never installing global providers;
+    5. replaces each method with its wrapper. ``uninstrument()`` restores the very same function
+       objects and closes (flushes) the reporters made meanwhile.
+
+    Class attributes:
+        name: the instrumentor's entry-point name (``swa_sglang``).
+        engine: the engine's name in messages (``SGLang``).
+        distribution: the engine's distribution name (``sglang``).
+        instruments: supported version ranges (``package._instruments``).
+        wrapped: ``(module, class, method, parameters relied on)`` per wrapped method.
+        version_error: the :class:`EngineVersionError` subclass raised for unsupported builds.
+    """
+
+    name: str = ""
+    engine: str = ""
+    distribution: str = ""
+    instruments: Collection[str] = ()
+    wrapped: tuple[tuple[str, str, str, tuple[str, ...]], ...] = ()
+    version_error: type[EngineVersionError] = EngineVersionError
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._originals: dict[tuple[type, str], Callable] = {}
+        self._reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        self._log = logging.getLogger(type(self).__module__)  # messages under the instrumentor's name
+
+    def instrumentation_dependencies(self) -> Collection[str]:
+        return self.instruments
+
+    # ------------------------------------------------------------------ for subclasses
+    def _wrappers(self) -> tuple[Callable[[Callable], Callable], ...]:
+        """One function per entry of ``wrapped``: original function -> wrapper."""
+        raise NotImplementedError
+
+    def _resolve_more(self) -> None:
+        """Resolve further classes the wrappers need (raise ``version_error`` if missing)."""
+
+    def _resolve(self, module_name: str, class_name: str, method: str | None = None, params: tuple[str, ...] = ()) -> Any:
+        """:func:`resolve_method` for this engine."""
+        return resolve_method(
+            self.version_error, self.name, self.distribution, self.instruments[0], module_name, class_name, method, params
+        )
+
+    def _new_reporter(self, device: Any) -> Any:
+        """A reporter from the environment on ``device``, attached to its own sink state, or
+        ``None`` when the gate is off."""
+        from otel_swa.reporter import SwaDivergenceReporter
+
+        reporter = SwaDivergenceReporter.from_env(device=device)
+        if reporter is not None:
+            self._sink.for_another_reporter().attach(reporter)
+            self._reporters.add(reporter)
+        return reporter
+
+    # ------------------------------------------------------------------ BaseInstrumentor
+    def _instrument(self, **kwargs: Any) -> None:
+        from otel_swa import config
+
+        try:
+            interval = config.divergence_interval()
+        except config.ConfigError:
+            self._log.exception("%s: %s is not instrumented: unusable interval variable", self.name, self.engine)
+            return
+        if interval == 0:
+            return  # off: nothing wrapped, no reporter work at all
+        unavailable = unavailable_reason(self.distribution, self.instruments)
+        if unavailable is not None:
+            self._log.warning("%s: %s; %s is not instrumented", self.name, unavailable, self.engine)
+            return
+        targets = [self._resolve(*spec) for spec in self.wrapped]  # every check before any change
+        self._resolve_more()
+        try:
+            self._set_up_telemetry(kwargs)
+        except Exception:  # only ImportError is safe to raise under opentelemetry-instrument
+            self._log.exception("%s: telemetry set-up failed; %s is not instrumented", self.name, self.engine)
+            return
+        for (cls, function), (_, _, method, _), wrap in zip(targets, self.wrapped, self._wrappers()):
+            self._originals[(cls, method)] = function
+            setattr(cls, method, wrap(function))
+
+    def _set_up_telemetry(self, kwargs: dict) -> None:
+        from opentelemetry import trace
+
+        from otel_swa.telemetry import ForwardSpans, SwaTelemetrySink
+        from otel_swa.telemetry import semconv as sc
+        from otel_swa.version import __version__
+
+        self._sink = SwaTelemetrySink(
+            tracer_provider=kwargs.get("tracer_provider"),
+            meter_provider=kwargs.get("meter_provider"),
+            logger_provider=kwargs.get("logger_provider"),
+            span_events=kwargs.get("span_events", True),
+        )
+        tracer = trace.get_tracer(
+            sc.SCOPE_NAME, __version__, tracer_provider=kwargs.get("tracer_provider"), schema_url=sc.SCHEMA_URL
+        )
+        self._traceparents = kwargs.get("traceparents")
+        self._forward_spans = ForwardSpans(tracer, self._traceparents, max_links=kwargs.get("max_links"))
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        for (cls, method), function in self._originals.items():
+            setattr(cls, method, function)
+        self._originals = {}
+        for reporter in list(self._reporters):
+            try:
+                reporter.close()
+            except Exception:
+                self._log.exception("closing an SWA divergence reporter failed")

@@ -69,18 +69,11 @@ import functools
 import logging
 import weakref
 from types import SimpleNamespace
-from typing import Any, Callable, Collection
+from typing import Any, Callable
 
-from opentelemetry import trace
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.instrumentation.swa_sglang.package import _instruments
-from opentelemetry.instrumentation.swa_sglang.version import __version__
 
-from otel_swa.engine_wrapping import (
-    EngineVersionError,
-    resolve_method,
-    unavailable_reason,
-)
+from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
 
 __all__ = ["SwaSglangInstrumentor", "SglangVersionError", "WRAPPED", "RUNNER_ATTRIBUTE", "CANARY_ATTRIBUTE"]
 
@@ -108,16 +101,6 @@ class SglangVersionError(EngineVersionError):
     loads the others."""
 
 
-def _unavailable() -> str | None:
-    """Why SGLang cannot be instrumented here, or ``None`` (see :func:`otel_swa.engine_wrapping.unavailable_reason`)."""
-    return unavailable_reason("sglang", _instruments)
-
-
-def _resolve(module_name: str, class_name: str, method: "str | None" = None, params: tuple[str, ...] = ()) -> Any:
-    """The class (and the function to wrap), checked; raises :class:`SglangVersionError`."""
-    return resolve_method(SglangVersionError, "swa_sglang", "sglang", _instruments[0], module_name, class_name, method, params)
-
-
 def _forward_mode_counts(forward_batch: Any, batch_size: int | None) -> tuple[int | None, int | None]:
     """``(num_prefill, num_decode)`` of a pure extend or pure decode batch, else ``(None, None)``."""
     mode = getattr(forward_batch, "forward_mode", None)
@@ -131,7 +114,7 @@ def _forward_mode_counts(forward_batch: Any, batch_size: int | None) -> tuple[in
     return None, None
 
 
-class SwaSglangInstrumentor(BaseInstrumentor):
+class SwaSglangInstrumentor(EngineInstrumentor):
     """Instrumentor for SGLang's model runner and KV canary (module docstring).
 
     ``instrument(**kwargs)`` accepts ``tracer_provider``, ``meter_provider``, ``logger_provider``,
@@ -144,76 +127,17 @@ class SwaSglangInstrumentor(BaseInstrumentor):
             parameters (not raised when SGLang is missing or unsupported: a warning is logged).
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._originals: dict[tuple[type, str], Callable] = {}
-        self._reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
+    name = "swa_sglang"
+    engine = "SGLang"
+    distribution = "sglang"
+    instruments = _instruments
+    wrapped = WRAPPED
+    version_error = SglangVersionError
 
-    def instrumentation_dependencies(self) -> Collection[str]:
-        return _instruments
-
-    def _instrument(self, **kwargs: Any) -> None:
-        from otel_swa import config
-
-        try:
-            interval = config.divergence_interval()
-        except config.ConfigError:
-            _log.exception("SGLang SWA instrumentation not installed: unusable interval variable")
-            return
-        if interval == 0:
-            return  # off: nothing wrapped, no reporter work at all
-        # opentelemetry-instrument calls instrument(skip_dep_check=True): check the version here too
-        unavailable = _unavailable()
-        if unavailable is not None:
-            _log.warning("swa_sglang: %s; SGLang is not instrumented", unavailable)
-            return
-        targets = [_resolve(*spec) for spec in WRAPPED]  # every check before any change
-        try:
-            self._set_up_telemetry(kwargs)
-        except Exception:  # only ImportError is safe to raise under opentelemetry-instrument
-            _log.exception("swa_sglang: telemetry set-up failed; SGLang is not instrumented")
-            return
-        wrappers = (self._wrap_forward, self._wrap_canary_init, self._wrap_pre_ops)
-        for (cls, function), (_, _, method, _), wrap in zip(targets, WRAPPED, wrappers):
-            self._originals[(cls, method)] = function
-            setattr(cls, method, wrap(function))
-
-    def _set_up_telemetry(self, kwargs: dict) -> None:
-        from otel_swa.telemetry import ForwardSpans, SwaTelemetrySink
-        from otel_swa.telemetry import semconv as sc
-
-        self._sink = SwaTelemetrySink(
-            tracer_provider=kwargs.get("tracer_provider"),
-            meter_provider=kwargs.get("meter_provider"),
-            logger_provider=kwargs.get("logger_provider"),
-            span_events=kwargs.get("span_events", True),
-        )
-        tracer = trace.get_tracer(
-            sc.SCOPE_NAME, __version__, tracer_provider=kwargs.get("tracer_provider"), schema_url=sc.SCHEMA_URL
-        )
-        self._traceparents = kwargs.get("traceparents")
-        self._forward_spans = ForwardSpans(tracer, self._traceparents, max_links=kwargs.get("max_links"))
-
-    def _uninstrument(self, **kwargs: Any) -> None:
-        for (cls, method), function in self._originals.items():
-            setattr(cls, method, function)
-        self._originals = {}
-        for reporter in list(self._reporters):
-            try:
-                reporter.close()
-            except Exception:
-                _log.exception("closing an SWA divergence reporter failed")
+    def _wrappers(self) -> tuple:
+        return (self._wrap_forward, self._wrap_canary_init, self._wrap_pre_ops)
 
     # ------------------------------------------------------------------ reporters
-    def _new_reporter(self, device: Any) -> Any:
-        from otel_swa.reporter import SwaDivergenceReporter
-
-        reporter = SwaDivergenceReporter.from_env(device=device)
-        if reporter is not None:
-            self._sink.for_another_reporter().attach(reporter)
-            self._reporters.add(reporter)
-        return reporter
-
     def _wire(self, runner: Any) -> Any:
         """The wiring of ``runner`` (made at its first forward), or ``None`` if not observed."""
         from otel_swa.views.sglang import KvCanaryHooks

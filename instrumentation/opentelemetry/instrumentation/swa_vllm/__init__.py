@@ -67,18 +67,11 @@ import functools
 import logging
 import weakref
 from types import SimpleNamespace
-from typing import Any, Callable, Collection
+from typing import Any, Callable
 
-from opentelemetry import trace
-from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 from opentelemetry.instrumentation.swa_vllm.package import _instruments
-from opentelemetry.instrumentation.swa_vllm.version import __version__
 
-from otel_swa.engine_wrapping import (
-    EngineVersionError,
-    resolve_method,
-    unavailable_reason,
-)
+from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
 
 __all__ = ["SwaVllmInstrumentor", "VllmVersionError", "WRAPPED", "SCHEDULER_ATTRIBUTE"]
 
@@ -103,17 +96,7 @@ class VllmVersionError(EngineVersionError):
     loads the others."""
 
 
-def _unavailable() -> str | None:
-    """Why vLLM cannot be instrumented here, or ``None`` (see :func:`otel_swa.engine_wrapping.unavailable_reason`)."""
-    return unavailable_reason("vllm", _instruments)
-
-
-def _resolve(module_name: str, class_name: str, method: "str | None" = None, params: tuple[str, ...] = ()) -> Any:
-    """The class (and the function to wrap), checked; raises :class:`VllmVersionError`."""
-    return resolve_method(VllmVersionError, "swa_vllm", "vllm", _instruments[0], module_name, class_name, method, params)
-
-
-class SwaVllmInstrumentor(BaseInstrumentor):
+class SwaVllmInstrumentor(EngineInstrumentor):
     """Instrumentor for vLLM's v1 scheduler and GPU model runner (module docstring).
 
     ``instrument(**kwargs)`` accepts ``tracer_provider``, ``meter_provider``, ``logger_provider``,
@@ -126,81 +109,28 @@ class SwaVllmInstrumentor(BaseInstrumentor):
             is logged).
     """
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._originals: dict[tuple[type, str], Callable] = {}
-        self._reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
+    name = "swa_vllm"
+    engine = "vLLM"
+    distribution = "vllm"
+    instruments = _instruments
+    wrapped = WRAPPED
+    version_error = VllmVersionError
 
-    def instrumentation_dependencies(self) -> Collection[str]:
-        return _instruments
+    def _wrappers(self) -> tuple:
+        return (self._wrap_schedule, self._wrap_execute_model)
 
-    def _instrument(self, **kwargs: Any) -> None:
-        from otel_swa import config
-
-        try:
-            interval = config.divergence_interval()
-        except config.ConfigError:
-            _log.exception("vLLM SWA instrumentation not installed: unusable interval variable")
-            return
-        if interval == 0:
-            return  # off: nothing wrapped, no reporter work at all
-        # opentelemetry-instrument calls instrument(skip_dep_check=True): check the version here too
-        unavailable = _unavailable()
-        if unavailable is not None:
-            _log.warning("swa_vllm: %s; vLLM is not instrumented", unavailable)
-            return
-        targets = [_resolve(*spec) for spec in WRAPPED]
-        self._swa_manager_class = _resolve(*_SLIDING_WINDOW_MANAGER, None)
-        try:
-            self._set_up_telemetry(kwargs)
-        except Exception:  # only ImportError is safe to raise under opentelemetry-instrument
-            _log.exception("swa_vllm: telemetry set-up failed; vLLM is not instrumented")
-            return
-        for (cls, function), (_, _, method, _), wrap in zip(
-            targets, WRAPPED, (self._wrap_schedule, self._wrap_execute_model)
-        ):
-            self._originals[(cls, method)] = function
-            setattr(cls, method, wrap(function))
-
-    def _set_up_telemetry(self, kwargs: dict) -> None:
-        from otel_swa.telemetry import ForwardSpans, SwaTelemetrySink
-        from otel_swa.telemetry import semconv as sc
-
-        self._sink = SwaTelemetrySink(
-            tracer_provider=kwargs.get("tracer_provider"),
-            meter_provider=kwargs.get("meter_provider"),
-            logger_provider=kwargs.get("logger_provider"),
-            span_events=kwargs.get("span_events", True),
-        )
-        tracer = trace.get_tracer(
-            sc.SCOPE_NAME, __version__, tracer_provider=kwargs.get("tracer_provider"), schema_url=sc.SCHEMA_URL
-        )
-        self._traceparents = kwargs.get("traceparents")
-        self._forward_spans = ForwardSpans(tracer, self._traceparents, max_links=kwargs.get("max_links"))
-
-    def _uninstrument(self, **kwargs: Any) -> None:
-        for (cls, method), function in self._originals.items():
-            setattr(cls, method, function)
-        self._originals = {}
-        for reporter in list(self._reporters):
-            try:
-                reporter.close()
-            except Exception:
-                _log.exception("closing an SWA divergence reporter failed")
+    def _resolve_more(self) -> None:
+        self._swa_manager_class = self._resolve(*_SLIDING_WINDOW_MANAGER)
 
     # ------------------------------------------------------------------ scheduler side
     def _wire(self, scheduler: Any) -> Any:
-        from otel_swa.reporter import SwaDivergenceReporter
-
         wiring = None
         try:
             managers = scheduler.kv_cache_manager.coordinator.single_type_managers
             swa = next((m for m in managers if isinstance(m, self._swa_manager_class)), None)
             if swa is not None:
-                reporter = SwaDivergenceReporter.from_env(device="cpu")
+                reporter = self._new_reporter("cpu")
                 if reporter is not None:
-                    self._sink.for_another_reporter().attach(reporter)
-                    self._reporters.add(reporter)
                     num_blocks = int(scheduler.cache_config.num_gpu_blocks)
                     wiring = SimpleNamespace(
                         reporter=reporter, manager=swa, window=int(swa.sliding_window),
