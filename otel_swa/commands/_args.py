@@ -6,15 +6,20 @@ import argparse
 import math
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
+def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text, 10)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; expected an integer >= 1") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is below 1; expected an integer >= 1")
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; expected an integer >= {minimum}") from None
+    if value < minimum:
+        below = "negative" if minimum == 0 else f"below {minimum}"
+        raise argparse.ArgumentTypeError(f"{text!r} is {below}; expected an integer >= {minimum}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    return _int_at_least(text, 1)
 
 
 def positive_float(text: str) -> float:
@@ -30,13 +35,7 @@ def positive_float(text: str) -> float:
 
 def non_negative_int(text: str) -> int:
     """argparse type: a base-10 integer >= 0."""
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; expected an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is negative; expected an integer >= 0")
-    return value
+    return _int_at_least(text, 0)
 
 
 def seconds(text: str) -> float:

@@ -63,3 +63,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "sglang" in item.keywords and "sglang_modules" not in getattr(item, "fixturenames", ()):
             item.fixturenames.append("sglang_modules")
+
+
+@pytest.fixture
+def pipeline():
+    """An in-memory OpenTelemetry pipeline (spans, metrics, logs) for the instrumentor tests."""
+    from _instrumentation_support import Pipeline
+
+    p = Pipeline.make()
+    yield p
+    p.shutdown()

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from _instrumentation_support import Pipeline, install_standin
+from _instrumentation_support import install_standin
 from opentelemetry.instrumentation.swa_sglang import (
     CANARY_ATTRIBUTE, RUNNER_ATTRIBUTE, SglangVersionError, SwaSglangInstrumentor,
 )
@@ -81,13 +81,6 @@ def sglang_standin(monkeypatch, tmp_path):
                                pre_ops=CanaryManager.__dict__.get("pre_ops_maybe_inside_graph"))
 
     return install
-
-
-@pytest.fixture
-def pipeline():
-    p = Pipeline.make()
-    yield p
-    p.shutdown()
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from opentelemetry.instrumentation.swa_sglang import CANARY_ATTRIBUTE, RUNNER_ATTRIBUTE, SwaSglangInstrumentor
-from _instrumentation_support import Pipeline
 
 pytestmark = pytest.mark.sglang
 
@@ -34,13 +33,6 @@ def real(sglang_modules):
     return SimpleNamespace(ModelRunner=ModelRunner, CanaryManager=CanaryManager, ForwardBatch=ForwardBatch,
                            ForwardMode=ForwardMode, VerifyPlan=VerifyPlan, PreOpsOutput=_PreOpsMaybeInsideGraphOutput,
                            sim=sglang_modules)
-
-
-@pytest.fixture
-def pipeline():
-    p = Pipeline.make()
-    yield p
-    p.shutdown()
 
 
 @pytest.fixture

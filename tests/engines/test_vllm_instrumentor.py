@@ -19,7 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from _instrumentation_support import Pipeline, install_standin
+from _instrumentation_support import install_standin
 from opentelemetry.instrumentation.swa_vllm import SCHEDULER_ATTRIBUTE, SwaVllmInstrumentor, VllmVersionError
 
 WINDOW, BLOCK, NUM_BLOCKS = 8, 4, 400
@@ -106,13 +106,6 @@ def vllm_standin(monkeypatch, tmp_path):
                                execute_model=GPUModelRunner.__dict__["execute_model"])
 
     return install
-
-
-@pytest.fixture
-def pipeline():
-    p = Pipeline.make()
-    yield p
-    p.shutdown()
 
 
 @pytest.fixture
