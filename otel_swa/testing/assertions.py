@@ -374,6 +374,8 @@ def wait_for_observation(
         raise ValueError(f"timeout_s must be a finite number of seconds >= 0, got {timeout_s!r}")
     if not _is_seconds(poll_s) or not poll_s > 0:
         raise ValueError(f"poll_s must be a finite number of seconds > 0, got {poll_s!r}")
+    if not src.growing:
+        timeout_s = 0.0  # a fixed source cannot change: one read, whatever timeout was asked
     start = time.monotonic()
     deadline = start + timeout_s
 

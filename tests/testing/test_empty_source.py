@@ -28,3 +28,10 @@ def test_text_without_records_is_not_called_empty():
     assert info.value.observation.empty is False
     assert "the source was empty" not in str(info.value)
     assert "no 'kv_canary_swa_divergence=' record found" in str(info.value)
+
+
+@pytest.mark.parametrize("source", ["", b"", [], "no record here\n"])
+def test_fixed_source_is_read_once_even_with_a_timeout(monkeypatch, source):
+    monkeypatch.setattr(assertions.time, "sleep", _no_sleep)  # any wait fails the test
+    observation = assertions.wait_for_observation(source, timeout_s=5)
+    assert not observation.ok
