@@ -68,9 +68,21 @@ class PoolAccumulator:
         Raises:
             ValueError: unknown pool, or a negative Python int ``count`` (a tensor's value is not
                 read: that would synchronise).
+            TypeError: ``count`` is neither an ``int`` nor a 0-dim integer tensor (a float, a
+                bool, a tensor of another shape or dtype); only metadata is checked.
         """
-        if type(count) is int and count < 0:
-            raise ValueError(f"count of KV entries must be >= 0, got {count} for pool {pool!r}")
+        if type(count) is int:
+            if count < 0:
+                raise ValueError(f"count of KV entries must be >= 0, got {count} for pool {pool!r}")
+        elif not (
+            isinstance(count, torch.Tensor)
+            and count.dim() == 0
+            and not count.dtype.is_floating_point
+            and not count.dtype.is_complex
+            and count.dtype is not torch.bool
+        ):
+            shown = f"tensor of shape {tuple(count.shape)} and dtype {count.dtype}" if isinstance(count, torch.Tensor) else repr(count)
+            raise TypeError(f"count of KV entries must be an int or a 0-dim integer tensor, got {shown} for pool {pool!r}")
         self._cells[pool_index(pool)].add_(count)
 
     def reset(self) -> None:

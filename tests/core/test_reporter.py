@@ -378,3 +378,13 @@ def test_host_lengths_must_match_the_batch():
                     torch.tensor([1, 2]), torch.tensor([1, 1]), seq_lens_cpu=[1, 1, 1])
     with pytest.raises(ValueError, match="seq_lens_cpu has 3 entries but view.req_pool_indices has 2"):
         SwaDivergenceReporter(1).step(view)
+
+
+@pytest.mark.parametrize(
+    "count", [2.5, True, None, "3", torch.tensor(1.5), torch.tensor([1, 2]), torch.tensor(True)]
+)
+def test_observe_refuses_what_is_not_a_count(count):
+    reporter = SwaDivergenceReporter(1)
+    with pytest.raises(TypeError, match="must be an int or a 0-dim integer tensor"):
+        reporter.observe("swa", count)
+    assert reporter.totals.tolist() == [0, 0]
