@@ -21,6 +21,8 @@ kv_cache.swa.reporter.samples.taken         ObservableCtr   {sample}     reporte
 kv_cache.swa.reporter.samples.delivered     ObservableCtr   {sample}     reporter.stats.samples_delivered
 kv_cache.swa.reporter.ring_full.waits       ObservableCtr   {wait}       reporter.stats.ring_full_waits
 kv_cache.swa.reporter.sink.errors           ObservableCtr   {error}      reporter.stats.sink_errors
+kv_cache.swa.reporter.samples.invalid       ObservableCtr   {sample}     reporter.stats.invalid_samples
+kv_cache.swa.reporter.samples.skipped       ObservableCtr   {sample}     reporter.stats.skipped_captures
 kv_cache.swa.reporter.samples.pending       ObservableGauge {sample}     reporter.stats.pending
 ==========================================  ==============  ===========  ===================
 

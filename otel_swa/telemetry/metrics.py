@@ -152,6 +152,17 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
         "ReporterStats.sink_errors", "sink_errors",
     ),
     InstrumentSpec(
+        sc.NAMESPACE + "reporter.samples.invalid", STATS_COUNTER, "{sample}",
+        "Samples whose values could not form a record (a negative total from a negative observe count); "
+        "logged, never delivered",
+        "ReporterStats.invalid_samples", "invalid_samples",
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "reporter.samples.skipped", STATS_COUNTER, "{sample}",
+        "Sampling steps skipped because the current CUDA stream was capturing a graph",
+        "ReporterStats.skipped_captures", "skipped_captures",
+    ),
+    InstrumentSpec(
         sc.NAMESPACE + "reporter.samples.pending", STATS_GAUGE, "{sample}",
         "Samples taken whose device-to-host copy has not been delivered yet",
         "ReporterStats.pending", "pending",

@@ -55,3 +55,24 @@ def test_event_attributes_round_trip_with_extras():
     plain = R(40, 9, 8, 7, 6)
     assert record_from_attributes(record_attributes(plain)) == plain
     assert record.format() == plain.format()  # the line never carries the extras
+
+
+def test_invalid_samples_are_visible_in_the_health_metrics(pipeline):
+    import torch
+
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.views import SwaBatch
+
+    sink = SwaTelemetrySink(**pipeline.providers())
+    reporter = SwaDivergenceReporter(1)
+    sink.attach(reporter)
+    reporter.observe("full", torch.tensor(-5))  # poisons the device total
+    view = SwaBatch(torch.zeros(2, 2, dtype=torch.int32), torch.zeros(3, dtype=torch.int64),
+                    torch.tensor([1]), torch.tensor([2]), seq_lens_cpu=[2])
+    for _ in range(3):
+        reporter.step(view)
+    reporter.flush()
+    m = pipeline.metrics()
+    assert single(m["kv_cache.swa.reporter.samples.invalid"]["points"]) == 3
+    assert single(m["kv_cache.swa.reporter.samples.taken"]["points"]) == 3
+    assert single(m["kv_cache.swa.reporter.samples.delivered"]["points"]) == 0
