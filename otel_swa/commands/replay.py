@@ -35,6 +35,8 @@ from otel_swa.record import SwaDivergenceRecord
 LOG_FORMAT = "[%(asctime)s{prefix}] %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
 EXPORTERS = ("logline", "console", "otlp", "none")
+#: The standard OpenTelemetry variables that choose exporters per signal (used without --exporter).
+_SIGNAL_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS_EXPORTER")
 
 
 def _exporter_list(text: str) -> list[str]:
@@ -76,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rep.add_argument("--exporter", type=_exporter_list, action="extend", default=None, metavar="NAMES",
                      help="where samples go: logline (SGLang's line on stdout), console (OpenTelemetry console exporters), "
                           "otlp (OTLP, configured by the standard OTEL_EXPORTER_OTLP_* variables), none; "
-                          "comma-separated or repeated (default: logline)")
+                          "comma-separated or repeated (default: logline, plus the exporters that OTEL_TRACES_EXPORTER, "
+                          "OTEL_METRICS_EXPORTER and OTEL_LOGS_EXPORTER name when any is set)")
     rep.add_argument("--log-file", metavar="FILE", help="also append the log lines to FILE")
     rep.add_argument("--plot", metavar="PNG", help="draw the run's records to this image (needs the 'plot' extra)")
     rep.add_argument("--no-progress", action="store_true",
@@ -175,15 +178,25 @@ def run(args: argparse.Namespace) -> int:
         logger = _line_logger(args.log_file, prefix)
     telemetry = None
     otel_exporters = [name for name in exporters if name in ("console", "otlp")]
-    if otel_exporters:
+    # Without --exporter, the standard OTEL_{TRACES,METRICS,LOGS}_EXPORTER variables choose the
+    # OpenTelemetry exporters (as under opentelemetry-instrument); the line stays on by default.
+    from_environment = args.exporter is None and any(os.environ.get(name, "").strip() for name in _SIGNAL_VARIABLES)
+    line_by_exporter = False
+    if otel_exporters or from_environment:
         from otel_swa.telemetry import configure
 
         # With an OpenTelemetry pipeline the SGLang line is one more exporter on it (swa_logline,
         # written to the same logger); without one, a plain sink writes it at no OpenTelemetry cost.
-        if logger is not None:
-            otel_exporters.append("logline")
+        if from_environment:
+            chosen = None
+            line_by_exporter = "swa_logline" in os.environ.get("OTEL_LOGS_EXPORTER", "")
+        else:
+            if logger is not None:
+                otel_exporters.append("logline")
+            chosen = ",".join(otel_exporters)
+            line_by_exporter = logger is not None
         try:
-            telemetry = configure(exporters=",".join(otel_exporters), default_service_name="otel-swa-replay",
+            telemetry = configure(exporters=chosen, default_service_name="otel-swa-replay",
                                   logline_logger=logger.name if logger is not None else None)
         except ConfigError as exc:
             print(f"otel-swa replay: {exc}", file=sys.stderr)
@@ -194,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if reporter is not None:
             telemetry.attach(reporter)
-    elif logger is not None:
+    if logger is not None and not line_by_exporter:
         reporter.add_sink(LogLineSink(logger))
     hooks: dict[str, Any] = {}
     if telemetry is not None:

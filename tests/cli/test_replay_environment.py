@@ -79,3 +79,28 @@ def test_bad_rank_exits_2_naming_the_variable(monkeypatch, capsys):
     monkeypatch.setenv("OTEL_SWA_TP_RANK", "-1")
     assert main(RUN) == 2
     assert "OTEL_SWA_TP_RANK='-1' is below 0" in capsys.readouterr().err
+
+
+def _replay_subprocess(extra_env):
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(extra_env)
+    args = [sys.executable, "-m", "otel_swa.cli", "replay", "--requests", "30", "--no-model", "--no-progress"]
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_standard_exporter_variables_apply_without_the_option():
+    out = _replay_subprocess({"OTEL_METRICS_EXPORTER": "console"})
+    assert '"name": "kv_cache.swa.tokens.out_of_window"' in out  # the console metrics exporter ran
+    assert out.count("kv_canary_swa_divergence=") == 10  # the line stays on, once per sample
+
+
+def test_line_exporter_from_the_environment_is_not_doubled():
+    out = _replay_subprocess({"OTEL_LOGS_EXPORTER": "swa_logline"})
+    lines = [line for line in out.splitlines() if "kv_canary_swa_divergence=" in line]
+    assert len(lines) == 10 and len(set(lines)) == 10
