@@ -4,7 +4,8 @@ The reference engine stands for any engine: what matters is where the calls go.
 
     python examples/engine_by_hand.py                      # console exporters + the SGLang line
     OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317 \\
-        python examples/engine_by_hand.py --exporter otlp,logline
+        python examples/engine_by_hand.py --exporters otlp,logline
+    OTEL_METRICS_EXPORTER=otlp OTEL_LOGS_EXPORTER=swa_logline python examples/engine_by_hand.py
 
 Exporters, endpoint, protocol, headers, temporality, service name and resource come from the
 standard ``OTEL_*`` variables (see docs/telemetry.md); the sampling interval from
@@ -29,13 +30,20 @@ REQUESTS = [(40, 12), (25, 20), (70, 6), (33, 15), (90, 10), (18, 24)]
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--exporter", default="console,logline", help="otlp, console, logline, none (comma list)")
+    parser.add_argument(
+        "--exporters", default=None,
+        help="otlp, console, logline, none (comma list); default: the OTEL_*_EXPORTER variables when any "
+        "is set, else console,logline",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("OTEL_SWA_DIVERGENCE_INTERVAL", "4")
 
     # 1. telemetry: providers from the OTEL_* variables (or the application's own, if installed)
-    telemetry = configure(exporters=args.exporter, default_service_name="otel-swa-example")
+    exporters = args.exporters
+    if exporters is None and not any(os.environ.get(f"OTEL_{signal}_EXPORTER") for signal in ("TRACES", "METRICS", "LOGS")):
+        exporters = "console,logline"
+    telemetry = configure(exporters=exporters, default_service_name="otel-swa-example")
 
     # 2. the engine and its reporter (None when the interval is 0: no reporter work at all)
     engine = ReferenceEngine(EngineConfig(window=16, full_pool_size=2048, swa_pool_size=128, max_running=4,

@@ -21,7 +21,7 @@ def records(text):
     return out
 
 
-@pytest.mark.parametrize("script, args", [("reporter_by_hand.py", []), ("engine_by_hand.py", ["--exporter", "logline"])])
+@pytest.mark.parametrize("script, args", [("reporter_by_hand.py", []), ("engine_by_hand.py", ["--exporters", "logline"])])
 def test_example_shows_divergence_out_of_window_and_verify_lag(script, args):
     done = subprocess.run([sys.executable, str(EXAMPLES / script), *args], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
