@@ -409,10 +409,11 @@ def _print_summary(args: argparse.Namespace, interval: int, summary: Any, record
         ("requests finished", f"{summary.requests_finished} / {summary.requests_total}"),
         ("samples delivered", "reporter off (interval 0)" if stats is None else
          f"{stats.samples_delivered} / {stats.samples_taken} taken (every {interval} forward steps)"),
-        ("peak divergence", f"{max((r.swa_full_idx_divergence for r in records), default=0)} tokens"),
-        ("peak out-of-window", f"{max((r.swa_out_of_window_tokens for r in records), default=0)} tokens"),
-        ("last verify_full", f"{last.verify_full if last else 0} entries"),
-        ("last verify_swa", f"{last.verify_swa if last else 0} entries"),
+        ("peak divergence", _peak(records, "swa_full_idx_divergence", "tokens")),
+        ("peak out-of-window", _peak(records, "swa_out_of_window_tokens", "tokens")),
+        ("last verify_full", f"{last.verify_full} entries" if last else "n/a"),
+        ("last verify_swa", f"{last.verify_swa} entries" if last else "n/a"),
+        ("SWA slot audit", _audit_summary(records)),
         ("peak slots in use", f"FULL {summary.peak_full_slots} / {summary.full_pool_size}, SWA {summary.peak_swa_slots} / {summary.swa_pool_size}"),
         ("wall time", f"{summary.wall_s:.1f} s"),
     ]
@@ -420,3 +421,17 @@ def _print_summary(args: argparse.Namespace, interval: int, summary: Any, record
     print("otel-swa replay summary")
     for name, value in rows:
         print(f"  {name:<{width}}  {value}")
+
+
+def _peak(records: list, field: str, unit: str) -> str:
+    return f"{max(getattr(r, field) for r in records)} {unit}" if records else "n/a"
+
+
+def _audit_summary(records: list) -> str:
+    audited = [r for r in records if r.audited]
+    if not audited:
+        return "n/a"
+    peaks = {name: max(getattr(r, name) for r in audited) for name in ("swa_leaked_slots", "swa_stale_tokens", "swa_shared_slots")}
+    verdict = "clean" if not any(peaks.values()) else "FAULTS"
+    return (f"{verdict}: peak leaked {peaks['swa_leaked_slots']} slots, stale {peaks['swa_stale_tokens']} tokens, "
+            f"shared {peaks['swa_shared_slots']} slots ({len(audited)} samples)")
