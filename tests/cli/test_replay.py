@@ -63,7 +63,7 @@ def test_replay_summary_agrees_with_lines(replay_run):
     code, out, _ = replay_run
     records = sglang_rule(out)
     summary = dict(
-        (m.group(1), m.group(2)) for m in re.finditer(r"^  ([a-z_ -]+?)\s{2,}(.+)$", out, re.MULTILINE)
+        (m.group(1), m.group(2)) for m in re.finditer(r"^  ([A-Za-z_ -]+?)\s{2,}(.+)$", out, re.MULTILINE)
     )
     assert summary["requests finished"] == "300 / 300"
     steps = int(summary["forward steps"])
