@@ -17,7 +17,9 @@ deliver the last samples instead of losing them.
 from __future__ import annotations
 
 import collections
+import functools
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
@@ -134,6 +136,10 @@ class SwaDivergenceReporter:
         self._sink_errors = 0
         self._skipped_captures = 0
         self._invalid_samples = 0
+        # Held while the ring and the pending queue change (sampling, delivery, flush), so that a
+        # close() from another thread (an uninstrument, a finaliser) cannot race the engine's step().
+        # Plain steps with nothing pending never take it.
+        self._lock = threading.RLock()
 
     # ------------------------------------------------------------------ construction from the gate
     @classmethod
@@ -183,15 +189,21 @@ class SwaDivergenceReporter:
 
         Raises:
             TypeError, ValueError: at a sampling step, ``view`` does not satisfy the protocol (see
-                :func:`otel_swa.views.validate_view`).
+                :func:`otel_swa.views.validate_view`): an integration error, raised so it is seen
+                at the first sample. Errors of the view factory or of the device work (out of
+                memory, a CUDA fault) also propagate; sink errors never do, and invalid sample
+                values are counted, not raised.
         """
         if self._closed:
             return
         self._forward_ct += 1
         if self._pending:
-            self._deliver_ready()
+            with self._lock:
+                self._deliver_ready()
         if self._forward_ct % self.interval == 0:
-            self._sample(view, context)
+            with self._lock:
+                if not self._closed:
+                    self._sample(view, context)
 
     def add_sink(self, sink: Sink) -> None:
         """Deliver future records to ``sink`` too."""
@@ -200,18 +212,21 @@ class SwaDivergenceReporter:
         self._sinks.append(sink)
 
     def flush(self) -> None:
-        """Deliver every pending sample now, waiting for copies still in flight. Idempotent."""
-        while self._pending:
-            head = self._pending[0]
-            self._ring.wait(head.slot)
-            self._deliver(self._pending.popleft())
+        """Deliver every pending sample now, waiting for copies still in flight. Idempotent;
+        thread-safe with respect to ``step()``."""
+        with self._lock:
+            while self._pending:
+                head = self._pending[0]
+                self._ring.wait(head.slot)
+                self._deliver(self._pending.popleft())
 
     def close(self) -> None:
         """Flush, then stop: later ``observe`` still works, later ``step`` does nothing. Idempotent."""
-        if self._closed:
-            return
-        self.flush()
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self.flush()
+            self._closed = True
 
     def __enter__(self) -> "SwaDivergenceReporter":
         return self
@@ -265,7 +280,6 @@ class SwaDivergenceReporter:
             context = _otel_context.get_current()
         audit = getattr(view, "swa_audit", None)
         slot = self._next_slot
-        self._next_slot = (slot + 1) % self._ring.slots
         stage_sample(
             self._ring.stage[slot],
             self._accumulator.totals,
@@ -275,10 +289,13 @@ class SwaDivergenceReporter:
             view.seq_lens,
             getattr(view, "seq_lens_cpu", None),
             audit,
+            functools.partial(self._ring.upload_lengths, slot),
         )
         self._ring.start_copy(slot)
         applicable = getattr(view, "divergence_applicable", True) is not False
         self._pending.append(_Pending(slot, self._forward_ct, context, applicable, audit.page_size if audit else 0))
+        # Advanced only now: a sample that failed above leaves its slot free for the next one.
+        self._next_slot = (slot + 1) % self._ring.slots
         self._samples_taken += 1
 
     # ------------------------------------------------------------------ host side

@@ -43,6 +43,9 @@ class DeviceToHostRing:
         self.slots = slots
         self.is_cuda = self.device.type == "cuda"
         self.stage = torch.zeros(slots, width, dtype=torch.int64, device=self.device)
+        # Pinned host buffers for the batch's sequence lengths, one per slot, grown on demand:
+        # the live-token gather uploads them without blocking the host.
+        self._lengths: list[torch.Tensor | None] = [None] * slots
         if self.is_cuda:
             self.host = torch.zeros(slots, width, dtype=torch.int64, pin_memory=True)
             self._stream = torch.cuda.Stream(device=self.device)
@@ -53,6 +56,26 @@ class DeviceToHostRing:
             self.host = torch.zeros(slots, width, dtype=torch.int64)
             self._stream = None
             self._events = None
+
+    def upload_lengths(self, slot: int, lengths: torch.Tensor) -> torch.Tensor:
+        """``lengths`` (``int64 [batch]`` on the CPU) on the device, for the sample staged in ``slot``.
+
+        On CUDA the values go through the slot's pinned buffer and a non-blocking copy on the
+        current stream, so the host never waits for the queued forward (a copy from pageable memory
+        would). The buffer is rewritten only when the slot is reused, after its sample was delivered,
+        i.e. after this copy completed. On CPU ``lengths`` is returned as is.
+        """
+        if not self.is_cuda:
+            return lengths
+        count = lengths.numel()
+        buffer = self._lengths[slot]
+        if buffer is None or buffer.numel() < count:
+            size = max(count, 64, 2 * (buffer.numel() if buffer is not None else 0))
+            buffer = torch.empty(size, dtype=torch.int64, pin_memory=True)
+            self._lengths[slot] = buffer
+        staged = buffer[:count]
+        staged.copy_(lengths)
+        return staged.to(self.device, non_blocking=True)
 
     def start_copy(self, slot: int) -> None:
         """Start copying ``stage[slot]`` to ``host[slot]``; returns without waiting on CUDA."""

@@ -16,7 +16,7 @@ out of bounds, so a bad engine state can never fault the device.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -43,6 +43,7 @@ def live_full_slots(
     req_pool_indices: torch.Tensor,
     seq_lens: torch.Tensor,
     seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
+    upload: "Callable[[torch.Tensor], torch.Tensor] | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The FULL slots of the live tokens of a batch.
 
@@ -51,6 +52,9 @@ def live_full_slots(
         req_pool_indices: ``int32``/``int64`` ``[batch]``.
         seq_lens: ``int32``/``int64`` ``[batch]`` on the same device.
         seq_lens_cpu: the same lengths known on the host, or ``None``.
+        upload: how the host lengths reach the device (``int64 [batch]`` CPU tensor -> device
+            tensor); default a plain ``.to(device)``, which on CUDA waits for the stream. The
+            reporter passes its ring's pinned, non-blocking upload.
 
     Returns:
         ``(slots, mask)``, both of one shape, ``slots`` ``int64`` and ``mask`` ``bool`` (the tokens
@@ -70,7 +74,7 @@ def live_full_slots(
     if seq_lens_cpu is not None:
         lens_host = _host_lengths(seq_lens_cpu).clamp(0, width)
         total = int(lens_host.sum())
-        lens = lens_host.to(device)
+        lens = upload(lens_host) if upload is not None else lens_host.to(device)
         # Token t of the flattened batch belongs to batch entry i = owner[t], at position
         # t - start[i]; output_size keeps repeat_interleave free of a device-to-host sync, and it
         # equals the sum of `lens` by construction.
@@ -114,6 +118,7 @@ def stage_sample(
     seq_lens: torch.Tensor,
     seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
     swa_audit: Any = None,
+    upload: "Callable[[torch.Tensor], torch.Tensor] | None" = None,
 ) -> None:
     """Write one sample into ``out`` (``int64 [STAGE_WIDTH]`` on the device), in stream order.
 
@@ -122,7 +127,7 @@ def stage_sample(
     given, the audit counts (else ``-1``). The tensors are read now, at the sampled forward step:
     later changes to them by the engine cannot leak into this sample.
     """
-    slots, mask = live_full_slots(req_to_token, req_pool_indices, seq_lens, seq_lens_cpu)
+    slots, mask = live_full_slots(req_to_token, req_pool_indices, seq_lens, seq_lens_cpu, upload)
     divergence, out_of_window = count_divergence(slots, mask, full_to_swa_index_mapping)
     out[0:2].copy_(totals)
     out[2].copy_(divergence)

@@ -269,6 +269,7 @@ def test_cuda_ring_matches_recount_and_is_pinned():
     got = []
     reporter = SwaDivergenceReporter(1, device="cuda", ring_size=3, sinks=[lambda r, c: got.append(r)])
     assert reporter._ring.host.is_pinned()
+    # (after the loop) host lengths went through the ring's pinned buffers
     expected = []
     total = 0
     for step in range(1, 21):
@@ -281,6 +282,7 @@ def test_cuda_ring_matches_recount_and_is_pinned():
         expected.append(SwaDivergenceRecord(step, total, 0, *recount(*state)))
     reporter.close()
     assert got == expected
+    assert all(buf is not None and buf.is_pinned() for buf in reporter._ring._lengths)
 
 
 @pytest.mark.gpu
@@ -388,3 +390,26 @@ def test_observe_refuses_what_is_not_a_count(count):
     with pytest.raises(TypeError, match="must be an int or a 0-dim integer tensor"):
         reporter.observe("swa", count)
     assert reporter.totals.tolist() == [0, 0]
+
+
+def test_a_failed_sample_does_not_take_a_slot_still_in_flight():
+    """A sample that raises must leave the ring as it was: the next sample may not reuse the
+    slot of a copy still in flight (it would overwrite that sample's values)."""
+    rng = random.Random(31)
+    first, third = random_state(rng), random_state(rng)
+    got = []
+    reporter = SwaDivergenceReporter(1, ring_size=2, sinks=[lambda r, c: got.append(r)])
+    reporter._ring = ControlledRing(2, STAGE_WIDTH, torch.device("cpu"))
+    reporter.step(make_view(*first, host_lens=True))  # slot 0, in flight
+    broken = make_view(*first, host_lens=False)
+    broken = SwaBatch(broken.req_to_token, broken.full_to_swa_index_mapping, broken.req_pool_indices,
+                      broken.seq_lens, seq_lens_cpu=["x"] * broken.seq_lens.shape[0])
+    if broken.seq_lens.shape[0]:
+        with pytest.raises((TypeError, ValueError)):
+            reporter.step(broken)
+    else:
+        reporter.step(broken)  # nothing to convert; keep the cadence
+    reporter.step(make_view(*third, host_lens=True))
+    reporter.flush()
+    assert (got[0].swa_full_idx_divergence, got[0].swa_out_of_window_tokens) == recount(*first)
+    assert (got[-1].swa_full_idx_divergence, got[-1].swa_out_of_window_tokens) == recount(*third)
