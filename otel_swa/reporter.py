@@ -124,7 +124,6 @@ class SwaDivergenceReporter:
         self.device = torch.device(device)
         self._accumulator = PoolAccumulator(self.device)
         self._ring = DeviceToHostRing(ring_size, STAGE_WIDTH, self.device)
-        self._is_cuda = self._ring.is_cuda
         self._sinks: list[Sink] = list(sinks)
         self._pending: collections.deque[_Pending] = collections.deque()
         self._next_slot = 0
@@ -264,7 +263,7 @@ class SwaDivergenceReporter:
 
     # ------------------------------------------------------------------ device side
     def _sample(self, view: Any, context: Any) -> None:
-        if self._is_cuda and torch.cuda.is_current_stream_capturing():
+        if self._ring.is_cuda and torch.cuda.is_current_stream_capturing():
             self._skipped_captures += 1
             return
         if callable(view) and not isinstance(view, SwaBatchView):

@@ -79,7 +79,7 @@ class DeviceToHostRing:
 
     def start_copy(self, slot: int) -> None:
         """Start copying ``stage[slot]`` to ``host[slot]``; returns without waiting on CUDA."""
-        if self._events is None:
+        if not self.is_cuda:
             self.host[slot].copy_(self.stage[slot])
             return
         stream = self._stream
@@ -90,11 +90,11 @@ class DeviceToHostRing:
 
     def ready(self, slot: int) -> bool:
         """Whether ``host[slot]`` holds the finished copy; never blocks."""
-        return self._events is None or self._events[slot].query()
+        return not self.is_cuda or self._events[slot].query()
 
     def wait(self, slot: int) -> None:
         """Block until ``host[slot]`` holds the finished copy."""
-        if self._events is not None:
+        if self.is_cuda:
             self._events[slot].synchronize()
 
     def read(self, slot: int) -> list[int]:
