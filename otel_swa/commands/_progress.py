@@ -30,11 +30,11 @@ class ProgressLines:
         total_requests: requests submitted to the run.
         every_s: seconds of wall time between two lines (default :data:`PROGRESS_EVERY_S`; 0 writes
             one per forward step).
+        stream: where lines go (default ``sys.stderr`` at the time of writing).
+        clock: monotonic seconds (``time.monotonic``); replaceable for tests.
 
     Raises:
         ValueError: ``every_s`` is negative or not a number.
-        stream: where lines go (default ``sys.stderr`` at the time of writing).
-        clock: monotonic seconds (``time.monotonic``); replaceable for tests.
 
     Attributes:
         finished: requests finished so far.
