@@ -25,6 +25,13 @@ this module only adds what stands around them in a log:
   invented); the rank is the space-joined rank tokens (``"DP1 TP0"``), or ``None`` when the line
   names none.
 
+* **line numbers** (``line_no``, 1-based) count lines as the log is read by
+  :mod:`otel_swa.record`: LF, CRLF and a bare CR each end one line. A progress bar redrawn with
+  bare CRs therefore takes one line per redraw, and a record's number is the number of line ends
+  before it plus one. This can be higher than what ``wc -l`` or an editor that treats bare CR as
+  ordinary text shows, but it is the same for a whole log read at once and for a log followed in
+  chunks.
+
 * :class:`LogFollower`: a log file that another process may still be appending to, read
   incrementally (only complete lines until the final read, so a half-written record is not taken
   for a malformed one).
@@ -39,7 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable
 
-from otel_swa.record import FIELDS, MalformedRecordError, SwaDivergenceRecord, iter_matches
+from otel_swa.record import FIELDS, MalformedRecordError, SwaDivergenceRecord, _clean, iter_matches
 
 __all__ = [
     "LogPrefix",
@@ -55,8 +62,6 @@ __all__ = [
 #: Columns of a record as data (``otel-swa records``): where it was found, then the five fields.
 ROW_FIELDS = ("line_no", "timestamp", "rank") + FIELDS
 
-# CSI sequences (colour codes) that coloured log handlers write around the prefix.
-_ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 _TIME = r"\d{2}:\d{2}:\d{2}(?:[.,]\d+)?"
 # SGLang: "[" asctime (with or without year, or time only) rank tokens "]".
 _SGLANG_PREFIX_RE = re.compile(
@@ -87,8 +92,7 @@ def parse_log_prefix(text: str) -> LogPrefix:
     ``text`` may hold ANSI colour codes; they are ignored. Text in neither recognised shape gives
     ``LogPrefix(None, None)``; nothing is raised.
     """
-    if "\x1b" in text:
-        text = _ANSI_RE.sub("", text)
+    text = _clean(text)
     match = _SGLANG_PREFIX_RE.search(text)
     if match is not None:
         rank = match.group("rank").strip()
@@ -105,7 +109,8 @@ class LoggedRecord:
 
     Attributes:
         record: the record.
-        line_no: 1-based line number in the log.
+        line_no: 1-based line number in the log (LF, CRLF and bare CR each end a line; see the
+            module docstring).
         timestamp: see :class:`LogPrefix`.
         rank: see :class:`LogPrefix`.
     """
@@ -134,6 +139,10 @@ def logged_records(
 ) -> list[LoggedRecord]:
     """Every record in ``text`` with its line number, timestamp and rank, in order.
 
+    Lines are those of :mod:`otel_swa.record`'s reading (ANSI colour codes removed; LF, CRLF and
+    bare CR each end a line), so the line number and the prefix are those of the line the record
+    was found on.
+
     Args:
         text: log text (any number of lines).
         first_line_no: the line number of the first line of ``text`` in the whole log (when
@@ -145,10 +154,8 @@ def logged_records(
     found: list[LoggedRecord] = []
     for match in iter_matches(text, errors):
         if lines is None:
-            lines = text.split("\n")
+            lines = _clean(text).split("\n")
         line = lines[match.line_no - 1] if match.line_no <= len(lines) else ""
-        if "\x1b" in line:
-            line = _ANSI_RE.sub("", line)
         cut = line.find(match.text)
         prefix = parse_log_prefix(line[:cut] if cut >= 0 else line)
         found.append(
@@ -164,7 +171,7 @@ class LogFollower:
     among them; an unterminated last line is kept for the next poll, unless ``final=True``. The file
     may not exist yet (a server that has not started logging): :meth:`poll` then returns nothing and
     :attr:`missing` is true. A file that shrank (truncated by log rotation) is read again from its
-    start.
+    start, its line numbers from 1 again.
 
     Bytes are decoded as UTF-8; undecodable bytes become U+FFFD, so binary noise cannot stop the
     reader.
@@ -187,6 +194,8 @@ class LogFollower:
         self._offset = 0
         self._next_line_no = 1
         self._pending = b""
+        # the last byte parsed was a CR: a LF at the start of the next read completes that CRLF
+        self._after_cr = False
 
     @property
     def malformed(self) -> int:
@@ -207,6 +216,8 @@ class LogFollower:
                 if size < self._offset:  # truncated in place: start again from the top
                     self._offset = 0
                     self._pending = b""
+                    self._next_line_no = 1
+                    self._after_cr = False
                 handle.seek(self._offset)
                 data = handle.read()
         except FileNotFoundError:
@@ -228,9 +239,15 @@ class LogFollower:
             complete, self._pending = data[:cut], data[cut:]
         if not complete:
             return []
+        if self._after_cr and complete.startswith(b"\n"):
+            # the CR that ended the previous read was the first half of a CRLF: one line end
+            complete = complete[1:]
+        self._after_cr = complete.endswith(b"\r")
+        if not complete:
+            return []
         text = complete.decode("utf-8", errors="replace")
         new = logged_records(text, first_line_no=self._next_line_no, errors=self.errors)
-        self._next_line_no += text.count("\n")
+        self._next_line_no += _clean(text).count("\n")
         self.records.extend(new)
         return new
 

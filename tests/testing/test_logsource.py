@@ -82,10 +82,43 @@ def test_follower_restarts_after_truncation(tmp_path):
     follower = LogFollower(path)
     assert len(follower.poll()) == 2
     path.write_text(LINE % (60, 30, 12, 1, 1) + "\n")  # rotated by copy-and-truncate
-    assert [n.record.forward_ct for n in follower.poll()] == [60]
+    assert [(n.line_no, n.record.forward_ct) for n in follower.poll()] == [(1, 60)]
 
 
 def test_follower_reports_unreadable_path(tmp_path):
     follower = LogFollower(tmp_path)  # a directory
     assert follower.poll() == []
     assert follower.error is not None and not follower.missing
+
+
+def test_bare_carriage_returns_end_lines_for_numbers_and_prefixes():
+    # a progress bar redrawn with bare CR, then a record: CR ends a line, as for the record finder
+    text = "p 10%\rp 20%\n[2025-06-01 12:34:56 TP3] " + LINE % (20, 10, 5, 1, 1) + "\n"
+    text += "\x1b[32m[2025-06-01 12:35:10 TP3]\x1b[0m x\r\n" + "[2025-06-01 12:35:11 TP1] " + LINE % (40, 20, 9, 2, 3)
+    found = logged_records(text)
+    assert [(f.line_no, f.timestamp, f.rank, f.record.forward_ct) for f in found] == [
+        (3, "2025-06-01 12:34:56", "TP3", 20),
+        (5, "2025-06-01 12:35:11", "TP1", 40),
+    ]
+
+
+def test_follower_counts_bare_carriage_returns_as_line_ends(tmp_path):
+    path = tmp_path / "server.log"
+    follower = LogFollower(path)
+    with open(path, "w", newline="") as f:
+        f.write("load 1/3\rload 2/3\rload 3/3\nready\r\n")
+    assert follower.poll() == []
+    with open(path, "a", newline="") as f:
+        f.write("[2025-06-01 12:00:20 TP0] " + LINE % (20, 10, 5, 1, 1) + "\n")
+    assert [(n.line_no, n.rank) for n in follower.poll()] == [(5, "TP0")]
+
+
+def test_follower_final_read_ending_in_cr_then_lf(tmp_path):
+    # a final read that stops between the CR and the LF of one CRLF counts that line end once
+    path = tmp_path / "server.log"
+    follower = LogFollower(path)
+    path.write_bytes(b"one\r")
+    assert follower.poll(final=True) == []
+    with open(path, "ab") as f:
+        f.write(b"\n" + (LINE % (20, 10, 5, 1, 1)).encode() + b"\n")
+    assert [n.line_no for n in follower.poll()] == [2]
