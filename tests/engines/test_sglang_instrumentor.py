@@ -29,8 +29,11 @@ class PoolKind:  # SGLang's enum members carry .name
     SWA = SimpleNamespace(name="SWA")
 
 
-def standin_classes(with_pre_ops: bool = True):
-    """Fresh stand-in ModelRunner / CanaryManager classes (fresh so no test sees another's wrapping)."""
+def standin_classes(with_pre_ops: bool = True, positional_canary: bool = False):
+    """Fresh stand-in ModelRunner / CanaryManager classes (fresh so no test sees another's wrapping).
+
+    ``positional_canary``: ``CanaryManager.__init__`` takes its parameters by position too (sglang
+    0.5.23 makes them keyword-only)."""
 
     class CanaryManager:
         def __init__(self, *, config=None, buffer_groups=(), device=None, req_to_token_pool=None,
@@ -46,6 +49,13 @@ def standin_classes(with_pre_ops: bool = True):
 
     if not with_pre_ops:
         del CanaryManager.pre_ops_maybe_inside_graph
+    if positional_canary:
+        def __init__(self, config=None, buffer_groups=(), device=None, req_to_token_pool=None,
+                     swa_allocator=None, is_eagle_draft_decode=False):
+            self._buffer_groups = tuple(buffer_groups)
+            self.plan_counts = []
+
+        CanaryManager.__init__ = __init__
 
     class ModelRunner:
         def __init__(self, allocator, req_to_token_pool, canary_manager=None, is_draft_worker=False):
@@ -69,8 +79,8 @@ def standin_classes(with_pre_ops: bool = True):
 
 @pytest.fixture
 def sglang_standin(monkeypatch, tmp_path):
-    def install(version: str = "0.5.23", with_pre_ops: bool = True):
-        ModelRunner, CanaryManager = standin_classes(with_pre_ops)
+    def install(version: str = "0.5.23", with_pre_ops: bool = True, positional_canary: bool = False):
+        ModelRunner, CanaryManager = standin_classes(with_pre_ops, positional_canary)
         install_standin(monkeypatch, tmp_path, "sglang", version, {
             "sglang.srt.model_executor.model_runner": {"ModelRunner": ModelRunner},
             "sglang.srt.kv_canary.runner.canary_manager": {"CanaryManager": CanaryManager},
@@ -227,6 +237,46 @@ def test_counts_come_from_the_canary_plans_when_the_canary_is_installed(sglang_s
     assert [(r.forward_ct, r.verify_full, r.verify_swa) for r in records] == [(2, 20, 10), (4, 51, 17)]
     # a draft worker's canary gets no reporter
     draft = s.CanaryManager(buffer_groups=groups, device="cpu", is_eagle_draft_decode=True)
+    assert getattr(draft, CANARY_ATTRIBUTE) is None
+
+
+def test_canary_built_before_instrument_still_gets_read_entry_counts(sglang_standin, instrumentor, pipeline, monkeypatch):
+    # The canary carries no reporter, so its pre_ops hook counts nothing: the runner's own
+    # reporter must count the entries attention reads (seq_len in FULL, min(seq_len, window) in SWA).
+    s = sglang_standin()
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "2")
+    state = CacheState(11)
+    groups = (SimpleNamespace(kind=PoolKind.FULL), SimpleNamespace(kind=PoolKind.SWA))
+    canary = s.CanaryManager(buffer_groups=groups, device="cpu")  # before instrument()
+    instrumentor.instrument(**pipeline.providers())
+    assert getattr(canary, CANARY_ATTRIBUTE, None) is None
+    runner = s.ModelRunner(state.allocator, state.pool, canary_manager=canary)
+    canary.plan_counts = [{"FULL": 1000, "SWA": 1000}] * 4  # never counted: no reporter on the canary
+    records, full_total, swa_total, expected = [], 0, 0, []
+    for step in range(1, 5):
+        batch = state.next_batch()
+        lens = batch.seq_lens.tolist()
+        full_total += sum(lens)
+        swa_total += sum(min(n, WINDOW) for n in lens)
+        runner.forward(batch)
+        if step == 1:
+            runner.__dict__[RUNNER_ATTRIBUTE].reporter.add_sink(lambda r, c: records.append(r))
+        if step % 2 == 0:
+            expected.append((step, full_total, swa_total))
+    runner.__dict__[RUNNER_ATTRIBUTE].reporter.flush()
+    assert [(r.forward_ct, r.verify_full, r.verify_swa) for r in records] == expected
+    assert expected[-1][1] > 0 and expected[-1][2] > 0
+
+
+def test_canary_given_its_device_by_position_gets_a_reporter(sglang_standin, instrumentor, pipeline, monkeypatch):
+    s = sglang_standin(positional_canary=True)
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "2")
+    instrumentor.instrument(**pipeline.providers())
+    groups = (SimpleNamespace(kind=PoolKind.FULL), SimpleNamespace(kind=PoolKind.SWA))
+    canary = s.CanaryManager(None, groups, "cpu")
+    reporter = getattr(canary, CANARY_ATTRIBUTE)
+    assert reporter is not None and reporter.device == torch.device("cpu")
+    draft = s.CanaryManager(None, groups, "cpu", None, None, True)  # is_eagle_draft_decode by position
     assert getattr(draft, CANARY_ATTRIBUTE) is None
 
 

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import weakref
 from types import SimpleNamespace
@@ -147,6 +148,10 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             if not getattr(runner, "is_draft_worker", False):
                 canary = getattr(runner, "canary_manager", None)
                 reporter = getattr(canary, CANARY_ATTRIBUTE, None) if canary is not None else None
+                # The canary's pre_ops hook counts verified entries only for the reporter it
+                # carries; a reporter made here (canary built before instrument(), or none)
+                # counts the entries attention reads after each forward instead.
+                counts_from_canary = reporter is not None
                 allocator = getattr(runner, "token_to_kv_pool_allocator", None)
                 is_swa = getattr(allocator, "full_to_swa_index_mapping", None) is not None
                 window = int(getattr(runner, "sliding_window_size", None) or 0)
@@ -159,7 +164,7 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                         req_to_token_pool=runner.req_to_token_pool if is_swa else None,
                     )
                     wiring = SimpleNamespace(
-                        reporter=reporter, hooks=hooks, window=window, counts_from_canary=canary is not None
+                        reporter=reporter, hooks=hooks, window=window, counts_from_canary=counts_from_canary
                     )
                     weakref.finalize(runner, reporter.close)
         except Exception:
@@ -219,14 +224,18 @@ class SwaSglangInstrumentor(EngineInstrumentor):
 
     def _wrap_canary_init(self, original: Callable) -> Callable:
         instrumentor = self
+        signature = inspect.signature(original)
 
         @functools.wraps(original)
         def __init__(manager, *args, **kwargs):
             original(manager, *args, **kwargs)
             try:
+                # device and is_eagle_draft_decode may come by position or by keyword
+                bound = signature.bind(manager, *args, **kwargs)
+                bound.apply_defaults()
                 reporter = None
-                if not kwargs.get("is_eagle_draft_decode", False):
-                    reporter = instrumentor._new_reporter(kwargs["device"])
+                if not bound.arguments.get("is_eagle_draft_decode", False):
+                    reporter = instrumentor._new_reporter(bound.arguments["device"])
                 setattr(manager, CANARY_ATTRIBUTE, reporter)
             except Exception:
                 _log.exception("SWA divergence reporter not attached to the KV canary")
