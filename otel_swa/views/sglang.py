@@ -238,16 +238,13 @@ class KvCanaryHooks:
 
         ``outer_step_counter`` is accepted for signature compatibility (see the class docstring).
         """
-        reporter = self.reporter
-        # Build the view only at sampling steps: the other steps cost one increment.
-        if (reporter.forward_ct + 1) % reporter.interval != 0:
-            reporter.step(None, context)
-            return
+        # The reporter calls the factory only at sampling steps: the other steps cost one increment.
+        self.reporter.step(lambda: self._view(maybe_inaccurate_forward_batch), context)
+
+    def _view(self, forward_batch: Any) -> SwaBatch:
         if self._swa_allocator is None:
-            view = _empty_view(reporter.device)
-        else:
-            view = batch_view(self._swa_allocator, self._req_to_token_pool, maybe_inaccurate_forward_batch)
-        reporter.step(view, context)
+            return _empty_view(self.reporter.device)
+        return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch)
 
     def close(self) -> None:
         """Deliver every pending sample (SGLang's reporter loses the last one at shutdown)."""

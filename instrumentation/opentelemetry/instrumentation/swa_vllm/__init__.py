@@ -173,21 +173,21 @@ class SwaVllmInstrumentor(EngineInstrumentor):
         reporter = wiring.reporter
         reporter.observe("full", sum(num_tokens))
         reporter.observe("swa", sum(min(n, wiring.window) for n in num_tokens))
-        if (reporter.forward_ct + 1) % reporter.interval != 0:
-            reporter.step(None)
-            return
-        try:
-            table = view.block_table_from_manager(wiring.manager, request_ids)
-            batch = view.batch_view(
-                table, torch.tensor(num_tokens, dtype=torch.int64), wiring.block_size,
-                num_blocks=wiring.num_blocks, num_tokens_cpu=num_tokens,
-            )
-        except Exception:
-            _log.exception("vLLM batch view not built; the sample counts an empty batch")
-            empty = torch.zeros((0, 1), dtype=torch.int32)
-            batch = view.batch_view(empty, torch.zeros(0, dtype=torch.int64), wiring.block_size,
-                                    num_blocks=max(wiring.num_blocks, 1), num_tokens_cpu=())
-        reporter.step(batch)
+
+        def sample_view():  # called by the reporter at sampling steps only
+            try:
+                table = view.block_table_from_manager(wiring.manager, request_ids)
+                return view.batch_view(
+                    table, torch.tensor(num_tokens, dtype=torch.int64), wiring.block_size,
+                    num_blocks=wiring.num_blocks, num_tokens_cpu=num_tokens,
+                )
+            except Exception:
+                _log.exception("vLLM batch view not built; the sample counts an empty batch")
+                empty = torch.zeros((0, 1), dtype=torch.int32)
+                return view.batch_view(empty, torch.zeros(0, dtype=torch.int64), wiring.block_size,
+                                       num_blocks=max(wiring.num_blocks, 1), num_tokens_cpu=())
+
+        reporter.step(sample_view)
 
     # ------------------------------------------------------------------ worker side
     def _wrap_execute_model(self, original: Callable) -> Callable:
