@@ -220,6 +220,9 @@ class KvCanaryHooks:
         self.reporter = reporter
         self._swa_allocator = swa_allocator
         self._req_to_token_pool = req_to_token_pool
+        #: Errors caught in :meth:`step` (building or sampling the view), never raised to SGLang.
+        self.step_errors = 0
+        self._logged_error_kinds: set[str] = set()
 
     @property
     def verify_total_count_device(self) -> torch.Tensor:
@@ -237,9 +240,23 @@ class KvCanaryHooks:
         """Once per outer step, after the forward: count it and, at sampling steps, sample the batch.
 
         ``outer_step_counter`` is accepted for signature compatibility (see the class docstring).
+        SGLang's canary manager calls this inside its forward, so nothing raised while building the
+        view or sampling it reaches the engine: the error is counted in :attr:`step_errors` and
+        logged with its traceback once per exception type.
         """
-        # The reporter calls the factory only at sampling steps: the other steps cost one increment.
-        self.reporter.step(lambda: self._view(maybe_inaccurate_forward_batch), context)
+        try:
+            # The reporter calls the factory only at sampling steps: the other steps cost one increment.
+            self.reporter.step(lambda: self._view(maybe_inaccurate_forward_batch), context)
+        except Exception as exc:  # telemetry never breaks the forward
+            self.step_errors += 1
+            kind = type(exc).__name__
+            if kind not in self._logged_error_kinds:
+                self._logged_error_kinds.add(kind)
+                _log.exception(
+                    "SWA divergence sample failed at forward step %d (%s); the forward goes on, "
+                    "later %s errors are only counted (KvCanaryHooks.step_errors)",
+                    self.reporter.forward_ct, kind, kind,
+                )
 
     def _view(self, forward_batch: Any) -> SwaBatch:
         if self._swa_allocator is None:

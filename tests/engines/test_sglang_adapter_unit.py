@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -84,3 +85,25 @@ def test_hooks_without_allocator_report_zero_and_count_verified_entries():
         adapter.observe_verified(reporter, "full", torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="req_to_token_pool"):
         adapter.KvCanaryHooks(reporter, swa_allocator=object())
+
+
+def test_hooks_step_errors_are_counted_and_logged_once_per_kind_never_raised(caplog):
+    reporter = SwaDivergenceReporter(interval=2)
+    allocator = SimpleNamespace(full_to_swa_index_mapping=torch.zeros(8, dtype=torch.int64))
+    pool = SimpleNamespace(req_to_token=torch.zeros((2, 4), dtype=torch.int32))
+    hooks = adapter.KvCanaryHooks(reporter, swa_allocator=allocator, req_to_token_pool=pool)
+    broken = SimpleNamespace()  # no req_pool_indices: batch_view raises TypeError, at sampling steps only
+    with caplog.at_level(logging.ERROR, logger="otel_swa.views.sglang"):
+        for step in range(1, 6):
+            hooks.step(outer_step_counter=step, maybe_inaccurate_forward_batch=broken)
+        assert hooks.step_errors == 2  # steps 2 and 4
+        # the view is built but the reporter rejects it (4 lengths for 1 index): a second kind
+        bad = SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([1, 1, 1, 1]),
+                              seq_lens_cpu=None)
+        hooks.step(outer_step_counter=6, maybe_inaccurate_forward_batch=bad)
+    assert hooks.step_errors == 3
+    assert reporter.forward_ct == 6
+    logged = [r for r in caplog.records if r.name == "otel_swa.views.sglang"]
+    assert len(logged) == 2 and all(r.exc_info for r in logged)
+    assert "TypeError" in logged[0].getMessage() and "ValueError" in logged[1].getMessage()
+    hooks.close()
