@@ -29,12 +29,12 @@ own e2e assertion (``assert_swa_divergence_observed``) accepts it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
-from otel_swa.record import SwaDivergenceRecord
 from otel_swa.device.audit import SwaSlotAudit, audit_swa_slots
+from otel_swa.logline import LogLineSink
 from otel_swa.views.base import SwaAuditInputs, SwaBatch
 
 __all__ = [
@@ -177,19 +177,15 @@ def observe_verified(reporter: Any, group: Any, verify_num_valid: "torch.Tensor 
     reporter.observe(_pool_of_group(group), count)
 
 
-def log_line_sink(logger: "logging.Logger | None" = None, level: int = logging.INFO) -> Callable[..., None]:
+def log_line_sink(logger: "logging.Logger | None" = None, level: int = logging.INFO) -> LogLineSink:
     """A reporter sink that logs each record's SGLang line (``kv_canary_swa_divergence={...}``).
 
-    The message is exactly :meth:`SwaDivergenceRecord.format`, the line SGLang's reporter logs, so
-    log greps and SGLang's ``SwaDivergenceLog.find_all`` read it unchanged. Default logger: SGLang's
+    A :class:`otel_swa.logline.LogLineSink`: the message is exactly
+    :meth:`otel_swa.record.SwaDivergenceRecord.format`, the line SGLang's reporter logs, so log greps and SGLang's
+    ``SwaDivergenceLog.find_all`` read it unchanged. Default logger: SGLang's
     (``sglang.srt.kv_canary.runner.swa_divergence``), so the engine's log handlers apply.
     """
-    target = logger if logger is not None else logging.getLogger(SGLANG_LOGGER_NAME)
-
-    def sink(record: SwaDivergenceRecord, context: Any = None) -> None:
-        target.log(level, record.format())
-
-    return sink
+    return LogLineSink(logger if logger is not None else logging.getLogger(SGLANG_LOGGER_NAME), level)
 
 
 class KvCanaryHooks:
