@@ -34,6 +34,7 @@ from typing import Any, Sequence
 import torch
 
 from otel_swa.device.audit import SwaSlotAudit, audit_swa_slots
+from otel_swa.device.sample import live_full_slots
 from otel_swa.logline import LogLineSink
 from otel_swa.views.base import SwaAuditInputs, SwaBatch
 
@@ -285,18 +286,22 @@ def _live_full_slots(
         raise ValueError(
             f"req_pool_indices has {len(req_pool_indices)} entries but seq_lens has {len(seq_lens)}"
         )
-    width = req_to_token.shape[1]
-    parts = []
-    for row, length in zip(req_pool_indices, seq_lens):
-        row, length = int(row), int(length)
-        if not 0 <= row < req_to_token.shape[0]:
-            raise ValueError(f"req_pool_index {row} is outside req_to_token's {req_to_token.shape[0]} rows")
+    num_rows, width = req_to_token.shape
+    rows, lens = [int(r) for r in req_pool_indices], [int(n) for n in seq_lens]
+    for row, length in zip(rows, lens):
+        if not 0 <= row < num_rows:
+            raise ValueError(f"req_pool_index {row} is outside req_to_token's {num_rows} rows")
         if not 0 <= length <= width:
             raise ValueError(f"seq_len {length} is outside [0, max_context_len={width}]")
-        parts.append(req_to_token[row, :length])
-    if not parts:
-        return torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
-    return torch.cat(parts).long()
+    device = req_to_token.device
+    lens_tensor = torch.tensor(lens, dtype=torch.int64)
+    # With host lengths the gather is exactly the live tokens, and every row is in range (checked
+    # above), so the mask selects them all.
+    slots, _ = live_full_slots(
+        req_to_token, torch.tensor(rows, dtype=torch.int64, device=device), lens_tensor.to(device),
+        seq_lens_cpu=lens_tensor,
+    )
+    return slots
 
 
 def swa_free_pages(allocator: Any) -> tuple[torch.Tensor, int]:

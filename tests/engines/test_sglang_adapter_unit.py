@@ -107,3 +107,44 @@ def test_hooks_step_errors_are_counted_and_logged_once_per_kind_never_raised(cap
     assert len(logged) == 2 and all(r.exc_info for r in logged)
     assert "TypeError" in logged[0].getMessage() and "ValueError" in logged[1].getMessage()
     hooks.close()
+
+
+def test_sglang_audit_gathers_exactly_the_live_tokens_of_every_request():
+    # page_size 1, SWA slots 1..4, slot 4 free. Row 1 holds FULL 5, 6, 7 (live 3 of 4 positions),
+    # row 2 holds FULL 8, 9 (live 2). FULL 5 -> SWA 1, 6 -> 0 (out of window), 7 -> 2,
+    # 8 -> 4 (on the free list: stale), 9 -> 0; FULL 10 -> 3 is held by no request: SWA 3 leaked.
+    mapping = torch.zeros(12, dtype=torch.int64)
+    mapping[5], mapping[7], mapping[8], mapping[10] = 1, 2, 4, 3
+    allocator = SimpleNamespace(
+        full_to_swa_index_mapping=mapping, page_size=1,
+        swa_attn_allocator=SimpleNamespace(free_pages=torch.tensor([4]), size=4),
+    )
+    pool = SimpleNamespace(req_to_token=torch.tensor([[0, 0, 0, 0], [5, 6, 7, 10], [8, 9, 0, 0]], dtype=torch.int32))
+    audit = adapter.audit_sglang_swa_slots(allocator, pool, [1, 2], [3, 2])
+    assert (audit.live_tokens, audit.stale_tokens, audit.leaked_swa_slots, audit.duplicate_swa_slots) == (5, 1, 1, 0)
+    # FULL 10 held by the prefix cache: nothing leaked any more
+    held = adapter.audit_sglang_swa_slots(allocator, pool, [1, 2], [3, 2], held_full_slots=torch.tensor([10]))
+    assert (held.live_tokens, held.leaked_swa_slots) == (6, 0)
+    none = adapter.audit_sglang_swa_slots(allocator, pool, [], [])
+    assert (none.live_tokens, none.stale_tokens) == (0, 0)
+    with pytest.raises(ValueError, match="req_pool_index 3 is outside"):
+        adapter.audit_sglang_swa_slots(allocator, pool, [3], [1])
+    with pytest.raises(ValueError, match="seq_len 5 is outside"):
+        adapter.audit_sglang_swa_slots(allocator, pool, [1], [5])
+    with pytest.raises(ValueError, match="2 entries but seq_lens has 1"):
+        adapter.audit_sglang_swa_slots(allocator, pool, [1, 2], [1])
+
+
+def test_log_line_sink_writes_the_sglang_line_to_sglang_logger(caplog):
+    from otel_swa.logline import LogLineSink
+    from otel_swa.record import SwaDivergenceRecord
+
+    sink = adapter.log_line_sink()
+    assert isinstance(sink, LogLineSink)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.kv_canary.runner.swa_divergence"):
+        sink(SwaDivergenceRecord(20, 100, 40, 3, 7), None)
+    assert [(r.name, r.getMessage()) for r in caplog.records] == [(
+        "sglang.srt.kv_canary.runner.swa_divergence",
+        'kv_canary_swa_divergence={"forward_ct":20,"verify_full":100,"verify_swa":40,'
+        '"swa_full_idx_divergence":3,"swa_out_of_window_tokens":7}',
+    )]
