@@ -13,10 +13,13 @@ A total lower than the previous one means the reporter was restarted (a new repo
 0): the new total is added as the increment since the restart, the reset is counted in
 ``kv_cache.swa.reporter.resets`` and logged as a warning.
 
-Reporter health (samples taken and delivered, host waits on a full ring, sink errors, samples in
-flight) is observed from ``reporter.stats`` by asynchronous instruments for each reporter attached
-with :meth:`SwaMetrics.attach`; the delivery delay (forward steps between the sample and its
-delivery, ``reporter.forward_ct - record.forward_ct``) is a histogram recorded at delivery.
+Reporter health (the ``observable_counter`` and ``observable_gauge`` rows of :data:`INSTRUMENTS`,
+read from ``reporter.stats``) is observed by asynchronous instruments, summed over the reporters
+attached with :meth:`SwaMetrics.attach`; the delivery delay (forward steps between the sample and
+its delivery, ``reporter.forward_ct - record.forward_ct``) is a histogram recorded at delivery.
+A reporter is held by a weak reference; when it is garbage-collected, its last counts seen (at the
+latest collection or delivery, whichever came later) stay in the summed counters, so that they
+never go down: no false reset under cumulative temporality, no negative point under delta.
 """
 
 from __future__ import annotations
@@ -181,8 +184,13 @@ class SwaMetrics:
 
     def __init__(self, meter: Meter) -> None:
         self._lock = threading.Lock()
-        self._last: dict[tuple[str, tuple], int] = {}
-        self._reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
+        # reentrant: a reporter's finalizer may run (garbage collection) while the lock is held
+        self._stats_lock = threading.RLock()
+        # live reporter -> its last counts seen, per ReporterStats counter field
+        self._reporters: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
+        # counts of reporters that were garbage-collected, per ReporterStats counter field
+        self._retired: dict[str, int] = {}
+        self._counter_fields = tuple(spec.read for spec in INSTRUMENTS if spec.kind == STATS_COUNTER)
         self._instruments: dict[str, Any] = {}
         for spec in INSTRUMENTS:
             self._instruments[spec.name] = self._create(meter, spec)
@@ -199,32 +207,80 @@ class SwaMetrics:
         if spec.kind == DELAY_HISTOGRAM:
             return meter.create_histogram(**common, explicit_bucket_boundaries_advisory=list(DELAY_BUCKETS))
         if spec.kind == STATS_COUNTER:
-            return meter.create_observable_counter(callbacks=[self._stats_callback(spec.read)], **common)
+            return meter.create_observable_counter(callbacks=[self._stats_callback(spec.read, True)], **common)
         if spec.kind == STATS_GAUGE:
-            return meter.create_observable_gauge(callbacks=[self._stats_callback(spec.read)], **common)
+            return meter.create_observable_gauge(callbacks=[self._stats_callback(spec.read, False)], **common)
         raise ValueError(f"instrument {spec.name!r} has unknown kind {spec.kind!r}")
 
-    def _stats_callback(self, field: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+    def _stats_callback(self, field: str, cumulative: bool) -> Callable[[CallbackOptions], Iterator[Observation]]:
+        """The callback of one health instrument: ``field`` of ``reporter.stats`` summed over the
+        live reporters, plus (``cumulative``) the retired counts of garbage-collected ones."""
+
         def callback(options: CallbackOptions) -> Iterator[Observation]:
-            reporters = list(self._reporters)
-            if not reporters:
-                return
-            total = 0
-            for reporter in reporters:
-                try:
-                    total += int(getattr(reporter.stats, field))
-                except Exception:  # telemetry never breaks the export cycle
-                    _log.exception("could not read reporter.stats.%s", field)
+            with self._stats_lock:
+                live = list(self._reporters.items())
+                if not live and not (cumulative and field in self._retired):
+                    return
+                total = self._retired.get(field, 0) if cumulative else 0
+                for reporter, seen in live:
+                    try:
+                        value = int(getattr(reporter.stats, field))
+                    except Exception:  # telemetry never breaks the export cycle
+                        _log.exception("could not read reporter.stats.%s", field)
+                        value = seen.get(field, 0)
+                    if cumulative:
+                        value = max(value, seen.get(field, 0))
+                        seen[field] = value
+                    total += value
+            del live  # drop the strong references before yielding
             yield Observation(total)
 
         return callback
 
+    def _retire(self, seen: dict[str, int]) -> None:
+        """Finalizer of an attached reporter: keep its last counts seen in the summed counters."""
+        with self._stats_lock:
+            for field, value in seen.items():
+                self._retired[field] = self._retired.get(field, 0) + value
+
     # ------------------------------------------------------------------ recording
     def attach(self, reporter: Any) -> None:
-        """Observe ``reporter.stats`` (samples taken/delivered, ring-full waits, sink errors,
-        pending) in the asynchronous health instruments. Several reporters are summed. The
-        reporter is held by a weak reference."""
-        self._reporters.add(reporter)
+        """Observe ``reporter.stats`` in the asynchronous health instruments (the
+        ``observable_counter`` and ``observable_gauge`` rows of :data:`INSTRUMENTS`, each naming
+        its ``ReporterStats`` field). Several reporters are summed. The reporter is held by a weak
+        reference; once it is garbage-collected its last counts seen stay in the counters (see the
+        module docstring) and it no longer adds to the gauges. Attaching it again does nothing.
+
+        Raises:
+            TypeError: ``reporter`` cannot be weakly referenced or hashed.
+        """
+        with self._stats_lock:
+            if reporter in self._reporters:
+                return
+            seen: dict[str, int] = {}
+            self._reporters[reporter] = seen
+        finalizer = weakref.finalize(reporter, self._retire, seen)
+        finalizer.atexit = False
+
+    def note_stats(self, reporter: Any) -> None:
+        """Take the current counts of an attached ``reporter`` as its last seen (the sink calls
+        this at each delivery, so that a reporter dropped between two collections still counts
+        up to its last delivery). Unattached reporters are ignored; never raises."""
+        with self._stats_lock:
+            seen = self._reporters.get(reporter)
+            if seen is None:
+                return
+            try:
+                stats = reporter.stats
+            except Exception:
+                _log.exception("could not read reporter.stats")
+                return
+            for field in self._counter_fields:
+                try:
+                    value = int(getattr(stats, field))
+                except Exception:  # the collection callback logs it
+                    continue
+                seen[field] = max(value, seen.get(field, 0))
 
     def record(
         self,

@@ -125,7 +125,7 @@ class SwaTelemetrySink:
             except Exception:
                 delivered_at = None
         for part, call in (
-            ("metrics", lambda: self.metrics.record(record, context, delivered_at=delivered_at, totals=self._totals)),
+            ("metrics", lambda: self._record_metrics(record, context, delivered_at, reporter)),
             ("events", lambda: self.events.emit(record, context)),
         ):
             try:
@@ -133,3 +133,8 @@ class SwaTelemetrySink:
             except Exception:
                 self.errors += 1
                 _log.exception("SWA divergence telemetry (%s) failed for forward_ct=%s", part, getattr(record, "forward_ct", "?"))
+
+    def _record_metrics(self, record: SwaDivergenceRecord, context: Context | None, delivered_at: int | None, reporter: Any) -> None:
+        self.metrics.record(record, context, delivered_at=delivered_at, totals=self._totals)
+        if reporter is not None:
+            self.metrics.note_stats(reporter)

@@ -3,10 +3,13 @@ the counters add up both reporters' work and no false restart is reported."""
 
 from __future__ import annotations
 
+import gc
 import logging
 
+import pytest
 import torch
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics import ObservableCounter
+from opentelemetry.sdk.metrics.export import AggregationTemporality, InMemoryMetricReader
 
 from otel_swa.reporter import KVPool, SwaDivergenceReporter
 from otel_swa.telemetry import configure
@@ -73,4 +76,45 @@ def test_one_sink_refuses_a_second_reporter_and_ignores_a_repeated_attach():
     assert [sink.reporter for sink in tel.sinks] == [b]
     assert tel.sink.records == 1  # a's one record, delivered once
     assert tel.sinks[0] is not tel.sink and tel.sinks[0].records == 1
+    tel.shutdown()
+
+
+def run_steps(reporter, steps):
+    for _ in range(steps):
+        reporter.observe(KVPool.FULL, 10)
+        reporter.step(view())
+
+
+def collect(reader, *names):
+    data = reader.get_metrics_data()  # one collection for all the names
+    return [{tuple(sorted(p.attributes.items())): p.value
+             for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics if m.name == name
+             for p in m.data.data_points} for name in names]
+
+
+@pytest.mark.parametrize("temporality", [AggregationTemporality.CUMULATIVE, AggregationTemporality.DELTA])
+def test_health_counters_keep_the_counts_of_a_garbage_collected_reporter(temporality):
+    reader = InMemoryMetricReader(preferred_temporality={ObservableCounter: temporality})
+    tel = configure(exporters="none", metric_readers=[reader], use_global=False, set_global=False, environ={})
+    names = ("kv_cache.swa.reporter.samples.taken", "kv_cache.swa.reporter.samples.delivered")
+    keep = tel.attach(SwaDivergenceReporter(1, device="cpu", ring_size=2))
+    drop = tel.attach(SwaDivergenceReporter(1, device="cpu", ring_size=2))
+    run_steps(keep, 2)
+    keep.flush()
+    run_steps(drop, 3)
+    drop.close()
+    # interval 1: one sample per step; 2 + 3 taken and delivered
+    assert collect(reader, *names) == [{(): 5}, {(): 5}]
+    # a reporter that delivers and is dropped with no collection in between still counts
+    late = tel.attach(SwaDivergenceReporter(1, device="cpu", ring_size=2))
+    run_steps(late, 4)
+    late.close()
+    del drop, late
+    gc.collect()
+    run_steps(keep, 1)
+    keep.flush()
+    # keep 3 + dropped 3 + late 4 = 10 in all; 1 + 4 = 5 since the first collection (never negative)
+    expected = 10 if temporality == AggregationTemporality.CUMULATIVE else 5
+    assert collect(reader, *names) == [{(): expected}, {(): expected}]
+    keep.close()
     tel.shutdown()
