@@ -6,8 +6,8 @@ value is read). :class:`SwaMetrics` creates them on a meter and records a record
 ``OTEL_METRICS_EXEMPLAR_FILTER``, default ``trace_based``) carry that step's trace and span ids.
 
 Cumulative totals. ``forward_ct``, ``verify_full`` and ``verify_swa`` are running totals kept by the
-reporter. A Counter takes increments, so :class:`SwaMetrics` keeps the last total it saw per series
-(instrument and ``pool``) and adds the difference. The SDK then exports the right numbers under
+reporter. A Counter takes increments, so the last total seen per series (instrument and ``pool``) is kept
+in a store of the caller (one per reporter: the sink's) and the difference is added. The SDK then exports the right numbers under
 both cumulative and delta temporality (``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``).
 A total lower than the previous one means the reporter was restarted (a new reporter starts from
 0): the new total is added as the increment since the restart, the reset is counted in
@@ -179,11 +179,12 @@ class SwaMetrics:
     Args:
         meter: an OpenTelemetry ``Meter`` (the package's, see ``setup``).
 
-    Thread safety: :meth:`record` may be called from any thread; the last-total state is locked.
+    Thread safety: :meth:`record` may be called from any thread; the callers' last-total stores are
+    updated under a lock.
     """
 
     def __init__(self, meter: Meter) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the callers' last-total stores
         # reentrant: a reporter's finalizer may run (garbage collection) while the lock is held
         self._stats_lock = threading.RLock()
         # live reporter -> its last counts seen, per ReporterStats counter field
@@ -288,7 +289,7 @@ class SwaMetrics:
         context: Context | None = None,
         *,
         delivered_at: int | None = None,
-        totals: dict | None = None,
+        totals: dict,
     ) -> None:
         """Record one delivered sample.
 
@@ -298,8 +299,8 @@ class SwaMetrics:
             delivered_at: ``reporter.forward_ct`` when the record was delivered; when given, the
                 delivery delay ``delivered_at - record.forward_ct`` goes to the histogram.
             totals: where the last cumulative totals of this record's source (one reporter) are
-                kept, so that several reporters can share the instruments; default: one store
-                held by this object.
+                kept, so that several reporters can share the instruments: a dict owned by the
+                caller, empty at first, passed again with every record of that source.
 
         Raises:
             TypeError: ``record`` is not a :class:`SwaDivergenceRecord`.
@@ -324,13 +325,12 @@ class SwaMetrics:
         if delivered_at is not None:
             self._delay.record(max(0, delivered_at - record.forward_ct), context=context)
 
-    def _increment(self, totals: dict | None, name: str, attributes: Attributes, total: int) -> tuple[int, bool]:
+    def _increment(self, totals: dict, name: str, attributes: Attributes, total: int) -> tuple[int, bool]:
         """The increment of a cumulative total since the last record, and whether it went back."""
         key = (name, tuple(sorted(attributes.items())))
-        store = self._last if totals is None else totals
         with self._lock:
-            last = store.get(key, 0)
-            store[key] = total
+            last = totals.get(key, 0)
+            totals[key] = total
         if total >= last:
             return total - last, False
         _log.warning(

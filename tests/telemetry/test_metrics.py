@@ -181,4 +181,19 @@ def test_a_failing_meter_never_raises_into_the_reporter(pipeline, caplog):
 def test_record_refuses_what_is_not_a_record(pipeline):
     sink = SwaTelemetrySink(**pipeline.providers())
     with pytest.raises(TypeError, match="expected a SwaDivergenceRecord, got dict"):
-        sink.metrics.record({"forward_ct": 20}, None)
+        sink.metrics.record({"forward_ct": 20}, None, totals={})
+
+
+def test_record_needs_the_callers_totals_and_keeps_each_store_apart(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    with pytest.raises(TypeError, match="totals"):
+        sink.metrics.record(RECORDS[0], None)  # no hidden store shared by every caller
+    a, b = {}, {}
+    sink.metrics.record(RECORDS[0], None, totals=a)  # source a: 20 steps, 5120 FULL entries
+    sink.metrics.record(R(10, 1000, 400, 0, 0), None, totals=b)  # source b: 10 steps, 1000 entries
+    sink.metrics.record(RECORDS[1], None, totals=a)  # a: +20 steps, +3880 entries
+    m = pipeline.metrics()
+    assert value(m["kv_cache.swa.forward_steps"]["points"]) == 40 + 10
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 9000 + 1000
+    assert "kv_cache.swa.reporter.resets" not in m  # b's lower totals were not taken for a restart of a
+    assert a[("kv_cache.swa.forward_steps", ())] == 40 and b[("kv_cache.swa.forward_steps", ())] == 10
