@@ -15,13 +15,24 @@ import importlib
 import inspect
 import logging
 import weakref
+from dataclasses import dataclass
 from importlib import metadata
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, MutableMapping
 
 from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
-__all__ = ["EngineInstrumentor", "EngineVersionError", "unavailable_reason", "installed_version", "resolve_method"]
+__all__ = [
+    "EngineInstrumentor",
+    "EngineVersionError",
+    "InstrumentTelemetry",
+    "instrument_telemetry",
+    "request_span_attributes",
+    "request_span_hooks",
+    "unavailable_reason",
+    "installed_version",
+    "resolve_method",
+]
 
 
 class EngineVersionError(ImportError):
@@ -81,6 +92,94 @@ def resolve_method(
     if missing:
         raise error(f"{where}: expected {expected}, its parameters lack {missing}")
     return cls, function
+
+
+@dataclass(frozen=True)
+class InstrumentTelemetry:
+    """What an instrumentor builds from its ``instrument(**kwargs)``: see :func:`instrument_telemetry`."""
+
+    sink: Any  #: an :class:`otel_swa.telemetry.SwaTelemetrySink`
+    tracer: Any  #: an ``opentelemetry.trace.Tracer`` of otel-swa's instrumentation scope
+    traceparents: Any  #: the ``traceparents`` kwarg (request id -> W3C traceparent), or ``None``
+    max_links: "int | None"  #: the ``max_links`` kwarg (forward-step link limit), or ``None``
+
+
+def instrument_telemetry(kwargs: dict) -> InstrumentTelemetry:
+    """The telemetry sink and tracer of an instrumentor, from its ``instrument()`` kwargs.
+
+    Reads ``tracer_provider``, ``meter_provider``, ``logger_provider`` (each default: the global
+    one; no provider is ever installed here), ``span_events`` (default True), ``traceparents`` and
+    ``max_links``. The tracer uses otel-swa's scope name, version and schema URL
+    (:mod:`otel_swa.telemetry.semconv`).
+    """
+    from opentelemetry import trace
+
+    from otel_swa.telemetry import SwaTelemetrySink
+    from otel_swa.telemetry import semconv as sc
+    from otel_swa.version import __version__
+
+    sink = SwaTelemetrySink(
+        tracer_provider=kwargs.get("tracer_provider"),
+        meter_provider=kwargs.get("meter_provider"),
+        logger_provider=kwargs.get("logger_provider"),
+        span_events=kwargs.get("span_events", True),
+    )
+    tracer = trace.get_tracer(
+        sc.SCOPE_NAME, __version__, tracer_provider=kwargs.get("tracer_provider"), schema_url=sc.SCHEMA_URL
+    )
+    return InstrumentTelemetry(sink, tracer, kwargs.get("traceparents"), kwargs.get("max_links"))
+
+
+def request_span_attributes(request: Any) -> dict[str, int]:
+    """The attributes of a request span at submission, in OpenTelemetry's GenAI semantic conventions:
+    ``gen_ai.usage.input_tokens`` (the prompt: ``request.context_tokens``) and
+    ``gen_ai.request.max_tokens`` (the generation limit: ``request.generated_tokens``).
+
+    Raises:
+        AttributeError, TypeError, ValueError: ``request`` lacks the two integer attributes.
+    """
+    return {
+        "gen_ai.usage.input_tokens": int(request.context_tokens),
+        "gen_ai.request.max_tokens": int(request.generated_tokens),
+    }
+
+
+def request_span_hooks(
+    start_span: Callable[..., "str | None"],
+    end_span: Callable[[Any], None],
+    traceparents: "MutableMapping[Any, str] | None" = None,
+) -> dict[str, Callable[..., None]]:
+    """Hooks giving each request of an engine its own span (kind SERVER, its own trace), from
+    submission to completion.
+
+    Args:
+        start_span: ``start_span(request_id, attributes=...)`` starts a request span and returns its
+            W3C traceparent (``RequestSpans.start`` or ``SwaTelemetry.start_request_span``).
+        end_span: ``end_span(request_id)`` ends it (a no-op for an unknown id).
+        traceparents: when given, request id -> traceparent is kept here while the request runs
+            (what the forward-step spans link to) and removed when it finishes.
+
+    Returns:
+        ``{"on_submit": on_submit(state, request), "on_step": on_step(result)}``: ``state.rid`` is
+        the request id, ``request`` has the attributes of :func:`request_span_attributes` and
+        optionally a ``traceparent`` (from a serving front end: then no span is started and the
+        forward steps link to that one), ``result.finished`` lists the request ids that finished.
+    """
+
+    def on_submit(state: Any, request: Any) -> None:
+        traceparent = getattr(request, "traceparent", None)
+        if not traceparent:
+            traceparent = start_span(state.rid, attributes=request_span_attributes(request))
+        if traceparents is not None and traceparent:
+            traceparents[state.rid] = traceparent
+
+    def on_step(result: Any) -> None:
+        for rid in result.finished:
+            if traceparents is not None:
+                traceparents.pop(rid, None)
+            end_span(rid)
+
+    return {"on_submit": on_submit, "on_step": on_step}
 
 
 class EngineInstrumentor(BaseInstrumentor):
@@ -179,23 +278,12 @@ class EngineInstrumentor(BaseInstrumentor):
             setattr(cls, method, wrap(function))
 
     def _set_up_telemetry(self, kwargs: dict) -> None:
-        from opentelemetry import trace
+        from otel_swa.telemetry import ForwardSpans
 
-        from otel_swa.telemetry import ForwardSpans, SwaTelemetrySink
-        from otel_swa.telemetry import semconv as sc
-        from otel_swa.version import __version__
-
-        self._sink = SwaTelemetrySink(
-            tracer_provider=kwargs.get("tracer_provider"),
-            meter_provider=kwargs.get("meter_provider"),
-            logger_provider=kwargs.get("logger_provider"),
-            span_events=kwargs.get("span_events", True),
-        )
-        tracer = trace.get_tracer(
-            sc.SCOPE_NAME, __version__, tracer_provider=kwargs.get("tracer_provider"), schema_url=sc.SCHEMA_URL
-        )
-        self._traceparents = kwargs.get("traceparents")
-        self._forward_spans = ForwardSpans(tracer, self._traceparents, max_links=kwargs.get("max_links"))
+        telemetry = instrument_telemetry(kwargs)
+        self._sink = telemetry.sink
+        self._traceparents = telemetry.traceparents
+        self._forward_spans = ForwardSpans(telemetry.tracer, telemetry.traceparents, max_links=telemetry.max_links)
 
     def _uninstrument(self, **kwargs: Any) -> None:
         for (cls, method), function in self._originals.items():

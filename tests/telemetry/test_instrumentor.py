@@ -89,6 +89,30 @@ def test_one_run_gives_metrics_events_and_lines_that_agree(instrumented):
     assert len(samples) + len(on_step) == len(records)
 
 
+def test_request_spans_carry_genai_prompt_and_limit_attributes(instrumented):
+    pipeline, _ = instrumented
+    run_engine()
+    spans = [s for s in pipeline.spans.get_finished_spans() if s.name == "request"]
+    got = sorted((s.attributes["gen_ai.usage.input_tokens"], s.attributes["gen_ai.request.max_tokens"]) for s in spans)
+    assert got == [(25, 20), (33, 15), (40, 12), (70, 6)]
+    assert all("gen_ai.usage.output_tokens" not in s.attributes for s in spans)
+
+
+def test_request_span_hooks_keep_traceparents_while_requests_run():
+    from otel_swa.engine_wrapping import request_span_hooks
+
+    started, ended, traceparents = [], [], {}
+    hooks = request_span_hooks(lambda rid, attributes: started.append((rid, attributes)) or f"tp-{rid}",
+                               ended.append, traceparents)
+    hooks["on_submit"](SimpleNamespace(rid=1), SimpleNamespace(context_tokens=7, generated_tokens=3))
+    front_end = SimpleNamespace(context_tokens=5, generated_tokens=2, traceparent="00-ab-cd-01")
+    hooks["on_submit"](SimpleNamespace(rid=2), front_end)  # a front end's span: none started here
+    assert started == [(1, {"gen_ai.usage.input_tokens": 7, "gen_ai.request.max_tokens": 3})]
+    assert traceparents == {1: "tp-1", 2: "00-ab-cd-01"}
+    hooks["on_step"](SimpleNamespace(finished=[1]))
+    assert traceparents == {2: "00-ab-cd-01"} and ended == [1]
+
+
 def test_interval_zero_means_no_reporter(pipeline, monkeypatch):
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "0")
     monkeypatch.delenv("SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL", raising=False)

@@ -55,11 +55,9 @@ import logging
 from types import SimpleNamespace
 from typing import Any, Collection
 
-from opentelemetry import trace
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from opentelemetry.instrumentation.swa_reference.package import _instruments
-from opentelemetry.instrumentation.swa_reference.version import __version__
 
 __all__ = ["SwaReferenceInstrumentor"]
 
@@ -81,21 +79,13 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
         return _instruments
 
     def _instrument(self, **kwargs: Any) -> None:
+        from otel_swa.engine_wrapping import instrument_telemetry
         from otel_swa.reference.engine import ReferenceEngine
-        from otel_swa.telemetry import SwaTelemetrySink
-        from otel_swa.telemetry import semconv as sc
 
-        tracer = trace.get_tracer(
-            sc.SCOPE_NAME, __version__, tracer_provider=kwargs.get("tracer_provider"), schema_url=sc.SCHEMA_URL
-        )
-        self._sink = SwaTelemetrySink(
-            tracer_provider=kwargs.get("tracer_provider"),
-            meter_provider=kwargs.get("meter_provider"),
-            logger_provider=kwargs.get("logger_provider"),
-            span_events=kwargs.get("span_events", True),
-        )
-        self._tracer = tracer
-        self._max_links = kwargs.get("max_links")
+        telemetry = instrument_telemetry(kwargs)
+        self._sink = telemetry.sink
+        self._tracer = telemetry.tracer
+        self._max_links = telemetry.max_links
         self._originals = {name: ReferenceEngine.__dict__[name] for name in _WRAPPED}
         self._engine_class = ReferenceEngine
         for name in _WRAPPED:
@@ -108,6 +98,7 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
 
     # ------------------------------------------------------------------ per engine
     def _wire(self, engine: Any) -> None:
+        from otel_swa.engine_wrapping import request_span_hooks
         from otel_swa.reporter import SwaDivergenceReporter
         from otel_swa.telemetry import ForwardSpans, RequestSpans
 
@@ -127,6 +118,7 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
         engine.forward_span = forward_spans.forward_span
         setattr(engine, ENGINE_ATTRIBUTE, SimpleNamespace(
             sink=sink, request_spans=request_spans, traceparents=traceparents, forward_spans=forward_spans,
+            request_hooks=request_span_hooks(request_spans.start, request_spans.end, traceparents),
         ))
 
     def _wrap_init(self, original):
@@ -149,14 +141,7 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
             wiring = getattr(engine, ENGINE_ATTRIBUTE, None)
             if wiring is not None:
                 try:
-                    traceparent = getattr(request, "traceparent", None)
-                    if not traceparent:
-                        traceparent = wiring.request_spans.start(state.rid, attributes={
-                            "gen_ai.usage.input_tokens": int(request.context_tokens),
-                            "gen_ai.request.max_tokens": int(request.generated_tokens),
-                        })
-                    if traceparent:
-                        wiring.traceparents[state.rid] = traceparent
+                    wiring.request_hooks["on_submit"](state, request)
                 except Exception:
                     _log.exception("request span not started")
             return state
@@ -169,9 +154,10 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
             result = original(engine, *args, **kwargs)
             wiring = getattr(engine, ENGINE_ATTRIBUTE, None)
             if wiring is not None and result is not None:
-                for rid in result.finished:
-                    wiring.traceparents.pop(rid, None)
-                    wiring.request_spans.end(rid)
+                try:
+                    wiring.request_hooks["on_step"](result)
+                except Exception:
+                    _log.exception("request spans not ended")
             return result
 
         return step
