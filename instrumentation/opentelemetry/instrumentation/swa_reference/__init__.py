@@ -7,26 +7,10 @@ afterwards is observed:
   ``OTEL_SWA_DIVERGENCE_INTERVAL`` (or SGLang's ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``)
   unset or 0 means no reporter and no reporter work at all; an unusable value is logged and
   leaves the engine without a reporter;
-* the reporter's records become metrics and events (:mod:`otel_swa.telemetry`):
-
-  ==========================================  ==============  ===========
-  metric                                      kind            unit
-  ==========================================  ==============  ===========
-  kv_cache.swa.entries.verified (pool)        Counter         {entry}
-  kv_cache.swa.forward_steps                  Counter         {forward}
-  kv_cache.swa.tokens.divergent               Gauge           {token}
-  kv_cache.swa.tokens.out_of_window           Gauge           {token}
-  kv_cache.swa.reporter.delivery.delay        Histogram       {forward}
-  kv_cache.swa.reporter.resets                Counter         {reset}
-  kv_cache.swa.reporter.samples.taken         ObservableCtr   {sample}
-  kv_cache.swa.reporter.samples.delivered     ObservableCtr   {sample}
-  kv_cache.swa.reporter.ring_full.waits       ObservableCtr   {wait}
-  kv_cache.swa.reporter.sink.errors           ObservableCtr   {error}
-  kv_cache.swa.reporter.samples.pending       ObservableGauge {sample}
-  ==========================================  ==============  ===========
-
-  and the event ``kv_cache.swa.divergence_sample`` (Logs API and span event) under the forward step
-  where each sample was taken;
+* the reporter's records become the metrics of :data:`otel_swa.telemetry.metrics.INSTRUMENTS`
+  (their names, kinds, units and sources: the table "Record field → instrument" in
+  ``docs/telemetry.md``) and the event ``kv_cache.swa.divergence_sample`` (Logs API and span
+  event) under the forward step where each sample was taken;
 * each forward step runs in a span ``forward step`` linked to the spans of its requests;
 * each submitted request gets a span ``request`` (kind SERVER, its own trace) from submission to
   completion, unless the request object carries a W3C ``traceparent`` attribute (from a serving

@@ -33,8 +33,8 @@ Switch: ``OTEL_SWA_DIVERGENCE_INTERVAL`` (or SGLang's
 nothing is wrapped, the engine runs its own code unchanged. An unusable value is logged and
 nothing is wrapped. Each model runner gets its own
 :class:`~otel_swa.reporter.SwaDivergenceReporter` on its device (``OTEL_SWA_RING_SIZE`` ring
-slots); its records become the metrics and events of :mod:`otel_swa.telemetry` (the same table
-as ``opentelemetry.instrumentation.swa_reference``) and, with the ``swa_logline`` logs exporter,
+slots); its records become the metrics and events of :mod:`otel_swa.telemetry` (the table
+"Record field → instrument" in ``docs/telemetry.md``) and, with the ``swa_logline`` logs exporter,
 SGLang's ``kv_canary_swa_divergence={...}`` line. Set only ``OTEL_SWA_DIVERGENCE_INTERVAL``: the
 SGLang variable also switches on SGLang's own reporter, which then logs its line beside ours.
 Pending samples are delivered when the model runner is garbage-collected, at interpreter exit,
