@@ -53,7 +53,8 @@ ATTR_NUM_PREFILL = "forward_step.num_prefill"
 ATTR_NUM_DECODE = "forward_step.num_decode"
 #: Request links not added to the forward-step span (over the link limit).
 ATTR_LINKS_DROPPED = "forward_step.links.dropped"
-#: Requests of the batch without a usable W3C ``traceparent`` (none known, or unparsable).
+#: Requests of the batch without a usable W3C ``traceparent`` (none known, or unparsable); 0 when no
+#: traceparent lookup is configured (no request is looked up then).
 ATTR_LINKS_MISSING = "forward_step.links.missing"
 
 # Resource attributes for the rank of the engine process.

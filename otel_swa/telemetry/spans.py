@@ -16,7 +16,8 @@ OpenTelemetry's TraceContext propagator), as a serving front end receives it.
 Link limit: OpenTelemetry keeps at most ``SpanLimits.max_links`` links per span (128 by default,
 ``OTEL_SPAN_LINK_COUNT_LIMIT``) and silently drops the rest. The helper adds at most that many and
 counts the others in ``forward_step.links.dropped``; requests with no usable traceparent are counted
-in ``forward_step.links.missing``.
+in ``forward_step.links.missing``. With no traceparent lookup configured no link is looked for:
+both counts are 0 (``links.missing`` 0 then means "no lookup", not "every request linked").
 
 :class:`RequestSpans` gives each request a span of its own (kind SERVER, root of its own trace),
 started at arrival and ended when the request finishes, and hands out its traceparent; it can be
@@ -44,25 +45,25 @@ _log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
-
-@functools.lru_cache(maxsize=8192)
-def parse_traceparent(traceparent: str) -> SpanContext | None:
-    """The remote ``SpanContext`` of a W3C ``traceparent`` value, or ``None`` if it is not valid.
+def parse_traceparent(traceparent: Any) -> SpanContext | None:
+    """The remote ``SpanContext`` of a W3C ``traceparent`` value, or ``None`` if it is not a valid
+    one (any value that is not a ``str`` included; nothing is raised).
 
     Parsed by OpenTelemetry's ``TraceContextTextMapPropagator`` (W3C Trace Context level 1); results
     are cached because a request's traceparent is looked up at every step it takes part in.
     """
-    if not isinstance(traceparent, str):
+    if not isinstance(traceparent, str):  # checked before the cache: an unhashable value cannot be a key
         return None
-    span_context = trace.get_current_span(_PROPAGATOR.extract({"traceparent": traceparent})).get_span_context()
-    return span_context if span_context.is_valid else None
+    link = _link(traceparent)
+    return None if link is None else link.context
 
 
 @functools.lru_cache(maxsize=8192)
 def _link(traceparent: str) -> Link | None:
-    """The span link to the span of ``traceparent`` (cached: a request takes part in many steps)."""
-    span_context = parse_traceparent(traceparent)
-    return None if span_context is None else Link(span_context)
+    """The span link to the span of ``traceparent`` (the one cache: a request takes part in many
+    steps)."""
+    span_context = trace.get_current_span(_PROPAGATOR.extract({"traceparent": traceparent})).get_span_context()
+    return Link(span_context) if span_context.is_valid else None
 
 
 def format_traceparent(span_context: SpanContext) -> str | None:
@@ -122,7 +123,12 @@ class ForwardSpans:
             return None
 
     def links(self, request_ids: Iterable[Any]) -> tuple[list[Link], int, int]:
-        """The links for ``request_ids`` and the counts ``(dropped over the limit, missing)``."""
+        """The links for ``request_ids`` and the counts ``(dropped over the limit, missing)``.
+
+        With no traceparent lookup configured, ``([], 0, 0)`` at once (no request is looked at).
+        """
+        if self._get is None:
+            return [], 0, 0
         links: list[Link] = []
         dropped = missing = 0
         for request_id in request_ids:

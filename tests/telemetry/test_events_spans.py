@@ -195,3 +195,35 @@ def test_bad_arguments_are_named(pipeline):
     requests.start("x")
     with pytest.raises(ValueError, match="request 'x' already has an open span"):
         requests.start("x")
+
+
+def test_parse_traceparent_refuses_unhashable_values_without_raising():
+    for bad in (["00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"], {"traceparent": "x"}, bytearray(b"00")):
+        assert parse_traceparent(bad) is None
+
+
+def test_no_lookup_means_no_link_work_and_zero_counts(pipeline):
+    forward = ForwardSpans(pipeline.tracer_provider.get_tracer("engine"))
+
+    def request_ids():
+        raise AssertionError("request ids must not be read when there is no traceparent lookup")
+        yield  # pragma: no cover
+
+    assert forward.links(request_ids()) == ([], 0, 0)
+    with forward.forward_span(forward_ct=3, batch_size=2, request_ids=["r0", "r1"]):
+        pass
+    (fwd,) = pipeline.spans.get_finished_spans()
+    assert fwd.links == ()
+    assert (fwd.attributes["forward_step.links.dropped"], fwd.attributes["forward_step.links.missing"]) == (0, 0)
+
+
+def test_one_cache_serves_parsing_and_linking(pipeline):
+    from otel_swa.telemetry import spans
+
+    tp = "00-1af7651916cd43dd8448eb211c80319c-c7ad6b7169203331-01"
+    spans._link.cache_clear()
+    parsed = parse_traceparent(tp)  # first sight: one miss
+    links, _, _ = ForwardSpans(pipeline.tracer_provider.get_tracer("engine"), {"r": tp}).links(["r"])
+    info = spans._link.cache_info()
+    assert (info.misses, info.hits, info.currsize) == (1, 1, 1)  # the link reused the parse
+    assert links[0].context.span_id == parsed.span_id == 0xC7AD6B7169203331
