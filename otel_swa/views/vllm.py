@@ -23,6 +23,7 @@ Nothing here imports vLLM.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -38,6 +39,7 @@ __all__ = [
     "block_table_from_manager",
     "window_counts",
     "batch_view",
+    "slot_mapping",
     "observe_counts",
 ]
 
@@ -168,6 +170,34 @@ def window_counts(
     )
 
 
+@functools.lru_cache(maxsize=8)
+def _cached_slot_mapping(num_blocks: int, block_size: int, null_block_id: int, device: torch.device) -> torch.Tensor:
+    mapping = torch.arange(num_blocks * block_size + 1, dtype=torch.int64, device=device)
+    null_start = null_block_id * block_size + 1
+    mapping[0] = 0
+    mapping[null_start : null_start + block_size] = 0
+    return mapping
+
+
+def slot_mapping(num_blocks: int, block_size: int, null_block_id: int, device: "torch.device | str") -> torch.Tensor:
+    """The view's FULL-to-SWA mapping of a vLLM SWA group (see :func:`batch_view`).
+
+    ``int64 [num_blocks * block_size + 1]`` on ``device``: view slot ``s`` (token slot ``s - 1``)
+    maps to itself, except slot 0 and the null block's ``block_size`` slots, which map to 0. Built
+    once per ``(num_blocks, block_size, null_block_id, device)`` (the last 8 kept) and shared: the
+    reporter only reads it, and nobody may write to it.
+
+    Raises:
+        ValueError: ``num_blocks`` or ``block_size`` below 1, or ``null_block_id`` outside
+            ``[0, num_blocks)``.
+    """
+    if num_blocks < 1 or block_size < 1:
+        raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+    if not 0 <= null_block_id < num_blocks:
+        raise ValueError(f"null_block_id {null_block_id} is outside [0, num_blocks={num_blocks})")
+    return _cached_slot_mapping(int(num_blocks), int(block_size), int(null_block_id), torch.device(device))
+
+
 def batch_view(
     block_table: torch.Tensor,
     num_tokens: torch.Tensor,
@@ -182,8 +212,9 @@ def batch_view(
     vLLM has no FULL-to-SWA mapping, so the view builds one that states only what exists: token
     slot ``block_id * block_size + offset`` of the SWA block table, mapped to itself for a real
     block and to 0 for the null block. The reporter then counts null-block tokens as out of window
-    and divergence as 0, marked not applicable (``divergence_applicable=False``; see the module docstring). Build it at sampling steps
-    only: it allocates ``[batch, max_blocks * block_size]`` on the device (no host sync).
+    and divergence as 0, marked not applicable (``divergence_applicable=False``; see the module
+    docstring). Build it at sampling steps only: it allocates ``[batch, max_blocks * block_size]``
+    on the device (no host sync); the mapping itself is built once and shared (:func:`slot_mapping`).
 
     Args:
         block_table, num_tokens, block_size, null_block_id: see :func:`window_counts`.
@@ -192,7 +223,8 @@ def batch_view(
         num_tokens_cpu: host copy of ``num_tokens`` (lets the reporter gather only live tokens).
 
     Raises:
-        ValueError: see :func:`window_counts` (shape checks only, no sync), or ``num_blocks`` < 1.
+        ValueError: see :func:`window_counts` (shape checks only, no sync), ``num_blocks`` < 1, or
+            ``null_block_id`` outside ``[0, num_blocks)``.
     """
     _check(block_table, num_tokens, block_size)
     if num_blocks < 1:
@@ -204,14 +236,9 @@ def batch_view(
     # Slot 0 is never a real token in the view: shift by one so that the null block's slots and
     # the reserved "none" slot 0 stay apart.
     req_to_token = slots + 1
-    num_slots = num_blocks * block_size + 1
-    mapping = torch.arange(num_slots, dtype=torch.int64, device=device)
-    null_start = null_block_id * block_size + 1
-    mapping[0] = 0
-    mapping[null_start : null_start + block_size] = 0
     return SwaBatch(
         req_to_token=req_to_token,
-        full_to_swa_index_mapping=mapping,
+        full_to_swa_index_mapping=slot_mapping(num_blocks, block_size, null_block_id, device),
         req_pool_indices=torch.arange(batch, dtype=torch.int64, device=device),
         seq_lens=num_tokens,
         seq_lens_cpu=num_tokens_cpu,

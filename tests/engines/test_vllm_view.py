@@ -148,3 +148,20 @@ def test_reporter_through_the_view_matches_a_recount(block_size):
     assert max(expected.values()) >= 1
     last = records[-1]
     assert last.verify_swa < last.verify_full
+
+
+def test_batch_view_mapping_is_built_once_per_pool_shape_with_the_null_block_zeroed():
+    table = torch.tensor([[1, 0], [2, 3]], dtype=torch.int32)
+    tokens = torch.tensor([3, 4])
+    first = vllm.batch_view(table, tokens, 2, num_blocks=4)
+    second = vllm.batch_view(table[:1], tokens[:1], 2, num_blocks=4)
+    assert second.full_to_swa_index_mapping is first.full_to_swa_index_mapping
+    # 4 blocks x 2 slots + the reserved slot 0; the null block 0 holds view slots 1 and 2
+    assert first.full_to_swa_index_mapping.tolist() == [0, 0, 0, 3, 4, 5, 6, 7, 8]
+    other = vllm.batch_view(table, tokens, 2, num_blocks=4, null_block_id=2)
+    assert other.full_to_swa_index_mapping.tolist() == [0, 1, 2, 3, 4, 0, 0, 7, 8]
+    assert first.full_to_swa_index_mapping.tolist() == [0, 0, 0, 3, 4, 5, 6, 7, 8]  # untouched
+    bigger = vllm.batch_view(table, tokens, 2, num_blocks=5)
+    assert bigger.full_to_swa_index_mapping.tolist() == [0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10]
+    with pytest.raises(ValueError, match="null_block_id 4 is outside"):
+        vllm.batch_view(table, tokens, 2, num_blocks=4, null_block_id=4)
