@@ -159,6 +159,24 @@ def _is_proxy_logger_provider(provider: Any) -> bool:
     return type(provider).__name__ == "ProxyLoggerProvider"
 
 
+def _remove(items: list[Any], item: Any) -> None:
+    """Remove ``item`` from ``items`` by identity (exporters need not be hashable or comparable)."""
+    for index, other in enumerate(items):
+        if other is item:
+            del items[index]
+            return
+
+
+def _shutdown_quietly(parts: Iterable[Any]) -> None:
+    """Shut down providers, readers or exporters built by a :func:`configure` that failed; errors
+    are logged (the original error is the one to report)."""
+    for part in parts:
+        try:
+            part.shutdown()
+        except Exception:
+            _log.exception("shutdown of %s after a failed configure() failed", type(part).__name__)
+
+
 @dataclass
 class SwaTelemetry:
     """The configured pipeline (returned by :func:`configure`).
@@ -299,7 +317,10 @@ def configure(
 
     Raises:
         ConfigError: an unknown exporter or protocol, an exporter that is not installed, a rank that
-            is not an integer >= 0.
+            is not an integer >= 0, an exporter whose constructor refused its ``OTEL_EXPORTER_*``
+            settings (e.g. ``OTEL_EXPORTER_OTLP_LOGS_COMPRESSION=bogus`` for gRPC). Every exporter is
+            created before any provider is built, so nothing is then built or installed as global;
+            a failure while building the providers shuts down what was built and installs nothing.
     """
     env = os.environ if environ is None else environ
     names = resolve_exporters(exporters, env)
@@ -311,7 +332,6 @@ def configure(
             ranks[dim] = value
     classes = {signal: [(name, _load_exporter(signal, name)) for name in names[signal]] for signal in SIGNALS}
 
-    owned: list[str] = []
     resource: Resource | None = None
 
     def need_resource() -> Resource:
@@ -320,44 +340,89 @@ def configure(
             resource = _resource(resource_attributes, ranks, default_service_name, env)
         return resource
 
+    # Which providers are reused (given, or already installed globally) and which are built here.
     if tracer_provider is None and use_global and not _is_proxy_tracer_provider(trace.get_tracer_provider()):
         tracer_provider = trace.get_tracer_provider()
-    if tracer_provider is None:
-        tracer_provider = TracerProvider(resource=need_resource())
-        for processor in span_processors:
-            tracer_provider.add_span_processor(processor)
-        for _, cls in classes["traces"]:
-            tracer_provider.add_span_processor(BatchSpanProcessor(cls()))
-        owned.append("traces")
-        if set_global:
-            trace.set_tracer_provider(tracer_provider)
-
     if meter_provider is None and use_global and not _is_proxy_meter_provider(metrics_api.get_meter_provider()):
         meter_provider = metrics_api.get_meter_provider()
-    if meter_provider is None:
-        readers = list(metric_readers)
-        for _, cls in classes["metrics"]:
-            readers.append(cls() if issubclass(cls, MetricReader) else PeriodicExportingMetricReader(cls()))
-        meter_provider = MeterProvider(resource=need_resource(), metric_readers=readers)
-        owned.append("metrics")
-        if set_global:
-            metrics_api.set_meter_provider(meter_provider)
-
     if logger_provider is None and use_global and not _is_proxy_logger_provider(get_logger_provider()):
         logger_provider = get_logger_provider()
-    if logger_provider is None:
-        logger_provider = LoggerProvider(resource=need_resource())
-        for processor in log_record_processors:
-            logger_provider.add_log_record_processor(processor)
-        for name, cls in classes["logs"]:
-            # The SGLang line is written at once, in order, as SGLang's logger does; the others batch.
-            if issubclass(cls, SwaLogLineExporter):
-                exporter = cls(logger_name=logline_logger) if logline_logger else cls()
-                logger_provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
-            else:
-                logger_provider.add_log_record_processor(BatchLogRecordProcessor(cls()))
-        owned.append("logs")
-        if set_global:
+    to_build = [
+        signal
+        for signal, provider in (("traces", tracer_provider), ("metrics", meter_provider), ("logs", logger_provider))
+        if provider is None
+    ]
+
+    # 1. Every exporter of the providers to build, before any provider exists: a constructor that
+    # fails on a bad OTEL_EXPORTER_OTLP_* value then leaves nothing built or installed.
+    made: list[Any] = []
+    exporters_of: dict[str, list[tuple[type, Any]]] = {signal: [] for signal in SIGNALS}
+    for signal in to_build:
+        for name, cls in classes[signal]:
+            try:
+                if signal == "logs" and issubclass(cls, SwaLogLineExporter) and logline_logger:
+                    exporter = cls(logger_name=logline_logger)
+                else:
+                    exporter = cls()
+            except Exception as exc:
+                _shutdown_quietly(made)
+                raise ConfigError(
+                    f"the {signal} exporter {name!r} could not be created from its OTEL_EXPORTER_* "
+                    f"settings: {type(exc).__name__}: {exc}"
+                ) from exc
+            made.append(exporter)
+            exporters_of[signal].append((cls, exporter))
+
+    # 2. The providers; 3. installed as the global ones only once all of them exist.
+    owned: list[str] = []
+    built: list[Any] = []  # providers built here: their shutdown shuts down what was handed to them
+    loose: list[Any] = list(made)  # exporters and readers made here and not handed to a provider yet
+    try:
+        if tracer_provider is None:
+            tracer_provider = TracerProvider(resource=need_resource())
+            built.append(tracer_provider)
+            for processor in span_processors:
+                tracer_provider.add_span_processor(processor)
+            for _, exporter in exporters_of["traces"]:
+                tracer_provider.add_span_processor(BatchSpanProcessor(exporter))
+                _remove(loose, exporter)
+            owned.append("traces")
+        if meter_provider is None:
+            readers = list(metric_readers)
+            for _, exporter in exporters_of["metrics"]:
+                if not isinstance(exporter, MetricReader):
+                    reader = PeriodicExportingMetricReader(exporter)  # starts its export thread
+                    _remove(loose, exporter)
+                    loose.append(reader)
+                    exporter = reader
+                readers.append(exporter)
+            meter_provider = MeterProvider(resource=need_resource(), metric_readers=readers)
+            built.append(meter_provider)
+            for reader in readers:
+                _remove(loose, reader)
+            owned.append("metrics")
+        if logger_provider is None:
+            logger_provider = LoggerProvider(resource=need_resource())
+            built.append(logger_provider)
+            for processor in log_record_processors:
+                logger_provider.add_log_record_processor(processor)
+            for cls, exporter in exporters_of["logs"]:
+                # The SGLang line is written at once, in order, as SGLang's logger does; the others batch.
+                if issubclass(cls, SwaLogLineExporter):
+                    logger_provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
+                else:
+                    logger_provider.add_log_record_processor(BatchLogRecordProcessor(exporter))
+                _remove(loose, exporter)
+            owned.append("logs")
+    except BaseException:
+        _shutdown_quietly(built + loose)
+        raise
+    if set_global:
+        if "traces" in owned:
+            trace.set_tracer_provider(tracer_provider)
+        if "metrics" in owned:
+            metrics_api.set_meter_provider(meter_provider)
+        if "logs" in owned:
             set_logger_provider(logger_provider)
 
     sink = SwaTelemetrySink(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import subprocess
 import sys
 
@@ -133,6 +134,38 @@ print("ok")
 def test_configure_reuses_an_installed_global_provider_and_installs_missing_ones():
     # global providers can be set once per process: run in a fresh interpreter
     out = subprocess.run([sys.executable, "-c", GLOBAL_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+BAD_EXPORTER_SCRIPT = r"""
+import threading
+from opentelemetry import trace, metrics
+from opentelemetry._logs import get_logger_provider
+from otel_swa.config import ConfigError
+from otel_swa.telemetry import configure
+try:
+    configure(exporters="otlp", environ={})
+except ConfigError as exc:
+    message = str(exc)
+else:
+    raise SystemExit("a bad compression value must raise")
+assert "logs exporter 'otlp_proto_grpc'" in message and "bogus" in message, message
+# nothing built for traces and metrics stays installed or running
+assert type(trace.get_tracer_provider()).__name__ == "ProxyTracerProvider", trace.get_tracer_provider()
+assert type(metrics.get_meter_provider()).__name__ == "_ProxyMeterProvider", metrics.get_meter_provider()
+assert type(get_logger_provider()).__name__ == "ProxyLoggerProvider", get_logger_provider()
+assert [t.name for t in threading.enumerate()] == ["MainThread"], threading.enumerate()
+print("ok")
+"""
+
+
+def test_configure_with_a_bad_exporter_setting_builds_and_installs_nothing():
+    pytest.importorskip("opentelemetry.exporter.otlp.proto.grpc")
+    # gRPC exporters refuse an unknown compression in their constructor; only the logs one gets it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env["OTEL_EXPORTER_OTLP_LOGS_COMPRESSION"] = "bogus"
+    out = subprocess.run([sys.executable, "-c", BAD_EXPORTER_SCRIPT], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
