@@ -211,7 +211,9 @@ def run(args: argparse.Namespace) -> int:
         reporter.add_sink(LogLineSink(logger))
     hooks: dict[str, Any] = {}
     if telemetry is not None:
-        hooks = _request_span_hooks(telemetry)
+        from otel_swa.engine_wrapping import request_span_hooks
+
+        hooks = request_span_hooks(telemetry.start_request_span, telemetry.end_request_span)
     progress = not args.no_progress and sys.stderr.isatty()
     if not args.no_progress and not progress:  # a log, not a terminal: a plain line now and then
         from otel_swa.commands._progress import ProgressLines
@@ -381,23 +383,6 @@ def _both(first: Any, second: Any) -> Any:
         second(result)
 
     return on_step
-
-
-def _request_span_hooks(telemetry: Any) -> dict[str, Any]:
-    """replay() hooks giving each trace request its own span (kind SERVER, its own trace), from
-    submission to completion; the forward-step spans link to them by their traceparent."""
-
-    def on_submit(state: Any, request: Any) -> None:
-        telemetry.start_request_span(state.rid, attributes={
-            "gen_ai.usage.input_tokens": int(request.context_tokens),
-            "gen_ai.usage.output_tokens": int(request.generated_tokens),
-        })
-
-    def on_step(result: Any) -> None:
-        for rid in result.finished:
-            telemetry.end_request_span(rid)
-
-    return {"on_submit": on_submit, "on_step": on_step}
 
 
 def _print_summary(args: argparse.Namespace, interval: int, summary: Any, records: list, stats: Any) -> None:
