@@ -133,7 +133,8 @@ class FakeReporter:
         self.forward_ct = 0
         from types import SimpleNamespace
 
-        self.stats = SimpleNamespace(samples_taken=0, samples_delivered=0, ring_full_waits=0, sink_errors=0, pending=0)
+        self.stats = SimpleNamespace(samples_taken=0, samples_delivered=0, ring_full_waits=0, sink_errors=0, pending=0,
+                                     invalid_samples=0, skipped_captures=0)
 
     def add_sink(self, sink):
         self.sinks.append(sink)
@@ -156,6 +157,8 @@ def test_health_instruments_read_the_attached_reporter(pipeline):
     assert value(m["kv_cache.swa.reporter.ring_full.waits"]["points"]) == 1
     assert value(m["kv_cache.swa.reporter.sink.errors"]["points"]) == 0
     assert value(m["kv_cache.swa.reporter.samples.pending"]["points"]) == 1
+    assert value(m["kv_cache.swa.reporter.samples.invalid"]["points"]) == 0
+    assert value(m["kv_cache.swa.reporter.samples.skipped"]["points"]) == 0
     hist = m["kv_cache.swa.reporter.delivery.delay"]["points"][0]
     assert m["kv_cache.swa.reporter.delivery.delay"]["unit"] == "{forward}"
     assert (hist.count, hist.sum, hist.min, hist.max) == (2, 4, 1, 3)
@@ -197,3 +200,13 @@ def test_record_needs_the_callers_totals_and_keeps_each_store_apart(pipeline):
     assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 9000 + 1000
     assert "kv_cache.swa.reporter.resets" not in m  # b's lower totals were not taken for a restart of a
     assert a[("kv_cache.swa.forward_steps", ())] == 40 and b[("kv_cache.swa.forward_steps", ())] == 10
+
+
+def test_every_reporter_stats_field_has_one_health_instrument():
+    from dataclasses import fields
+
+    from otel_swa.reporter import ReporterStats
+
+    observed = [spec.read for spec in INSTRUMENTS if spec.kind in ("observable_counter", "observable_gauge")]
+    assert sorted(observed) == sorted(f.name for f in fields(ReporterStats))
+    assert len(observed) == 7
