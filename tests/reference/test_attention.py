@@ -43,7 +43,7 @@ def test_paged_forward_matches_dense_attention(page_size, num_heads, head_dim):
     # more tokens pass through the SWA pool than it has slots, so SWA slots are freed and reused
     assert sum(c + max(g - 1, 0) for c, g in REQUESTS) > 64
     chunked = decoded = 0
-    while (result := engine.step()) is not None:
+    while engine.step() is not None:
         hidden = engine.last_hidden
         offset = 0
         for item in engine.last_batch:
