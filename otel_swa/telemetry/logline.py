@@ -27,20 +27,18 @@ Registered under the entry point group ``opentelemetry_logs_exporter`` as ``swa_
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 from typing import IO, Sequence
 
 from opentelemetry.sdk._logs import ReadableLogRecord
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 
+from otel_swa.logline import LOGGER_NAME, line_logger, write_lines
 from otel_swa.telemetry import semconv as sc
 from otel_swa.telemetry.events import record_from_attributes
 
 __all__ = ["SwaLogLineExporter", "LOGGER_NAME"]
 
-#: Name of the Python logger the lines are written to.
-LOGGER_NAME = "otel_swa"
 
 _log = logging.getLogger(__name__)
 
@@ -64,8 +62,8 @@ class SwaLogLineExporter(LogRecordExporter):
         self._stream = stream
         self._logger = logging.getLogger(logger_name)
         self._level = level
-        if stream is None and self._logger.level == logging.NOTSET and not self._logger.isEnabledFor(level):
-            self._logger.setLevel(level)
+        if stream is None:
+            line_logger(self._logger, level)
         self._lock = threading.Lock()
         self._shutdown = False
         self.lines_written = 0
@@ -96,15 +94,11 @@ class SwaLogLineExporter(LogRecordExporter):
         return LogRecordExportResult.SUCCESS
 
     def _write(self, lines: list[str]) -> None:
-        stream = self._stream
-        if stream is None and not self._logger.hasHandlers():
-            stream = sys.stderr
-        if stream is None:
-            for line in lines:
-                self._logger.log(self._level, line)
+        if self._stream is None:
+            write_lines(self._logger, self._level, lines)
             return
-        stream.write("".join(line + "\n" for line in lines))
-        stream.flush()
+        self._stream.write("".join(line + "\n" for line in lines))
+        self._stream.flush()
 
     def shutdown(self) -> None:
         self._shutdown = True
