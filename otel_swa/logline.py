@@ -43,7 +43,8 @@ def write_lines(logger: logging.Logger, level: int, lines: list[str]) -> None:
 
 
 class LogLineSink:
-    """``sink(record, context)`` that logs ``record.format()`` at ``level``.
+    """``sink(record, context)`` that logs ``record.line()`` at ``level`` (the SGLang line after
+    otel-swa's ``otel_swa[verify=...]`` tag).
 
     The log handler adds the usual prefix (time, level, rank...); SGLang's parser, and
     :func:`otel_swa.record.find_all`, find the record after it. The lines are never silently
@@ -55,4 +56,4 @@ class LogLineSink:
         self.level = level
 
     def __call__(self, record: SwaDivergenceRecord, context: Any = None) -> None:
-        write_lines(self.logger, self.level, [record.format()])
+        write_lines(self.logger, self.level, [record.line()])

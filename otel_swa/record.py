@@ -27,6 +27,7 @@ __all__ = [
     "LINE_PREFIX",
     "FIELDS",
     "AUDIT_FIELDS",
+    "VERIFY_SOURCES",
     "MalformedRecordError",
     "SwaDivergenceRecord",
     "RecordMatch",
@@ -54,6 +55,18 @@ AUDIT_FIELDS = (
     "swa_stale_tokens",
     "swa_shared_slots",
 )
+
+#: What ``verify_full`` / ``verify_swa`` count, as carried by :attr:`SwaDivergenceRecord.verify_source`:
+#: ``kv_canary``: the KV entries SGLang's KV canary verified (its verify plans, SGLang's meaning of the
+#: fields); ``attention``: the KV entries attention read at each forward step (``seq_len`` per request
+#: in the FULL pool, the tokens still held in the window in the SWA pool), where no canary runs.
+VERIFY_SOURCES = ("attention", "kv_canary")
+
+#: Written before the record on otel-swa's own lines (``otel_swa[verify=kv_canary] kv_canary_swa_...``):
+#: it tells otel-swa's line from SGLang's in one log and what the verify counts are, without touching
+#: the JSON (SGLang's parser searches for the record prefix and ignores what stands before it).
+LINE_TAG = "otel_swa[verify={}]"
+_TAG_BEFORE_RE = re.compile(r"otel_swa\[verify=([a-z_]+)\] ?$")
 
 # CSI sequences such as "\x1b[32m" (colour) and "\x1b[0m" (reset), as written by coloured log handlers.
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
@@ -114,11 +127,15 @@ class SwaDivergenceRecord:
             ``None`` when the engine gave no audit inputs.
         swa_stale_tokens: live tokens whose SWA page is on the free list (stale), or ``None``.
         swa_shared_slots: SWA slots that two distinct live FULL slots map to, or ``None``.
+        verify_source: what ``verify_full`` / ``verify_swa`` count, one of :data:`VERIFY_SOURCES`,
+            or ``None`` when unknown (a line SGLang itself wrote, which counts what its canary
+            verified). Written as the line's tag by :meth:`line`, never into the JSON.
 
     Raises:
         TypeError: a field is not an ``int`` (or is a ``bool``); an audit field is neither
             ``None`` nor an ``int``; ``divergence_applicable`` is not a ``bool``.
-        ValueError: a field is negative.
+        ValueError: a field is negative; ``verify_source`` is not ``None`` nor one of
+            :data:`VERIFY_SOURCES`.
     """
 
     forward_ct: int
@@ -130,6 +147,7 @@ class SwaDivergenceRecord:
     swa_leaked_slots: "int | None" = field(default=None, kw_only=True)
     swa_stale_tokens: "int | None" = field(default=None, kw_only=True)
     swa_shared_slots: "int | None" = field(default=None, kw_only=True)
+    verify_source: "str | None" = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in FIELDS + AUDIT_FIELDS:
@@ -144,6 +162,11 @@ class SwaDivergenceRecord:
                 raise ValueError(f"SwaDivergenceRecord.{name} must be >= 0, got {value}")
         if type(self.divergence_applicable) is not bool:
             raise TypeError(f"SwaDivergenceRecord.divergence_applicable must be a bool, got {self.divergence_applicable!r}")
+        if self.verify_source is not None and self.verify_source not in VERIFY_SOURCES:
+            raise ValueError(
+                f"SwaDivergenceRecord.verify_source must be None or one of {', '.join(VERIFY_SOURCES)}, "
+                f"got {self.verify_source!r}"
+            )
 
     @property
     def audited(self) -> bool:
@@ -185,6 +208,17 @@ class SwaDivergenceRecord:
         """
         return LINE_PREFIX + json.dumps(self.to_dict(), separators=(",", ":"))
 
+    def line(self) -> str:
+        """The message otel-swa logs: :meth:`format`, after the tag ``otel_swa[verify=<source>]``
+        when :attr:`verify_source` is known (``otel_swa[verify=kv_canary] kv_canary_swa_divergence={...}``).
+
+        The record part stays byte-identical to SGLang's line, so greps for the prefix and SGLang's
+        ``SwaDivergenceLog.find_all`` read it; :func:`find_all` reads the tag back into
+        :attr:`verify_source`.
+        """
+        body = self.format()
+        return body if self.verify_source is None else f"{LINE_TAG.format(self.verify_source)} {body}"
+
     @classmethod
     def parse(cls, line: str) -> "SwaDivergenceRecord":
         """Parse the first record in ``line`` (a log line, possibly with a prefix before the record).
@@ -197,7 +231,7 @@ class SwaDivergenceRecord:
         match = _MATCH_RE.search(text)
         if match is None:
             raise MalformedRecordError(text, f"no {LINE_PREFIX!r} prefix found")
-        return _decode(match.group(1), text)
+        return _with_tag(_decode(match.group(1), text), text, match.start())
 
     # Convenience aliases so that the record type owns its finders, as in SGLang.
     @staticmethod
@@ -223,6 +257,15 @@ def _decode(payload: str, context: str) -> SwaDivergenceRecord:
     except (KeyError, TypeError, ValueError) as exc:
         reason = exc.args[0] if exc.args else str(exc)
         raise MalformedRecordError(context, str(reason)) from None
+
+
+def _with_tag(record: SwaDivergenceRecord, text: str, start: int) -> SwaDivergenceRecord:
+    """``record`` with the ``verify_source`` of an otel-swa tag just before ``start`` on its line."""
+    line_start = text.rfind("\n", 0, start) + 1
+    tag = _TAG_BEFORE_RE.search(text, line_start, start)
+    if tag is None or tag.group(1) not in VERIFY_SOURCES:
+        return record
+    return dataclasses.replace(record, verify_source=tag.group(1))
 
 
 class RecordMatch(NamedTuple):
@@ -271,7 +314,7 @@ def iter_matches(text: str, errors: list[MalformedRecordError] | None = None) ->
         line_no += cleaned.count("\n", last_pos, match.start())
         last_pos = match.start()
         try:
-            record = _decode(match.group(1), match.group(0))
+            record = _with_tag(_decode(match.group(1), match.group(0)), cleaned, match.start())
         except MalformedRecordError as exc:
             if errors is not None:
                 errors.append(exc)

@@ -9,8 +9,8 @@ For every record two events of the same name, :data:`~otel_swa.telemetry.semconv
   sink, the forward step where the sample was taken, not the step where the copy finished. Its
   timestamp is the time of emission (``time.time_ns()``, ns since the Unix epoch, when the record
   is delivered), so backends order the events; the forward step's span gives the sampling time.
-  Its body is the SGLang line body (``record.format()``), so any log backend shows the familiar
-  text;
+  Its body is otel-swa's line (``record.line()``: the SGLang line body after the
+  ``otel_swa[verify=...]`` tag), so any log backend shows the familiar text;
 * a span event. The copy to the host lands one or more steps later, when the forward-step span
   has normally ended and can no longer take events. The event then goes on a short child span of
   the forward step, named ``swa divergence sample`` (kind INTERNAL, attribute
@@ -34,15 +34,17 @@ from otel_swa.telemetry import semconv as sc
 __all__ = ["record_attributes", "record_from_attributes", "SampleEvents"]
 
 
-def record_attributes(record: SwaDivergenceRecord) -> dict[str, int | bool]:
+def record_attributes(record: SwaDivergenceRecord) -> dict[str, int | bool | str]:
     """The event attributes of ``record``: ``{"kv_cache.swa.<field>": value}`` in SGLang's order,
-    then the SWA slot audit fields when present, and ``kv_cache.swa.divergence_applicable=False``
-    for engines without a FULL-to-SWA mapping."""
+    then the SWA slot audit fields when present, ``kv_cache.swa.divergence_applicable=False``
+    for engines without a FULL-to-SWA mapping, and ``kv_cache.swa.verify_source`` when known."""
     attributes: dict[str, int | bool] = {sc.RECORD_ATTRIBUTES[name]: getattr(record, name) for name in FIELDS}
     for name, value in record.audit_dict().items():
         attributes[sc.AUDIT_ATTRIBUTES[name]] = value
     if not record.divergence_applicable:
         attributes[sc.ATTR_DIVERGENCE_APPLICABLE] = False
+    if record.verify_source is not None:
+        attributes[sc.ATTR_VERIFY_SOURCE] = record.verify_source
     return attributes
 
 
@@ -61,7 +63,8 @@ def record_from_attributes(attributes) -> SwaDivergenceRecord:
         values[name] = attributes[key]
     extras = {name: attributes[key] for name, key in sc.AUDIT_ATTRIBUTES.items() if key in attributes}
     applicable = attributes.get(sc.ATTR_DIVERGENCE_APPLICABLE, True)
-    return SwaDivergenceRecord(**values, **extras, divergence_applicable=applicable)
+    source = attributes.get(sc.ATTR_VERIFY_SOURCE)
+    return SwaDivergenceRecord(**values, **extras, divergence_applicable=applicable, verify_source=source)
 
 
 class SampleEvents:
@@ -83,7 +86,7 @@ class SampleEvents:
             self._logger.emit(
                 timestamp=time.time_ns(),
                 event_name=sc.EVENT_NAME,
-                body=record.format(),
+                body=record.line(),
                 attributes=attributes,
                 severity_number=SeverityNumber.INFO,
                 severity_text="INFO",

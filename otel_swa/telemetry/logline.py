@@ -1,9 +1,10 @@
 """The SGLang log line as an OpenTelemetry log exporter.
 
 :class:`SwaLogLineExporter` is a ``LogRecordExporter``: for each
-``kv_cache.swa.divergence_sample`` event in a batch it writes the SGLang line body
-``kv_canary_swa_divergence={"forward_ct":...}`` (``SwaDivergenceRecord.format()``, byte-identical to
-SGLang's) and ignores every other log record. So the line that SGLang's CI greps for is one more
+``kv_cache.swa.divergence_sample`` event in a batch it writes otel-swa's line
+``otel_swa[verify=attention] kv_canary_swa_divergence={"forward_ct":...}``
+(``SwaDivergenceRecord.line()``: the record part byte-identical to SGLang's line, after a tag that
+says otel-swa wrote it and what the verify counts are) and ignores every other log record. So the line that SGLang's CI greps for is one more
 exporter on the same pipeline as OTLP, and ``otel-swa check`` reads it back.
 
 Where the line goes:
@@ -78,7 +79,7 @@ class SwaLogLineExporter(LogRecordExporter):
             if log_record.event_name != sc.EVENT_NAME:
                 continue
             try:
-                lines.append(record_from_attributes(log_record.attributes or {}).format())
+                lines.append(record_from_attributes(log_record.attributes or {}).line())
             except (KeyError, TypeError, ValueError) as exc:
                 self.malformed += 1
                 _log.warning("%s event without a valid record (%s); no line written", sc.EVENT_NAME, exc)

@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterator, Mapping
 from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from otel_swa.record import SwaDivergenceRecord
+from otel_swa.record import VERIFY_SOURCES, SwaDivergenceRecord
 from otel_swa.telemetry import semconv as sc
 
 __all__ = ["InstrumentSpec", "INSTRUMENTS", "DELAY_BUCKETS", "SwaMetrics"]
@@ -43,7 +43,19 @@ _log = logging.getLogger(__name__)
 Attributes = Mapping[str, str]
 _FULL = {sc.ATTR_POOL: sc.POOL_FULL}
 _SWA = {sc.ATTR_POOL: sc.POOL_SWA}
+_POOL_SOURCE = {
+    (pool, source): {sc.ATTR_POOL: pool, sc.ATTR_VERIFY_SOURCE: source}
+    for pool in (sc.POOL_FULL, sc.POOL_SWA)
+    for source in VERIFY_SOURCES
+}
 _NONE: Attributes = {}
+
+
+def _pool(pool: str, record: SwaDivergenceRecord) -> Attributes:
+    """``pool`` and, when the record knows it, ``kv_cache.swa.verify_source``."""
+    if record.verify_source is None:
+        return _FULL if pool == sc.POOL_FULL else _SWA
+    return _POOL_SOURCE[pool, record.verify_source]
 
 #: Bucket boundaries of the delivery-delay histogram, in forward steps. With a ring of a few slots a
 #: sample normally lands one or two steps after it was taken; the tail shows a stalled copy.
@@ -87,8 +99,9 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
         sc.NAMESPACE + "entries.verified", TOTAL_COUNTER, "{entry}",
         "KV cache entries checked per pool, over all forward steps (FULL covers [0, prefix_len), "
         "SWA only the window [max(0, prefix_len - window), prefix_len))",
-        "verify_full (pool=full), verify_swa (pool=swa)",
-        lambda r: ((r.verify_full, _FULL), (r.verify_swa, _SWA)),
+        "verify_full (pool=full), verify_swa (pool=swa); kv_cache.swa.verify_source says whether "
+        "they are entries attention read (attention) or entries SGLang's KV canary verified (kv_canary)",
+        lambda r: ((r.verify_full, _pool(sc.POOL_FULL, r)), (r.verify_swa, _pool(sc.POOL_SWA, r))),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "forward_steps", TOTAL_COUNTER, "{forward}",

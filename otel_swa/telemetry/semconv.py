@@ -7,7 +7,8 @@ that observes it, in the way OpenTelemetry's semantic conventions name ``system.
 lowercase, units are UCUM with curly-brace annotations, and units never appear in names
 (OpenTelemetry metric naming guidelines).
 
-Attributes on metrics are bounded: ``pool`` (``full`` | ``swa``) and nothing per request. The rank
+Attributes on metrics are bounded: ``pool`` (``full`` | ``swa``), ``kv_cache.swa.verify_source``
+(``attention`` | ``kv_canary``) and nothing per request. The rank
 of the engine process (tensor/data/pipeline parallel) is a *resource* attribute (see
 :mod:`otel_swa.telemetry.setup`).
 """
@@ -45,6 +46,11 @@ AUDIT_ATTRIBUTES = {name: NAMESPACE + name for name in AUDIT_FIELDS}
 #: Event attribute set to ``False`` when the engine has no FULL-to-SWA mapping (vLLM): the
 #: divergence attribute is then a placeholder 0, kept for the SGLang line.
 ATTR_DIVERGENCE_APPLICABLE = NAMESPACE + "divergence_applicable"
+
+#: Event and metric attribute: what ``verify_full`` / ``verify_swa`` count (``attention``: KV entries
+#: attention read; ``kv_canary``: entries SGLang's KV canary verified); see
+#: :data:`otel_swa.record.VERIFY_SOURCES`. On ``kv_cache.swa.entries.verified`` beside ``pool``.
+ATTR_VERIFY_SOURCE = NAMESPACE + "verify_source"
 
 # Attributes of the forward-step span (all bounded: counts, never request ids).
 ATTR_FORWARD_CT = "forward_step.forward_ct"

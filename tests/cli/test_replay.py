@@ -56,7 +56,7 @@ def test_replay_lines_follow_sglang_rule_and_show_the_swa_path(replay_run):
     assert all(a["verify_full"] <= b["verify_full"] and a["verify_swa"] <= b["verify_swa"] for a, b in zip(records, records[1:]))
     # the log file holds the same lines, each with an SGLang-style prefix
     assert sglang_rule(log_text) == records
-    assert all(re.match(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d TP0\] kv_canary_swa_divergence=\{", line) for line in log_text.splitlines())
+    assert all(re.match(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d TP0\] otel_swa\[verify=attention\] kv_canary_swa_divergence=\{", line) for line in log_text.splitlines())
 
 
 def test_replay_summary_agrees_with_lines(replay_run):

@@ -71,7 +71,7 @@ def test_line_prefix_carries_the_ranks_and_reads_back(monkeypatch, capsys, ranks
     assert main(RUN + ["--interval", "5"]) == 0
     out = capsys.readouterr().out
     lines = [line for line in out.splitlines() if "kv_canary_swa_divergence=" in line]
-    assert lines and all(re.match(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d " + expected + r"\] kv_canary", line) for line in lines)
+    assert lines and all(re.match(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d " + expected + r"\] otel_swa\[verify=attention\] kv_canary", line) for line in lines)
     assert {item.rank for item in logged_records(out)} == {expected}
 
 

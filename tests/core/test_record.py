@@ -126,3 +126,35 @@ def test_bare_carriage_returns_end_lines():
     found = find_all(a.format() + "\r" + b.format() + "\r")
     assert list(found) == [a, b] and found.malformed == 0
     assert [m.line_no for m in found.matches] == [1, 2]
+
+
+def test_line_tags_otel_swa_lines_and_keeps_the_record_byte_identical():
+    canary = R.replace(verify_source="kv_canary")
+    assert canary.line() == (
+        'otel_swa[verify=kv_canary] kv_canary_swa_divergence={"forward_ct":40,"verify_full":5120,'
+        '"verify_swa":2048,"swa_full_idx_divergence":17,"swa_out_of_window_tokens":311}'
+    )
+    assert canary.format() == R.format()  # the tag is never part of the record's text
+    assert R.line() == R.format()  # unknown source: SGLang's bare line
+
+
+def test_find_all_reads_the_tag_back_and_tells_our_lines_from_sglangs():
+    text = (
+        "[2026-01-01 00:00:00 TP0] " + R.format() + "\n"  # SGLang's own line
+        + "[2026-01-01 00:00:00 TP0] " + R.replace(verify_source="kv_canary").line() + "\n"
+        + "[2026-01-01 00:00:01 TP0] " + R.replace(forward_ct=60, verify_source="attention").line() + "\r\n"
+        # a tag on another line, or not right before the record, is not this record's
+        + "otel_swa[verify=kv_canary]\n" + R.replace(forward_ct=80).format() + "\n"
+        + "otel_swa[verify=kv_canary] and more " + R.replace(forward_ct=100).format() + "\n"
+        + "otel_swa[verify=bogus] " + R.replace(forward_ct=120).format() + "\n"
+    )
+    found = find_all(text)
+    assert [(r.forward_ct, r.verify_source) for r in found] == [
+        (40, None), (40, "kv_canary"), (60, "attention"), (80, None), (100, None), (120, None),
+    ]
+    assert SwaDivergenceRecord.parse("x otel_swa[verify=attention] " + R.format()).verify_source == "attention"
+
+
+def test_unknown_verify_source_is_refused_with_its_value():
+    with pytest.raises(ValueError, match="verify_source.*'reads'"):
+        R.replace(verify_source="reads")

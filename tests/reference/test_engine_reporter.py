@@ -51,6 +51,7 @@ class RecountingReporter:
                 SwaDivergenceRecord(
                     self.forward_ct, self.verify_full, self.verify_swa, divergent, out,
                     swa_leaked_slots=leaked, swa_stale_tokens=stale, swa_shared_slots=shared,
+                    verify_source="attention",  # the reference engine counts the entries attention reads
                 )
             )
         self.reporter.step(view, context)

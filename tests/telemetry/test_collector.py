@@ -238,6 +238,9 @@ def test_collector_receives_every_record_as_metrics_and_events(agent_binary, tmp
     assert {m["unit"] for m in by_name["kv_cache.swa.entries.verified"]} == {"{entry}"}
     assert {m["unit"] for m in by_name["kv_cache.swa.tokens.out_of_window"]} == {"{token}"}
     assert {m["unit"] for m in by_name["kv_cache.swa.forward_steps"]} == {"{forward}"}
+    # the replay counts the entries attention reads, and says so on the counter
+    assert {p["attributes"]["kv_cache.swa.verify_source"] for m in by_name["kv_cache.swa.entries.verified"]
+            for p in m["points"]} == {"Str(attention)"}
     assert total("kv_cache.swa.entries.verified", pool="full") == last.verify_full
     assert total("kv_cache.swa.entries.verified", pool="swa") == last.verify_swa
     assert total("kv_cache.swa.forward_steps") == last.forward_ct
@@ -268,7 +271,8 @@ def test_collector_receives_every_record_as_metrics_and_events(agent_binary, tmp
         step = forward[record.forward_ct]
         assert (event["trace_id"], event["span_id"]) == (step["trace_id"], step["span_id"])
         assert int_value(event["attributes"]["kv_cache.swa.swa_out_of_window_tokens"]) == record.swa_out_of_window_tokens
-        assert event["body"] == f"Str({record.format()})"
+        assert event["body"] == f"Str({record.line()})"
+        assert event["attributes"]["kv_cache.swa.verify_source"] == "Str(attention)"
     # span events: under the sampled forward step (child span or the step itself)
     sample_spans = [s for s in seen["spans"] if s.get("name") == "swa divergence sample"]
     for s in sample_spans:

@@ -48,7 +48,10 @@ def test_two_reporters_on_one_telemetry_count_separately(caplog):
         for reporter in reporters.values():
             reporter.close()
     # plain recount: 3*1000 + 5*300 FULL, 3*10 + 5*3 SWA, 3 + 5 forward steps
-    assert points(reader, "kv_cache.swa.entries.verified") == {(("pool", "full"),): 4500, (("pool", "swa"),): 45}
+    assert points(reader, "kv_cache.swa.entries.verified") == {
+        (("kv_cache.swa.verify_source", "attention"), ("pool", "full")): 4500,
+        (("kv_cache.swa.verify_source", "attention"), ("pool", "swa")): 45,
+    }
     assert points(reader, "kv_cache.swa.forward_steps") == {(): 8}
     assert sum(points(reader, "kv_cache.swa.reporter.resets").values()) == 0
     assert "restarted" not in caplog.text
