@@ -33,7 +33,7 @@ from otel_swa.device import (
     PoolAccumulator,
     stage_sample,
 )
-from otel_swa.record import SwaDivergenceRecord
+from otel_swa.record import VERIFY_SOURCES, SwaDivergenceRecord
 from otel_swa.views.base import SwaBatchView, validate_view
 
 try:  # opentelemetry-api is a dependency; the reporter itself only needs its context object.
@@ -93,9 +93,12 @@ class SwaDivergenceReporter:
         device: the device of the engine's KV cache tensors (``"cpu"``, ``"cuda:0"``...).
         ring_size: host ring slots (int >= 1); samples in flight at once.
         sinks: callables ``sink(record, context)``; more with :meth:`add_sink`.
+        verify_source: what the counts given to :meth:`observe` are, carried by every record
+            (:data:`otel_swa.record.VERIFY_SOURCES`): ``"attention"`` (default: the KV entries
+            attention read) or ``"kv_canary"`` (the entries SGLang's KV canary verified).
 
     Raises:
-        ValueError: ``interval`` or ``ring_size`` below 1 or not an int.
+        ValueError: ``interval`` or ``ring_size`` below 1 or not an int; an unknown ``verify_source``.
 
     Use::
 
@@ -117,10 +120,14 @@ class SwaDivergenceReporter:
         device: "str | torch.device" = "cpu",
         ring_size: int = config.DEFAULT_RING_SIZE,
         sinks: Iterable[Sink] = (),
+        verify_source: str = "attention",
     ) -> None:
         if type(interval) is not int or interval < 1:
             raise ValueError(f"interval must be an int >= 1 (forward steps between samples), got {interval!r}")
+        if verify_source not in VERIFY_SOURCES:
+            raise ValueError(f"verify_source must be one of {', '.join(VERIFY_SOURCES)}, got {verify_source!r}")
         self.interval = interval
+        self.verify_source = verify_source
         self.device = torch.device(device)
         self._accumulator = PoolAccumulator(self.device)
         self._ring = DeviceToHostRing(ring_size, STAGE_WIDTH, self.device)
@@ -148,6 +155,7 @@ class SwaDivergenceReporter:
         device: "str | torch.device" = "cpu",
         sinks: Iterable[Sink] = (),
         environ: Mapping[str, str] | None = None,
+        verify_source: str = "attention",
     ) -> "SwaDivergenceReporter | None":
         """A reporter configured from the environment, or ``None`` when the gate is off.
 
@@ -160,7 +168,7 @@ class SwaDivergenceReporter:
         interval = config.divergence_interval(environ)
         if interval == 0:
             return None
-        return cls(interval, device=device, ring_size=config.ring_size(environ), sinks=sinks)
+        return cls(interval, device=device, ring_size=config.ring_size(environ), sinks=sinks, verify_source=verify_source)
 
     # ------------------------------------------------------------------ engine-facing calls
     def observe(self, pool: "KVPool | int | str", count: "int | torch.Tensor") -> None:
@@ -177,7 +185,11 @@ class SwaDivergenceReporter:
     def step(self, view: Any, context: Any = None) -> None:
         """Count one forward step; at non-zero multiples of ``interval``, sample ``view``.
 
-        Also delivers, without blocking, every earlier sample whose copy has finished.
+        Also delivers, without blocking, every sample whose copy has finished, the one just taken
+        included: on CPU the copy is done when the sample is staged, so a record reaches the sinks
+        at the step it describes (a process killed right after loses nothing the reporter held);
+        on CUDA it is delivered at the first later ``step()`` or ``flush()`` that finds its event
+        complete.
 
         Args:
             view: a :class:`otel_swa.views.SwaBatchView` describing the batch of this forward step,
@@ -203,6 +215,7 @@ class SwaDivergenceReporter:
             with self._lock:
                 if not self._closed:
                     self._sample(view, context)
+                    self._deliver_ready()
 
     def add_sink(self, sink: Sink) -> None:
         """Deliver future records to ``sink`` too."""
@@ -319,6 +332,7 @@ class SwaDivergenceReporter:
                 swa_leaked_slots=leaked_pages * pending.audit_page_size if audited else None,
                 swa_stale_tokens=stale if audited else None,
                 swa_shared_slots=shared if audited else None,
+                verify_source=self.verify_source,
             )
         except (TypeError, ValueError) as exc:  # never let a bad value escape into the engine
             self._invalid_samples += 1

@@ -67,15 +67,15 @@ def test_counts_equal_plain_recount(seed, host_lens, dtype):
     reporter.step(make_view(*state, host_lens=host_lens, dtype=dtype))
     reporter.flush()
     divergence, out_of_window = recount(*state)
-    assert got == [SwaDivergenceRecord(1, full_entries, swa_entries, divergence, out_of_window)]
+    assert got == [SwaDivergenceRecord(1, full_entries, swa_entries, divergence, out_of_window, verify_source="attention")]
 
 
-def test_sampling_cadence_cumulative_totals_and_flush_delivers_last():
+def _cadence_run(reporter, got):
+    """25 steps with random batches at interval 5; returns the records expected, in order, and
+    the number of records delivered right after each step."""
     rng = random.Random(7)
     states = [random_state(rng) for _ in range(25)]
-    got = []
-    reporter = SwaDivergenceReporter(5, sinks=[lambda r, c: got.append(r)])
-    expected = []
+    expected, delivered_after = [], []
     full_total = swa_total = 0
     for step, state in enumerate(states, start=1):
         full, swa = 10 * step, 3 * step
@@ -85,16 +85,41 @@ def test_sampling_cadence_cumulative_totals_and_flush_delivers_last():
         reporter.observe("swa", swa)
         reporter.step(make_view(*state, host_lens=step % 2 == 0))
         if step % 5 == 0:
-            expected.append(SwaDivergenceRecord(step, full_total, swa_total, *recount(*state)))
-    # before flush, the sample of step 25 is still pending (delivered at a later step or flush)
-    assert got == expected[:-1]
-    assert reporter.stats.pending == 1
-    reporter.close()
+            expected.append(SwaDivergenceRecord(step, full_total, swa_total, *recount(*state), verify_source="attention"))
+        delivered_after.append(len(got))
+    return expected, delivered_after
+
+
+def test_sampling_cadence_cumulative_totals_and_cpu_delivery_at_the_sampled_step():
+    got = []
+    reporter = SwaDivergenceReporter(5, sinks=[lambda r, c: got.append(r)])
+    expected, delivered_after = _cadence_run(reporter, got)
     assert got == expected
+    # On CPU the copy is done when the sample is staged: each record reaches the sinks at the step
+    # it describes, so nothing is pending for a later step (or lost if the process dies after it).
+    assert delivered_after == [step // 5 for step in range(1, 26)]
+    assert reporter.stats.pending == 0
     assert reporter.stats.samples_taken == 5 and reporter.stats.samples_delivered == 5
+    reporter.close()
     reporter.close()  # idempotent
     reporter.flush()
-    assert len(got) == 5
+    assert got == expected
+
+
+def test_flush_delivers_samples_whose_copy_is_still_in_flight(monkeypatch):
+    """As on a GPU whose copies have not finished: samples wait in the ring, a full ring makes the
+    host wait for the oldest (counted, never dropped), and close() delivers the rest in order."""
+    got = []
+    reporter = SwaDivergenceReporter(5, ring_size=4, sinks=[lambda r, c: got.append(r)])
+    monkeypatch.setattr(reporter._ring, "ready", lambda slot: False)
+    expected, delivered_after = _cadence_run(reporter, got)
+    # samples 1-4 fill the ring; the 5th waits for the oldest copy and delivers it
+    assert delivered_after == [0] * 24 + [1]
+    assert got == expected[:1]
+    assert reporter.stats.pending == 4 and reporter.stats.ring_full_waits == 1
+    reporter.close()
+    assert got == expected
+    assert reporter.stats.pending == 0 and reporter.stats.samples_delivered == 5
 
 
 def test_context_manager_flushes():
@@ -119,7 +144,7 @@ def test_sample_reads_the_batch_at_its_step():
     view.seq_lens.fill_(0)
     reporter.flush()
     # token 1 -> 1 (same), 2 -> 5 (remapped), 3 -> 0 (evicted)
-    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1)]
+    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1, verify_source="attention")]
 
 
 class ControlledRing(DeviceToHostRing):
@@ -241,7 +266,7 @@ def test_out_of_range_full_slot_counts_as_out_of_window_not_a_fault():
     reporter.step(view)
     reporter.flush()
     # 7 -> 3 (remapped), 99 is outside the mapping -> counted as out of window
-    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1)]
+    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1, verify_source="attention")]
 
 
 def test_cpu_path_never_touches_cuda(monkeypatch):
@@ -279,7 +304,7 @@ def test_cuda_ring_matches_recount_and_is_pinned():
         reporter.observe(KVPool.FULL, torch.tensor(step, device="cuda"))
         total += step
         reporter.step(view)
-        expected.append(SwaDivergenceRecord(step, total, 0, *recount(*state)))
+        expected.append(SwaDivergenceRecord(step, total, 0, *recount(*state), verify_source="attention"))
     reporter.close()
     assert got == expected
     assert all(buf is not None and buf.is_pinned() for buf in reporter._ring._lengths)
@@ -315,7 +340,7 @@ def test_corrupt_batch_never_reads_out_of_bounds(host_lens):
     reporter.step(view)
     reporter.flush()
     # row 1 clamped to 3 tokens: 1 -> 1 (same), 2 -> 7 (remapped), 3 -> 0 (evicted)
-    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1)]
+    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1, verify_source="attention")]
 
 
 def test_host_lengths_are_authoritative_for_the_live_gather():
@@ -333,7 +358,7 @@ def test_host_lengths_are_authoritative_for_the_live_gather():
     reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
     reporter.step(view)
     reporter.flush()
-    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1)]
+    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1, verify_source="attention")]
 
 
 def test_lazy_view_is_built_only_at_sampling_steps():
