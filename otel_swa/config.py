@@ -6,7 +6,7 @@ Names are defined in :mod:`otel_swa.environment_variables`.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 from otel_swa import environment_variables as ev
 
@@ -17,6 +17,7 @@ __all__ = [
     "divergence_interval_if_set",
     "ring_size",
     "parallel_ranks",
+    "warn_once",
 ]
 
 DEFAULT_RING_SIZE = 4
@@ -119,3 +120,17 @@ def parallel_ranks(environ: Mapping[str, str] | None = None) -> dict[str, int]:
         if value >= 0:
             ranks[dim] = value
     return ranks
+
+
+def warn_once(name: str, environ: "MutableMapping[str, str] | None" = None) -> bool:
+    """Whether this process tree has not yet logged ``name``'s one warning; marks it as logged.
+
+    The marker is ``OTEL_SWA_WARNED`` (comma-separated names) in ``os.environ``, which child
+    processes inherit, so each engine process started after the first warning stays quiet.
+    """
+    env = os.environ if environ is None else environ
+    warned = [item for item in env.get(ev.OTEL_SWA_WARNED, "").split(",") if item]
+    if name in warned:
+        return False
+    env[ev.OTEL_SWA_WARNED] = ",".join(warned + [name])
+    return True

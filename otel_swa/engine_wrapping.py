@@ -11,9 +11,11 @@ any other exception as fatal to all instrumentation).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
+import sys
 import weakref
 from dataclasses import dataclass
 from importlib import metadata
@@ -21,6 +23,8 @@ from typing import Any, Callable, Collection, MutableMapping
 
 from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
+
+from otel_swa import import_hooks
 
 __all__ = [
     "EngineInstrumentor",
@@ -190,16 +194,22 @@ class EngineInstrumentor(BaseInstrumentor):
 
     1. does nothing when the interval variable is 0 or unset (no wrapping, no reporter work), or
        logs and does nothing when it is unusable;
-    2. logs one warning and does nothing when the engine is not installed or its version is
-       outside ``instruments`` (``opentelemetry-instrument`` calls ``instrument(skip_dep_check=True)``,
-       so the check is made here too);
-    3. resolves every method in ``wrapped`` (and :meth:`_resolve_more`) before changing anything,
-       raising ``version_error`` for an unsupported build;
-    4. builds the telemetry sink and forward-step spans from the ``instrument()`` kwargs
-       (``tracer_provider``, ``meter_provider``, ``logger_provider``, ``span_events``,
-       ``max_links``, ``traceparents``), never installing global providers;
-    5. replaces each method with its wrapper. ``uninstrument()`` restores the very same function
-       objects and closes (flushes) the reporters made meanwhile.
+    2. does nothing when the engine is not installed or its version is outside ``instruments``
+       (``opentelemetry-instrument`` calls ``instrument(skip_dep_check=True)``, so the check is made
+       here too), with one warning per process tree (:func:`otel_swa.config.warn_once`: an
+       engine's child processes, which load the instrumentors again, stay quiet);
+    3. for each module of ``wrapped`` the process has already imported: resolves every method of
+       those modules (and :meth:`_resolve_more`) before changing anything, raising
+       ``version_error`` for an unsupported build; every other module is wrapped when the process
+       imports it (:func:`otel_swa.import_hooks.when_imported`), so processes that never import
+       the engine (tokenizer, detokenizer, helpers) never import it for the instrumentor either;
+       an unsupported build found at that import is logged, not raised into the engine;
+    4. before the first wrap, builds the telemetry sink and forward-step spans from the
+       ``instrument()`` kwargs (``tracer_provider``, ``meter_provider``, ``logger_provider``,
+       ``span_events``, ``max_links``, ``traceparents``), never installing global providers;
+    5. replaces each method with its wrapper. ``uninstrument()`` cancels the wrapping still
+       waiting for an import, restores the very same function objects and closes (flushes) the
+       reporters made meanwhile.
 
     Class attributes:
         name: the instrumentor's entry-point name (``swa_sglang``).
@@ -220,6 +230,9 @@ class EngineInstrumentor(BaseInstrumentor):
     def __init__(self) -> None:
         super().__init__()
         self._originals: dict[tuple[type, str], Callable] = {}
+        self._hooks: list[import_hooks.HookHandle] = []
+        self._kwargs: dict = {}
+        self._ready: "bool | None" = None
         self._reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._log = logging.getLogger(type(self).__module__)  # messages under the instrumentor's name
 
@@ -240,12 +253,13 @@ class EngineInstrumentor(BaseInstrumentor):
             self.version_error, self.name, self.distribution, self.instruments[0], module_name, class_name, method, params
         )
 
-    def _new_reporter(self, device: Any) -> Any:
+    def _new_reporter(self, device: Any, verify_source: str = "attention") -> Any:
         """A reporter from the environment on ``device``, attached to its own sink state, or
-        ``None`` when the gate is off."""
+        ``None`` when the gate is off. ``verify_source``: what its ``observe`` counts are
+        (:data:`otel_swa.record.VERIFY_SOURCES`)."""
         from otel_swa.reporter import SwaDivergenceReporter
 
-        reporter = SwaDivergenceReporter.from_env(device=device)
+        reporter = SwaDivergenceReporter.from_env(device=device, verify_source=verify_source)
         if reporter is not None:
             self._sink.for_another_reporter().attach(reporter)
             self._reporters.add(reporter)
@@ -264,18 +278,61 @@ class EngineInstrumentor(BaseInstrumentor):
             return  # off: nothing wrapped, no reporter work at all
         unavailable = unavailable_reason(self.distribution, self.instruments)
         if unavailable is not None:
-            self._log.warning("%s: %s; %s is not instrumented", self.name, unavailable, self.engine)
+            if config.warn_once(self.name):
+                self._log.warning("%s: %s; %s is not instrumented", self.name, unavailable, self.engine)
             return
-        targets = [self._resolve(*spec) for spec in self.wrapped]  # every check before any change
-        self._resolve_more()
+        self._kwargs = kwargs
+        self._ready = None
+        by_module: dict[str, list[int]] = {}
+        for index, spec in enumerate(self.wrapped):
+            by_module.setdefault(spec[0], []).append(index)
+        # Modules this process has already imported are checked now, all of them before any change
+        # (an unsupported build raises version_error from instrument()); the others are wrapped when
+        # the process imports them, so a process that never imports the engine never pays for it.
+        imported = {name: [(i, self._resolve(*self.wrapped[i])) for i in indices]
+                    for name, indices in by_module.items() if name in sys.modules}
+        if imported:
+            self._resolve_more()
+        for name, targets in imported.items():
+            self._wrap(targets)
+        for name, indices in by_module.items():
+            if name not in imported:
+                hook = functools.partial(self._on_import, indices)
+                self._hooks.append(import_hooks.when_imported(name, hook))
+
+    def _on_import(self, indices: list[int], module: Any) -> None:
+        """Wrap the targets of a module the process has just imported (a post-import hook: nothing
+        may be raised into the engine's import, so an unsupported build is logged, not raised)."""
         try:
-            self._set_up_telemetry(kwargs)
-        except Exception:  # only ImportError is safe to raise under opentelemetry-instrument
-            self._log.exception("%s: telemetry set-up failed; %s is not instrumented", self.name, self.engine)
+            targets = [(i, self._resolve(*self.wrapped[i])) for i in indices]
+        except EngineVersionError:
+            self._log.exception("%s: %s is not instrumented", self.name, module.__name__)
             return
-        for (cls, function), (_, _, method, _), wrap in zip(targets, self.wrapped, self._wrappers()):
+        self._wrap(targets)
+
+    def _wrap(self, targets: list) -> None:
+        if not self._ensure_ready():
+            return
+        wrappers = self._wrappers()
+        for index, (cls, function) in targets:
+            method = self.wrapped[index][2]
             self._originals[(cls, method)] = function
-            setattr(cls, method, wrap(function))
+            setattr(cls, method, wrappers[index](function))
+
+    def _ensure_ready(self) -> bool:
+        """Resolve the further classes and set up the telemetry, once, before the first wrap."""
+        if self._ready is None:
+            try:
+                self._resolve_more()
+                self._set_up_telemetry(self._kwargs)
+                self._ready = True
+            except EngineVersionError:
+                self._log.exception("%s: %s is not instrumented", self.name, self.engine)
+                self._ready = False
+            except Exception:  # only ImportError is safe to raise under opentelemetry-instrument
+                self._log.exception("%s: telemetry set-up failed; %s is not instrumented", self.name, self.engine)
+                self._ready = False
+        return self._ready
 
     def _set_up_telemetry(self, kwargs: dict) -> None:
         from otel_swa.telemetry import ForwardSpans
@@ -286,6 +343,10 @@ class EngineInstrumentor(BaseInstrumentor):
         self._forward_spans = ForwardSpans(telemetry.tracer, telemetry.traceparents, max_links=telemetry.max_links)
 
     def _uninstrument(self, **kwargs: Any) -> None:
+        for hook in self._hooks:
+            import_hooks.cancel(hook)
+        self._hooks = []
+        self._ready = None
         for (cls, method), function in self._originals.items():
             setattr(cls, method, function)
         self._originals = {}

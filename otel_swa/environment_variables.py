@@ -56,3 +56,12 @@ OTEL_SWA_REQUIRE_SGLANG = "OTEL_SWA_REQUIRE_SGLANG"
 Test suite only: ``1`` makes the SGLang engine tests fail, instead of skip, when SGLang cannot be
 imported (set by ``.ci/sglang-tests.sh``).
 """
+
+OTEL_SWA_WARNED = "OTEL_SWA_WARNED"
+"""
+.. envvar:: OTEL_SWA_WARNED
+
+Set by otel-swa itself, not by users: the instrumentors that already logged their "engine not
+instrumented" warning in this process tree (comma-separated names). Child processes inherit it,
+so a multi-process engine logs each such warning once, not once per process.
+"""

@@ -1,7 +1,11 @@
-"""Shared test configuration: GPU tests are skipped when no CUDA device is present."""
+"""Shared test configuration: GPU tests are skipped when no CUDA device is present; each test starts
+without otel-swa's "already warned" marker, so that warnings logged once per process tree are
+seen by the test that expects them."""
 
 import pytest
 import torch
+
+from otel_swa import environment_variables as ev
 
 
 def pytest_collection_modifyitems(config, items):
@@ -11,3 +15,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _no_warned_marker(monkeypatch):
+    monkeypatch.delenv(ev.OTEL_SWA_WARNED, raising=False)

@@ -1,0 +1,141 @@
+"""Engine instrumentors wrap lazily: a module is wrapped when the process imports it, never imported
+for the instrumentor's sake, and an absent engine is reported once per process tree.
+
+The engine here is a package written to disk with its ``dist-info`` (a real import, so the
+post-import path runs), instrumented by a minimal :class:`EngineInstrumentor` subclass.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
+
+ENGINE = "otel_swa_lazy_engine"
+
+
+class LazyEngineError(EngineVersionError):
+    pass
+
+
+class LazyEngineInstrumentor(EngineInstrumentor):
+    name = "swa_lazy_engine"
+    engine = "LazyEngine"
+    distribution = "otel-swa-lazy-engine"
+    instruments = ("otel-swa-lazy-engine >= 1.0",)
+    wrapped = (
+        (f"{ENGINE}.runner", "Runner", "forward", ("batch",)),
+        (f"{ENGINE}.scheduler", "Scheduler", "schedule", ()),
+    )
+    version_error = LazyEngineError
+
+    def _wrappers(self):
+        def tag(label):
+            def wrap(original):
+                def wrapper(obj, *args, **kwargs):
+                    return (label, original(obj, *args, **kwargs))
+                return wrapper
+            return wrap
+
+        return (tag("forward-wrapped"), tag("schedule-wrapped"))
+
+
+@pytest.fixture
+def engine_on_disk(tmp_path, monkeypatch):
+    root = tmp_path / ENGINE
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "runner.py").write_text("class Runner:\n    def forward(self, batch):\n        return batch\n")
+    (root / "scheduler.py").write_text("class Scheduler:\n    def schedule(self):\n        return 'plan'\n")
+    info = tmp_path / "otel_swa_lazy_engine-1.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: otel-swa-lazy-engine\nVersion: 1.2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "5")
+    importlib.invalidate_caches()
+    yield root
+    for module in [m for m in sys.modules if m == ENGINE or m.startswith(ENGINE + ".")]:
+        del sys.modules[module]
+
+
+def test_modules_are_wrapped_when_the_process_imports_them(engine_on_disk, pipeline):
+    instrumentor = LazyEngineInstrumentor()
+    instrumentor.instrument(**pipeline.providers())
+    try:
+        assert f"{ENGINE}.runner" not in sys.modules  # instrument() imported nothing
+        runner = importlib.import_module(f"{ENGINE}.runner")
+        assert runner.Runner().forward(3) == ("forward-wrapped", 3)
+        assert f"{ENGINE}.scheduler" not in sys.modules  # still waiting for its own import
+        scheduler = importlib.import_module(f"{ENGINE}.scheduler")
+        assert scheduler.Scheduler().schedule() == ("schedule-wrapped", "plan")
+    finally:
+        instrumentor.uninstrument()
+    assert runner.Runner().forward(3) == 3 and scheduler.Scheduler().schedule() == "plan"
+
+
+def test_uninstrument_before_the_import_leaves_the_module_unwrapped(engine_on_disk, pipeline):
+    instrumentor = LazyEngineInstrumentor()
+    instrumentor.instrument(**pipeline.providers())
+    instrumentor.uninstrument()
+    runner = importlib.import_module(f"{ENGINE}.runner")
+    assert runner.Runner().forward(3) == 3
+
+
+def test_an_already_imported_module_with_a_missing_method_raises_before_any_change(engine_on_disk, pipeline):
+    (engine_on_disk / "scheduler.py").write_text("class Scheduler:\n    pass\n")
+    runner = importlib.import_module(f"{ENGINE}.runner")
+    importlib.import_module(f"{ENGINE}.scheduler")
+    instrumentor = LazyEngineInstrumentor()
+    with pytest.raises(LazyEngineError, match=r"1\.2 has no otel_swa_lazy_engine\.scheduler\.Scheduler\.schedule"):
+        instrumentor.instrument(**pipeline.providers())
+    assert runner.Runner().forward(3) == 3
+
+
+def test_a_missing_method_found_at_import_is_logged_not_raised_into_the_engine(engine_on_disk, pipeline, caplog):
+    (engine_on_disk / "scheduler.py").write_text("class Scheduler:\n    pass\n")
+    instrumentor = LazyEngineInstrumentor()
+    instrumentor.instrument(**pipeline.providers())
+    try:
+        with caplog.at_level(logging.ERROR):
+            scheduler = importlib.import_module(f"{ENGINE}.scheduler")  # the engine's import succeeds
+        assert not hasattr(scheduler.Scheduler, "schedule")
+        errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+        assert len(errors) == 1 and "Scheduler.schedule" in (errors[0].exc_text or str(errors[0].exc_info[1]))
+        # the other module is still wrapped when imported
+        assert importlib.import_module(f"{ENGINE}.runner").Runner().forward(1) == ("forward-wrapped", 1)
+    finally:
+        instrumentor.uninstrument()
+
+
+CHILD = textwrap.dedent(
+    """
+    import logging, os, subprocess, sys
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    from opentelemetry.instrumentation.swa_vllm import SwaVllmInstrumentor
+    SwaVllmInstrumentor().instrument(skip_dep_check=True)
+    if sys.argv[1] == "parent":
+        # an engine's child process: it inherits the environment and loads the instrumentors again
+        subprocess.run([sys.executable, __file__, "child"], check=True)
+    """
+)
+
+
+def test_an_absent_engine_is_reported_once_per_process_tree(tmp_path):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vllm is installed here")
+    script = tmp_path / "app.py"
+    script.write_text(CHILD)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SGLANG_"))}
+    env["OTEL_SWA_DIVERGENCE_INTERVAL"] = "4"
+    run = subprocess.run([sys.executable, str(script), "parent"], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    warnings = [line for line in run.stderr.splitlines() if "not installed" in line]
+    assert len(warnings) == 1, run.stderr
+    assert warnings[0].startswith("opentelemetry.instrumentation.swa_vllm: swa_vllm: vllm is not installed")
