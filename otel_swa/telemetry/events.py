@@ -22,6 +22,7 @@ For every record two events of the same name, :data:`~otel_swa.telemetry.semconv
 from __future__ import annotations
 
 import time
+from typing import Any, Mapping
 
 from opentelemetry import trace
 from opentelemetry._logs import Logger, SeverityNumber
@@ -30,6 +31,7 @@ from opentelemetry.trace import SpanKind, Tracer
 
 from otel_swa.record import FIELDS, SwaDivergenceRecord
 from otel_swa.telemetry import semconv as sc
+from otel_swa.telemetry.spans import use_system_random_ids
 
 __all__ = ["record_attributes", "record_from_attributes", "SampleEvents"]
 
@@ -78,10 +80,15 @@ class SampleEvents:
     def __init__(self, logger: Logger | None, tracer: Tracer | None) -> None:
         self._logger = logger
         self._tracer = tracer
+        if tracer is not None:
+            use_system_random_ids(tracer)
 
-    def emit(self, record: SwaDivergenceRecord, context: Context | None) -> None:
-        """Emit both events of ``record`` with the forward-step ``context`` it was sampled in."""
+    def emit(self, record: SwaDivergenceRecord, context: Context | None, extra: Mapping[str, Any] | None = None) -> None:
+        """Emit both events of ``record`` with the forward-step ``context`` it was sampled in;
+        ``extra``: attributes added to both (the reporter's process ranks)."""
         attributes = record_attributes(record)
+        if extra:
+            attributes.update(extra)
         if self._logger is not None:
             self._logger.emit(
                 timestamp=time.time_ns(),

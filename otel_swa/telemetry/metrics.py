@@ -192,18 +192,40 @@ class SwaMetrics:
     Args:
         meter: an OpenTelemetry ``Meter`` (the package's, see ``setup``).
 
+    Use :meth:`for_meter` rather than the constructor: the SDK keeps one instrument per name and
+    meter, and a second ``create_observable_counter`` of a name returns the first instrument and
+    drops the new callbacks, so a second ``SwaMetrics`` on one meter would never export the health
+    of the reporters attached to it (two instrumentors, or ``configure()`` and an instrumentor, in
+    one process).
+
     Thread safety: :meth:`record` may be called from any thread; the callers' last-total stores are
     updated under a lock.
     """
+
+    _by_meter: "weakref.WeakKeyDictionary[Any, SwaMetrics]" = weakref.WeakKeyDictionary()
+    _by_meter_lock = threading.Lock()
+
+    @classmethod
+    def for_meter(cls, meter: Meter) -> "SwaMetrics":
+        """The one :class:`SwaMetrics` of ``meter`` (made at the first call)."""
+        with cls._by_meter_lock:
+            try:
+                metrics = cls._by_meter.get(meter)
+            except TypeError:  # a meter that cannot be weakly referenced: not shared
+                return cls(meter)
+            if metrics is None:
+                metrics = cls(meter)
+                cls._by_meter[meter] = metrics
+            return metrics
 
     def __init__(self, meter: Meter) -> None:
         self._lock = threading.Lock()  # the callers' last-total stores
         # reentrant: a reporter's finalizer may run (garbage collection) while the lock is held
         self._stats_lock = threading.RLock()
-        # live reporter -> its last counts seen, per ReporterStats counter field
-        self._reporters: "weakref.WeakKeyDictionary[Any, dict[str, int]]" = weakref.WeakKeyDictionary()
-        # counts of reporters that were garbage-collected, per ReporterStats counter field
-        self._retired: dict[str, int] = {}
+        # live reporter -> (its last counts seen per ReporterStats counter field, its attributes)
+        self._reporters: "weakref.WeakKeyDictionary[Any, tuple[dict[str, int], tuple]]" = weakref.WeakKeyDictionary()
+        # counts of reporters that were garbage-collected, per (attributes, ReporterStats counter field)
+        self._retired: dict[tuple, int] = {}
         self._counter_fields = tuple(spec.read for spec in INSTRUMENTS if spec.kind == STATS_COUNTER)
         self._instruments: dict[str, Any] = {}
         for spec in INSTRUMENTS:
@@ -228,15 +250,18 @@ class SwaMetrics:
 
     def _stats_callback(self, field: str, cumulative: bool) -> Callable[[CallbackOptions], Iterator[Observation]]:
         """The callback of one health instrument: ``field`` of ``reporter.stats`` summed over the
-        live reporters, plus (``cumulative``) the retired counts of garbage-collected ones."""
+        live reporters of each attribute set (their process ranks), plus (``cumulative``) the
+        retired counts of garbage-collected ones."""
 
         def callback(options: CallbackOptions) -> Iterator[Observation]:
             with self._stats_lock:
                 live = list(self._reporters.items())
-                if not live and not (cumulative and field in self._retired):
-                    return
-                total = self._retired.get(field, 0) if cumulative else 0
-                for reporter, seen in live:
+                totals: dict[tuple, int] = {}
+                if cumulative:
+                    for (attributes, name), value in self._retired.items():
+                        if name == field:
+                            totals[attributes] = totals.get(attributes, 0) + value
+                for reporter, (seen, attributes) in live:
                     try:
                         value = int(getattr(reporter.stats, field))
                     except Exception:  # telemetry never breaks the export cycle
@@ -245,35 +270,39 @@ class SwaMetrics:
                     if cumulative:
                         value = max(value, seen.get(field, 0))
                         seen[field] = value
-                    total += value
+                    totals[attributes] = totals.get(attributes, 0) + value
             del live  # drop the strong references before yielding
-            yield Observation(total)
+            for attributes, total in totals.items():
+                yield Observation(total, dict(attributes))
 
         return callback
 
-    def _retire(self, seen: dict[str, int]) -> None:
+    def _retire(self, seen: dict[str, int], attributes: tuple) -> None:
         """Finalizer of an attached reporter: keep its last counts seen in the summed counters."""
         with self._stats_lock:
             for field, value in seen.items():
-                self._retired[field] = self._retired.get(field, 0) + value
+                key = (attributes, field)
+                self._retired[key] = self._retired.get(key, 0) + value
 
     # ------------------------------------------------------------------ recording
-    def attach(self, reporter: Any) -> None:
+    def attach(self, reporter: Any, attributes: Mapping[str, Any] | None = None) -> None:
         """Observe ``reporter.stats`` in the asynchronous health instruments (the
         ``observable_counter`` and ``observable_gauge`` rows of :data:`INSTRUMENTS`, each naming
-        its ``ReporterStats`` field). Several reporters are summed. The reporter is held by a weak
+        its ``ReporterStats`` field), with ``attributes`` on its data points (its process ranks).
+        Reporters with the same attributes are summed. The reporter is held by a weak
         reference; once it is garbage-collected its last counts seen stay in the counters (see the
         module docstring) and it no longer adds to the gauges. Attaching it again does nothing.
 
         Raises:
             TypeError: ``reporter`` cannot be weakly referenced or hashed.
         """
+        key = tuple(sorted((attributes or {}).items()))
         with self._stats_lock:
             if reporter in self._reporters:
                 return
             seen: dict[str, int] = {}
-            self._reporters[reporter] = seen
-        finalizer = weakref.finalize(reporter, self._retire, seen)
+            self._reporters[reporter] = (seen, key)
+        finalizer = weakref.finalize(reporter, self._retire, seen, key)
         finalizer.atexit = False
 
     def note_stats(self, reporter: Any) -> None:
@@ -281,9 +310,10 @@ class SwaMetrics:
         this at each delivery, so that a reporter dropped between two collections still counts
         up to its last delivery). Unattached reporters are ignored; never raises."""
         with self._stats_lock:
-            seen = self._reporters.get(reporter)
-            if seen is None:
+            entry = self._reporters.get(reporter)
+            if entry is None:
                 return
+            seen = entry[0]
             try:
                 stats = reporter.stats
             except Exception:
@@ -303,6 +333,7 @@ class SwaMetrics:
         *,
         delivered_at: int | None = None,
         totals: dict,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         """Record one delivered sample.
 
@@ -314,6 +345,7 @@ class SwaMetrics:
             totals: where the last cumulative totals of this record's source (one reporter) are
                 kept, so that several reporters can share the instruments: a dict owned by the
                 caller, empty at first, passed again with every record of that source.
+            extra: attributes added to every data point (the reporter's process ranks, bounded).
 
         Raises:
             TypeError: ``record`` is not a :class:`SwaDivergenceRecord`.
@@ -325,6 +357,8 @@ class SwaMetrics:
             if spec.kind == TOTAL_COUNTER:
                 instrument = self._instruments[spec.name]
                 for total, attributes in spec.read(record):
+                    if extra:
+                        attributes = {**attributes, **extra}
                     increment, reset = self._increment(totals, spec.name, attributes, total)
                     went_back = went_back or reset
                     # add(0) too: the series exists from the first record on
@@ -332,11 +366,11 @@ class SwaMetrics:
             elif spec.kind == GAUGE:
                 instrument = self._instruments[spec.name]
                 for value, attributes in spec.read(record):
-                    instrument.set(value, attributes, context=context)
+                    instrument.set(value, {**attributes, **extra} if extra else attributes, context=context)
         if went_back:
-            self._resets.add(1, context=context)
+            self._resets.add(1, extra, context=context)
         if delivered_at is not None:
-            self._delay.record(max(0, delivered_at - record.forward_ct), context=context)
+            self._delay.record(max(0, delivered_at - record.forward_ct), extra, context=context)
 
     def _increment(self, totals: dict, name: str, attributes: Attributes, total: int) -> tuple[int, bool]:
         """The increment of a cumulative total since the last record, and whether it went back."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any
+from typing import Any, Mapping
 
 from opentelemetry import metrics as metrics_api
 from opentelemetry import trace
@@ -42,6 +42,10 @@ class SwaTelemetrySink:
         metrics, events: share the instruments and event emitters of another sink (one sink per
             reporter, several reporters in a process: the SDK keeps one instrument per name).
             Each sink keeps the last cumulative totals of its own reporter.
+        attributes: added to every metric data point and event of this sink's reporter, e.g. the
+            ranks of the engine process when they are known only at run time (under
+            ``opentelemetry-instrument`` the resource is fixed before the engine knows its rank).
+            Bounded values only.
 
     One sink serves one reporter: it turns that reporter's cumulative totals (``forward_ct``,
     ``verify_full``, ``verify_swa``) into counter increments, so records of a second reporter
@@ -63,25 +67,28 @@ class SwaTelemetrySink:
         log_events: bool = True,
         metrics: SwaMetrics | None = None,
         events: SampleEvents | None = None,
+        attributes: Mapping[str, Any] | None = None,
     ) -> None:
         scope = dict(schema_url=sc.SCHEMA_URL)
         if metrics is None:
             meter = (meter_provider or metrics_api.get_meter_provider()).get_meter(sc.SCOPE_NAME, __version__, **scope)
-            metrics = SwaMetrics(meter)
+            metrics = SwaMetrics.for_meter(meter)
         if events is None:
             tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(sc.SCOPE_NAME, __version__, **scope)
             logger = (logger_provider or get_logger_provider()).get_logger(sc.SCOPE_NAME, __version__, **scope)
             events = SampleEvents(logger if log_events else None, tracer if span_events else None)
         self.metrics = metrics
         self.events = events
+        self.attributes = dict(attributes) if attributes else None
         self._totals: dict = {}
         self._reporter: "weakref.ref[Any] | None" = None
         self.records = 0
         self.errors = 0
 
-    def for_another_reporter(self) -> "SwaTelemetrySink":
-        """A new sink sharing this one's instruments and event emitters, with its own totals."""
-        return SwaTelemetrySink(metrics=self.metrics, events=self.events)
+    def for_another_reporter(self, attributes: Mapping[str, Any] | None = None) -> "SwaTelemetrySink":
+        """A new sink sharing this one's instruments and event emitters, with its own totals and
+        its own ``attributes`` (see the class)."""
+        return SwaTelemetrySink(metrics=self.metrics, events=self.events, attributes=attributes)
 
     @property
     def reporter(self) -> Any:
@@ -110,7 +117,7 @@ class SwaTelemetrySink:
                 "cumulative totals; attach sink.for_another_reporter() to a second reporter"
             )
         reporter.add_sink(self)
-        self.metrics.attach(reporter)
+        self.metrics.attach(reporter, self.attributes)
         self._reporter = weakref.ref(reporter)
         return reporter
 
@@ -126,7 +133,7 @@ class SwaTelemetrySink:
                 delivered_at = None
         for part, call in (
             ("metrics", lambda: self._record_metrics(record, context, delivered_at, reporter)),
-            ("events", lambda: self.events.emit(record, context)),
+            ("events", lambda: self.events.emit(record, context, self.attributes)),
         ):
             try:
                 call()
@@ -135,6 +142,6 @@ class SwaTelemetrySink:
                 _log.exception("SWA divergence telemetry (%s) failed for forward_ct=%s", part, getattr(record, "forward_ct", "?"))
 
     def _record_metrics(self, record: SwaDivergenceRecord, context: Context | None, delivered_at: int | None, reporter: Any) -> None:
-        self.metrics.record(record, context, delivered_at=delivered_at, totals=self._totals)
+        self.metrics.record(record, context, delivered_at=delivered_at, totals=self._totals, extra=self.attributes)
         if reporter is not None:
             self.metrics.note_stats(reporter)

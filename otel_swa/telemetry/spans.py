@@ -28,18 +28,27 @@ from __future__ import annotations
 
 import functools
 import logging
+import random
 from contextlib import contextmanager
 from typing import Any, Iterable, Iterator, Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import SpanLimits
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from otel_swa.telemetry import semconv as sc
 
-__all__ = ["parse_traceparent", "format_traceparent", "ForwardSpans", "RequestSpans"]
+__all__ = [
+    "parse_traceparent",
+    "format_traceparent",
+    "ForwardSpans",
+    "RequestSpans",
+    "SystemRandomIdGenerator",
+    "use_system_random_ids",
+]
 
 _log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
@@ -74,6 +83,48 @@ def format_traceparent(span_context: SpanContext) -> str | None:
     return carrier.get("traceparent")
 
 
+class SystemRandomIdGenerator(IdGenerator):
+    """Trace and span ids from the operating system's random source (``random.SystemRandom``).
+
+    The SDK's default ``RandomIdGenerator`` draws from Python's global ``random`` state, which
+    engines seed for reproducible sampling (SGLang's ``random_seed``, default 0): every run, and every
+    rank, would then start the same trace ids. ``os.urandom`` is not touched by any seed and differs
+    in forked children too.
+    """
+
+    def __init__(self) -> None:
+        self._random = random.SystemRandom()
+
+    def generate_span_id(self) -> int:
+        span_id = self._random.getrandbits(64)
+        while span_id == trace.INVALID_SPAN_ID:
+            span_id = self._random.getrandbits(64)
+        return span_id
+
+    def generate_trace_id(self) -> int:
+        trace_id = self._random.getrandbits(128)
+        while trace_id == trace.INVALID_TRACE_ID:
+            trace_id = self._random.getrandbits(128)
+        return trace_id
+
+
+_SYSTEM_IDS = SystemRandomIdGenerator()
+
+
+def use_system_random_ids(tracer: Any) -> bool:
+    """Give ``tracer`` (an SDK ``Tracer``, or the API's proxy once it has one) the
+    :class:`SystemRandomIdGenerator` when it uses the SDK's seedable default; only this tracer
+    changes, not its provider's other tracers. Returns whether the tracer's ids are now independent
+    of Python's ``random`` seed (``False``: a proxy with no SDK tracer yet; call again later)."""
+    real = getattr(tracer, "_real_tracer", None) or tracer
+    generator = getattr(real, "id_generator", None)
+    if generator is None:
+        return False
+    if type(generator) is RandomIdGenerator:
+        real.id_generator = _SYSTEM_IDS
+    return True
+
+
 def _default_max_links() -> int:
     return SpanLimits().max_links  # OTEL_SPAN_LINK_COUNT_LIMIT, else 128
 
@@ -103,6 +154,7 @@ class ForwardSpans:
                 f"traceparents must be a mapping or a callable request_id -> traceparent, got {type(traceparents).__name__}"
             )
         self._tracer = tracer
+        self._ids_independent = use_system_random_ids(tracer)
         self._traceparents = traceparents
         # decided once: an isinstance check against the Mapping ABC per request costs more than the lookup
         if traceparents is None:
@@ -153,13 +205,20 @@ class ForwardSpans:
         num_decode: int | None = None,
         request_ids: Iterable[Any] | None = None,
         context: Context | None = None,
+        link_contexts: Iterable[SpanContext | None] | None = None,
+        attributes: Mapping[str, Any] | None = None,
     ) -> Iterator[Span]:
         """Run the body inside a new current span ``forward step``; yields the span.
 
         Values come from ``batch_info``'s attributes of the same names unless given as keywords.
-        ``context`` is the parent (default: the current context). An exception in the body is
-        recorded on the span (status ERROR) and re-raised.
+        ``context`` is the parent (default: the current context). ``link_contexts``: span
+        contexts of the batch's requests to link to directly (an engine that keeps its own request
+        spans), instead of looking ``request_ids`` up; ``None`` entries and invalid contexts count
+        as missing. ``attributes``: more bounded span attributes (the process's ranks). An
+        exception in the body is recorded on the span (status ERROR) and re-raised.
         """
+        if not self._ids_independent:
+            self._ids_independent = use_system_random_ids(self._tracer)
 
         def pick(name: str, value: Any) -> Any:
             return value if value is not None else getattr(batch_info, name, None)
@@ -169,8 +228,12 @@ class ForwardSpans:
         num_prefill = pick("num_prefill", num_prefill)
         num_decode = pick("num_decode", num_decode)
         request_ids = pick("request_ids", request_ids) or ()
-        links, dropped, missing = self.links(request_ids)
-        attributes = {
+        if link_contexts is not None:
+            links, dropped, missing = self._direct_links(link_contexts)
+        else:
+            links, dropped, missing = self.links(request_ids)
+        span_attributes = dict(attributes) if attributes else {}
+        span_attributes.update({
             key: int(value)
             for key, value in (
                 (sc.ATTR_FORWARD_CT, forward_ct),
@@ -179,13 +242,31 @@ class ForwardSpans:
                 (sc.ATTR_NUM_DECODE, num_decode),
             )
             if value is not None
-        }
-        attributes[sc.ATTR_LINKS_DROPPED] = dropped
-        attributes[sc.ATTR_LINKS_MISSING] = missing
+        })
+        span_attributes[sc.ATTR_LINKS_DROPPED] = dropped
+        span_attributes[sc.ATTR_LINKS_MISSING] = missing
         with self._tracer.start_as_current_span(
-            sc.FORWARD_SPAN_NAME, context=context, kind=SpanKind.INTERNAL, attributes=attributes, links=links
+            sc.FORWARD_SPAN_NAME, context=context, kind=SpanKind.INTERNAL, attributes=span_attributes, links=links
         ) as span:
             yield span
+
+    def _direct_links(self, span_contexts: Iterable[SpanContext | None]) -> tuple[list[Link], int, int]:
+        links: list[Link] = []
+        dropped = missing = 0
+        seen = set()
+        for span_context in span_contexts:
+            if span_context is None or not span_context.is_valid:
+                missing += 1
+                continue
+            key = (span_context.trace_id, span_context.span_id)
+            if key in seen:  # one link per request span, even if it appears twice
+                continue
+            seen.add(key)
+            if len(links) < self.max_links:
+                links.append(Link(span_context))
+            else:
+                dropped += 1
+        return links, dropped, missing
 
     __call__ = forward_span
 
@@ -202,6 +283,7 @@ class RequestSpans:
 
     def __init__(self, tracer: Tracer) -> None:
         self._tracer = tracer
+        use_system_random_ids(tracer)
         self._spans: dict[Any, tuple[Span, str]] = {}
 
     def start(self, request_id: Any, *, attributes: Mapping[str, Any] | None = None, start_time: int | None = None) -> str | None:

@@ -167,6 +167,34 @@ def test_health_instruments_read_the_attached_reporter(pipeline):
     assert list(hist.bucket_counts)[:5] == [0, 1, 0, 1, 0]
 
 
+def test_two_sinks_built_apart_on_one_meter_both_export_their_reporters_health(pipeline):
+    """As with ``configure()`` and an instrumentor, or two instrumentors, in one process: each builds
+    its own sink on the same providers. The SDK keeps the first observable instrument of a name and
+    drops a second one's callbacks, so both sinks must share one set of instruments."""
+    from otel_swa.reporter import SwaDivergenceReporter
+
+    first, second = SwaTelemetrySink(**pipeline.providers()), SwaTelemetrySink(**pipeline.providers())
+    assert first.metrics is second.metrics
+    a = first.attach(SwaDivergenceReporter(1))
+    b = second.for_another_reporter({"otel_swa.tp_rank": 1}).attach(SwaDivergenceReporter(2))
+    view = _empty_view()
+    for _ in range(4):
+        a.step(view)
+        b.step(view)
+    points = pipeline.metrics()["kv_cache.swa.reporter.samples.taken"]["points"]
+    by_rank = {dict(p.attributes).get("otel_swa.tp_rank"): p.value for p in points}
+    assert by_rank == {None: 4, 1: 2}  # reporter a: every step; reporter b (rank 1): every 2nd
+
+
+def _empty_view():
+    import torch
+
+    from otel_swa.views import SwaBatch
+
+    empty = torch.zeros(0, dtype=torch.int64)
+    return SwaBatch(torch.zeros((1, 1), dtype=torch.int32), torch.zeros(1, dtype=torch.int64), empty, empty, ())
+
+
 def test_a_failing_meter_never_raises_into_the_reporter(pipeline, caplog):
     sink = SwaTelemetrySink(**pipeline.providers())
 
