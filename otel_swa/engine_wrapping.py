@@ -43,6 +43,9 @@ class EngineVersionError(ImportError):
     """The installed engine lacks a method (or a parameter) an instrumentor wraps."""
 
 
+_ABSENT = object()  # in EngineInstrumentor._originals: an attribute the instrumentor added
+
+
 def unavailable_reason(distribution: str, instruments: Collection[str]) -> str | None:
     """Why ``distribution`` cannot be instrumented here (not installed, or a version outside
     ``instruments``), or ``None`` when it can. Reads installed metadata only; imports nothing."""
@@ -106,6 +109,7 @@ class InstrumentTelemetry:
     tracer: Any  #: an ``opentelemetry.trace.Tracer`` of otel-swa's instrumentation scope
     traceparents: Any  #: the ``traceparents`` kwarg (request id -> W3C traceparent), or ``None``
     max_links: "int | None"  #: the ``max_links`` kwarg (forward-step link limit), or ``None``
+    providers: tuple = ()  #: the tracer, meter and logger providers in use (given or global)
 
 
 def instrument_telemetry(kwargs: dict) -> InstrumentTelemetry:
@@ -116,7 +120,8 @@ def instrument_telemetry(kwargs: dict) -> InstrumentTelemetry:
     ``max_links``. The tracer uses otel-swa's scope name, version and schema URL
     (:mod:`otel_swa.telemetry.semconv`).
     """
-    from opentelemetry import trace
+    from opentelemetry import metrics, trace
+    from opentelemetry._logs import get_logger_provider
 
     from otel_swa.telemetry import SwaTelemetrySink
     from otel_swa.telemetry import semconv as sc
@@ -131,7 +136,12 @@ def instrument_telemetry(kwargs: dict) -> InstrumentTelemetry:
     tracer = trace.get_tracer(
         sc.SCOPE_NAME, __version__, tracer_provider=kwargs.get("tracer_provider"), schema_url=sc.SCHEMA_URL
     )
-    return InstrumentTelemetry(sink, tracer, kwargs.get("traceparents"), kwargs.get("max_links"))
+    providers = (
+        kwargs.get("tracer_provider") or trace.get_tracer_provider(),
+        kwargs.get("meter_provider") or metrics.get_meter_provider(),
+        kwargs.get("logger_provider") or get_logger_provider(),
+    )
+    return InstrumentTelemetry(sink, tracer, kwargs.get("traceparents"), kwargs.get("max_links"), providers)
 
 
 def request_span_attributes(request: Any) -> dict[str, int]:
@@ -233,6 +243,7 @@ class EngineInstrumentor(BaseInstrumentor):
         self._hooks: list[import_hooks.HookHandle] = []
         self._kwargs: dict = {}
         self._ready: "bool | None" = None
+        self._providers: list = []
         self._reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
         self._log = logging.getLogger(type(self).__module__)  # messages under the instrumentor's name
 
@@ -253,17 +264,29 @@ class EngineInstrumentor(BaseInstrumentor):
             self.version_error, self.name, self.distribution, self.instruments[0], module_name, class_name, method, params
         )
 
-    def _new_reporter(self, device: Any, verify_source: str = "attention") -> Any:
+    def _new_reporter(self, device: Any, verify_source: str = "attention", attributes: Any = None) -> Any:
         """A reporter from the environment on ``device``, attached to its own sink state, or
         ``None`` when the gate is off. ``verify_source``: what its ``observe`` counts are
-        (:data:`otel_swa.record.VERIFY_SOURCES`)."""
+        (:data:`otel_swa.record.VERIFY_SOURCES`); ``attributes``: added to its metric points and
+        events (the engine process's ranks). The reporter is flushed at interpreter exit and by
+        :func:`otel_swa.lifecycle.flush_all` (see :mod:`otel_swa.lifecycle`)."""
+        from otel_swa import lifecycle
         from otel_swa.reporter import SwaDivergenceReporter
 
         reporter = SwaDivergenceReporter.from_env(device=device, verify_source=verify_source)
         if reporter is not None:
-            self._sink.for_another_reporter().attach(reporter)
+            self._sink.for_another_reporter(attributes).attach(reporter)
             self._reporters.add(reporter)
+            lifecycle.track(reporter, self._providers)
         return reporter
+
+    def _provide(self, cls: type, name: str, value: Any) -> None:
+        """Add attribute ``name`` to ``cls`` (a method the engine calls by name, e.g. over its RPC);
+        ``uninstrument()`` removes it. Raises ``version_error`` if the class already has one."""
+        if name in cls.__dict__:
+            raise self.version_error(f"{self.name}: {cls.__qualname__} already has an attribute {name!r}")
+        self._originals[(cls, name)] = _ABSENT
+        setattr(cls, name, value)
 
     # ------------------------------------------------------------------ BaseInstrumentor
     def _instrument(self, **kwargs: Any) -> None:
@@ -338,6 +361,7 @@ class EngineInstrumentor(BaseInstrumentor):
         from otel_swa.telemetry import ForwardSpans
 
         telemetry = instrument_telemetry(kwargs)
+        self._providers = telemetry.providers
         self._sink = telemetry.sink
         self._traceparents = telemetry.traceparents
         self._forward_spans = ForwardSpans(telemetry.tracer, telemetry.traceparents, max_links=telemetry.max_links)
@@ -348,7 +372,10 @@ class EngineInstrumentor(BaseInstrumentor):
         self._hooks = []
         self._ready = None
         for (cls, method), function in self._originals.items():
-            setattr(cls, method, function)
+            if function is _ABSENT:
+                delattr(cls, method)
+            else:
+                setattr(cls, method, function)
         self._originals = {}
         for reporter in list(self._reporters):
             try:

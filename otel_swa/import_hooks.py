@@ -84,18 +84,30 @@ class _HookedLoader(importlib.abc.Loader):
 
 
 class _HookFinder(importlib.abc.MetaPathFinder):
+    def __init__(self) -> None:
+        # Names this thread is looking up through the other finders: another finder that asks the
+        # meta path in turn (a finder of the same kind) must not bring the lookup back here.
+        self._resolving = threading.local()
+
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in _hooks:
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _HookedLoader(spec.loader, fullname)
-                return spec
-        return None
+        resolving = self._resolving.__dict__.setdefault("names", set())
+        if fullname in resolving:
+            return None
+        resolving.add(fullname)
+        try:
+            for finder in sys.meta_path:
+                if finder is self or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                        spec.loader = _HookedLoader(spec.loader, fullname)
+                    return spec
+            return None
+        finally:
+            resolving.discard(fullname)
 
 
 _finder = _HookFinder()

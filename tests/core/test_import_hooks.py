@@ -75,3 +75,33 @@ def test_a_module_that_fails_to_import_runs_no_hook_and_raises_its_own_error(pac
     with pytest.raises(RuntimeError, match="b fails to import"):
         importlib.import_module(f"{package}.b")
     assert seen == []
+
+
+def test_a_second_finder_that_also_asks_the_meta_path_does_not_loop(package, monkeypatch):
+    """Another post-import finder placed before ours (as test harnesses and other instrumentations
+    install) looks the module up through the meta path too; neither may bring the lookup back."""
+    applied = []
+
+    class OtherFinder:
+        busy = False
+
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname != f"{package}.a" or self.busy:
+                return None
+            self.busy = True
+            try:
+                for finder in sys.meta_path:
+                    if finder is not self:
+                        spec = finder.find_spec(fullname, path, target)
+                        if spec is not None:
+                            applied.append("other")
+                            return spec
+            finally:
+                self.busy = False
+            return None
+
+    seen = []
+    import_hooks.when_imported(f"{package}.a", lambda m: seen.append(m.VALUE))
+    monkeypatch.setattr(sys, "meta_path", [OtherFinder(), *sys.meta_path])
+    importlib.import_module(f"{package}.a")
+    assert seen == [1] and applied == ["other"]

@@ -15,7 +15,9 @@ afterwards is observed:
 * each submitted request gets a span ``request`` (kind SERVER, its own trace) from submission to
   completion, unless the request object carries a W3C ``traceparent`` attribute (from a serving
   front end), in which case the forward steps link to that span instead;
-* ``run_until_done`` flushes the reporter at its end, so the last samples are delivered.
+* ``run_until_done`` flushes the reporter at its end, and the interpreter's exit flushes it too
+  (before the SDK's providers shut down: :mod:`otel_swa.lifecycle`), so the last samples are
+  delivered and exported without a ``close()`` in the program.
 
 Providers come from ``instrument(tracer_provider=..., meter_provider=..., logger_provider=...)``,
 the global ones otherwise; the instrumentor never installs providers itself. ``uninstrument()``
@@ -50,6 +52,7 @@ _log = logging.getLogger(__name__)
 #: Attribute of an instrumented engine holding its telemetry wiring.
 ENGINE_ATTRIBUTE = "_otel_swa_telemetry"
 _WRAPPED = ("__init__", "submit", "step", "run_until_done")
+_ENGINE_MODULE = "otel_swa.reference.engine"
 
 
 class SwaReferenceInstrumentor(BaseInstrumentor):
@@ -63,19 +66,32 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
         return _instruments
 
     def _instrument(self, **kwargs: Any) -> None:
-        from otel_swa.engine_wrapping import instrument_telemetry
-        from otel_swa.reference.engine import ReferenceEngine
+        from otel_swa import import_hooks
 
+        # Wrapped when the process imports the engine (at once if it already has): a process that
+        # never runs the reference engine (another engine's worker under opentelemetry-instrument)
+        # imports nothing and builds no telemetry for it.
+        self._originals = {}
+        self._hook = import_hooks.when_imported(_ENGINE_MODULE, lambda module: self._wrap_class(module, kwargs))
+
+    def _wrap_class(self, module: Any, kwargs: dict) -> None:
+        from otel_swa.engine_wrapping import instrument_telemetry
+
+        engine_class = module.ReferenceEngine
         telemetry = instrument_telemetry(kwargs)
+        self._providers = telemetry.providers
         self._sink = telemetry.sink
         self._tracer = telemetry.tracer
         self._max_links = telemetry.max_links
-        self._originals = {name: ReferenceEngine.__dict__[name] for name in _WRAPPED}
-        self._engine_class = ReferenceEngine
+        self._originals = {name: engine_class.__dict__[name] for name in _WRAPPED}
+        self._engine_class = engine_class
         for name in _WRAPPED:
-            setattr(ReferenceEngine, name, getattr(self, f"_wrap_{name.strip('_')}")(self._originals[name]))
+            setattr(engine_class, name, getattr(self, f"_wrap_{name.strip('_')}")(self._originals[name]))
 
     def _uninstrument(self, **kwargs: Any) -> None:
+        from otel_swa import import_hooks
+
+        import_hooks.cancel(self._hook)
         for name, original in self._originals.items():
             setattr(self._engine_class, name, original)
         self._originals = {}
@@ -94,8 +110,11 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
                 engine.reporter = None
         sink = None
         if engine.reporter is not None:
+            from otel_swa import lifecycle
+
             sink = self._sink.for_another_reporter()
             sink.attach(engine.reporter)
+            lifecycle.track(engine.reporter, self._providers)  # delivered at exit, before the SDK shuts down
         request_spans = RequestSpans(self._tracer)
         traceparents: dict[Any, str] = {}
         forward_spans = ForwardSpans(self._tracer, traceparents, max_links=self._max_links)

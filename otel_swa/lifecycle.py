@@ -1,0 +1,113 @@
+"""Process life: delivering and exporting what otel-swa holds when a process ends or an engine shuts
+down.
+
+One module owns these hooks so that their order is right everywhere:
+
+* **interpreter exit** (``atexit``): every tracked reporter is flushed (its pending samples reach
+  its sinks) *before* the OpenTelemetry SDK's own exit hooks shut the providers down. The SDK
+  registers ``provider.shutdown`` with ``atexit`` when a provider is built; ``atexit`` runs hooks
+  last-in first-out, so :func:`track` (re-)registers otel-swa's hook after every provider it is
+  told about, which makes it run first;
+* **an engine's shutdown** (:func:`flush_all`, called by the instrumentors where the engine has a
+  shutdown path: SGLang's ``Engine.shutdown`` kills its scheduler processes with SIGKILL, which
+  runs no exit hook, so the instrumentor asks each scheduler to flush first): reporters are
+  flushed, then each tracked provider's ``force_flush`` exports its buffers, within a time bound.
+
+What a SIGKILL without either still loses: nothing the reporter delivered on CPU (a record reaches
+the sinks at the step it was sampled), but what the SDK's batching processors had not exported
+yet: up to one schedule delay of events and spans (``OTEL_BLRP_SCHEDULE_DELAY``, default 1 s;
+``OTEL_BSP_SCHEDULE_DELAY``, default 5 s) and the metric points since the last periodic export
+(``OTEL_METRIC_EXPORT_INTERVAL``, default 60 s); a log line written through the OpenTelemetry
+logs pipeline (the ``swa_logline`` exporter behind a batching processor) is in the first group.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+__all__ = ["track", "flush_all", "FlushResult", "DEFAULT_FLUSH_TIMEOUT_S"]
+
+_log = logging.getLogger(__name__)
+
+#: Time bound of :func:`flush_all` when none is given: the OTLP exporters' default timeout.
+DEFAULT_FLUSH_TIMEOUT_S = 10.0
+
+_lock = threading.Lock()
+_reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_providers: list["weakref.ref[Any]"] = []
+
+
+@dataclass(frozen=True)
+class FlushResult:
+    """What :func:`flush_all` did.
+
+    Attributes:
+        reporters: reporters flushed.
+        providers: providers whose ``force_flush`` returned in time and reported success.
+        failed: providers whose ``force_flush`` raised, returned False or ran out of time.
+        seconds: time taken.
+    """
+
+    reporters: int
+    providers: int
+    failed: int
+    seconds: float
+
+
+def _at_exit() -> None:
+    flush_all(export=False)  # the SDK's own exit hooks, which run next, export and shut down
+
+
+def track(reporter: Any = None, providers: Iterable[Any] = ()) -> None:
+    """Flush ``reporter`` at interpreter exit and in :func:`flush_all`, and force-flush
+    ``providers`` (OpenTelemetry SDK tracer / meter / logger providers; anything with
+    ``force_flush``) in :func:`flush_all`. Both are held by weak references. Call it after the
+    providers exist: it moves otel-swa's exit hook after theirs, so that it runs before they shut
+    down."""
+    with _lock:
+        if reporter is not None:
+            _reporters.add(reporter)
+        known = [ref() for ref in _providers]
+        for provider in providers:
+            if provider is not None and hasattr(provider, "force_flush") and not any(p is provider for p in known):
+                try:
+                    _providers.append(weakref.ref(provider))
+                except TypeError:  # not weakly referenceable: not ours to keep alive
+                    continue
+                known.append(provider)
+        atexit.unregister(_at_exit)
+        atexit.register(_at_exit)
+
+
+def flush_all(timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, *, export: bool = True) -> FlushResult:
+    """Flush every tracked reporter, then (``export``) force-flush every tracked provider, the whole
+    within about ``timeout_s`` seconds (each provider gets what is left). Never raises."""
+    start = time.monotonic()
+    with _lock:
+        reporters = list(_reporters)
+        providers = [p for p in (ref() for ref in _providers) if p is not None]
+    for reporter in reporters:
+        try:
+            reporter.flush()
+        except Exception:
+            _log.exception("flushing an SWA divergence reporter failed")
+    flushed = failed = 0
+    if export:
+        for provider in providers:
+            left_ms = int(max(0.0, timeout_s - (time.monotonic() - start)) * 1000)
+            try:
+                ok = provider.force_flush(left_ms) if left_ms > 0 else False
+            except Exception:
+                _log.exception("force_flush of %s failed", type(provider).__name__)
+                ok = False
+            if ok is False:
+                failed += 1
+            else:
+                flushed += 1
+    return FlushResult(len(reporters), flushed, failed, round(time.monotonic() - start, 3))
