@@ -20,3 +20,19 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _no_warned_marker(monkeypatch):
     monkeypatch.delenv(ev.OTEL_SWA_WARNED, raising=False)
+
+
+@pytest.fixture(scope="session")
+def agent_binary():
+    """The ``rotel-agent`` collector binary; skipped when missing, except in CI (``CI`` set), where
+    a missing collector fails."""
+    import os
+
+    from collector_support import rotel_agent
+
+    path = rotel_agent()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("rotel-agent is required in CI (pip install rotel)")
+        pytest.skip("rotel-agent not installed (pip install rotel)")
+    return path

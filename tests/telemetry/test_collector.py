@@ -11,15 +11,12 @@ Skipped only when ``rotel-agent`` is missing and ``CI`` is unset; in CI a missin
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from collector_support import RotelCollector, int_value
 
 from otel_swa.record import find_all
 
@@ -32,179 +29,24 @@ REPLAY_ARGS = ["--requests", "8", "--no-model", "--interval", "10", "--window", 
 REQUESTS = 8
 
 
-def rotel_agent() -> str | None:
-    found = shutil.which("rotel-agent")
-    if found:
-        return found
-    try:  # the PyPI wheel ships the binary inside the package
-        import rotel
-
-        candidate = Path(rotel.__file__).with_name("rotel-agent")
-        return str(candidate) if candidate.is_file() else None
-    except ImportError:
-        return None
-
-
-@pytest.fixture(scope="module")
-def agent_binary():
-    path = rotel_agent()
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("rotel-agent is required in CI (pip install rotel)")
-        pytest.skip("rotel-agent not installed (pip install rotel)")
-    return path
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"rotel-agent exited with {proc.returncode}")
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.05)
-    raise RuntimeError(f"rotel-agent did not listen on {port}")
-
-
-# ---------------------------------------------------------------- reading the debug output
-def parse_debug_output(text: str) -> dict:
-    """Spans, metric data points and log records from the collector's detailed debug output."""
-    text = re.sub(r"\x1b\[[0-9;]*m", "", text)
-    spans, metrics, logs, resource = [], [], [], {}
-    item = None  # the span / log record being read
-    section = None  # attributes | events | links | point
-    metric = None
-    for raw in text.splitlines():
-        line = raw.strip()
-        if re.match(r"^Span #\d+$", line):
-            item = {"attributes": {}, "events": [], "links": []}
-            spans.append(item)
-            section = None
-        elif re.match(r"^LogRecord #\d+$", line):
-            item = {"attributes": {}}
-            logs.append(item)
-            section = None
-        elif re.match(r"^Metric #\d+$", line):
-            metric = {"points": []}
-            metrics.append(metric)
-            item, section = None, None
-        elif re.match(r"^(ResourceSpans|ResourceLog|ResourceMetrics) #\d+$", line):
-            item, metric, section = None, None, "resource"
-        elif section == "resource" and line.startswith("-> "):
-            key, _, value = line[3:].partition(":")
-            resource[key.strip()] = value.strip()
-        elif line.startswith("-> Name:") and metric is not None and not metric.get("name"):
-            metric["name"] = line.split(":", 1)[1].strip()
-        elif line.startswith("-> Unit:") and metric is not None:
-            metric["unit"] = line.split(":", 1)[1].strip()
-        elif line.startswith("-> DataType:") and metric is not None:
-            metric["type"] = line.split(":", 1)[1].strip()
-        elif line.startswith("-> AggregationTemporality:") and metric is not None:
-            metric["temporality"] = line.split(":", 1)[1].strip()
-        elif re.match(r"^(NumberDataPoints|HistogramDataPoints) #\d+$", line) and metric is not None:
-            metric["points"].append({"attributes": {}})
-            section = "point"
-        elif line == "Exemplars:":
-            section = "exemplars"
-        elif re.match(r"^Exemplar #\d+$", line) and metric is not None:
-            metric["points"][-1].setdefault("exemplars", []).append({})
-        elif section == "exemplars" and line.startswith("-> ") and metric is not None:
-            key, _, value = line[3:].partition(":")
-            metric["points"][-1]["exemplars"][-1][key.strip()] = value.strip()
-        elif line.startswith(("Value:", "Count:", "Sum:")) and metric is not None and metric["points"]:
-            key, _, value = line.partition(":")
-            metric["points"][-1][key.lower()] = float(value)
-        elif item is not None:
-            if line.startswith("Trace ID") and section not in ("links",):
-                item["trace_id"] = line.split(":", 1)[1].strip()
-            elif line.startswith("Parent ID"):
-                item["parent_id"] = line.split(":", 1)[1].strip()
-            elif line.startswith(("ID ", "Span ID")):
-                item["span_id"] = line.split(":", 1)[1].strip()
-            elif line.startswith("Name ") and section is None:
-                item["name"] = line.split(":", 1)[1].strip()
-            elif line.startswith("EventName:"):
-                item["event_name"] = line.split(":", 1)[1].strip()
-            elif line.startswith("Body:"):
-                item["body"] = line.split(":", 1)[1].strip()
-            elif line in ("Attributes:",):
-                section = "attributes"
-            elif line == "Events:":
-                section = "events"
-            elif line == "Links:":
-                section = "links"
-            elif re.match(r"^SpanEvent #\d+$", line):
-                item["events"].append({"attributes": {}})
-            elif re.match(r"^SpanLink #\d+$", line):
-                item["links"].append({})
-            elif line.startswith("-> ") and section == "attributes":
-                key, _, value = line[3:].partition(":")
-                item["attributes"][key.strip()] = value.strip()
-            elif line.startswith("-> ") and section == "events" and item["events"]:
-                key, _, value = line[3:].partition(":")
-                if key.strip() == "Name":
-                    item["events"][-1]["name"] = value.strip()
-                elif key.strip() not in ("Timestamp", "DroppedAttributesCount", "Attributes:"):
-                    item["events"][-1]["attributes"][key.strip()] = value.strip()
-            elif line.startswith("-> ") and section == "links" and item["links"]:
-                key, _, value = line[3:].partition(":")
-                item["links"][-1][key.strip()] = value.strip()
-        if section == "point" and line.startswith("-> ") and metric is not None and metric["points"]:
-            key, _, value = line[3:].partition(":")
-            metric["points"][-1]["attributes"][key.strip()] = value.strip()
-    return {"spans": spans, "metrics": metrics, "logs": logs, "resource": resource}
-
-
-def int_value(text: str) -> int:
-    """``Int(20)`` -> 20."""
-    match = re.fullmatch(r"Int\((-?\d+)\)", text)
-    assert match, text
-    return int(match.group(1))
-
-
 # ---------------------------------------------------------------- the run
 def run_against_rotel(agent: str, tmp_path: Path, protocol: str, temporality: str):
-    grpc_port, http_port = free_port(), free_port()
-    out_path = tmp_path / f"rotel-{protocol.replace('/', '-')}.out"
-    with open(out_path, "w") as out:
-        agent_proc = subprocess.Popen(
-            [agent, "start", "--otlp-grpc-endpoint", f"127.0.0.1:{grpc_port}",
-             "--otlp-http-endpoint", f"127.0.0.1:{http_port}", "--exporter", "blackhole",
-             "--debug-log", "traces", "--debug-log", "metrics", "--debug-log", "logs",
-             "--debug-log-verbosity", "detailed", "--pid-file", str(tmp_path / "rotel.pid"),
-             "--log-file", str(tmp_path / "rotel.log")],
-            stdout=out, stderr=subprocess.STDOUT,
-        )
-        try:
-            wait_for_port(grpc_port, agent_proc)
-            wait_for_port(http_port, agent_proc)
-            port = grpc_port if protocol == "grpc" else http_port
-            env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
-            env.update({
-                "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
-                "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
-                "OTEL_EXPORTER_OTLP_INSECURE": "true",
-                "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE": temporality,
-                "OTEL_METRIC_EXPORT_INTERVAL": "600000",  # one export, at shutdown
-                "OTEL_SERVICE_NAME": "otel-swa-e2e",
-                "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment.name=test",
-                "OTEL_SWA_TP_RANK": "1",
-            })
-            run = subprocess.run([sys.executable, "-m", "otel_swa.cli", "replay", *REPLAY_ARGS, "--exporter", "otlp,logline"],
-                                 env=env, capture_output=True, text=True, timeout=120)
-            assert run.returncode == 0, run.stderr
-            time.sleep(0.5)  # let the collector print what it received
-        finally:
-            agent_proc.terminate()
-            agent_proc.wait(timeout=10)
-    return run, parse_debug_output(out_path.read_text())
+    with RotelCollector(agent, tmp_path, name=protocol.replace("/", "-")) as collector:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update({
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint(protocol),
+            "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE": temporality,
+            "OTEL_METRIC_EXPORT_INTERVAL": "600000",  # one export, at shutdown
+            "OTEL_SERVICE_NAME": "otel-swa-e2e",
+            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment.name=test",
+            "OTEL_SWA_TP_RANK": "1",
+        })
+        run = subprocess.run([sys.executable, "-m", "otel_swa.cli", "replay", *REPLAY_ARGS, "--exporter", "otlp,logline"],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr
+    return run, collector.seen()
 
 
 @pytest.mark.parametrize("protocol, temporality", [("grpc", "cumulative"), ("http/protobuf", "delta")])
