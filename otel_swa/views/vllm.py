@@ -1,22 +1,37 @@
 """vLLM adapter: the SWA KV cache of vLLM's v1 engine, mapped onto what otel-swa reports.
 
 vLLM keeps no FULL-to-SWA slot mapping. Each KV cache group has its own block table; the sliding
-window group's ``SlidingWindowManager`` (``vllm/v1/core/single_type_kv_cache_manager.py``) frees
-the blocks that left the window to the shared ``BlockPool`` and puts the pool's null block
-(``BlockPool.null_block``, block id 0, ``is_null``) in their place; a request skips
-``get_num_skipped_tokens(n) = max(0, n - sliding_window + 1)`` tokens, in whole blocks.
+window group's ``SlidingWindowManager`` (``vllm/v1/core/single_type_kv_cache_manager.py``) keeps
+it in ``req_to_blocks`` (request id -> list of ``KVCacheBlock``), frees the blocks that left the
+window to the shared ``BlockPool`` and puts the pool's null block (``BlockPool.null_block``: one
+shared object, ``block_id`` 0, ``is_null`` True) in their place.
 
-What maps, per live request of ``n`` tokens in the SWA group's block table:
+What maps, per live request of ``n`` tokens (``Request.num_computed_tokens``), over the first
+``ceil(n / block_size)`` entries of its SWA block table:
 
-* ``swa_out_of_window_tokens``: null-block entries among its first ``ceil(n / block_size)`` blocks
-  times ``block_size``, clipped to ``n``;
-* SWA entries read: ``n - out_of_window``; FULL entries read: ``n`` (give these to ``observe``);
+* ``swa_out_of_window_tokens``: the tokens whose block is the null block (the last entry counts
+  only the tokens below ``n``);
+* SWA entries: ``n - out_of_window``, the tokens held in real SWA blocks; FULL entries: ``n``
+  (what :func:`observe_counts` gives the reporter's ``observe``);
 * ``swa_full_idx_divergence``: not applicable. There is no second index to diverge from.
-  :class:`WindowCounts` carries ``None``. Through the reporter (:func:`batch_view`) the field is
-  0 by construction, because SGLang's line holds integers only; the view sets
-  ``divergence_applicable=False``, so each record says so and the telemetry emits no
-  ``kv_cache.swa.tokens.divergent`` data point (the event carries
-  ``kv_cache.swa.divergence_applicable=false``) rather than a misleading 0.
+  :class:`WindowCounts` carries ``None``. Through the reporter the field is 0 by construction,
+  because SGLang's line holds integers only; the views set ``divergence_applicable=False``, so
+  each record says so and the telemetry emits no ``kv_cache.swa.tokens.divergent`` data point
+  (the event carries ``kv_cache.swa.divergence_applicable=false``) rather than a misleading 0.
+
+Every count here is read from the block table itself, never from vLLM's formula
+(:func:`num_skipped_tokens`). In vLLM 0.33 the two differ: blocks are freed on the tokens already
+processed (``num_computed_tokens - num_in_flight_tokens`` at the last ``allocate_slots``), so the
+null entries lag the formula by the tokens in flight, and a prefix-cache hit puts null entries
+at the head of a new request's table at admission, before it computes anything.
+
+Two ways in:
+
+* from the manager (what the ``swa_vllm`` instrumentor uses): :func:`read_window_table` reads
+  the tables of a batch once, in host Python, and gives both the counts and the reporter's view
+  (:meth:`WindowTable.view`), so a sampling step reads no block twice;
+* from a block-id tensor (a table a caller already holds, e.g. a worker's):
+  :func:`block_table_from_manager`, :func:`window_counts` and :func:`batch_view`.
 
 Nothing here imports vLLM.
 """
@@ -24,6 +39,7 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 import functools
+import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -35,42 +51,54 @@ __all__ = [
     "NULL_BLOCK_ID",
     "SUPPORTED_VLLM",
     "WindowCounts",
+    "WindowTable",
     "num_skipped_tokens",
+    "read_window_table",
     "block_table_from_manager",
     "window_counts",
     "batch_view",
-    "slot_mapping",
+    "block_mapping",
     "observe_counts",
 ]
 
 #: The null block's id in vLLM's ``BlockPool`` (the pool reserves block 0 for it).
 NULL_BLOCK_ID = 0
 
-#: vLLM versions whose v1 KV cache manager has the structures read here (pip specifier; read
-#: against the 0.33.0 wheel's source: ``req_to_blocks``, ``BlockPool.null_block``, ``get_num_skipped_tokens``).
-SUPPORTED_VLLM = "vllm >= 0.10, < 0.34"
+#: The vLLM versions whose v1 KV cache manager has the structures read here (pip specifier). The
+#: lower bound is the version this adapter was run against (0.33.0's real ``KVCacheManager`` and
+#: ``Scheduler``); older versions were not tested.
+SUPPORTED_VLLM = "vllm >= 0.33.0, < 0.34"
+
+_BLOCK_ID = operator.attrgetter("block_id")
 
 
-def num_skipped_tokens(num_computed_tokens: int, sliding_window: int) -> int:
-    """vLLM's ``SlidingWindowManager.get_num_skipped_tokens``: ``max(0, n - window + 1)``.
+def num_skipped_tokens(num_computed_tokens: int, sliding_window: int, extra_retained_tokens: int = 0) -> int:
+    """vLLM 0.33's ``SlidingWindowManager.get_num_skipped_tokens``: the tokens before the window.
+
+    ``max(0, num_computed_tokens - sliding_window + 1 - extra_retained_tokens)``, where
+    ``extra_retained_tokens`` is the ``SlidingWindowSpec`` field (trailing tokens kept below the
+    window for multi-module speculative decoding; 0 otherwise). This is the formula vLLM frees by,
+    not a count of the table: the table's null entries lag it (see the module docstring).
 
     Raises:
-        ValueError: ``sliding_window`` below 1 or a negative token count.
+        ValueError: ``sliding_window`` below 1, or a negative token count.
     """
     if sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     if num_computed_tokens < 0:
         raise ValueError(f"num_computed_tokens must be >= 0, got {num_computed_tokens}")
-    return max(0, num_computed_tokens - sliding_window + 1)
+    if extra_retained_tokens < 0:
+        raise ValueError(f"extra_retained_tokens must be >= 0, got {extra_retained_tokens}")
+    return max(0, num_computed_tokens - sliding_window + 1 - extra_retained_tokens)
 
 
 @dataclass(frozen=True)
 class WindowCounts:
-    """One batch's sliding-window counts in vLLM terms (host ints).
+    """One batch's sliding-window counts in vLLM terms (host ints, tokens).
 
     Attributes:
-        live_tokens: sum of the requests' token counts (FULL entries read).
-        swa_entries: tokens whose SWA block is a real block (SWA entries read).
+        live_tokens: sum of the requests' token counts (FULL entries).
+        swa_entries: tokens whose SWA block is a real block (SWA entries).
         swa_out_of_window_tokens: tokens whose SWA block is the null block.
         swa_full_idx_divergence: always ``None``: not applicable to vLLM.
     """
@@ -81,35 +109,197 @@ class WindowCounts:
     swa_full_idx_divergence: None = None
 
 
+def _req_to_blocks(manager: Any) -> Any:
+    try:
+        return manager.req_to_blocks
+    except AttributeError:
+        raise TypeError(
+            f"{type(manager).__name__} has no req_to_blocks; expected vLLM's SlidingWindowManager ({SUPPORTED_VLLM})"
+        ) from None
+
+
+def _block_size(manager: Any) -> int:
+    size = getattr(manager, "block_size", None)
+    if type(size) is not int or size < 1:
+        raise TypeError(f"{type(manager).__name__}.block_size must be an int >= 1, got {size!r}")
+    return size
+
+
+def _null_entries(blocks: Sequence[Any], stop: int) -> tuple[int, list[int]]:
+    """``(head, others)`` for ``blocks[:stop]``: the length of the leading run of null entries and
+    the indices of every other null entry. Each of the ``stop`` entries is checked.
+
+    vLLM's null entries form one run at the head of the table, all the same object: the run's end
+    is found by bisection on ``is_null`` and confirmed by an identity count over the run (a C-speed
+    scan); the entries after it are read one by one (``is_null``). A head that fails the
+    confirmation is read entry by entry too.
+    """
+    head = 0
+    if stop and blocks[0].is_null:
+        lo, hi = 1, stop
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if blocks[mid].is_null:
+                lo = mid + 1
+            else:
+                hi = mid
+        if blocks[:lo].count(blocks[0]) == lo:
+            head = lo
+    flags = [block.is_null for block in blocks[head:stop]]
+    if True not in flags:
+        return head, []
+    return head, [head + i for i, null in enumerate(flags) if null]
+
+
+@dataclass(frozen=True)
+class WindowTable:
+    """One read of the SWA block tables of a batch (see :func:`read_window_table`). Host values.
+
+    Attributes:
+        request_ids: the batch's requests, in order.
+        num_tokens: live tokens per request.
+        block_size: tokens per block of the SWA group.
+        null_heads: per request, the length of the leading run of null entries among the blocks
+            covering its tokens (``ceil(n / block_size)`` entries).
+        other_nulls: ``(request index, block index)`` of every null entry among those blocks
+            outside the leading run (none in vLLM 0.33's own tables).
+        counts: the batch's :class:`WindowCounts`.
+    """
+
+    request_ids: tuple[str, ...]
+    num_tokens: tuple[int, ...]
+    block_size: int
+    null_heads: tuple[int, ...]
+    other_nulls: tuple[tuple[int, int], ...]
+    counts: WindowCounts
+
+    def view(self, device: "str | torch.device" = "cpu") -> SwaBatch:
+        """The reporter's view (:class:`otel_swa.views.SwaBatch`) of this read, on ``device``.
+
+        Built from what was read, with no second pass over the blocks: ``req_to_token`` is
+        ``int64 [batch, max_blocks * block_size]``, 1 for a token whose block is real and 0 for a
+        token whose block is the null block, and ``full_to_swa_index_mapping`` is ``int64 [0, 1]``,
+        so the reporter counts the null-block tokens as out of window and divergence as 0, marked
+        not applicable (``divergence_applicable=False``). The table is as wide as the longest
+        request, so the reporter's dense masked gather over it is the cheaper one unless the
+        lengths are skewed: ``seq_lens_cpu`` (the live-token gather) is given only when the table
+        has more than twice as many cells as live tokens. Allocates ``batch x max_blocks x
+        block_size`` int64 on ``device``; no host sync.
+        """
+        device = torch.device(device)
+        batch = len(self.num_tokens)
+        bs = self.block_size
+        width = max((-(-n // bs) for n in self.num_tokens), default=0)
+        columns = torch.arange(max(width, 1), device=device)
+        heads = torch.tensor(self.null_heads, dtype=torch.int64).to(device)
+        held = (columns.unsqueeze(0) >= heads.unsqueeze(1)).to(torch.int64)
+        if self.other_nulls:
+            rows, cols = zip(*self.other_nulls)
+            held[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] = 0
+        return SwaBatch(
+            req_to_token=held.repeat_interleave(bs, dim=1),
+            full_to_swa_index_mapping=_held_mapping(device),
+            req_pool_indices=torch.arange(batch, dtype=torch.int64, device=device),
+            seq_lens=torch.tensor(self.num_tokens, dtype=torch.int64).to(device),
+            seq_lens_cpu=self.num_tokens if batch * width * bs > 2 * self.counts.live_tokens else None,
+            divergence_applicable=False,
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _held_mapping(device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, 1], dtype=torch.int64, device=device)
+
+
+def read_window_table(manager: Any, request_ids: Sequence[str], num_tokens: Sequence[int]) -> WindowTable:
+    """Read the SWA block tables of a batch from vLLM's ``SlidingWindowManager``.
+
+    Reads ``manager.req_to_blocks[request_id]`` (without inserting: it is a ``defaultdict``) and
+    ``manager.block_size``; for each request, the first ``ceil(n / block_size)`` entries, every one
+    checked (see :class:`WindowTable`). Host Python only, no torch work; the cost per request is
+    a bisection and a C-speed scan of its null run, plus one attribute read per block after it
+    (the blocks inside the window and those the table has not freed yet).
+
+    Args:
+        manager: the sliding-window group's ``SlidingWindowManager``
+            (``KVCacheManager.coordinator.single_type_managers``).
+        request_ids: the batch's request ids.
+        num_tokens: live tokens per request (``Request.num_computed_tokens``), same length.
+
+    Raises:
+        TypeError: ``manager`` lacks ``req_to_blocks`` or an int ``block_size``.
+        KeyError: a request the manager holds no blocks for.
+        ValueError: lengths differ, a negative token count, or a table shorter than its tokens.
+    """
+    req_to_blocks = _req_to_blocks(manager)
+    bs = _block_size(manager)
+    ids = tuple(request_ids)
+    lens = tuple(int(n) for n in num_tokens)
+    if len(ids) != len(lens):
+        raise ValueError(f"{len(ids)} request ids but {len(lens)} token counts; they must describe one batch")
+    heads: list[int] = []
+    others: list[tuple[int, int]] = []
+    out_of_window = 0
+    for row, (request_id, n) in enumerate(zip(ids, lens)):
+        blocks = req_to_blocks.get(request_id)
+        if blocks is None:
+            raise KeyError(f"request {request_id!r} holds no blocks in the sliding-window manager")
+        if n < 0:
+            raise ValueError(f"request {request_id!r} has a negative token count {n}")
+        stop = -(-n // bs)
+        if stop > len(blocks):
+            raise ValueError(
+                f"request {request_id!r} has {n} tokens but its SWA block table holds {len(blocks)} "
+                f"blocks of {bs} tokens"
+            )
+        head, rest = _null_entries(blocks, stop)
+        heads.append(head)
+        nulls = head
+        if rest:
+            others.extend((row, j) for j in rest)
+            nulls += len(rest)
+        if nulls:
+            out_of_window += nulls * bs
+            if blocks[stop - 1].is_null:  # the last block holds only n - (stop - 1) * bs live tokens
+                out_of_window -= stop * bs - n
+    live = sum(lens)
+    return WindowTable(
+        request_ids=ids,
+        num_tokens=lens,
+        block_size=bs,
+        null_heads=tuple(heads),
+        other_nulls=tuple(others),
+        counts=WindowCounts(live_tokens=live, swa_entries=live - out_of_window, swa_out_of_window_tokens=out_of_window),
+    )
+
+
 def block_table_from_manager(
     manager: Any, request_ids: Sequence[str], *, device: "str | torch.device" = "cpu"
 ) -> torch.Tensor:
     """The SWA group's block table of ``request_ids``, read from a ``SlidingWindowManager``.
 
-    Reads ``manager.req_to_blocks[request_id]`` (a list of ``KVCacheBlock``; ``block_id`` each).
+    Reads ``manager.req_to_blocks[request_id]`` (a list of ``KVCacheBlock``; ``block_id`` each),
+    without inserting into it.
 
     Returns:
-        ``int32 [len(request_ids), max_blocks]`` on ``device``, padded with the null block id.
+        ``int32 [len(request_ids), max_blocks]`` on ``device`` (``max_blocks`` at least 1), padded
+        with the null block id.
 
     Raises:
         TypeError: ``manager`` has no ``req_to_blocks``.
         KeyError: a request id the manager does not hold.
     """
-    try:
-        req_to_blocks = manager.req_to_blocks
-    except AttributeError:
-        raise TypeError(
-            f"{type(manager).__name__} has no req_to_blocks; expected vLLM's SlidingWindowManager ({SUPPORTED_VLLM})"
-        ) from None
+    req_to_blocks = _req_to_blocks(manager)
     rows = []
     for request_id in request_ids:
-        if request_id not in req_to_blocks:
+        blocks = req_to_blocks.get(request_id)
+        if blocks is None:
             raise KeyError(f"request {request_id!r} holds no blocks in the sliding-window manager")
-        rows.append([int(block.block_id) for block in req_to_blocks[request_id]])
-    width = max((len(r) for r in rows), default=0)
-    table = torch.full((len(rows), max(width, 1)), NULL_BLOCK_ID, dtype=torch.int32)
-    for i, row in enumerate(rows):
-        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        rows.append(list(map(_BLOCK_ID, blocks)))
+    width = max(1, max((len(r) for r in rows), default=0))
+    for row in rows:
+        row.extend([NULL_BLOCK_ID] * (width - len(row)))
+    table = torch.tensor(rows, dtype=torch.int32) if rows else torch.zeros((0, width), dtype=torch.int32)
     return table.to(device)
 
 
@@ -124,16 +314,6 @@ def _check(block_table: torch.Tensor, num_tokens: torch.Tensor, block_size: int)
         )
 
 
-def _null_token_mask(block_table: torch.Tensor, num_tokens: torch.Tensor, block_size: int, null_block_id: int):
-    """``bool [batch, max_blocks * block_size]``: live positions whose block is the null block, and
-    the live-position mask."""
-    width = block_table.shape[1] * block_size
-    positions = torch.arange(width, device=block_table.device)
-    live = positions.unsqueeze(0) < num_tokens.long().unsqueeze(1)
-    null = (block_table == null_block_id).repeat_interleave(block_size, dim=1)
-    return null & live, live
-
-
 def window_counts(
     block_table: torch.Tensor,
     num_tokens: torch.Tensor,
@@ -141,9 +321,10 @@ def window_counts(
     *,
     null_block_id: int = NULL_BLOCK_ID,
 ) -> WindowCounts:
-    """Out-of-window and read-entry counts of a batch from the SWA group's block table.
+    """Out-of-window and read-entry counts of a batch from the SWA group's block-id table.
 
-    Runs on the tensors' device and synchronises once to return host ints.
+    Runs on the tensors' device, block by block (``[batch, max_blocks]`` work), and synchronises
+    once to return host ints.
 
     Args:
         block_table: ``int32``/``int64 [batch, max_blocks]``: the SWA group's block ids per request.
@@ -161,8 +342,11 @@ def window_counts(
             f"a request has {int(num_tokens.max())} tokens but the block table covers "
             f"{block_table.shape[1]} blocks x {block_size} tokens"
         )
-    null, live = _null_token_mask(block_table, num_tokens, block_size, null_block_id)
-    live_tokens, out_of_window = torch.stack([live.sum(), null.sum()]).tolist()
+    starts = torch.arange(block_table.shape[1], device=block_table.device) * block_size
+    # Live tokens of each block: block_size below n, the remainder in the last one, 0 after it.
+    live = (num_tokens.long().unsqueeze(1) - starts).clamp(0, block_size)
+    null = (block_table == null_block_id).long()
+    live_tokens, out_of_window = torch.stack([live.sum(), (live * null).sum()]).tolist()
     return WindowCounts(
         live_tokens=live_tokens,
         swa_entries=live_tokens - out_of_window,
@@ -171,31 +355,28 @@ def window_counts(
 
 
 @functools.lru_cache(maxsize=8)
-def _cached_slot_mapping(num_blocks: int, block_size: int, null_block_id: int, device: torch.device) -> torch.Tensor:
-    mapping = torch.arange(num_blocks * block_size + 1, dtype=torch.int64, device=device)
-    null_start = null_block_id * block_size + 1
-    mapping[0] = 0
-    mapping[null_start : null_start + block_size] = 0
+def _cached_block_mapping(num_blocks: int, null_block_id: int, device: torch.device) -> torch.Tensor:
+    mapping = torch.arange(num_blocks + 1, dtype=torch.int64, device=device)
+    mapping[null_block_id + 1] = 0
     return mapping
 
 
-def slot_mapping(num_blocks: int, block_size: int, null_block_id: int, device: "torch.device | str") -> torch.Tensor:
-    """The view's FULL-to-SWA mapping of a vLLM SWA group (see :func:`batch_view`).
+def block_mapping(num_blocks: int, null_block_id: int, device: "torch.device | str") -> torch.Tensor:
+    """The FULL-to-SWA mapping of :func:`batch_view`'s view of a vLLM SWA group.
 
-    ``int64 [num_blocks * block_size + 1]`` on ``device``: view slot ``s`` (token slot ``s - 1``)
-    maps to itself, except slot 0 and the null block's ``block_size`` slots, which map to 0. Built
-    once per ``(num_blocks, block_size, null_block_id, device)`` (the last 8 kept) and shared: the
-    reporter only reads it, and nobody may write to it.
+    ``int64 [num_blocks + 1]`` on ``device``: view slot ``b + 1`` (block ``b``) maps to itself,
+    except the null block's, which maps to 0; slot 0 is the reserved "none" and maps to 0. Built
+    once per ``(num_blocks, null_block_id, device)`` (the last 8 kept) and shared: the reporter
+    only reads it, and nobody may write to it.
 
     Raises:
-        ValueError: ``num_blocks`` or ``block_size`` below 1, or ``null_block_id`` outside
-            ``[0, num_blocks)``.
+        ValueError: ``num_blocks`` below 1, or ``null_block_id`` outside ``[0, num_blocks)``.
     """
-    if num_blocks < 1 or block_size < 1:
-        raise ValueError(f"num_blocks and block_size must be >= 1, got {num_blocks} and {block_size}")
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
     if not 0 <= null_block_id < num_blocks:
         raise ValueError(f"null_block_id {null_block_id} is outside [0, num_blocks={num_blocks})")
-    return _cached_slot_mapping(int(num_blocks), int(block_size), int(null_block_id), torch.device(device))
+    return _cached_block_mapping(int(num_blocks), int(null_block_id), torch.device(device))
 
 
 def batch_view(
@@ -207,14 +388,15 @@ def batch_view(
     null_block_id: int = NULL_BLOCK_ID,
     num_tokens_cpu: "torch.Tensor | Sequence[int] | None" = None,
 ) -> SwaBatch:
-    """A reporter view (:class:`otel_swa.views.SwaBatch`) of a vLLM batch.
+    """A reporter view (:class:`otel_swa.views.SwaBatch`) of a vLLM batch, from a block-id table.
 
-    vLLM has no FULL-to-SWA mapping, so the view builds one that states only what exists: token
-    slot ``block_id * block_size + offset`` of the SWA block table, mapped to itself for a real
-    block and to 0 for the null block. The reporter then counts null-block tokens as out of window
-    and divergence as 0, marked not applicable (``divergence_applicable=False``; see the module
+    vLLM has no FULL-to-SWA mapping, so the view states only what exists: every token of block
+    ``b`` gets view slot ``b + 1``, which :func:`block_mapping` maps to itself for a real block and
+    to 0 for the null block. The reporter then counts null-block tokens as out of window and
+    divergence as 0, marked not applicable (``divergence_applicable=False``; see the module
     docstring). Build it at sampling steps only: it allocates ``[batch, max_blocks * block_size]``
-    on the device (no host sync); the mapping itself is built once and shared (:func:`slot_mapping`).
+    in the table's dtype on the device (no host sync); the mapping is built once and shared.
+    Reading the manager? :meth:`WindowTable.view` skips the block-id table altogether.
 
     Args:
         block_table, num_tokens, block_size, null_block_id: see :func:`window_counts`.
@@ -227,19 +409,12 @@ def batch_view(
             ``null_block_id`` outside ``[0, num_blocks)``.
     """
     _check(block_table, num_tokens, block_size)
-    if num_blocks < 1:
-        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    device = block_table.device
-    batch, max_blocks = block_table.shape
-    offsets = torch.arange(block_size, device=device)
-    slots = (block_table.long().unsqueeze(2) * block_size + offsets).reshape(batch, max_blocks * block_size)
-    # Slot 0 is never a real token in the view: shift by one so that the null block's slots and
-    # the reserved "none" slot 0 stay apart.
-    req_to_token = slots + 1
+    mapping = block_mapping(num_blocks, null_block_id, block_table.device)
+    batch = block_table.shape[0]
     return SwaBatch(
-        req_to_token=req_to_token,
-        full_to_swa_index_mapping=slot_mapping(num_blocks, block_size, null_block_id, device),
-        req_pool_indices=torch.arange(batch, dtype=torch.int64, device=device),
+        req_to_token=(block_table + 1).repeat_interleave(block_size, dim=1),
+        full_to_swa_index_mapping=mapping,
+        req_pool_indices=torch.arange(batch, dtype=torch.int64, device=block_table.device),
         seq_lens=num_tokens,
         seq_lens_cpu=num_tokens_cpu,
         divergence_applicable=False,
@@ -247,7 +422,6 @@ def batch_view(
 
 
 def observe_counts(reporter: Any, counts: WindowCounts) -> None:
-    """Add a batch's read entries to ``reporter``: ``live_tokens`` to FULL, ``swa_entries`` to SWA."""
+    """Add a batch's entries to ``reporter``: ``live_tokens`` to FULL, ``swa_entries`` to SWA."""
     reporter.observe("full", counts.live_tokens)
     reporter.observe("swa", counts.swa_entries)
-

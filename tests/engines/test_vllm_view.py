@@ -1,17 +1,21 @@
-"""The vLLM adapter against a stand-in of vLLM's v1 sliding-window structures.
+"""The vLLM adapter's arithmetic on block tables built by hand, without vLLM.
 
-The stand-in follows vLLM's documented behaviour (``vllm/v1/core/block_pool.py``,
-``single_type_kv_cache_manager.py``): a ``BlockPool`` whose first block is the null block (id 0),
-a ``SlidingWindowManager`` with ``req_to_blocks`` that, after each step, replaces the blocks of the
-first ``max(0, n - window + 1) // block_size`` whole blocks by the null block and frees them.
-Expected values are plain recounts over those block lists.
+vLLM's real ``KVCacheManager`` and ``Scheduler`` drive the adapter in ``test_vllm_real.py``
+(marker ``vllm``). This file covers what those runs cannot show: tables vLLM 0.33 never builds
+(null entries outside the leading run, a second object flagged ``is_null``), malformed input, and
+the tensor path from a block-id table, on every machine.
+
+The blocks are plain objects with vLLM's two attributes (``block_id``, ``is_null``; the null block
+is one shared object with id 0), in a ``SlidingWindowManager``-shaped holder (``req_to_blocks``,
+a ``defaultdict`` as in vLLM, and ``block_size``). Expected values are recounts by plain loops
+over the token positions.
 """
 
 from __future__ import annotations
 
 import random
-from collections import deque
-from dataclasses import dataclass
+from collections import defaultdict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,59 +24,115 @@ from otel_swa.reporter import SwaDivergenceReporter
 from otel_swa.views import vllm
 
 
-@dataclass(eq=False)
 class Block:
-    block_id: int
-    is_null: bool = False
+    __slots__ = ("block_id", "is_null")
+
+    def __init__(self, block_id: int, is_null: bool = False) -> None:
+        self.block_id, self.is_null = block_id, is_null
 
 
-class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
-        self.num_blocks = num_blocks
-        self.free = deque(Block(i) for i in range(num_blocks))
-        self.null_block = self.free.popleft()
-        self.null_block.is_null = True
-
-    def get_new_blocks(self, n: int) -> list[Block]:
-        return [self.free.popleft() for _ in range(n)]
-
-    def free_blocks(self, blocks) -> None:
-        self.free.extend(blocks)
+NULL = Block(0, True)
 
 
-class SlidingWindowManager:
-    def __init__(self, pool: BlockPool, block_size: int, window: int) -> None:
-        self.pool, self.block_size, self.window = pool, block_size, window
-        self.req_to_blocks: dict[str, list[Block]] = {}
-
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
-        blocks = self.req_to_blocks.setdefault(request_id, [])
-        need = -(-num_tokens // self.block_size) - len(blocks)
-        if need > len(self.pool.free):
-            return False
-        blocks.extend(self.pool.get_new_blocks(max(0, need)))
-        return True
-
-    def remove_skipped_blocks(self, request_id: str, num_computed_tokens: int) -> None:
-        skipped = vllm.num_skipped_tokens(num_computed_tokens, self.window) // self.block_size
-        blocks = self.req_to_blocks[request_id]
-        for i in range(min(skipped, len(blocks)) - 1, -1, -1):
-            if blocks[i] is self.pool.null_block:
-                break
-            self.pool.free_blocks([blocks[i]])
-            blocks[i] = self.pool.null_block
-
-    def free(self, request_id: str) -> None:
-        self.pool.free_blocks(b for b in reversed(self.req_to_blocks.pop(request_id)) if not b.is_null)
+def manager(block_size: int, tables: dict) -> SimpleNamespace:
+    return SimpleNamespace(block_size=block_size, req_to_blocks=defaultdict(list, tables))
 
 
-def test_num_skipped_tokens_is_vllms_rule():
+def recount(req_to_blocks, request_ids, num_tokens, block_size) -> tuple[int, int, int]:
+    """(live tokens, tokens in real blocks, tokens in null blocks), position by position."""
+    live = held = out = 0
+    for rid, n in zip(request_ids, num_tokens):
+        for position in range(n):
+            live += 1
+            if req_to_blocks[rid][position // block_size].is_null:
+                out += 1
+            else:
+                held += 1
+    return live, held, out
+
+
+def sample(view) -> "object":
+    records = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: records.append(r)])
+    reporter.step(view)
+    reporter.close()
+    return records[0]
+
+
+def test_num_skipped_tokens_is_vllm_0_33s_rule():
+    # max(0, n - window + 1 - extra_retained_tokens), window 4
     assert [vllm.num_skipped_tokens(n, 4) for n in (0, 3, 4, 7, 10)] == [0, 0, 1, 4, 7]
-    with pytest.raises(ValueError, match="sliding_window"):
+    assert [vllm.num_skipped_tokens(n, 4, extra_retained_tokens=2) for n in (0, 3, 4, 7, 10)] == [0, 0, 0, 2, 5]
+    with pytest.raises(ValueError, match="sliding_window must be >= 1, got 0"):
         vllm.num_skipped_tokens(5, 0)
+    with pytest.raises(ValueError, match="num_computed_tokens must be >= 0, got -1"):
+        vllm.num_skipped_tokens(-1, 4)
+    with pytest.raises(ValueError, match="extra_retained_tokens must be >= 0, got -2"):
+        vllm.num_skipped_tokens(5, 4, extra_retained_tokens=-2)
 
 
-def test_window_counts_on_a_hand_built_table():
+def test_read_window_table_on_hand_built_tables():
+    # block_size 4. a: 14 tokens in [null, null, 3, 4] -> 8 out, 6 held.
+    # b: 9 tokens in [5, null, 6] (a null outside the leading run) -> 4 out, 5 held.
+    # c: 3 tokens in [null] (the null block holds only 3 live tokens) -> 3 out.
+    # d: 6 tokens in [null, 8, other-null, 9]: another object flagged is_null, beyond the tokens.
+    other_null = Block(0, True)
+    tables = {"a": [NULL, NULL, Block(3), Block(4)], "b": [Block(5), NULL, Block(6)], "c": [NULL],
+              "d": [NULL, Block(8), other_null, Block(9)]}
+    holder = manager(4, tables)
+    ids, lens = ["a", "b", "c", "d"], [14, 9, 3, 6]
+    table = vllm.read_window_table(holder, ids, lens)
+    live, held, out = recount(tables, ids, lens, 4)
+    assert (live, held, out) == (32, 13, 19)
+    assert table.counts == vllm.WindowCounts(live_tokens=live, swa_entries=held, swa_out_of_window_tokens=out)
+    assert table.counts.swa_full_idx_divergence is None
+    assert table.null_heads == (2, 0, 1, 1) and table.other_nulls == ((1, 1),)
+    record = sample(table.view())
+    assert (record.swa_out_of_window_tokens, record.swa_full_idx_divergence) == (out, 0)
+    assert record.divergence_applicable is False
+    assert set(holder.req_to_blocks) == set(ids)  # read without inserting into the defaultdict
+
+
+def test_a_head_of_distinct_null_objects_is_read_entry_by_entry():
+    first, second = Block(0, True), Block(0, True)
+    tables = {"r": [first, second, first, Block(7)]}
+    table = vllm.read_window_table(manager(2, tables), ["r"], [8])
+    assert table.counts.swa_out_of_window_tokens == recount(tables, ["r"], [8], 2)[2] == 6
+    assert sample(table.view()).swa_out_of_window_tokens == 6
+
+
+def test_read_window_table_rejects_what_it_cannot_read():
+    holder = manager(4, {"a": [NULL, Block(2)]})
+    with pytest.raises(KeyError, match="'zz' holds no blocks"):
+        vllm.read_window_table(holder, ["zz"], [1])
+    assert "zz" not in holder.req_to_blocks
+    with pytest.raises(ValueError, match="request 'a' has 9 tokens but its SWA block table holds 2 blocks of 4"):
+        vllm.read_window_table(holder, ["a"], [9])
+    with pytest.raises(ValueError, match="1 request ids but 2 token counts"):
+        vllm.read_window_table(holder, ["a"], [1, 2])
+    with pytest.raises(ValueError, match="negative token count -1"):
+        vllm.read_window_table(holder, ["a"], [-1])
+    with pytest.raises(TypeError, match="has no req_to_blocks"):
+        vllm.read_window_table(object(), ["a"], [1])
+    with pytest.raises(TypeError, match=r"block_size must be an int >= 1, got 0"):
+        vllm.read_window_table(SimpleNamespace(req_to_blocks={}, block_size=0), [], [])
+
+
+def test_the_view_gathers_live_tokens_only_for_a_skewed_batch():
+    tables = {"long": [NULL] * 30 + [Block(40), Block(41)], "short": [Block(50)], "other": [NULL]}
+    holder = manager(4, tables)
+    ids = ["long", "short", "other"]
+    uniform = vllm.read_window_table(holder, ["long"], [126]).view()
+    skewed = vllm.read_window_table(holder, ids, [126, 2, 3]).view()
+    assert uniform.seq_lens_cpu is None  # a table as wide as its one request: the dense gather
+    assert skewed.seq_lens_cpu == (126, 2, 3)  # 3 x 128 cells for 131 live tokens: the live gather
+    assert sample(uniform).swa_out_of_window_tokens == 120
+    assert sample(skewed).swa_out_of_window_tokens == recount(tables, ids, [126, 2, 3], 4)[2] == 123
+    empty = vllm.read_window_table(holder, [], [])
+    assert empty.counts == vllm.WindowCounts(0, 0, 0) and sample(empty.view()).swa_out_of_window_tokens == 0
+
+
+def test_window_counts_on_a_hand_built_block_id_table():
     # block_size 4: request 0 has 10 tokens in [null, null, 7]: 8 out of window, 2 in;
     # request 1 has 5 tokens in [3, 9]: none out; request 2 has 3 tokens in [null] : 3 (clipped).
     table = torch.tensor([[0, 0, 7], [3, 9, 0], [0, 0, 0]], dtype=torch.int32)
@@ -82,86 +142,86 @@ def test_window_counts_on_a_hand_built_table():
 
 
 def test_window_counts_rejects_bad_shapes():
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
         vllm.window_counts(torch.zeros((1, 2), dtype=torch.int32), torch.tensor([1]), 0)
-    with pytest.raises(ValueError, match="num_tokens"):
+    with pytest.raises(ValueError, match=r"num_tokens must be \[batch\] with batch=2, got shape \(1,\)"):
         vllm.window_counts(torch.zeros((2, 2), dtype=torch.int32), torch.tensor([1]), 4)
-    with pytest.raises(ValueError, match="covers"):
+    with pytest.raises(ValueError, match="has 9 tokens but the block table covers 2 blocks x 4 tokens"):
         vllm.window_counts(torch.zeros((1, 2), dtype=torch.int32), torch.tensor([9]), 4)
 
 
 def test_block_table_from_manager_pads_with_the_null_block():
-    manager = SlidingWindowManager(BlockPool(16), block_size=4, window=6)
-    manager.allocate("a", 10)
-    manager.allocate("b", 3)
-    manager.remove_skipped_blocks("a", 10)  # skips 5 tokens -> 1 whole block
-    table = vllm.block_table_from_manager(manager, ["a", "b"])
-    assert table.tolist() == [[0, 2, 3], [4, 0, 0]]
+    holder = manager(4, {"a": [NULL, Block(2), Block(3)], "b": [Block(4)]})
+    table = vllm.block_table_from_manager(holder, ["a", "b"])
+    assert table.dtype == torch.int32 and table.tolist() == [[0, 2, 3], [4, 0, 0]]
+    assert vllm.block_table_from_manager(holder, []).shape == (0, 1)
     with pytest.raises(KeyError, match="zz"):
-        vllm.block_table_from_manager(manager, ["zz"])
+        vllm.block_table_from_manager(holder, ["zz"])
+    assert "zz" not in holder.req_to_blocks
     with pytest.raises(TypeError, match="req_to_blocks"):
         vllm.block_table_from_manager(object(), ["a"])
 
 
-@pytest.mark.parametrize("block_size", [1, 4])
-def test_reporter_through_the_view_matches_a_recount(block_size):
-    rng = random.Random(block_size)
-    pool = BlockPool(400)
-    manager = SlidingWindowManager(pool, block_size, window=12)
-    lengths: dict[str, int] = {}
-    records, expected = [], {}
-    reporter = SwaDivergenceReporter(interval=3, device="cpu", sinks=[lambda r, c: records.append(r)])
-    for step in range(240):
-        if len(lengths) < 6 and rng.random() < 0.3:
-            rid = f"r{step}"
-            n = rng.randint(1, 30)
-            if manager.allocate(rid, n):
-                lengths[rid] = n
-        for rid in list(lengths):
-            if rng.random() < 0.05 or not manager.allocate(rid, lengths[rid] + 1):
-                manager.free(rid)
-                del lengths[rid]
-                continue
-            lengths[rid] += 1
-            manager.remove_skipped_blocks(rid, lengths[rid])
-        ids = list(lengths)
-        table = vllm.block_table_from_manager(manager, ids)
-        num_tokens = torch.tensor([lengths[r] for r in ids], dtype=torch.int64)
-        # Plain recount: null blocks among the blocks covering n tokens, x block_size, clipped.
-        oow = 0
-        for r in ids:
-            n = lengths[r]
-            nulls = sum(1 for b in manager.req_to_blocks[r][: -(-n // block_size)] if b.is_null)
-            oow += min(nulls * block_size, n)
-        live = sum(lengths.values())
-        counts = vllm.window_counts(table, num_tokens, block_size)
-        assert (counts.live_tokens, counts.swa_out_of_window_tokens, counts.swa_entries) == (live, oow, live - oow)
-        vllm.observe_counts(reporter, counts)
-        expected[step + 1] = oow
-        reporter.step(vllm.batch_view(table, num_tokens, block_size, num_blocks=pool.num_blocks,
-                                      num_tokens_cpu=[lengths[r] for r in ids]))
-    reporter.close()
-    assert len(records) == 80
-    assert {r.forward_ct: r.swa_out_of_window_tokens for r in records} == {k: expected[k] for k in range(3, 241, 3)}
-    assert all(r.swa_full_idx_divergence == 0 for r in records)
-    assert all(r.divergence_applicable is False for r in records)  # telemetry drops the 0
-    assert max(expected.values()) >= 1
-    last = records[-1]
-    assert last.verify_swa < last.verify_full
-
-
-def test_batch_view_mapping_is_built_once_per_pool_shape_with_the_null_block_zeroed():
+def test_block_mapping_is_built_once_per_pool_with_the_null_block_zeroed():
     table = torch.tensor([[1, 0], [2, 3]], dtype=torch.int32)
     tokens = torch.tensor([3, 4])
     first = vllm.batch_view(table, tokens, 2, num_blocks=4)
     second = vllm.batch_view(table[:1], tokens[:1], 2, num_blocks=4)
     assert second.full_to_swa_index_mapping is first.full_to_swa_index_mapping
-    # 4 blocks x 2 slots + the reserved slot 0; the null block 0 holds view slots 1 and 2
-    assert first.full_to_swa_index_mapping.tolist() == [0, 0, 0, 3, 4, 5, 6, 7, 8]
+    # view slot b + 1 for block b; the null block 0 (slot 1) and the reserved slot 0 map to 0
+    assert first.full_to_swa_index_mapping.tolist() == [0, 0, 2, 3, 4]
+    assert first.req_to_token.tolist() == [[2, 2, 1, 1], [3, 3, 4, 4]]
     other = vllm.batch_view(table, tokens, 2, num_blocks=4, null_block_id=2)
-    assert other.full_to_swa_index_mapping.tolist() == [0, 1, 2, 3, 4, 0, 0, 7, 8]
-    assert first.full_to_swa_index_mapping.tolist() == [0, 0, 0, 3, 4, 5, 6, 7, 8]  # untouched
-    bigger = vllm.batch_view(table, tokens, 2, num_blocks=5)
-    assert bigger.full_to_swa_index_mapping.tolist() == [0, 0, 0, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert other.full_to_swa_index_mapping.tolist() == [0, 1, 2, 0, 4]
+    assert first.full_to_swa_index_mapping.tolist() == [0, 0, 2, 3, 4]  # untouched
     with pytest.raises(ValueError, match="null_block_id 4 is outside"):
         vllm.batch_view(table, tokens, 2, num_blocks=4, null_block_id=4)
+    with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
+        vllm.block_mapping(0, 0, "cpu")
+
+
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_both_paths_through_the_reporter_match_a_recount(block_size):
+    """Random tables with null runs of every length, some with stray nulls after the run."""
+    rng = random.Random(block_size)
+    next_id = iter(range(1, 10**6))
+    reporter_records = {"table": [], "tensor": []}
+    reporters = {name: SwaDivergenceReporter(interval=3, sinks=[lambda r, c, name=name: reporter_records[name].append(r)])
+                 for name in reporter_records}
+    expected, totals = {}, [0, 0]
+    for step in range(1, 121):
+        tables, lens = {}, {}
+        for i in range(rng.randint(0, 6)):
+            n = rng.randint(0, 40)
+            blocks = -(-n // block_size) + rng.randint(0, 2)
+            head = rng.randint(0, blocks)
+            row = [NULL] * head + [Block(next(next_id)) for _ in range(blocks - head)]
+            if blocks > head and rng.random() < 0.2:
+                row[rng.randrange(head, blocks)] = NULL
+            tables[f"r{i}"], lens[f"r{i}"] = row, n
+        ids = list(tables)
+        num_tokens = [lens[r] for r in ids]
+        live, held, out = recount(tables, ids, num_tokens, block_size)
+        table = vllm.read_window_table(manager(block_size, tables), ids, num_tokens)
+        assert table.counts == vllm.WindowCounts(live, held, out)
+        ids_table = vllm.block_table_from_manager(manager(block_size, tables), ids)
+        assert vllm.window_counts(ids_table, torch.tensor(num_tokens, dtype=torch.int64), block_size) == table.counts
+        totals[0] += live
+        totals[1] += held
+        if step % 3 == 0:
+            expected[step] = (totals[0], totals[1], 0, out)
+        for name, reporter in reporters.items():
+            vllm.observe_counts(reporter, table.counts)
+        reporters["table"].step(table.view)
+        num_blocks = max((b.block_id for row in tables.values() for b in row), default=0) + 1
+        reporters["tensor"].step(lambda: vllm.batch_view(
+            ids_table, torch.tensor(num_tokens, dtype=torch.int64), block_size, num_blocks=num_blocks,
+            num_tokens_cpu=num_tokens))
+    for reporter in reporters.values():
+        reporter.close()
+    for name, records in reporter_records.items():
+        got = {r.forward_ct: (r.verify_full, r.verify_swa, r.swa_full_idx_divergence, r.swa_out_of_window_tokens)
+               for r in records}
+        assert got == expected, name
+        assert all(r.divergence_applicable is False for r in records)
+    assert max(out for *_, out in expected.values()) >= 1
