@@ -1,35 +1,50 @@
 """OpenTelemetry instrumentation of vLLM's sliding-window-attention (SWA) KV cache (v1 engine).
 
-Supported: vLLM 0.10 up to (not including) 0.34 (``package.py``); the wrapped methods and the
-structures read were taken from vLLM 0.33's source. vLLM does not install on a CPU-only machine
-with CPU torch, so this instrumentation is tested against stand-in classes with the same module
-paths, method signatures and attributes (``tests/engines/test_vllm_instrumentor.py``), not against
-vLLM itself: a test against the real classes is missing.
+Supported: vLLM 0.33 (``package.py``: ``vllm >= 0.33.0, < 0.34``). The wrapped methods and the
+structures read were taken from vLLM 0.33.0's source, and the scheduler side is tested against
+vLLM 0.33.0's real ``Scheduler`` and ``KVCacheManager`` on CPU (``tests/engines/test_vllm_real.py``,
+``.ci/vllm-tests.sh``); the model runners need a GPU, so their wrapping is tested against
+stand-ins with the real methods' signatures (checked against 0.33.0's source). Older versions
+were not tested: the lower bound is the tested version, not a known incompatibility.
 
-Instrumenting wraps two methods:
+Instrumenting wraps three methods:
 
-``vllm.v1.core.sched.scheduler.Scheduler.schedule(self)``
-    Once per engine step, after it returns (the batch is decided and its KV blocks are allocated,
-    ``Request.num_computed_tokens`` already includes the tokens of this step): for the scheduled
-    requests (``SchedulerOutput.num_scheduled_tokens``), each holding ``n`` tokens,
+``vllm.v1.core.sched.scheduler.Scheduler.schedule(self, ...)``
+    Once per engine step, after it returns (the batch is decided, its KV blocks are allocated and
+    the sliding-window blocks it no longer needs are freed; ``Request.num_computed_tokens``
+    already includes the tokens of this step). For the scheduled requests
+    (``SchedulerOutput.num_scheduled_tokens``), each of ``n`` tokens, the SWA group's block tables
+    are read from its ``SlidingWindowManager`` (``KVCacheManager.coordinator.single_type_managers``,
+    the first sliding-window group when there are several) with
+    :func:`otel_swa.views.vllm.read_window_table`, and
 
-    * ``reporter.observe``: FULL ``n``, SWA ``min(n, sliding_window)`` (entries attention reads);
-    * ``reporter.step``: every ``interval`` steps the SWA group's block table is read from the
-      ``SlidingWindowManager`` (``KVCacheManager.coordinator.single_type_managers``,
-      ``req_to_blocks``; the first sliding-window group when there are several) and sampled
-      through :func:`otel_swa.views.vllm.batch_view`: null-block tokens count as out of window.
+    * ``reporter.observe``: FULL ``n``, SWA the tokens held in real (non-null) SWA blocks, both
+      summed over the batch; the same definition the sample uses, so ``verify_swa`` counts what
+      the table holds (between frees a request holds up to a block plus the tokens in flight more
+      than the window);
+    * ``reporter.step``: every ``interval`` steps the same read becomes the sample's view
+      (:meth:`otel_swa.views.vllm.WindowTable.view`): null-block tokens count as out of window.
 
-    A step that schedules no token is not a forward step and is not counted. The reporter runs
-    on the CPU, in the scheduler's process; it touches no GPU memory.
+    A step that schedules no token is not a forward step and is not counted. A step whose tables
+    cannot be read (an error is logged) is counted with an empty batch and observes nothing. The
+    reporter runs on the CPU, in the scheduler's process; it touches no GPU memory.
+``vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model(self, scheduler_output, ...)``
+    Model Runner V2, which vLLM 0.33 builds by default where triton is installed.
 ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.execute_model(self, scheduler_output, ...)``
-    Runs inside the forward-step span ``forward step`` (batch size = scheduled requests). The span
-    lives in the worker; the samples are taken in the scheduler, so their events carry the
-    context current at ``schedule()`` (no forward-step span), unless both run in one call stack.
+    The V1 runner (``VLLM_USE_V2_MODEL_RUNNER=0``, or no triton).
+
+    In both runners ``execute_model`` is the step's forward boundary: it prepares the inputs and
+    runs the model forward (V1 through ``_model_forward``, V2 calling the model or its CUDA graph),
+    then returns, normally ``None``; vLLM samples in a separate call, ``sample_tokens()``, outside
+    the span. Each call that schedules tokens runs inside the forward-step span ``forward step``
+    (batch size = scheduled requests); V2's warm-up and profiling calls (``dummy_run=True``) and
+    steps with no token are not forward steps and get no span. The span lives in the worker; the
+    samples are taken in the scheduler, so their events carry the context current at
+    ``schedule()`` (no forward-step span), unless both run in one call stack.
 
 Divergence is not applicable to vLLM (no FULL-to-SWA mapping, see :mod:`otel_swa.views.vllm`).
-Every sample goes through :func:`otel_swa.views.vllm.batch_view`, whose view sets
-``divergence_applicable=False``; the reporter carries it into each record, so the telemetry
-records no ``kv_cache.swa.tokens.divergent`` point and the event has
+Every sample's view sets ``divergence_applicable=False``; the reporter carries it into each
+record, so the telemetry records no ``kv_cache.swa.tokens.divergent`` point and the event has
 ``kv_cache.swa.divergence_applicable=false``. Only the SGLang line, whose fields are integers,
 still shows ``"swa_full_idx_divergence":0``.
 
@@ -64,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import weakref
 from types import SimpleNamespace
@@ -84,6 +100,7 @@ _FORWARD_CT_ATTRIBUTE = "_otel_swa_forward_ct"
 #: (module, class, method, parameters the wrapper relies on), as in vLLM 0.33.
 WRAPPED = (
     ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule", ("self",)),
+    ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model", ("scheduler_output", "dummy_run")),
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", ("scheduler_output",)),
 )
 _SLIDING_WINDOW_MANAGER = ("vllm.v1.core.single_type_kv_cache_manager", "SlidingWindowManager")
@@ -97,7 +114,7 @@ class VllmVersionError(EngineVersionError):
 
 
 class SwaVllmInstrumentor(EngineInstrumentor):
-    """Instrumentor for vLLM's v1 scheduler and GPU model runner (module docstring).
+    """Instrumentor for vLLM's v1 scheduler and GPU model runners (module docstring).
 
     ``instrument(**kwargs)`` accepts ``tracer_provider``, ``meter_provider``, ``logger_provider``,
     ``span_events`` (default True), ``max_links`` and ``traceparents`` (request id -> W3C
@@ -117,7 +134,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
     version_error = VllmVersionError
 
     def _wrappers(self) -> tuple:
-        return (self._wrap_schedule, self._wrap_execute_model)
+        return (self._wrap_schedule, self._wrap_execute_model, self._wrap_execute_model)
 
     def _resolve_more(self) -> None:
         self._swa_manager_class = self._resolve(*_SLIDING_WINDOW_MANAGER)
@@ -131,11 +148,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
             if swa is not None:
                 reporter = self._new_reporter("cpu")
                 if reporter is not None:
-                    num_blocks = int(scheduler.cache_config.num_gpu_blocks)
-                    wiring = SimpleNamespace(
-                        reporter=reporter, manager=swa, window=int(swa.sliding_window),
-                        block_size=int(swa.block_size), num_blocks=num_blocks,
-                    )
+                    wiring = SimpleNamespace(reporter=reporter, manager=swa)
                     weakref.finalize(scheduler, reporter.close)
         except Exception:
             _log.exception("instrumenting a vLLM scheduler failed; it runs uninstrumented")
@@ -162,49 +175,49 @@ class SwaVllmInstrumentor(EngineInstrumentor):
 
     @staticmethod
     def _after_schedule(wiring: Any, scheduler: Any, output: Any) -> None:
-        import torch
-
         from otel_swa.views import vllm as view
 
         request_ids = list(output.num_scheduled_tokens)
         if not request_ids:
             return
-        num_tokens = [int(scheduler.requests[rid].num_computed_tokens) for rid in request_ids]
+        requests = scheduler.requests
         reporter = wiring.reporter
-        reporter.observe("full", sum(num_tokens))
-        reporter.observe("swa", sum(min(n, wiring.window) for n in num_tokens))
-
-        def sample_view():  # called by the reporter at sampling steps only
-            try:
-                table = view.block_table_from_manager(wiring.manager, request_ids)
-                return view.batch_view(
-                    table, torch.tensor(num_tokens, dtype=torch.int64), wiring.block_size,
-                    num_blocks=wiring.num_blocks, num_tokens_cpu=num_tokens,
-                )
-            except Exception:
-                _log.exception("vLLM batch view not built; the sample counts an empty batch")
-                empty = torch.zeros((0, 1), dtype=torch.int32)
-                return view.batch_view(empty, torch.zeros(0, dtype=torch.int64), wiring.block_size,
-                                       num_blocks=max(wiring.num_blocks, 1), num_tokens_cpu=())
-
-        reporter.step(sample_view)
+        try:
+            table = view.read_window_table(
+                wiring.manager, request_ids, [requests[rid].num_computed_tokens for rid in request_ids]
+            )
+        except Exception:
+            _log.exception("vLLM SWA block tables not read; this step counts an empty batch")
+            table = view.read_window_table(wiring.manager, (), ())
+        else:
+            view.observe_counts(reporter, table.counts)
+        reporter.step(table.view)  # the reporter builds the view at sampling steps only
 
     # ------------------------------------------------------------------ worker side
     def _wrap_execute_model(self, original: Callable) -> Callable:
         instrumentor = self
+        parameters = list(inspect.signature(original).parameters)
+        # V2's execute_model(self, scheduler_output, intermediate_tensors, dummy_run, ...): where
+        # dummy_run sits among the positional arguments after scheduler_output, if it exists.
+        dummy_at = parameters.index("dummy_run") - 2 if "dummy_run" in parameters else None
 
         @functools.wraps(original)
         def execute_model(runner, scheduler_output, *args, **kwargs):
+            if dummy_at is not None:
+                dummy = kwargs["dummy_run"] if "dummy_run" in kwargs else len(args) > dummy_at and args[dummy_at]
+                if dummy:  # warm-up, profiling: not a forward step of the engine
+                    return original(runner, scheduler_output, *args, **kwargs)
             with contextlib.ExitStack() as stack:
                 try:
-                    forward_ct = runner.__dict__.get(_FORWARD_CT_ATTRIBUTE, 0) + 1
-                    runner.__dict__[_FORWARD_CT_ATTRIBUTE] = forward_ct
-                    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-                    stack.enter_context(instrumentor._forward_spans.forward_span(
-                        forward_ct=forward_ct,
-                        batch_size=len(scheduled),
-                        request_ids=list(scheduled) if instrumentor._traceparents is not None else (),
-                    ))
+                    if getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+                        forward_ct = runner.__dict__.get(_FORWARD_CT_ATTRIBUTE, 0) + 1
+                        runner.__dict__[_FORWARD_CT_ATTRIBUTE] = forward_ct
+                        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+                        stack.enter_context(instrumentor._forward_spans.forward_span(
+                            forward_ct=forward_ct,
+                            batch_size=len(scheduled),
+                            request_ids=list(scheduled) if instrumentor._traceparents is not None else (),
+                        ))
                 except Exception:
                     _log.exception("forward-step span not started")
                 return original(runner, scheduler_output, *args, **kwargs)

@@ -1,7 +1,11 @@
 """The library versions this instrumentation supports (checked by ``BaseInstrumentor``).
 
-The wrapped methods (``Scheduler.schedule``, ``GPUModelRunner.execute_model``) and the
-``SlidingWindowManager`` structures were read in vLLM 0.33's v1 engine source.
+The wrapped methods (``Scheduler.schedule``, both ``GPUModelRunner.execute_model``) and the
+``SlidingWindowManager`` structures were read in vLLM 0.33.0's v1 engine source, and the scheduler
+side runs in the tests against vLLM 0.33.0's real ``Scheduler`` and ``KVCacheManager``. The lower
+bound is that tested version: older versions were not run, and these internals (the model runner
+V2 module, ``sample_tokens`` split from ``execute_model``, ``extra_retained_tokens``) change
+between vLLM minor versions.
 """
 
-_instruments = ("vllm >= 0.10, < 0.34",)
+_instruments = ("vllm >= 0.33.0, < 0.34",)
