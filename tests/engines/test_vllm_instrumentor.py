@@ -222,6 +222,30 @@ def test_driven_steps_give_records_recounted_from_the_tables(vllm_standin, instr
     assert pipeline.points("kv_cache.swa.tokens.divergent") == []
 
 
+def test_a_table_that_cannot_be_read_is_logged_once_and_its_step_still_counts(
+    vllm_standin, instrumentor, pipeline, monkeypatch, caplog
+):
+    v = vllm_standin()
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "2")
+    instrumentor.instrument(**pipeline.providers())
+    scheduler = v.Scheduler(3)
+    records = []
+    scheduler.schedule()
+    scheduler.__dict__[SCHEDULER_ATTRIBUTE].reporter.add_sink(lambda r, c: records.append(r))
+    wiring = scheduler.__dict__[SCHEDULER_ATTRIBUTE]
+    wiring.manager = SimpleNamespace(req_to_blocks={}, block_size=BLOCK)  # holds none of the requests
+    with caplog.at_level(logging.ERROR):
+        for _ in range(2):
+            scheduler.schedule()
+    wiring.manager = scheduler.swa
+    output = scheduler.schedule()
+    scheduler.__dict__[SCHEDULER_ATTRIBUTE].reporter.flush()
+    ours = [r for r in caplog.records if r.name == "opentelemetry.instrumentation.swa_vllm"]
+    assert len(ours) == 1 and "not read" in ours[0].getMessage() and ours[0].exc_info is not None
+    # steps 2 and 3 counted an empty batch: the sample at step 2 sees no token, the one at step 4 its batch
+    assert [(r.forward_ct, r.swa_out_of_window_tokens) for r in records] == [(2, 0), (4, recount(scheduler, output)[2])]
+
+
 @pytest.mark.parametrize("runner", ["V1", "V2"])
 def test_the_forward_step_span_covers_the_runners_forward(vllm_standin, instrumentor, pipeline, monkeypatch, runner):
     v = vllm_standin()

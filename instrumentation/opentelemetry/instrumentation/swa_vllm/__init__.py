@@ -26,7 +26,8 @@ Instrumenting wraps three methods:
       (:meth:`otel_swa.views.vllm.WindowTable.view`): null-block tokens count as out of window.
 
     A step that schedules no token is not a forward step and is not counted. A step whose tables
-    cannot be read (an error is logged) is counted with an empty batch and observes nothing. The
+    cannot be read is counted with an empty batch and observes nothing (the first such error of a
+    scheduler is logged with its traceback, the later ones are not). The
     reporter runs on the CPU, in the scheduler's process; it touches no GPU memory.
 ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.execute_model(self, scheduler_output, ...)``
     Model Runner V2, which vLLM 0.33 builds by default where triton is installed.
@@ -148,7 +149,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
             if swa is not None:
                 reporter = self._new_reporter("cpu")
                 if reporter is not None:
-                    wiring = SimpleNamespace(reporter=reporter, manager=swa)
+                    wiring = SimpleNamespace(reporter=reporter, manager=swa, read_failures=0)
                     weakref.finalize(scheduler, reporter.close)
         except Exception:
             _log.exception("instrumenting a vLLM scheduler failed; it runs uninstrumented")
@@ -187,7 +188,9 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                 wiring.manager, request_ids, [requests[rid].num_computed_tokens for rid in request_ids]
             )
         except Exception:
-            _log.exception("vLLM SWA block tables not read; this step counts an empty batch")
+            wiring.read_failures += 1
+            if wiring.read_failures == 1:  # once per scheduler: the same fault would recur every step
+                _log.exception("vLLM SWA block tables not read; such steps count an empty batch")
             table = view.read_window_table(wiring.manager, (), ())
         else:
             view.observe_counts(reporter, table.counts)
