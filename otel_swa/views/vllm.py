@@ -20,10 +20,12 @@ What maps, per live request of ``n`` tokens (``Request.num_computed_tokens``), o
   (the event carries ``kv_cache.swa.divergence_applicable=false``) rather than a misleading 0.
 
 Every count here is read from the block table itself, never from vLLM's formula
-(:func:`num_skipped_tokens`). In vLLM 0.33 the two differ: blocks are freed on the tokens already
-processed (``num_computed_tokens - num_in_flight_tokens`` at the last ``allocate_slots``), so the
-null entries lag the formula by the tokens in flight, and a prefix-cache hit puts null entries
-at the head of a new request's table at admission, before it computes anything.
+(:func:`num_skipped_tokens`). In vLLM 0.33 the two differ: ``allocate_slots`` frees blocks on the
+tokens already processed when a step's slots are allocated (``num_computed_tokens -
+num_in_flight_tokens`` before the step), a point at least the step's own tokens behind the one
+the formula gives for the request's tokens, so the table holds up to that many more tokens (in
+whole blocks); and a prefix-cache hit puts null entries at the head of a new request's table at
+admission, for blocks it never held.
 
 Two ways in:
 
@@ -159,10 +161,11 @@ class WindowTable:
         request_ids: the batch's requests, in order.
         num_tokens: live tokens per request.
         block_size: tokens per block of the SWA group.
-        null_heads: per request, the length of the leading run of null entries among the blocks
-            covering its tokens (``ceil(n / block_size)`` entries).
-        other_nulls: ``(request index, block index)`` of every null entry among those blocks
-            outside the leading run (none in vLLM 0.33's own tables).
+        null_heads: per request, how many of the blocks covering its tokens (``ceil(n /
+            block_size)`` entries) lead the table as one null-block object (0 when the leading
+            null entries are not all that object).
+        other_nulls: ``(request index, block index)`` of every other null entry among those
+            blocks (none in vLLM 0.33's own tables).
         counts: the batch's :class:`WindowCounts`.
     """
 
