@@ -107,7 +107,8 @@ def vllm_batch(batch: int, tokens: int, window: int, block_size: int, make_block
         blocks[:skipped] = [null] * skipped
         req_to_blocks[f"req-{i}"] = blocks
     manager = SimpleNamespace(req_to_blocks=req_to_blocks, block_size=block_size, sliding_window=window)
-    return manager, list(req_to_blocks), [tokens] * batch, batch * per_request + 1
+    num_blocks = 1 + max(block.block_id for blocks in req_to_blocks.values() for block in blocks)
+    return manager, list(req_to_blocks), [tokens] * batch, num_blocks
 
 
 def sglang_batch(batch: int, tokens: int, held_from: int):
