@@ -29,7 +29,7 @@ own e2e assertion (``assert_swa_divergence_observed``) accepts it.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -48,6 +48,7 @@ __all__ = [
     "swa_free_pages",
     "audit_swa_slots",
     "audit_sglang_swa_slots",
+    "scheduler_holder_full_slots",
 ]
 
 #: The SGLang versions whose allocator layout this adapter was tested against (pip specifier).
@@ -207,16 +208,30 @@ class KvCanaryHooks:
     so they agree when the hooks are created with the canary manager (as SGLang creates its
     reporter).
 
+        holder_full_slots: a zero-argument callable returning the FULL slots of every token a live
+            holder reads (see :func:`scheduler_holder_full_slots`), or ``None`` when they cannot be
+            had at that moment; called at sampling steps only. With it, samples carry the SWA slot
+            audit; a sample whose holders are ``None`` (or while a free group is open) is not
+            audited, never audited against an incomplete list (that would report false leaks).
+
     Raises:
         ValueError: an allocator without a ``req_to_token_pool``.
     """
 
-    def __init__(self, reporter: Any, *, swa_allocator: Any = None, req_to_token_pool: Any = None) -> None:
+    def __init__(
+        self,
+        reporter: Any,
+        *,
+        swa_allocator: Any = None,
+        req_to_token_pool: Any = None,
+        holder_full_slots: "Callable[[], torch.Tensor | None] | None" = None,
+    ) -> None:
         if swa_allocator is not None and req_to_token_pool is None:
             raise ValueError("KvCanaryHooks: swa_allocator given without req_to_token_pool")
         self.reporter = reporter
         self._swa_allocator = swa_allocator
         self._req_to_token_pool = req_to_token_pool
+        self._holders = holder_full_slots
         #: Errors caught in :meth:`step` (building or sampling the view), never raised to SGLang.
         self.step_errors = 0
         self._logged_error_kinds: set[str] = set()
@@ -258,6 +273,12 @@ class KvCanaryHooks:
     def _view(self, forward_batch: Any) -> SwaBatch:
         if self._swa_allocator is None:
             return _empty_view(self.reporter.device)
+        holders = self._holders() if self._holders is not None else None
+        if holders is not None:
+            try:
+                return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch, holder_full_slots=holders)
+            except RuntimeError as exc:  # no consistent SWA free list right now: this sample is not audited
+                _log.debug("SWA slot audit skipped at forward step %d: %s", self.reporter.forward_ct, exc)
         return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch)
 
     def close(self) -> None:
@@ -363,3 +384,60 @@ def audit_sglang_swa_slots(
     if held_full_slots is not None:
         live = torch.cat([live, held_full_slots.to(device=live.device, dtype=torch.int64).reshape(-1)])
     return audit_swa_slots(allocator.full_to_swa_index_mapping, free, num_pages, int(allocator.page_size), live)
+
+
+def scheduler_holder_full_slots(scheduler: Any, batch: Any = None) -> torch.Tensor | None:
+    """The FULL slots of every token a live holder of SGLang's KV cache reads, from its ``Scheduler``.
+
+    Holders (sglang 0.5.23): every request with a ``req_to_token`` row (``req.kv.req_pool_idx``),
+    over its first ``req.kv.kv_allocated_len`` positions, found in ``batch`` (the batch being run),
+    ``scheduler.cur_batch``, ``last_batch``, ``running_batch``, the batches whose results are still
+    queued (``result_queue``: the overlap scheduler releases a finished request only after the
+    next forward), ``chunked_req`` and ``waiting_queue``, plus the sessions' rows (``tree_cache.session_records()``) and the prefix
+    cache's own slots (``tree_cache.all_values_flatten()``: the radix tree's nodes, evictable or
+    locked). Host work only (Python over the requests, one gather per request row); call it at
+    sampling steps, not every step.
+
+    Returns:
+        ``int64 [n]`` on the KV device (duplicates possible: a request's prefix is also in the tree),
+        or ``None`` when some allocated ``req_to_token`` row belongs to no request found above: the
+        list would be incomplete, and an audit against it would report false leaks.
+
+    Raises:
+        TypeError: ``scheduler`` lacks ``req_to_token_pool``.
+    """
+    pool = _attr(scheduler, "req_to_token_pool", "scheduler")
+    requests: dict[int, Any] = {}
+    # with the overlap scheduler, the previous batch's requests are released only after this
+    # forward, when its result (queued with a copy of the batch) is processed
+    queued = [entry[0] for entry in getattr(scheduler, "result_queue", None) or ()]
+    for source in (batch, getattr(scheduler, "cur_batch", None), getattr(scheduler, "last_batch", None),
+                   getattr(scheduler, "running_batch", None), *queued):
+        for req in getattr(source, "reqs", None) or ():
+            requests[id(req)] = req
+    for req in [getattr(scheduler, "chunked_req", None), *(getattr(scheduler, "waiting_queue", None) or ())]:
+        if req is not None:
+            requests[id(req)] = req
+    lengths: dict[int, int] = {}
+    records = [getattr(req, "kv", None) for req in requests.values()]
+    tree = getattr(scheduler, "tree_cache", None)
+    sessions = getattr(tree, "session_records", None)
+    if callable(sessions):
+        records.extend(sessions().values())
+    for kv in records:
+        row = getattr(kv, "req_pool_idx", None)
+        if row is not None:
+            lengths[int(row)] = max(lengths.get(int(row), 0), int(kv.kv_allocated_len))
+    free = pool.free_slots
+    free_rows = set(free.tolist() if isinstance(free, torch.Tensor) else free)
+    allocated = set(range(1, int(pool.size) + 1)) - free_rows
+    if not allocated.issubset(lengths):
+        return None
+    req_to_token = pool.req_to_token
+    parts = [req_to_token[row, :length].long() for row, length in lengths.items() if length > 0]
+    values = getattr(tree, "all_values_flatten", None)
+    if callable(values):
+        parts.append(values().reshape(-1).to(req_to_token.device, torch.int64))
+    if not parts:
+        return torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
+    return torch.cat(parts)

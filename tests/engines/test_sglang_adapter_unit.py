@@ -148,3 +148,56 @@ def test_log_line_sink_writes_the_sglang_line_to_sglang_logger(caplog):
         'kv_canary_swa_divergence={"forward_ct":20,"verify_full":100,"verify_swa":40,'
         '"swa_full_idx_divergence":3,"swa_out_of_window_tokens":7}',
     )]
+
+
+# ---------------------------------------------------------------- holders from the scheduler
+def _req(row, allocated):
+    return SimpleNamespace(kv=SimpleNamespace(req_pool_idx=row, kv_allocated_len=allocated))
+
+
+def _scheduler(free_slots, *, running=(), queued=(), tree=(), waiting=()):
+    """Stands in for SGLang 0.5.23's Scheduler: only the attributes the holder list reads (its
+    req_to_token pool with rows 1..4, the running batch, the overlap scheduler's result queue of
+    (batch copy, result), the waiting queue and the radix tree's flattened slots)."""
+    req_to_token = torch.arange(5 * 6, dtype=torch.int32).reshape(5, 6)
+    return SimpleNamespace(
+        req_to_token_pool=SimpleNamespace(req_to_token=req_to_token, size=4, free_slots=list(free_slots)),
+        running_batch=SimpleNamespace(reqs=list(running)),
+        result_queue=[(SimpleNamespace(reqs=list(queued)), object())],
+        waiting_queue=list(waiting),
+        chunked_req=None,
+        tree_cache=SimpleNamespace(all_values_flatten=lambda: torch.tensor(list(tree), dtype=torch.int64)),
+    )
+
+
+def test_holders_are_every_requests_allocated_positions_and_the_tree():
+    scheduler = _scheduler([3, 4], running=[_req(1, 2)], queued=[_req(2, 3)], tree=[100, 101])
+    holders = adapter.scheduler_holder_full_slots(scheduler, SimpleNamespace(reqs=[_req(1, 2)]))
+    # row 1: slots 6, 7; row 2 (a finished request still queued for release): 12, 13, 14; tree: 100, 101
+    assert sorted(holders.tolist()) == [6, 7, 12, 13, 14, 100, 101]
+
+
+def test_holders_are_none_when_an_allocated_row_belongs_to_no_request_found():
+    # rows 1 and 2 allocated, only row 1's request is known: an audit would report row 2's pages
+    # as leaked, so there is no holder list (and no audit) for this sample
+    scheduler = _scheduler([3, 4], running=[_req(1, 2)])
+    assert adapter.scheduler_holder_full_slots(scheduler) is None
+
+
+def test_hooks_skip_the_audit_when_holders_are_unknown_and_audit_otherwise():
+    mapping = torch.arange(40, dtype=torch.int64)
+    allocator = SimpleNamespace(
+        full_to_swa_index_mapping=mapping, page_size=1,
+        swa_attn_allocator=SimpleNamespace(free_pages=torch.tensor([39]), size=39),
+    )
+    pool = SimpleNamespace(req_to_token=torch.arange(12, dtype=torch.int32).reshape(2, 6))
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([6]), seq_lens_cpu=None)
+    answers = [None, torch.arange(1, 39)]
+    records = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: records.append(r)])
+    hooks = adapter.KvCanaryHooks(reporter, swa_allocator=allocator, req_to_token_pool=pool,
+                                  holder_full_slots=lambda: answers.pop(0))
+    hooks.step(outer_step_counter=1, maybe_inaccurate_forward_batch=batch)
+    hooks.step(outer_step_counter=2, maybe_inaccurate_forward_batch=batch)
+    assert [r.audited for r in records] == [False, True]
+    assert (records[1].swa_leaked_slots, records[1].swa_stale_tokens) == (0, 0)

@@ -1,8 +1,10 @@
 """OpenTelemetry instrumentation of SGLang's hybrid sliding-window-attention (SWA) KV cache.
 
 Supported: sglang 0.5.23 up to (not including) 0.6 (``package.py``); the wrapped methods were read
-in sglang 0.5.23. Instrumenting wraps three methods, at the points where SGLang's own KV canary
-calls its SWA divergence reporter:
+in sglang 0.5.23, and run there inside a real ``sglang.Engine`` (``tests/engines/test_sglang_engine.py``).
+Each method is wrapped when the process imports its module (SGLang's scheduler process imports the
+model runner; its tokenizer and detokenizer processes never pay for it). The first three are the
+points where SGLang's own KV canary calls its SWA divergence reporter:
 
 ``sglang.srt.model_executor.model_runner.ModelRunner.forward(self, forward_batch, ...)``
     One call per forward step of the target model (SGLang's canary counts its outer steps here too;
@@ -21,6 +23,27 @@ calls its SWA divergence reporter:
     (``VerifyPlan.verify_num_valid`` per buffer group, ``PoolKind.FULL`` / ``PoolKind.SWA``) go to
     ``reporter.observe``: an in-place device add, no host sync, safe inside CUDA graph capture.
 
+``sglang.srt.managers.scheduler.Scheduler.run_batch(self, batch)``
+    Remembers, on the calling thread, the scheduler and the ``ScheduleBatch`` being run (SGLang
+    calls ``ModelRunner.forward`` from inside it): the forward-step span links to the root spans of
+    SGLang's own request tracing (``req.time_stats.trace_ctx``, ``--enable-trace``) of the batch's
+    requests, and each sample is audited against every holder of KV
+    (:func:`otel_swa.views.sglang.scheduler_holder_full_slots`). The instrumentor also adds the
+    method ``Scheduler.otel_swa_flush`` (:data:`FLUSH_RPC_METHOD`).
+``sglang.srt.entrypoints.engine.Engine.shutdown(self)``
+    In the main process, before SGLang kills its schedulers with SIGKILL (which runs no exit hook
+    there): calls ``otel_swa_flush`` on every scheduler over SGLang's own RPC
+    (``RpcReqInput``, ``Scheduler.handle_rpc_request``) and waits up to
+    :data:`SHUTDOWN_FLUSH_TIMEOUT_S` for the answer, so the pending samples are delivered and the
+    SDK's buffers exported (:func:`otel_swa.lifecycle.flush_all`). Only when the schedulers are
+    auto-instrumented (``opentelemetry-instrument``'s ``sitecustomize`` on ``PYTHONPATH``).
+
+Ranks: each reporter's metric points, events and forward-step spans carry ``otel_swa.tp_rank``,
+``otel_swa.pp_rank`` and ``otel_swa.dp_rank`` as SGLang published them in the process
+(``sglang.srt.runtime_context.get_parallel()``): under ``opentelemetry-instrument`` the resource is
+built before SGLang knows the rank. Counts from the canary's plans are tagged
+``verify_source=kv_canary``; read-entry counts (below) ``verify_source=attention``.
+
 Without the KV canary there are no verify plans; the reporter then counts the entries attention
 reads at each forward step: ``seq_len`` per request in the FULL pool and ``min(seq_len, window)``
 in the SWA pool (``ModelRunner.sliding_window_size``), from ``forward_batch.seq_lens_cpu`` on the
@@ -35,19 +58,21 @@ nothing is wrapped. Each model runner gets its own
 :class:`~otel_swa.reporter.SwaDivergenceReporter` on its device (``OTEL_SWA_RING_SIZE`` ring
 slots); its records become the metrics and events of :mod:`otel_swa.telemetry` (the table
 "Record field → instrument" in ``docs/telemetry.md``) and, with the ``swa_logline`` logs exporter,
-SGLang's ``kv_canary_swa_divergence={...}`` line. Set only ``OTEL_SWA_DIVERGENCE_INTERVAL``: the
-SGLang variable also switches on SGLang's own reporter, which then logs its line beside ours.
-Pending samples are delivered when the model runner is garbage-collected, at interpreter exit,
-and at ``uninstrument()``.
+otel-swa's line (``otel_swa[verify=...] kv_canary_swa_divergence={...}``, the record part
+byte-identical to SGLang's). Set only ``OTEL_SWA_DIVERGENCE_INTERVAL``: the SGLang variable also
+switches on SGLang's own reporter, which then logs its line beside ours. Pending samples are
+delivered at ``Engine.shutdown()`` (above), when the model runner is garbage-collected, at
+interpreter exit, and at ``uninstrument()``.
 
 When SGLang is not installed, or its version is outside ``_instruments``, ``instrument()`` logs one
-warning (logger ``opentelemetry.instrumentation.swa_sglang``) and wraps nothing, also when called as
+warning per process tree (logger ``opentelemetry.instrumentation.swa_sglang``) and wraps nothing, also when called as
 ``opentelemetry-instrument`` calls it (``instrument(skip_dep_check=True)``, which bypasses
 ``BaseInstrumentor``'s own version check), so the loader goes on to the other instrumentors.
 Where a supported SGLang lacks a wrapped method or its parameters differ, ``instrument()`` raises
 :class:`SglangVersionError` naming the installed version and the method it expected (an
 ``ImportError``, the one kind of error the loader of opentelemetry-instrumentation 0.66b2 logs and
-skips; any other exception would end all auto-instrumentation). A failure while setting up the
+skips; any other exception would end all auto-instrumentation) when the module is already
+imported; when it is imported later, the same error is logged and that module is left unwrapped. A failure while setting up the
 telemetry is logged and leaves SGLang unwrapped.
 
 Providers come from ``instrument(tracer_provider=..., meter_provider=..., logger_provider=...)``,
@@ -57,6 +82,8 @@ restores the original functions (the same objects); both calls are idempotent.
 Usage::
 
     # OTEL_SWA_DIVERGENCE_INTERVAL=20 opentelemetry-instrument python -m sglang.launch_server ...
+    # (instrument() called in a script does not reach SGLang's spawned scheduler processes; in a
+    # process that runs the model runner itself:)
     from opentelemetry.instrumentation.swa_sglang import SwaSglangInstrumentor
 
     SwaSglangInstrumentor().instrument()     # before SGLang builds its model runners
@@ -68,6 +95,9 @@ import contextlib
 import functools
 import inspect
 import logging
+import os
+import threading
+import time
 import weakref
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -76,7 +106,14 @@ from opentelemetry.instrumentation.swa_sglang.package import _instruments
 
 from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
 
-__all__ = ["SwaSglangInstrumentor", "SglangVersionError", "WRAPPED", "RUNNER_ATTRIBUTE", "CANARY_ATTRIBUTE"]
+__all__ = [
+    "SwaSglangInstrumentor",
+    "SglangVersionError",
+    "WRAPPED",
+    "RUNNER_ATTRIBUTE",
+    "CANARY_ATTRIBUTE",
+    "FLUSH_RPC_METHOD",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -92,7 +129,18 @@ WRAPPED = (
      ("device", "req_to_token_pool", "swa_allocator", "is_eagle_draft_decode")),
     ("sglang.srt.kv_canary.runner.canary_manager", "CanaryManager", "pre_ops_maybe_inside_graph",
      ("forward_batch",)),
+    ("sglang.srt.managers.scheduler", "Scheduler", "run_batch", ("batch",)),
+    ("sglang.srt.entrypoints.engine", "Engine", "shutdown", ()),
 )
+
+#: The ``Scheduler`` method the instrumentor adds, which ``Engine.shutdown`` calls on every scheduler
+#: process over SGLang's own RPC (``RpcReqInput(method=...)``, ``Scheduler.handle_rpc_request``)
+#: before SGLang kills them: it delivers the pending samples and exports the telemetry buffers.
+FLUSH_RPC_METHOD = "otel_swa_flush"
+
+#: Time the engine's shutdown waits for its schedulers to flush (seconds); SGLang's shutdown then
+#: goes on whatever the answer.
+SHUTDOWN_FLUSH_TIMEOUT_S = 10.0
 
 
 class SglangVersionError(EngineVersionError):
@@ -135,8 +183,21 @@ class SwaSglangInstrumentor(EngineInstrumentor):
     wrapped = WRAPPED
     version_error = SglangVersionError
 
+    def __init__(self) -> None:
+        super().__init__()
+        # The scheduler and the batch being run on this thread (set by the run_batch wrapper and
+        # read by the forward wrapper, which SGLang calls from inside run_batch).
+        self._running = threading.local()
+
     def _wrappers(self) -> tuple:
-        return (self._wrap_forward, self._wrap_canary_init, self._wrap_pre_ops)
+        return (self._wrap_forward, self._wrap_canary_init, self._wrap_pre_ops, self._wrap_run_batch,
+                self._wrap_shutdown)
+
+    def _wrap(self, targets: list) -> None:
+        super()._wrap(targets)
+        for index, (cls, _function) in targets:
+            if self.wrapped[index][1] == "Scheduler" and self._ready:
+                self._provide(cls, FLUSH_RPC_METHOD, _flush_rpc)
 
     # ------------------------------------------------------------------ reporters
     def _wire(self, runner: Any) -> Any:
@@ -155,16 +216,19 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                 allocator = getattr(runner, "token_to_kv_pool_allocator", None)
                 is_swa = getattr(allocator, "full_to_swa_index_mapping", None) is not None
                 window = int(getattr(runner, "sliding_window_size", None) or 0)
+                ranks = _ranks()
                 if reporter is None and is_swa and window > 0:
-                    reporter = self._new_reporter(runner.device)
+                    reporter = self._new_reporter(runner.device, attributes=ranks)
                 if reporter is not None:
                     hooks = KvCanaryHooks(
                         reporter,
                         swa_allocator=allocator if is_swa else None,
                         req_to_token_pool=runner.req_to_token_pool if is_swa else None,
+                        holder_full_slots=self._holder_full_slots if is_swa else None,
                     )
                     wiring = SimpleNamespace(
-                        reporter=reporter, hooks=hooks, window=window, counts_from_canary=counts_from_canary
+                        reporter=reporter, hooks=hooks, window=window, counts_from_canary=counts_from_canary,
+                        ranks=ranks,
                     )
                     weakref.finalize(runner, reporter.close)
         except Exception:
@@ -200,13 +264,28 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         batch_size = getattr(forward_batch, "batch_size", None)
         num_prefill, num_decode = _forward_mode_counts(forward_batch, batch_size)
         rids = getattr(forward_batch, "rids", None) if self._traceparents is not None else None
+        link_contexts = None
+        if self._traceparents is None:  # no lookup given: link to SGLang's own request spans
+            link_contexts = _request_span_contexts(getattr(self._running, "batch", None))
         return self._forward_spans.forward_span(
             forward_ct=wiring.reporter.forward_ct + 1,
             batch_size=batch_size,
             num_prefill=num_prefill,
             num_decode=num_decode,
             request_ids=rids or (),
+            link_contexts=link_contexts,
+            attributes=wiring.ranks,
         )
+
+    def _holder_full_slots(self) -> Any:
+        """Every live holder's FULL slots, from the scheduler running this thread's batch (``None``
+        outside ``Scheduler.run_batch``, or when they cannot all be found: no audit then)."""
+        from otel_swa.views.sglang import scheduler_holder_full_slots
+
+        scheduler = getattr(self._running, "scheduler", None)
+        if scheduler is None:
+            return None
+        return scheduler_holder_full_slots(scheduler, getattr(self._running, "batch", None))
 
     @staticmethod
     def _after_forward(wiring: Any, forward_batch: Any) -> None:
@@ -235,7 +314,9 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                 bound.apply_defaults()
                 reporter = None
                 if not bound.arguments.get("is_eagle_draft_decode", False):
-                    reporter = instrumentor._new_reporter(bound.arguments["device"])
+                    reporter = instrumentor._new_reporter(
+                        bound.arguments["device"], verify_source="kv_canary", attributes=_ranks()
+                    )
                 setattr(manager, CANARY_ATTRIBUTE, reporter)
             except Exception:
                 _log.exception("SWA divergence reporter not attached to the KV canary")
@@ -258,3 +339,112 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             return output
 
         return pre_ops_maybe_inside_graph
+
+    def _wrap_run_batch(self, original: Callable) -> Callable:
+        running = self._running
+
+        @functools.wraps(original)
+        def run_batch(scheduler, batch, *args, **kwargs):
+            running.scheduler, running.batch = scheduler, batch
+            try:
+                return original(scheduler, batch, *args, **kwargs)
+            finally:
+                running.scheduler = running.batch = None
+
+        return run_batch
+
+    def _wrap_shutdown(self, original: Callable) -> Callable:
+        @functools.wraps(original)
+        def shutdown(engine, *args, **kwargs):
+            try:
+                _flush_schedulers(engine, SHUTDOWN_FLUSH_TIMEOUT_S)
+            except Exception:  # the engine's shutdown always goes on
+                _log.exception("asking SGLang's schedulers to flush otel-swa's telemetry failed")
+            return original(engine, *args, **kwargs)
+
+        return shutdown
+
+
+def _ranks() -> dict[str, int]:
+    """This process's tensor / pipeline / data parallel ranks as SGLang published them
+    (``sglang.srt.runtime_context.get_parallel()``), as otel-swa attributes; empty when unknown."""
+    from otel_swa.telemetry import semconv as sc
+
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+    except Exception:
+        return {}
+    ranks = {}
+    for key, name in ((sc.ATTR_TP_RANK, "tp_rank"), (sc.ATTR_PP_RANK, "pp_rank"), (sc.ATTR_DP_RANK, "dp_rank")):
+        try:
+            value = getattr(parallel, name)
+        except Exception:  # not published in this process
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
+            ranks[key] = value
+    return ranks
+
+
+def _request_span_contexts(batch: Any) -> "list | None":
+    """The span contexts of SGLang's own request spans (``req.time_stats.trace_ctx``, SGLang's
+    request tracing, ``--enable-trace``) for the requests of ``batch``; ``None`` when SGLang traces
+    none of them (no links are looked for then)."""
+    from opentelemetry import trace
+
+    if batch is None:
+        return None
+    contexts, traced = [], False
+    for req in getattr(batch, "reqs", None) or ():
+        trace_ctx = getattr(getattr(req, "time_stats", None), "trace_ctx", None)
+        root = getattr(trace_ctx, "root_span_context", None) if getattr(trace_ctx, "tracing_enable", False) else None
+        if root is None:
+            contexts.append(None)
+            continue
+        traced = True
+        contexts.append(trace.get_current_span(root).get_span_context())
+    return contexts if traced else None
+
+
+def _flush_rpc(scheduler: Any) -> None:
+    """Added to SGLang's ``Scheduler`` as :data:`FLUSH_RPC_METHOD`: deliver and export everything
+    otel-swa holds in this scheduler process (run by ``Scheduler.handle_rpc_request``)."""
+    from otel_swa import lifecycle
+
+    result = lifecycle.flush_all(SHUTDOWN_FLUSH_TIMEOUT_S)
+    if result.failed:
+        _log.warning("otel-swa flush before shutdown: %d telemetry provider(s) did not export in time", result.failed)
+
+
+def _children_auto_instrumented() -> bool:
+    """Whether processes started from here load the instrumentors too: ``opentelemetry-instrument``
+    puts its ``sitecustomize`` directory on ``PYTHONPATH``, which SGLang's spawned schedulers inherit."""
+    try:
+        from opentelemetry.instrumentation import auto_instrumentation
+    except ImportError:
+        return False
+    directory = os.path.dirname(os.path.abspath(auto_instrumentation.__file__))
+    return directory in [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _flush_schedulers(engine: Any, timeout_s: float) -> None:
+    """Before ``Engine.shutdown`` SIGKILLs the scheduler processes (which runs no exit hook there),
+    call :data:`FLUSH_RPC_METHOD` on every scheduler through SGLang's RPC socket and wait up to
+    ``timeout_s`` for the answer. Only when the schedulers are instrumented (auto-instrumentation:
+    see :func:`_children_auto_instrumented`) and the engine owns them (not an attached engine)."""
+    sock = getattr(engine, "send_to_rpc", None)
+    if sock is None or getattr(engine, "_attached", False) or not _children_auto_instrumented():
+        return
+    from sglang.srt.managers.io_struct import RpcReqInput, sock_recv, sock_send
+
+    start = time.monotonic()
+    sock_send(sock, RpcReqInput(method=FLUSH_RPC_METHOD))
+    if not sock.poll(int(timeout_s * 1000)):
+        _log.warning("SGLang's schedulers did not confirm otel-swa's flush within %.0f s; shutting down anyway", timeout_s)
+        return
+    reply = sock_recv(sock)
+    if not getattr(reply, "success", False):
+        _log.warning("otel-swa flush in SGLang's schedulers failed: %s", getattr(reply, "message", reply))
+    else:
+        _log.debug("SGLang's schedulers flushed otel-swa's telemetry in %.3f s", time.monotonic() - start)
