@@ -1,14 +1,14 @@
-"""Engine tests: SGLang's real classes (marker ``sglang``) and the vLLM stand-in.
+"""Engine tests: SGLang's real classes and a real ``sglang.Engine`` (markers ``sglang``,
+``sglang_engine``), and the vLLM adapter and instrumentor.
 
 The ``sglang`` tests run in their own environment (``.ci/sglang-tests.sh``). They are skipped when
 SGLang cannot be imported, unless ``OTEL_SWA_REQUIRE_SGLANG=1`` (the CI script sets it), where a
 failed import fails them instead.
 
-Two test-only shims (``shims/``) let SGLang's allocator import chain load on a CPU-only machine;
-each goes on ``sys.path`` only when SGLang is installed and the real module is not:
-
-* ``torchvision``: the PyPI wheel does not install beside CPU torch; a stub with ``__version__``.
-* ``triton``: the real wheel is ~1 GB; a stand-in whose decorators return the function unchanged.
+Test-only shims (``shims/``) let SGLang load on a CPU-only machine. ``shims/install.py`` puts them
+into the suite's environment for every process (the engine's spawned ones too); for the allocator
+tests alone, the ``torchvision`` stand-in (its PyPI wheel does not install beside CPU torch) is also
+put on ``sys.path`` here when SGLang is installed and no torchvision is.
 """
 
 from __future__ import annotations
@@ -29,13 +29,6 @@ _SHIMS = Path(__file__).parent / "shims"
 def _install_shims() -> None:
     if importlib.util.find_spec("sglang") is None:
         return
-    if importlib.util.find_spec("triton") is None:
-        import torch.utils._triton
-
-        # Cache "no triton" in torch before the stand-in becomes importable, so that torch's
-        # inductor never takes the stand-in for a compiler.
-        torch.utils._triton.has_triton_package()
-        sys.path.append(str(_SHIMS / "triton_standin"))
     if importlib.util.find_spec("torchvision") is None:
         sys.path.append(str(_SHIMS / "torchvision_stub"))
 

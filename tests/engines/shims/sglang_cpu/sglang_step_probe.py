@@ -1,0 +1,94 @@
+"""A probe inside a real SGLang scheduler process, for the engine tests (never for users).
+
+The process a test starts is not the one that runs the forward: ``sglang.Engine`` spawns a scheduler
+process per rank. This module is imported there (through the shims' ``.pth`` file) when
+``OTEL_SWA_TEST_SGLANG_PROBE`` names a directory, and does what a test cannot do from outside:
+
+* **recount**: after every ``ModelRunner.forward`` of the target model (the call otel-swa's SGLang
+  instrumentor counts), it recounts in plain Python, from the allocator's
+  ``full_to_swa_index_mapping`` and ``req_to_token`` rows of the forward batch, the tokens whose SWA
+  slot differs from their FULL slot and those whose SWA slot is 0, and appends
+  ``{"pid", "step", "divergence", "out_of_window", "live_tokens"}`` to ``probe-<pid>.jsonl``: the
+  independent value the reporter's records are compared with;
+* **leak** (``OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP=N``): after forward step ``N``, takes the first page
+  off the SWA allocator's free list, a leak made on purpose (the page is neither free nor mapped by
+  any token); the line gets ``"leaked_page"``;
+* **by hand** (``OTEL_SWA_TEST_SGLANG_BY_HAND=1``): replaces the reporter SGLang's KV canary builds
+  (``canary_manager.SwaDivergenceReporter``) by otel-swa's :class:`~otel_swa.views.sglang.KvCanaryHooks`
+  with the SGLang log line as its sink, the one-line substitution ``docs/engines.md`` describes for
+  users who wire otel-swa by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import sglang_cpu_patches
+
+_MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
+_CANARY_MANAGER = "sglang.srt.kv_canary.runner.canary_manager"
+
+
+def recount(mapping: list[int], req_to_token, rows: list[int], seq_lens: list[int]) -> tuple[int, int, int]:
+    """``(divergent, out_of_window, live)`` over the live tokens of the batch, in plain Python."""
+    divergent = out_of_window = live = 0
+    for row, length in zip(rows, seq_lens):
+        for full in req_to_token[row][:length]:
+            swa = mapping[full]
+            live += 1
+            if swa == 0:
+                out_of_window += 1
+            elif swa != full:
+                divergent += 1
+    return divergent, out_of_window, live
+
+
+def _patch_model_runner(module) -> None:
+    out_dir = os.environ["OTEL_SWA_TEST_SGLANG_PROBE"]
+    leak_at = int(os.environ.get("OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP", "0") or 0)
+    runner_class = module.ModelRunner
+    original = runner_class.forward
+    state = {"step": 0}
+
+    def forward(self, forward_batch, *args, **kwargs):
+        output = original(self, forward_batch, *args, **kwargs)
+        if getattr(self, "is_draft_worker", False):
+            return output
+        state["step"] += 1
+        allocator = self.token_to_kv_pool_allocator
+        line = {"pid": os.getpid(), "step": state["step"]}
+        mapping = getattr(allocator, "full_to_swa_index_mapping", None)
+        if mapping is not None and forward_batch.req_pool_indices is not None:
+            rows = forward_batch.req_pool_indices.tolist()
+            lengths = forward_batch.seq_lens.tolist()
+            table = self.req_to_token_pool.req_to_token[rows].tolist() if rows else []
+            divergent, out_of_window, live = recount(mapping.tolist(), {r: t for r, t in zip(rows, table)}, rows, lengths)
+            line.update(divergence=divergent, out_of_window=out_of_window, live_tokens=live)
+        if leak_at and state["step"] == leak_at:
+            swa = allocator.swa_attn_allocator
+            line["leaked_page"] = int(swa.free_pages[0])
+            swa.free_pages = swa.free_pages[1:]
+        with open(os.path.join(out_dir, f"probe-{os.getpid()}.jsonl"), "a") as out:
+            out.write(json.dumps(line) + "\n")
+        return output
+
+    forward.__wrapped__ = original
+    runner_class.forward = forward
+
+
+def _patch_canary_manager(module) -> None:
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.views.sglang import KvCanaryHooks, log_line_sink
+
+    def reporter_by_hand(*, device, d2h_stream, interval, swa_allocator=None, req_to_token_pool=None):
+        reporter = SwaDivergenceReporter(interval, device=device, sinks=[log_line_sink()], verify_source="kv_canary")
+        return KvCanaryHooks(reporter, swa_allocator=swa_allocator, req_to_token_pool=req_to_token_pool)
+
+    module.SwaDivergenceReporter = reporter_by_hand
+
+
+def install() -> None:
+    sglang_cpu_patches.add_patch(_MODEL_RUNNER, _patch_model_runner)
+    if os.environ.get("OTEL_SWA_TEST_SGLANG_BY_HAND") == "1":
+        sglang_cpu_patches.add_patch(_CANARY_MANAGER, _patch_canary_manager)

@@ -1,0 +1,245 @@
+"""otel-swa inside a running sglang 0.5.23 ``Engine`` on CPU (marker ``sglang_engine``).
+
+Each run starts ``sglang_engine/drive_engine.py`` under ``opentelemetry-instrument`` (as a user
+does), with a tiny random-weight hybrid-SWA model built at test time (Mellum: 3 sliding-window
+layers with an 8-token window, 1 full layer), a 160-token KV pool with the radix cache on, 16
+requests of the Azure LLM inference trace 2023 scaled down (prompts of 20-64 tokens sharing a
+16-token system prompt, 8-48 output tokens), then 4 of them again (prefix cache hits), then
+``Engine.shutdown()``. The SGLang scheduler runs in its own spawned process: otel-swa's
+``swa_sglang`` instrumentor must load there through the ``opentelemetry_instrumentor`` entry point.
+
+Expected values come from elsewhere than the code under test: SGLang's own KV canary line (its
+reporter runs beside ours: ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``), a plain-Python
+recount in the scheduler process after every forward step (``shims/sglang_cpu/sglang_step_probe.py``),
+and what a real collector (``rotel-agent``) received.
+
+Test-only shims (``shims/``, installed into the suite's environment by ``shims/install.py``): an
+``sgl_kernel`` stand-in, a ``torchvision`` stand-in, the CPU patches of SGLang's KV canary and the
+fix of the torch-native backend's SWA read (without it, divergence >= 1 means wrong attention reads
+or an ``IndexError``).
+
+The runs, each shared by the tests below it:
+
+* ``traced``: page size 1, overlap scheduler on, SGLang's request tracing on (``enable_trace``,
+  its OTLP traces to the same collector);
+* ``paged``: page size 4, overlap scheduler off, and one SWA page taken off the free list after
+  forward step :data:`LEAK_AT_STEP` (a leak made on purpose);
+* ``by_hand``: no instrumentor (``OTEL_SWA_DIVERGENCE_INTERVAL=0``: nothing is wrapped), SGLang's
+  reporter replaced by otel-swa's ``KvCanaryHooks``, the substitution docs/engines.md describes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import pytest
+
+from otel_swa import environment_variables as ev
+
+pytestmark = [pytest.mark.sglang, pytest.mark.sglang_engine]
+
+INTERVAL = 5
+LEAK_AT_STEP = 60
+
+
+def _require() -> None:
+    missing = [name for name in ("sglang", "sglang_cpu_patches") if importlib.util.find_spec(name) is None]
+    if not missing:
+        return
+    message = (f"{', '.join(missing)} not importable; the engine suite needs sglang 0.5.23 and the CPU shims "
+               f"(python tests/engines/shims/install.py): run .ci/sglang-tests.sh")
+    if os.environ.get(ev.OTEL_SWA_REQUIRE_SGLANG, "").strip() == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    _require()
+    from sglang_engine.harness import build_model
+
+    return build_model(tmp_path_factory.mktemp("model"))
+
+
+def _engine_run(tmp_path_factory, model, agent, name, *, engine, env):
+    from sglang_engine.harness import run_engine
+
+    base = {"kv_canary": "raise"}
+    both = {"OTEL_SWA_DIVERGENCE_INTERVAL": str(INTERVAL), "SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL": str(INTERVAL)}
+    return run_engine(tmp_path_factory.mktemp(name), model, agent, engine={**base, **engine}, env={**both, **env})
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory, model, agent_binary):
+    return _engine_run(tmp_path_factory, model, agent_binary, "traced",
+                       engine={"page_size": 1, "enable_trace": True, "otlp_traces_endpoint": "{otlp_grpc}"}, env={})
+
+
+@pytest.fixture(scope="module")
+def paged(tmp_path_factory, model, agent_binary):
+    return _engine_run(tmp_path_factory, model, agent_binary, "paged",
+                       engine={"page_size": 4, "disable_overlap_schedule": True},
+                       # SGLang's own idle check sees the leak too; warn instead of stopping the engine
+                       env={"OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP": str(LEAK_AT_STEP),
+                            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false"})
+
+
+@pytest.fixture(scope="module")
+def by_hand(tmp_path_factory, model, agent_binary):
+    return _engine_run(tmp_path_factory, model, agent_binary, "by_hand", engine={"page_size": 1},
+                       env={"OTEL_SWA_DIVERGENCE_INTERVAL": "0", "OTEL_SWA_TEST_SGLANG_BY_HAND": "1"})
+
+
+@pytest.fixture(params=["traced", "paged"])
+def instrumented(request):
+    """Each run with otel-swa's instrumentor switched on."""
+    return request.getfixturevalue(request.param)
+
+
+def _int(text: str) -> int:
+    match = re.fullmatch(r"Int\((-?\d+)\)", text)
+    assert match, text
+    return int(match.group(1))
+
+
+# ------------------------------------------------------------------ the same numbers as SGLang's own reporter
+def test_our_lines_equal_sglangs_own_canary_lines_at_every_forward_ct(instrumented):
+    ours = {r.forward_ct: r for r in instrumented.ours}
+    sglangs = {r.forward_ct: r for r in instrumented.sglangs}
+    expected_cts = list(range(INTERVAL, instrumented.forward_steps + 1, INTERVAL))
+    # ours: every sample, the last one included (delivered at its step; no close() anywhere)
+    assert sorted(ours) == expected_cts
+    assert all(r.verify_source == "kv_canary" for r in ours.values())
+    # SGLang's reporter prints a sample one step later and loses the one pending at shutdown
+    assert set(sglangs) <= set(ours) and len(sglangs) >= len(expected_cts) - 1
+    for forward_ct, theirs in sglangs.items():
+        assert ours[forward_ct].to_dict() == theirs.to_dict(), forward_ct
+
+
+def test_records_equal_a_recount_in_the_scheduler_at_the_sampled_step(instrumented):
+    for record in instrumented.ours:
+        recount = instrumented.recount(record.forward_ct)
+        assert (record.swa_full_idx_divergence, record.swa_out_of_window_tokens) == (
+            recount["divergence"], recount["out_of_window"]), record.forward_ct
+
+
+def test_the_runs_remap_swa_slots_evict_retract_and_hit_the_prefix_cache(instrumented):
+    assert max(r.swa_full_idx_divergence for r in instrumented.ours) >= 1
+    assert max(r.swa_out_of_window_tokens for r in instrumented.ours) >= 1
+    assert instrumented.ours[-1].verify_swa < instrumented.ours[-1].verify_full
+    assert "Retract requests" in instrumented.log
+    second_wave = [r for r in instrumented.results["requests"] if r["wave"] == 1]
+    assert second_wave and all(r["cached_tokens"] >= 16 for r in second_wave)
+
+
+def test_sglangs_own_parser_reads_the_engine_log_with_our_lines_in_it(instrumented):
+    from sglang.srt.kv_canary.runner.swa_divergence import SwaDivergenceLog
+
+    parsed = [log for log, _ in SwaDivergenceLog.find_all(instrumented.log)]
+    assert len(parsed) == len(instrumented.ours) + len(instrumented.sglangs)
+    assert sorted(p.forward_ct for p in parsed) == sorted(r.forward_ct for r in instrumented.ours + instrumented.sglangs)
+
+
+# ------------------------------------------------------------------ OTLP from the scheduler process
+def test_the_collector_gets_every_sample_as_an_event_and_metrics_from_the_scheduler(instrumented):
+    lines = instrumented.ours
+    events = instrumented.events()
+    assert [_int(e["attributes"]["kv_cache.swa.forward_ct"]) for e in events] == [r.forward_ct for r in lines]
+    for event, record in zip(events, lines):
+        assert _int(event["attributes"]["kv_cache.swa.swa_out_of_window_tokens"]) == record.swa_out_of_window_tokens
+        assert event["attributes"]["kv_cache.swa.verify_source"] == "Str(kv_canary)"
+        assert _int(event["attributes"]["otel_swa.tp_rank"]) == 0 and _int(event["attributes"]["otel_swa.pp_rank"]) == 0
+        assert event["resource"]["service.name"] == "Str(sglang-engine-test)"
+    last = lines[-1]
+
+    def total(name, **attributes):
+        points = [p for p in instrumented.points(name)
+                  if all(p["attributes"].get(k) == v for k, v in attributes.items())]
+        assert len(points) == 1, (name, attributes, points)  # one export: the flush at shutdown
+        return points[0]["value"]
+
+    assert total("kv_cache.swa.entries.verified", pool="Str(full)") == last.verify_full
+    assert total("kv_cache.swa.entries.verified", pool="Str(swa)") == last.verify_swa
+    assert total("kv_cache.swa.forward_steps") == last.forward_ct
+    assert total("kv_cache.swa.reporter.samples.delivered") == len(lines)
+    assert total("kv_cache.swa.reporter.samples.taken") == len(lines)
+    assert total("kv_cache.swa.tokens.out_of_window") == last.swa_out_of_window_tokens
+    for point in instrumented.points("kv_cache.swa.forward_steps"):
+        assert _int(point["attributes"]["otel_swa.tp_rank"]) == 0
+
+
+def test_every_forward_step_of_the_scheduler_has_its_span(instrumented):
+    spans = instrumented.spans("forward step")
+    assert sorted(_int(s["attributes"]["forward_step.forward_ct"]) for s in spans) == list(
+        range(1, instrumented.forward_steps + 1))
+    assert {_int(s["attributes"]["otel_swa.tp_rank"]) for s in spans} == {0}
+    # each event carries the trace context of the forward step where its sample was taken
+    by_ct = {_int(s["attributes"]["forward_step.forward_ct"]): s for s in spans}
+    for event in instrumented.events():
+        step = by_ct[_int(event["attributes"]["kv_cache.swa.forward_ct"])]
+        assert (event["trace_id"], event["span_id"]) == (step["trace_id"], step["span_id"])
+
+
+def test_forward_step_spans_link_to_sglangs_own_request_spans(traced):
+    request_spans = [s for s in traced.seen["spans"] if re.fullmatch(r"\s*Req [0-9a-f]{1,8}", s.get("name", ""))]
+    assert len(request_spans) == len(traced.results["requests"])  # one root span per request, SGLang's
+    request_traces = {s["trace_id"]: s["span_id"] for s in request_spans}
+    linked = set()
+    for span in traced.spans("forward step"):
+        links = {(link["Trace ID"], link["ID"]) for link in span["links"]}
+        assert len(links) == _int(span["attributes"]["forward_step.batch_size"])
+        assert _int(span["attributes"]["forward_step.links.missing"]) == 0
+        linked |= links
+    assert linked == set(request_traces.items())
+
+
+def test_trace_ids_do_not_repeat_across_runs_seeded_alike(traced, paged):
+    # SGLang seeds Python's random module (random_seed=0) in both runs
+    first = {s["trace_id"] for s in traced.spans("forward step")}
+    second = {s["trace_id"] for s in paged.spans("forward step")}
+    assert len(first) == len(traced.spans("forward step")) and not first & second
+
+
+# ------------------------------------------------------------------ the radix cache and the audit
+def test_the_audit_is_clean_while_the_radix_cache_holds_swa_slots(traced):
+    events = traced.events()
+    audited = [e for e in events if "kv_cache.swa.swa_leaked_slots" in e["attributes"]]
+    assert len(audited) == len(events)
+    for event in audited:
+        for name in ("swa_leaked_slots", "swa_stale_tokens", "swa_shared_slots"):
+            assert _int(event["attributes"][f"kv_cache.swa.{name}"]) == 0, (name, event["attributes"])
+
+
+def test_a_page_taken_off_the_free_list_is_reported_as_leaked(paged):
+    leaked_at = [line for line in paged.probe if "leaked_page" in line]
+    assert [line["step"] for line in leaked_at] == [LEAK_AT_STEP]
+    by_ct = {_int(e["attributes"]["kv_cache.swa.forward_ct"]): e["attributes"] for e in paged.events()}
+    before = [ct for ct in by_ct if ct < LEAK_AT_STEP]
+    after = [ct for ct in by_ct if ct > LEAK_AT_STEP]
+    assert before and after
+    for ct in before:
+        assert _int(by_ct[ct]["kv_cache.swa.swa_leaked_slots"]) == 0, ct
+    for ct in after:  # one page of 4 slots, from the next sample on, until the end
+        assert _int(by_ct[ct]["kv_cache.swa.swa_leaked_slots"]) == 4, ct
+        assert _int(by_ct[ct]["kv_cache.swa.swa_stale_tokens"]) == 0, ct
+    # SGLang's own check, when the scheduler goes idle, agrees
+    assert "memory leak detected" in paged.log
+
+
+# ------------------------------------------------------------------ by hand, and the gate off
+def test_by_hand_hooks_replace_sglangs_reporter_and_match_the_recount(by_hand):
+    assert by_hand.sglangs == []  # SGLang's own reporter was replaced
+    assert [r.forward_ct for r in by_hand.ours] == list(range(INTERVAL, by_hand.forward_steps + 1, INTERVAL))
+    for record in by_hand.ours:
+        recount = by_hand.recount(record.forward_ct)
+        assert (record.swa_full_idx_divergence, record.swa_out_of_window_tokens) == (
+            recount["divergence"], recount["out_of_window"])
+    assert max(r.swa_full_idx_divergence for r in by_hand.ours) >= 1
+
+
+def test_interval_zero_wraps_nothing_in_the_engine(by_hand):
+    assert by_hand.spans("forward step") == []
+    assert by_hand.events() == []
+    assert [m for m in by_hand.seen["metrics"] if m.get("name", "").startswith("kv_cache.swa.")] == []
