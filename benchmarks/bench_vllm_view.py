@@ -13,8 +13,10 @@ over a batch of that shape, three ways:
 * ``sglang (reference)``: :func:`otel_swa.views.sglang.batch_view` over an SGLang-shaped allocator
   (``req_to_token`` int32, ``full_to_swa_index_mapping`` int64) holding the same tokens.
 
-Also ``vllm read only``: the per-step host cost of ``read_window_table`` alone, which the
-instrumentor pays at every scheduled step (not only at sampling steps).
+Also ``vllm read, every step``: the host cost the instrumentor pays at every scheduled step (not
+only at sampling steps) for the entries held: ``read_window_table(..., every_entry=False)``, the
+leading null run of each table; and ``vllm read, sampled``: the full read of a sampling step
+(every entry checked), without the reporter.
 
 The block tables are vLLM's: real ``KVCacheBlock`` objects from a real ``BlockPool`` when vLLM
 imports, else plain objects with the same two attributes (``block_id``, ``is_null``; the
@@ -155,11 +157,13 @@ def main() -> None:
         variants = {
             "vllm before": lambda: sample("before", lambda: before_view(manager, ids, lens, num_blocks)),
             "vllm after": lambda: sample("after", vllm_view.read_window_table(manager, ids, lens).view),
-            "vllm read only": lambda: vllm_view.read_window_table(manager, ids, lens),
+            "vllm read, every step": lambda: vllm_view.read_window_table(manager, ids, lens, every_entry=False),
+            "vllm read, sampled": lambda: vllm_view.read_window_table(manager, ids, lens),
             "sglang (reference)": lambda: sample("sglang", lambda: sglang_view.batch_view(allocator, pool, forward_batch)),
         }
         counts = vllm_view.read_window_table(manager, ids, lens).counts
         assert counts.swa_out_of_window_tokens == batch * skipped * args.block_size, counts
+        assert vllm_view.read_window_table(manager, ids, lens, every_entry=False).counts == counts
         times = {name: [] for name in variants}
         for fn in variants.values():
             fn()  # warm-up (and the cached mappings)

@@ -127,9 +127,11 @@ def _block_size(manager: Any) -> int:
     return size
 
 
-def _null_entries(blocks: Sequence[Any], stop: int) -> tuple[int, list[int]]:
+def _null_entries(blocks: Sequence[Any], stop: int, every_entry: bool = True) -> tuple[int, list[int]]:
     """``(head, others)`` for ``blocks[:stop]``: the length of the leading run of null entries and
-    the indices of every other null entry. Each of the ``stop`` entries is checked.
+    the indices of every other null entry. Each of the ``stop`` entries is checked; with
+    ``every_entry=False`` the leading run's end is found by the bisection alone (``log2(stop)``
+    reads; ``others`` is then empty).
 
     vLLM's null entries form one run at the head of the table, all the same object: the run's end
     is found by bisection on ``is_null`` and confirmed by an identity count over the run (a C-speed
@@ -145,8 +147,12 @@ def _null_entries(blocks: Sequence[Any], stop: int) -> tuple[int, list[int]]:
                 lo = mid + 1
             else:
                 hi = mid
+        if not every_entry:
+            return lo, []
         if blocks[:lo].count(blocks[0]) == lo:
             head = lo
+    if not every_entry:
+        return head, []
     flags = [block.is_null for block in blocks[head:stop]]
     if True not in flags:
         return head, []
@@ -214,14 +220,20 @@ def _held_mapping(device: torch.device) -> torch.Tensor:
     return torch.tensor([0, 1], dtype=torch.int64, device=device)
 
 
-def read_window_table(manager: Any, request_ids: Sequence[str], num_tokens: Sequence[int]) -> WindowTable:
+def read_window_table(
+    manager: Any, request_ids: Sequence[str], num_tokens: Sequence[int], *, every_entry: bool = True
+) -> WindowTable:
     """Read the SWA block tables of a batch from vLLM's ``SlidingWindowManager``.
 
     Reads ``manager.req_to_blocks[request_id]`` (without inserting: it is a ``defaultdict``) and
     ``manager.block_size``; for each request, the first ``ceil(n / block_size)`` entries, every one
     checked (see :class:`WindowTable`). Host Python only, no torch work; the cost per request is
     a bisection and a C-speed scan of its null run, plus one attribute read per block after it
-    (the blocks inside the window and those the table has not freed yet).
+    (the blocks inside the window and those the table has not freed yet). With
+    ``every_entry=False`` only the end of the leading null run is looked for, by bisection
+    (``log2`` of the request's blocks reads): exact for vLLM 0.33's tables, whose null entries are
+    one leading run, and what the instrumentor reads at every step; the full read, at sampling
+    steps, checks every entry (a null entry after the run, if vLLM ever made one, shows there).
 
     Args:
         manager: the sliding-window group's ``SlidingWindowManager``
@@ -255,7 +267,7 @@ def read_window_table(manager: Any, request_ids: Sequence[str], num_tokens: Sequ
                 f"request {request_id!r} has {n} tokens but its SWA block table holds {len(blocks)} "
                 f"blocks of {bs} tokens"
             )
-        head, rest = _null_entries(blocks, stop)
+        head, rest = _null_entries(blocks, stop, every_entry)
         heads.append(head)
         nulls = head
         if rest:

@@ -93,6 +93,19 @@ def test_read_window_table_on_hand_built_tables():
     assert set(holder.req_to_blocks) == set(ids)  # read without inserting into the defaultdict
 
 
+def test_the_every_step_read_counts_the_leading_null_run_only():
+    # vLLM's tables (leading run only): the bisection alone gives the recount
+    tables = {"a": [NULL, NULL, NULL, Block(3), Block(4)], "b": [Block(5), Block(6)], "c": [NULL]}
+    ids, lens = ["a", "b", "c"], [19, 8, 2]
+    fast = vllm.read_window_table(manager(4, tables), ids, lens, every_entry=False)
+    live, held, out = recount(tables, ids, lens, 4)
+    assert fast.counts == vllm.WindowCounts(live_tokens=live, swa_entries=held, swa_out_of_window_tokens=out)
+    # a null entry after the run is not read by it; the full read at sampling steps counts it
+    tables["b"] = [Block(5), NULL]
+    assert vllm.read_window_table(manager(4, tables), ["b"], [8], every_entry=False).counts.swa_out_of_window_tokens == 0
+    assert vllm.read_window_table(manager(4, tables), ["b"], [8]).counts.swa_out_of_window_tokens == 4
+
+
 def test_a_head_of_distinct_null_objects_is_read_entry_by_entry():
     first, second = Block(0, True), Block(0, True)
     tables = {"r": [first, second, first, Block(7)]}

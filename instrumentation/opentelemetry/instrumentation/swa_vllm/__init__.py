@@ -183,18 +183,23 @@ class SwaVllmInstrumentor(EngineInstrumentor):
             return
         requests = scheduler.requests
         reporter = wiring.reporter
-        try:
-            table = view.read_window_table(
-                wiring.manager, request_ids, [requests[rid].num_computed_tokens for rid in request_ids]
-            )
-        except Exception:
-            wiring.read_failures += 1
-            if wiring.read_failures == 1:  # once per scheduler: the same fault would recur every step
-                _log.exception("vLLM SWA block tables not read; such steps count an empty batch")
-            table = view.read_window_table(wiring.manager, (), ())
-        else:
-            view.observe_counts(reporter, table.counts)
-        reporter.step(table.view)  # the reporter builds the view at sampling steps only
+        num_tokens = [requests[rid].num_computed_tokens for rid in request_ids]
+
+        def read(every_entry: bool) -> Any:
+            try:
+                return view.read_window_table(wiring.manager, request_ids, num_tokens, every_entry=every_entry)
+            except Exception:
+                wiring.read_failures += 1
+                if wiring.read_failures == 1:  # once per scheduler: the same fault would recur every step
+                    _log.exception("vLLM SWA block tables not read; such steps count an empty batch")
+                return None
+
+        # Every step: the held entries from the leading null run of each table (no per-block work).
+        heads = read(every_entry=False)
+        if heads is not None:
+            view.observe_counts(reporter, heads.counts)
+        # Sampling steps only (the reporter calls the factory then): every entry read and checked.
+        reporter.step(lambda: (read(every_entry=True) or view.read_window_table(wiring.manager, (), ())).view())
 
     # ------------------------------------------------------------------ worker side
     def _wrap_execute_model(self, original: Callable) -> Callable:
