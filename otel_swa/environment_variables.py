@@ -57,6 +57,14 @@ Test suite only: ``1`` makes the SGLang engine tests fail, instead of skip, when
 imported (set by ``.ci/sglang-tests.sh``).
 """
 
+OTEL_SWA_REQUIRE_VLLM = "OTEL_SWA_REQUIRE_VLLM"
+"""
+.. envvar:: OTEL_SWA_REQUIRE_VLLM
+
+Test suite only: ``1`` makes the vLLM tests fail, instead of skip, when vLLM cannot be imported
+(set by ``.ci/vllm-tests.sh``).
+"""
+
 OTEL_SWA_WARNED = "OTEL_SWA_WARNED"
 """
 .. envvar:: OTEL_SWA_WARNED

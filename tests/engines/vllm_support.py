@@ -26,9 +26,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from otel_swa import environment_variables as ev
+
 #: Set to 1 (as ``.ci/vllm-tests.sh`` does) to make a failed vLLM import fail the ``vllm`` tests
 #: instead of skipping them.
-REQUIRE_VLLM = "OTEL_SWA_REQUIRE_VLLM"
+REQUIRE_VLLM = ev.OTEL_SWA_REQUIRE_VLLM
 
 #: The attention layers of :func:`write_tiny_llama`'s model, one per KV cache group.
 LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
