@@ -13,6 +13,14 @@ One module owns these hooks so that their order is right everywhere:
   runs no exit hook, so the instrumentor asks each scheduler to flush first): reporters are
   flushed, then each tracked provider's ``force_flush`` exports its buffers, within a time bound.
 
+* **fork** (``os.register_at_fork``): a forked child inherits the parent's reporters and SDK
+  providers, their counts and buffers. In the child every tracked reporter is reset (its totals,
+  forward count and pending samples are the parent's: see ``SwaDivergenceReporter.reset_after_fork``)
+  and the exporters :func:`otel_swa.telemetry.configure` built export nothing (they would send the
+  parent's numbers again and, for OTLP over gRPC, flood the log once the child closes the parent's
+  file descriptors). A child that should export calls ``configure()`` itself; a spawned child (a new
+  interpreter, what SGLang and vLLM's multiprocessing use by default) starts clean anyway.
+
 What a SIGKILL without either still loses: nothing the reporter delivered on CPU (a record reaches
 the sinks at the step it was sampled), but what the SDK's batching processors had not exported
 yet: up to one schedule delay of events and spans (``OTEL_BLRP_SCHEDULE_DELAY``, default 1 s;
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 import weakref
@@ -58,6 +67,24 @@ class FlushResult:
     providers: int
     failed: int
     seconds: float
+
+
+def _after_fork_in_child() -> None:
+    # the parent's lock may have been held by another thread at the fork: this child owns a new one
+    global _lock
+    _lock = threading.Lock()
+    for reporter in list(_reporters):
+        reset = getattr(reporter, "reset_after_fork", None)
+        if reset is None:
+            continue
+        try:
+            reset()
+        except Exception:
+            _log.exception("resetting an SWA divergence reporter in a forked child failed")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _at_exit() -> None:

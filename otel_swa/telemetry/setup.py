@@ -41,11 +41,11 @@ from opentelemetry import trace
 from opentelemetry._logs import get_logger_provider, set_logger_provider
 from opentelemetry.environment_variables import OTEL_LOGS_EXPORTER, OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
 from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExportResult, SimpleLogRecordProcessor
 from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_SERVICE_NAME
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
-from opentelemetry.sdk.resources import OTEL_RESOURCE_ATTRIBUTES, SERVICE_NAME, Resource
+from opentelemetry.sdk.resources import OTEL_RESOURCE_ATTRIBUTES, PROCESS_PID, SERVICE_NAME, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.util._importlib_metadata import entry_points
@@ -142,7 +142,60 @@ def _resource(
     rank_keys = {"tp": sc.ATTR_TP_RANK, "dp": sc.ATTR_DP_RANK, "pp": sc.ATTR_PP_RANK}
     for dim, rank in ranks.items():
         attributes[rank_keys[dim]] = rank
+    # the process's identity: several engine processes (ranks, forked or spawned workers) of one
+    # service export apart, and a child never passes for its parent
+    attributes.setdefault(PROCESS_PID, os.getpid())
     return Resource.create(attributes)
+
+
+class _ParentProcessExporter:
+    """An exporter built by :func:`configure`, silenced in processes forked after it was built.
+
+    A forked child inherits the parent's SDK providers: their buffers and cumulative metric state
+    (the parent's numbers) and, for OTLP over gRPC, the parent's channel, which a child that closes
+    its inherited file descriptors (daemons, multiprocessing workers) turns into hundreds of
+    thousands of gRPC error lines a second. The SDK restarts its export threads in the child; this
+    wrapper makes their exports there a no-op that reports success (counted in :attr:`dropped`), so
+    the child neither floods nor exports its parent's data. Everything else is the wrapped
+    exporter's (attributes the SDK reads, such as a metric exporter's preferred temporality, too).
+    """
+
+    def __init__(self, exporter: Any, success: Any) -> None:
+        self._exporter = exporter
+        self._success = success
+        self._pid = os.getpid()
+        self.dropped = 0
+
+    @property
+    def in_parent(self) -> bool:
+        return os.getpid() == self._pid
+
+    def export(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.in_parent:
+            self.dropped += 1
+            return self._success
+        return self._exporter.export(*args, **kwargs)
+
+    def force_flush(self, *args: Any, **kwargs: Any) -> Any:
+        return self._exporter.force_flush(*args, **kwargs) if self.in_parent else True
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> Any:
+        return self._exporter.shutdown(*args, **kwargs) if self.in_parent else None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._exporter, name)
+
+
+def _export_success(signal: str) -> Any:
+    if signal == "traces":
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        return SpanExportResult.SUCCESS
+    if signal == "metrics":
+        from opentelemetry.sdk.metrics.export import MetricExportResult
+
+        return MetricExportResult.SUCCESS
+    return LogRecordExportResult.SUCCESS
 
 
 def _is_proxy_tracer_provider(provider: Any) -> bool:
@@ -370,6 +423,10 @@ def configure(
                     f"the {signal} exporter {name!r} could not be created from its OTEL_EXPORTER_* "
                     f"settings: {type(exc).__name__}: {exc}"
                 ) from exc
+            # A reader is no exporter (the SDK drives it); the line exporter writes each record
+            # as it is emitted (no buffered parent data), so a child's own lines still appear.
+            if not isinstance(exporter, (MetricReader, SwaLogLineExporter)):
+                exporter = _ParentProcessExporter(exporter, _export_success(signal))
             made.append(exporter)
             exporters_of[signal].append((cls, exporter))
 

@@ -1,0 +1,155 @@
+"""Forked and spawned children against a real collector (rotel): no flood, no parent numbers
+exported twice, each process its own series.
+
+Each case runs a small program in a subprocess: the parent sets up ``configure(exporters="otlp")``
+(gRPC), takes 44 forward steps with a reporter at interval 4, starts a child, waits for it and
+exits (the SDK's exit hooks export). What reaches the collector is compared with what each process
+counted, by the ``process.pid`` on the resource.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from collector_support import RotelCollector
+
+pytestmark = pytest.mark.collector
+
+PARENT_STEPS = 44
+CHILD_STEPS = 12
+
+COMMON = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.telemetry import configure
+    from otel_swa.views import SwaBatch
+
+    EMPTY = torch.zeros(0, dtype=torch.int64)
+    VIEW = SwaBatch(torch.zeros((1, 1), dtype=torch.int32), torch.zeros(1, dtype=torch.int64), EMPTY, EMPTY, ())
+
+    def run(reporter, steps):
+        for _ in range(steps):
+            reporter.observe("full", 3)
+            reporter.step(VIEW)
+
+    def own_pipeline(steps):
+        telemetry = configure(exporters="otlp")
+        reporter = telemetry.attach(SwaDivergenceReporter(4))
+        run(reporter, steps)
+        reporter.close()
+        telemetry.shutdown()
+    """
+)
+
+FORK_CLOSING_DESCRIPTORS = COMMON + textwrap.dedent(
+    f"""
+    telemetry = configure(exporters="otlp")
+    reporter = telemetry.attach(SwaDivergenceReporter(4))
+    run(reporter, {PARENT_STEPS})
+    pid = os.fork()
+    if pid == 0:  # a daemon-style child: closes what it inherited, then lives a while
+        os.closerange(3, 4096)
+        time.sleep(2.5)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    """
+)
+
+MULTIPROCESSING_FORK_COUNTING = COMMON + textwrap.dedent(
+    f"""
+    import multiprocessing as mp
+
+    def child():
+        run(reporter, {CHILD_STEPS})  # the inherited reporter, in the child
+        time.sleep(1.5)  # the SDK's export threads run in the child meanwhile
+
+    if __name__ == "__main__":
+        telemetry = configure(exporters="otlp")
+        reporter = telemetry.attach(SwaDivergenceReporter(4))
+        run(reporter, {PARENT_STEPS})
+        proc = mp.get_context("fork").Process(target=child)
+        proc.start(); proc.join()
+        assert proc.exitcode == 0
+    """
+)
+
+SPAWN = COMMON + textwrap.dedent(
+    f"""
+    import multiprocessing as mp
+
+    def torch_entry(rank, steps):  # torch.multiprocessing.spawn calls fn(rank, *args)
+        own_pipeline(steps)
+
+    if __name__ == "__main__":
+        telemetry = configure(exporters="otlp")
+        reporter = telemetry.attach(SwaDivergenceReporter(4))
+        run(reporter, {PARENT_STEPS})
+        if sys.argv[1] == "torch":
+            import torch.multiprocessing as tmp
+            tmp.spawn(torch_entry, args=({CHILD_STEPS},), nprocs=1, join=True)
+        else:
+            proc = mp.get_context("spawn").Process(target=own_pipeline, args=({CHILD_STEPS},))
+            proc.start(); proc.join()
+            assert proc.exitcode == 0
+    """
+)
+
+
+def _run(agent, tmp_path, program: str, *args: str):
+    script = tmp_path / "program.py"
+    script.write_text(program)
+    with RotelCollector(agent, tmp_path) as collector:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+        env.update({
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint("grpc"),
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_INSECURE": "true",
+            "OTEL_METRIC_EXPORT_INTERVAL": "500",  # the SDK's reader thread exports in the child too
+        })
+        run = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True,
+                             timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, collector.seen()
+
+
+def _forward_steps_by_pid(seen) -> dict:
+    """process.pid -> the kv_cache.swa.forward_steps values that process exported (cumulative)."""
+    out: dict = {}
+    for metric in seen["metrics"]:
+        if metric.get("name") == "kv_cache.swa.forward_steps":
+            pid = metric["resource"].get("process.pid")
+            out.setdefault(pid, []).extend(p["value"] for p in metric["points"])
+    return out
+
+
+def test_a_forked_child_closing_its_descriptors_neither_floods_nor_exports(agent_binary, tmp_path):
+    run, seen = _run(agent_binary, tmp_path, FORK_CLOSING_DESCRIPTORS)
+    # gRPC's "Completion queue next failed ... Bad file descriptor": ~500,000 lines in 2.5 s when
+    # the child's inherited exporters talk over the parent's channel
+    assert len(run.stderr.splitlines()) <= 2, run.stderr[:2000]
+    by_pid = _forward_steps_by_pid(seen)
+    assert len(by_pid) == 1  # the parent only
+    assert set(next(iter(by_pid.values()))) == {float(PARENT_STEPS - PARENT_STEPS % 4)}
+
+
+def test_a_forked_child_never_exports_the_parents_numbers_again(agent_binary, tmp_path):
+    run, seen = _run(agent_binary, tmp_path, MULTIPROCESSING_FORK_COUNTING)
+    by_pid = _forward_steps_by_pid(seen)
+    # one series, the parent's 44 steps: the child's inherited pipeline exported nothing, neither
+    # the parent's cumulative 44 again nor a total counted on top of it
+    assert len(by_pid) == 1, by_pid
+    assert set(next(iter(by_pid.values()))) == {float(PARENT_STEPS)}
+
+
+@pytest.mark.parametrize("start", ["multiprocessing", "torch"])
+def test_a_spawned_child_exports_its_own_series(agent_binary, tmp_path, start):
+    run, seen = _run(agent_binary, tmp_path, SPAWN, start)
+    by_pid = _forward_steps_by_pid(seen)
+    assert len(by_pid) == 2, by_pid  # distinct process.pid on each resource
+    assert sorted(max(values) for values in by_pid.values()) == [float(CHILD_STEPS), float(PARENT_STEPS)]
