@@ -193,3 +193,43 @@ def test_opentelemetry_instrument_finds_the_instrumentor_and_the_logline_exporte
     forward_ct = int(run.stdout.split("forward_ct")[1])
     records = list(find_all(run.stderr))
     assert [r.forward_ct for r in records] == list(range(5, forward_ct + 1, 5))
+
+
+@pytest.mark.parametrize("configure_first", [True, False], ids=["configure-first", "instrument-first"])
+def test_health_metrics_are_exported_whichever_of_configure_and_instrument_comes_first(configure_first, monkeypatch):
+    """configure() builds a sink on the same meter as the instrumentor's: both must export the
+    health of their reporters (the SDK keeps one observable instrument per name and meter)."""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.telemetry import configure
+
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "3")
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    instrumentor = SwaReferenceInstrumentor()
+    try:
+        if configure_first:
+            telemetry = configure(exporters="none", meter_provider=provider, set_global=False)
+            instrumentor.instrument(meter_provider=provider)
+        else:
+            instrumentor.instrument(meter_provider=provider)
+            telemetry = configure(exporters="none", meter_provider=provider, set_global=False)
+        own = telemetry.attach(SwaDivergenceReporter(2))
+        view = lambda: None  # noqa: E731 - never called: the own reporter samples at step 2
+        own.step(view)
+        engine = run_engine()
+        totals = {}
+        for rm in reader.get_metrics_data().resource_metrics:
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    totals[metric.name] = sum(getattr(p, "value", 0) for p in metric.data.data_points)
+        taken = engine.reporter.stats.samples_taken
+        assert taken > 0
+        # the engine's reporter (from the instrumentor) and configure()'s own (1 step: no sample)
+        assert totals["kv_cache.swa.reporter.samples.taken"] == taken
+        assert totals["kv_cache.swa.reporter.samples.delivered"] == engine.reporter.stats.samples_delivered == taken
+    finally:
+        instrumentor.uninstrument()
+        provider.shutdown()
