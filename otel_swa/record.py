@@ -54,6 +54,8 @@ AUDIT_FIELDS = (
     "swa_leaked_slots",
     "swa_stale_tokens",
     "swa_shared_slots",
+    "swa_pages_in_use",
+    "swa_pages_referenced",
 )
 
 #: What ``verify_full`` / ``verify_swa`` count, as carried by :attr:`SwaDivergenceRecord.verify_source`:
@@ -127,6 +129,9 @@ class SwaDivergenceRecord:
             ``None`` when the engine gave no audit inputs.
         swa_stale_tokens: live tokens whose SWA page is on the free list (stale), or ``None``.
         swa_shared_slots: SWA slots that two distinct live FULL slots map to, or ``None``.
+        swa_pages_in_use: SWA pages allocated (not on the free list), unit ``{page}``, or ``None``.
+        swa_pages_referenced: SWA pages in use that at least one live token maps into, unit
+            ``{page}``, or ``None`` (``swa_pages_in_use - swa_pages_referenced`` pages are leaked).
         verify_source: what ``verify_full`` / ``verify_swa`` count, one of :data:`VERIFY_SOURCES`,
             or ``None`` when unknown (a line SGLang itself wrote, which counts what its canary
             verified). Written as the line's tag by :meth:`line`, never into the JSON.
@@ -147,6 +152,8 @@ class SwaDivergenceRecord:
     swa_leaked_slots: "int | None" = field(default=None, kw_only=True)
     swa_stale_tokens: "int | None" = field(default=None, kw_only=True)
     swa_shared_slots: "int | None" = field(default=None, kw_only=True)
+    swa_pages_in_use: "int | None" = field(default=None, kw_only=True)
+    swa_pages_referenced: "int | None" = field(default=None, kw_only=True)
     verify_source: "str | None" = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:

@@ -158,3 +158,17 @@ def test_find_all_reads_the_tag_back_and_tells_our_lines_from_sglangs():
 def test_unknown_verify_source_is_refused_with_its_value():
     with pytest.raises(ValueError, match="verify_source.*'reads'"):
         R.replace(verify_source="reads")
+
+
+def test_pages_in_use_and_referenced_are_optional_audit_fields_never_in_the_line():
+    audited = R.replace(swa_leaked_slots=4, swa_stale_tokens=0, swa_shared_slots=0,
+                        swa_pages_in_use=9, swa_pages_referenced=5)
+    assert (audited.swa_pages_in_use, audited.swa_pages_referenced) == (9, 5)
+    assert audited.audit_dict() == {"swa_leaked_slots": 4, "swa_stale_tokens": 0, "swa_shared_slots": 0,
+                                    "swa_pages_in_use": 9, "swa_pages_referenced": 5}
+    assert audited.format() == R.format()
+    assert (R.swa_pages_in_use, R.swa_pages_referenced) == (None, None)
+    with pytest.raises(TypeError, match="swa_pages_in_use must be an int"):
+        R.replace(swa_pages_in_use=1.0)
+    with pytest.raises(TypeError):
+        SwaDivergenceRecord(1, 2, 3, 4, 5, 6)  # keyword-only
