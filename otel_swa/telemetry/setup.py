@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -41,7 +43,7 @@ from opentelemetry import trace
 from opentelemetry._logs import get_logger_provider, set_logger_provider
 from opentelemetry.environment_variables import OTEL_LOGS_EXPORTER, OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
 from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExportResult, SimpleLogRecordProcessor
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor
 from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_SERVICE_NAME
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
@@ -53,7 +55,9 @@ from opentelemetry.util._importlib_metadata import entry_points
 from otel_swa import config
 from otel_swa.config import ConfigError
 from otel_swa.telemetry import semconv as sc
+from otel_swa.telemetry.exporters import AccountedExporter, ExportCounts, RepeatedWarningFilter
 from otel_swa.telemetry.logline import SwaLogLineExporter
+from otel_swa.telemetry.otlp_env import check_otlp_environment
 from otel_swa.telemetry.sink import SwaTelemetrySink
 from otel_swa.telemetry.spans import ForwardSpans, RequestSpans
 from otel_swa.version import __version__
@@ -148,56 +152,6 @@ def _resource(
     return Resource.create(attributes)
 
 
-class _ParentProcessExporter:
-    """An exporter built by :func:`configure`, silenced in processes forked after it was built.
-
-    A forked child inherits the parent's SDK providers: their buffers and cumulative metric state
-    (the parent's numbers) and, for OTLP over gRPC, the parent's channel, which a child that closes
-    its inherited file descriptors (daemons, multiprocessing workers) turns into hundreds of
-    thousands of gRPC error lines a second. The SDK restarts its export threads in the child; this
-    wrapper makes their exports there a no-op that reports success (counted in :attr:`dropped`), so
-    the child neither floods nor exports its parent's data. Everything else is the wrapped
-    exporter's (attributes the SDK reads, such as a metric exporter's preferred temporality, too).
-    """
-
-    def __init__(self, exporter: Any, success: Any) -> None:
-        self._exporter = exporter
-        self._success = success
-        self._pid = os.getpid()
-        self.dropped = 0
-
-    @property
-    def in_parent(self) -> bool:
-        return os.getpid() == self._pid
-
-    def export(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.in_parent:
-            self.dropped += 1
-            return self._success
-        return self._exporter.export(*args, **kwargs)
-
-    def force_flush(self, *args: Any, **kwargs: Any) -> Any:
-        return self._exporter.force_flush(*args, **kwargs) if self.in_parent else True
-
-    def shutdown(self, *args: Any, **kwargs: Any) -> Any:
-        return self._exporter.shutdown(*args, **kwargs) if self.in_parent else None
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._exporter, name)
-
-
-def _export_success(signal: str) -> Any:
-    if signal == "traces":
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        return SpanExportResult.SUCCESS
-    if signal == "metrics":
-        from opentelemetry.sdk.metrics.export import MetricExportResult
-
-        return MetricExportResult.SUCCESS
-    return LogRecordExportResult.SUCCESS
-
-
 def _is_proxy_tracer_provider(provider: Any) -> bool:
     return isinstance(provider, trace.ProxyTracerProvider)
 
@@ -258,6 +212,8 @@ class SwaTelemetry:
     resource: Resource | None
     exporters: dict[str, list[str]] = field(default_factory=dict)
     sinks: list = field(default_factory=list)
+    accounted: list = field(default_factory=list)
+    warning_filter: Any = None
     _closed: bool = False
 
     def attach(self, reporter: Any) -> Any:
@@ -298,30 +254,94 @@ class SwaTelemetry:
                 except Exception:
                     _log.exception("force_flush of %s failed", type(provider).__name__)
 
-    def shutdown(self) -> None:
+    def export_stats(self) -> dict[str, ExportCounts]:
+        """What the exporters :func:`configure` built sent, per signal (``traces``: spans,
+        ``metrics``: data points, ``logs``: log records; the SGLang line exporter is not counted:
+        it writes, it does not send). Signals without such an exporter are absent."""
+        stats: dict[str, ExportCounts] = {}
+        for exporter in self.accounted:
+            counts = exporter.counts()
+            before = stats.get(exporter.signal, ExportCounts(0, 0, 0, 0))
+            stats[exporter.signal] = ExportCounts(*(a + b for a, b in zip(
+                (before.exported, before.failed, before.failed_exports, before.dropped_in_child),
+                (counts.exported, counts.failed, counts.failed_exports, counts.dropped_in_child))))
+        return stats
+
+    @property
+    def suppressed_warnings(self) -> int:
+        """Repeated exporter warnings not logged (the first of each kind was)."""
+        return self.warning_filter.suppressed if self.warning_filter is not None else 0
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
         """End open request spans, then shut down the providers built by :func:`configure` (only
         those; the SDK's shutdown exports what is buffered, and the metric reader collects a last
-        time). Idempotent."""
+        time). Idempotent.
+
+        The providers shut down in parallel and this returns after at most ``timeout_s`` seconds
+        (default: the largest OTLP timeout set, ``OTEL_EXPORTER_OTLP[_<SIGNAL>]_TIMEOUT``, else the
+        exporters' 10 s, plus :data:`SHUTDOWN_MARGIN_S`): a collector that accepts connections and
+        never answers cannot hold the process longer. A provider still exporting then is left to
+        finish in the background (a daemon thread). Then one warning says what failed, if
+        anything did, and how many repeated exporter warnings were not logged."""
         if self._closed:
             return
         self._closed = True
         self.request_spans.end_all()
         providers = {"traces": self.tracer_provider, "metrics": self.meter_provider, "logs": self.logger_provider}
-        # logs and traces first: the metric reader's final collection comes last.
+        deadline = time.monotonic() + (timeout_s if timeout_s is not None else _shutdown_budget_s())
+        threads = []
         for signal in ("logs", "traces", "metrics"):
-            if signal not in self.owned:
-                continue
-            provider = providers[signal]
-            try:
-                provider.shutdown()
-            except Exception:
-                _log.exception("shutdown of the %s provider failed", signal)
+            if signal in self.owned:
+                thread = threading.Thread(target=_shutdown_provider, args=(signal, providers[signal]),
+                                          name=f"otel-swa-shutdown-{signal}", daemon=True)
+                thread.start()
+                threads.append(thread)
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        late = [t.name.rsplit("-", 1)[-1] for t in threads if t.is_alive()]
+        if late:
+            _log.warning("otel-swa: the %s provider(s) did not finish exporting in time; leaving them", ", ".join(late))
+        self._report_export_failures()
+
+    def _report_export_failures(self) -> None:
+        units = {"traces": "spans", "metrics": "data points", "logs": "log records"}
+        failed = [f"{signal}: {c.failed} {units[signal]} in {c.failed_exports} export(s)"
+                  for signal, c in self.export_stats().items() if c.failed_exports]
+        suppressed = self.suppressed_warnings
+        if self.warning_filter is not None:
+            self.warning_filter.uninstall()
+        if failed or suppressed:
+            _log.warning(
+                "otel-swa: exports failed (%s); %d repeated exporter warning(s) not logged",
+                "; ".join(failed) or "none", suppressed,
+            )
 
     def __enter__(self) -> "SwaTelemetry":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+
+#: Added to the exporters' timeout in :meth:`SwaTelemetry.shutdown`'s bound (seconds).
+SHUTDOWN_MARGIN_S = 2.0
+
+
+def _shutdown_budget_s() -> float:
+    timeouts = []
+    for name in ["OTEL_EXPORTER_OTLP_TIMEOUT"] + [f"OTEL_EXPORTER_OTLP_{s.upper()}_TIMEOUT" for s in SIGNALS]:
+        try:
+            timeouts.append(float(os.environ[name]))
+        except (KeyError, ValueError):
+            continue
+    return (max(timeouts) if timeouts else 10.0) + SHUTDOWN_MARGIN_S
+
+
+def _shutdown_provider(signal: str, provider: Any) -> None:
+    try:
+        provider.shutdown()
+    except Exception:
+        _log.exception("shutdown of the %s provider failed", signal)
 
 
 def configure(
@@ -384,6 +404,10 @@ def configure(
                 raise ConfigError(f"{dim}_rank={value!r}; expected an integer >= 0")
             ranks[dim] = value
     classes = {signal: [(name, _load_exporter(signal, name)) for name in names[signal]] for signal in SIGNALS}
+    protocols = {signal: protocol for signal in SIGNALS for protocol, entry in _OTLP_BY_PROTOCOL.items()
+                 if entry in names[signal]}
+    for warning in check_otlp_environment(protocols, env):  # raises ConfigError before anything is built
+        _log.warning("%s", warning)
 
     resource: Resource | None = None
 
@@ -409,6 +433,7 @@ def configure(
     # 1. Every exporter of the providers to build, before any provider exists: a constructor that
     # fails on a bad OTEL_EXPORTER_OTLP_* value then leaves nothing built or installed.
     made: list[Any] = []
+    accounted: list[AccountedExporter] = []
     exporters_of: dict[str, list[tuple[type, Any]]] = {signal: [] for signal in SIGNALS}
     for signal in to_build:
         for name, cls in classes[signal]:
@@ -426,7 +451,8 @@ def configure(
             # A reader is no exporter (the SDK drives it); the line exporter writes each record
             # as it is emitted (no buffered parent data), so a child's own lines still appear.
             if not isinstance(exporter, (MetricReader, SwaLogLineExporter)):
-                exporter = _ParentProcessExporter(exporter, _export_success(signal))
+                exporter = AccountedExporter(exporter, signal, name)
+                accounted.append(exporter)
             made.append(exporter)
             exporters_of[signal].append((cls, exporter))
 
@@ -492,5 +518,6 @@ def configure(
     return SwaTelemetry(
         tracer_provider=tracer_provider, meter_provider=meter_provider, logger_provider=logger_provider,
         owned=tuple(owned), sink=sink, request_spans=request_spans, forward_spans=forward_spans,
-        resource=resource, exporters=names,
+        resource=resource, exporters=names, accounted=accounted,
+        warning_filter=RepeatedWarningFilter().install() if accounted else None,
     )
