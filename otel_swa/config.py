@@ -18,6 +18,7 @@ __all__ = [
     "ring_size",
     "parallel_ranks",
     "warn_once",
+    "sigterm_flush",
 ]
 
 DEFAULT_RING_SIZE = 4
@@ -120,6 +121,16 @@ def parallel_ranks(environ: Mapping[str, str] | None = None) -> dict[str, int]:
         if value >= 0:
             ranks[dim] = value
     return ranks
+
+
+def sigterm_flush(environ: Mapping[str, str] | None = None) -> bool:
+    """``OTEL_SWA_SIGTERM_FLUSH``: whether to flush on SIGTERM (default True).
+
+    Raises:
+        ConfigError: a value other than 0 or 1.
+    """
+    env = os.environ if environ is None else environ
+    return read_int(ev.OTEL_SWA_SIGTERM_FLUSH, env.get(ev.OTEL_SWA_SIGTERM_FLUSH), default=1, minimum=0, maximum=1) == 1
 
 
 def warn_once(name: str, environ: "MutableMapping[str, str] | None" = None) -> bool:

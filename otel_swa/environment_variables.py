@@ -65,6 +65,14 @@ Test suite only: ``1`` makes the vLLM tests fail, instead of skip, when vLLM can
 (set by ``.ci/vllm-tests.sh``).
 """
 
+OTEL_SWA_SIGTERM_FLUSH = "OTEL_SWA_SIGTERM_FLUSH"
+"""
+.. envvar:: OTEL_SWA_SIGTERM_FLUSH
+
+``1`` (default): when SIGTERM still has its default action, otel-swa delivers and exports what it
+holds before SIGTERM ends the process (see :mod:`otel_swa.lifecycle`). ``0``: SIGTERM is left alone.
+"""
+
 OTEL_SWA_WARNED = "OTEL_SWA_WARNED"
 """
 .. envvar:: OTEL_SWA_WARNED

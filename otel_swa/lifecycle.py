@@ -8,6 +8,12 @@ One module owns these hooks so that their order is right everywhere:
   registers ``provider.shutdown`` with ``atexit`` when a provider is built; ``atexit`` runs hooks
   last-in first-out, so :func:`track` (re-)registers otel-swa's hook after every provider it is
   told about, which makes it run first;
+* **SIGTERM** (what supervisors, ``kill`` and container runtimes send): Python's default action
+  ends the process without running exit hooks, so neither otel-swa's nor the SDK's would run.
+  When the first reporter is tracked, in the main thread, and SIGTERM still has its default action
+  (an engine or application that installed its own handler keeps it), a handler is installed that
+  runs :func:`flush_all` and then lets SIGTERM end the process as before (same exit status).
+  ``OTEL_SWA_SIGTERM_FLUSH=0`` leaves SIGTERM alone;
 * **an engine's shutdown** (:func:`flush_all`, called by the instrumentors where the engine has a
   shutdown path: SGLang's ``Engine.shutdown`` kills its scheduler processes with SIGKILL, which
   runs no exit hook, so the instrumentor asks each scheduler to flush first): reporters are
@@ -34,6 +40,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import threading
 import time
 import weakref
@@ -50,6 +57,7 @@ DEFAULT_FLUSH_TIMEOUT_S = 10.0
 _lock = threading.Lock()
 _reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _providers: list["weakref.ref[Any]"] = []
+_sigterm_installed = False
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,34 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _on_sigterm(signum: int, frame: Any) -> None:
+    try:
+        flush_all()
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _install_sigterm_flush() -> None:
+    global _sigterm_installed
+    if _sigterm_installed or threading.current_thread() is not threading.main_thread():
+        return
+    _sigterm_installed = True
+    from otel_swa import config
+
+    try:
+        if not config.sigterm_flush():
+            return
+    except config.ConfigError:
+        _log.exception("SIGTERM is left alone")
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # not the main interpreter, or no signals here
+        pass
+
+
 def _at_exit() -> None:
     flush_all(export=False)  # the SDK's own exit hooks, which run next, export and shut down
 
@@ -110,6 +146,7 @@ def track(reporter: Any = None, providers: Iterable[Any] = ()) -> None:
                 known.append(provider)
         atexit.unregister(_at_exit)
         atexit.register(_at_exit)
+    _install_sigterm_flush()
 
 
 def flush_all(timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, *, export: bool = True) -> FlushResult:
