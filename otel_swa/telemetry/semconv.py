@@ -15,6 +15,7 @@ of the engine process (tensor/data/pipeline parallel) is a *resource* attribute 
 
 from __future__ import annotations
 
+from otel_swa.ranks import RANK_ATTRIBUTES
 from otel_swa.record import AUDIT_FIELDS, FIELDS
 
 #: Prefix of every metric name, event name and record attribute key.
@@ -63,10 +64,13 @@ ATTR_LINKS_DROPPED = "forward_step.links.dropped"
 #: traceparent lookup is configured (no request is looked up then).
 ATTR_LINKS_MISSING = "forward_step.links.missing"
 
-# Resource attributes for the rank of the engine process.
-ATTR_TP_RANK = "otel_swa.tp_rank"
-ATTR_DP_RANK = "otel_swa.dp_rank"
-ATTR_PP_RANK = "otel_swa.pp_rank"
+# Resource attributes for the rank of the engine process (named in otel_swa.ranks).
+ATTR_RANK = RANK_ATTRIBUTES["rank"]
+ATTR_WORLD_SIZE = RANK_ATTRIBUTES["world_size"]
+ATTR_LOCAL_RANK = RANK_ATTRIBUTES["local_rank"]
+ATTR_TP_RANK = RANK_ATTRIBUTES["tp"]
+ATTR_DP_RANK = RANK_ATTRIBUTES["dp"]
+ATTR_PP_RANK = RANK_ATTRIBUTES["pp"]
 
 #: Schema URL given to the meter, tracer and logger (the semantic-conventions version the
 #: resource and span attributes follow).

@@ -24,8 +24,11 @@ other setting is read by the SDK's own classes from the standard variables: endp
 batch processor settings.
 
 Resource. ``Resource.create`` (so ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME`` apply),
-plus ``resource_attributes`` and the ranks ``otel_swa.tp_rank``/``dp_rank``/``pp_rank`` from the
-arguments or ``OTEL_SWA_TP_RANK``/``OTEL_SWA_DP_RANK``/``OTEL_SWA_PP_RANK``.
+plus ``resource_attributes``, ``process.pid``, and the process's ranks (:mod:`otel_swa.ranks`):
+``otel_swa.rank`` / ``otel_swa.world_size`` / ``otel_swa.local_rank`` from ``torch.distributed``
+(when initialised) or the launcher's ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``, and
+``otel_swa.tp_rank`` / ``dp_rank`` / ``pp_rank`` from the arguments or
+``OTEL_SWA_TP_RANK`` / ``OTEL_SWA_DP_RANK`` / ``OTEL_SWA_PP_RANK``.
 ``default_service_name`` is used only when neither variable names the service.
 """
 
@@ -54,6 +57,7 @@ from opentelemetry.util._importlib_metadata import entry_points
 
 from otel_swa import config
 from otel_swa.config import ConfigError
+from otel_swa.ranks import RANK_ATTRIBUTES, process_ranks
 from otel_swa.telemetry import semconv as sc
 from otel_swa.telemetry.exporters import AccountedExporter, ExportCounts, RepeatedWarningFilter
 from otel_swa.telemetry.logline import SwaLogLineExporter
@@ -143,9 +147,8 @@ def _resource(
     if default_service_name and not env_names_service:
         attributes[SERVICE_NAME] = default_service_name
     attributes.update(resource_attributes or {})
-    rank_keys = {"tp": sc.ATTR_TP_RANK, "dp": sc.ATTR_DP_RANK, "pp": sc.ATTR_PP_RANK}
     for dim, rank in ranks.items():
-        attributes[rank_keys[dim]] = rank
+        attributes[RANK_ATTRIBUTES[dim]] = rank
     # the process's identity: several engine processes (ranks, forked or spawned workers) of one
     # service export apart, and a child never passes for its parent
     attributes.setdefault(PROCESS_PID, os.getpid())
@@ -397,7 +400,7 @@ def configure(
     """
     env = os.environ if environ is None else environ
     names = resolve_exporters(exporters, env)
-    ranks = config.parallel_ranks(env)
+    ranks = process_ranks(env)
     for dim, value in (("tp", tp_rank), ("dp", dp_rank), ("pp", pp_rank)):
         if value is not None:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
