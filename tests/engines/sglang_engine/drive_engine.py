@@ -65,6 +65,11 @@ def main(config_path: str) -> None:
     repeat = config.get("repeat", 4)
     second = engine.generate(input_ids=prompts[:repeat], sampling_params=params[:repeat]) if repeat else []
     generated = time.monotonic()
+    if config.get("sigkill_children"):  # a crash: no flush can run in the engine's processes
+        import signal
+
+        for child in psutil.Process().children(recursive=True):
+            child.send_signal(signal.SIGKILL)
     results = {
         "requests": [
             {"prompt_tokens": len(p), "completion_tokens": o["meta_info"]["completion_tokens"],

@@ -78,10 +78,12 @@ def run_engine(
     requests: int = 16,
     repeat: int = 4,
     timeout_s: int = 600,
+    driver: dict | None = None,
 ) -> EngineRun:
     """Run the engine once; ``engine``: extra ``sglang.Engine`` arguments, ``env``: variables on top
     of a clean environment (no inherited ``OTEL_*`` / ``SGLANG_*``). ``{otlp_grpc}`` in a value of
-    ``engine`` is replaced by the collector's gRPC address (``host:port``)."""
+    ``engine`` is replaced by the collector's gRPC address (``host:port``); ``driver``: more keys of
+    ``drive_engine.py``'s configuration (``sigkill_children``)."""
     directory.mkdir(parents=True, exist_ok=True)
     probe_dir = directory / "probe"
     probe_dir.mkdir(exist_ok=True)
@@ -93,6 +95,7 @@ def run_engine(
         config = {
             "model": str(model), "out": str(directory / "results.json"), "requests": requests, "repeat": repeat,
             "engine": {k: (v.replace("{otlp_grpc}", grpc) if isinstance(v, str) else v) for k, v in engine.items()},
+            **(driver or {}),
         }
         (directory / "config.json").write_text(json.dumps(config))
         run_env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SGLANG_"))}
