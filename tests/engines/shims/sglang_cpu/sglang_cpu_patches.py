@@ -24,13 +24,13 @@ three pieces of its KV canary assume an accelerator, and one attention bug hides
    ``req_to_token`` translated through the mapping, which makes it read what it wrote.
 
 Installed by ``tests/engines/shims/install.py`` (a ``.pth`` file in the test environment); each
-patch is applied once, when its module is first imported, and only to that module.
+patch is applied once, right after its module is first imported, and only to that module, through
+otel-swa's own post-import hooks (:mod:`otel_swa.import_hooks`: registered at interpreter start-up,
+these run before an instrumentor's, which register later).
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import sys
 import types
 
 _PATCHED: list[str] = []
@@ -128,62 +128,34 @@ PATCHES = {
 }
 
 
-class _PatchingLoader(importlib.abc.Loader):
-    def __init__(self, loader, patches) -> None:
-        self._loader = loader
-        self._patches = patches
+def _applied(patch, name: str):
+    def apply(module: types.ModuleType) -> None:
+        patch(module)
+        _PATCHED.append(name)
 
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        for patch in self._patches:
-            patch(module)
-        _PATCHED.append(module.__name__)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
-
-
-class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Finds the patched modules with the other finders, then patches each right after it runs."""
-
-    _resolving: set = set()  # names being looked up through the other finders (no re-entry)
-
-    def find_spec(self, fullname, path=None, target=None):
-        patches = [table[fullname] for table in (PATCHES, _EXTRA) if fullname in table]
-        if not patches or fullname in self._resolving:
-            return None
-        self._resolving.add(fullname)
-        try:
-            for finder in sys.meta_path:
-                if finder is self or not hasattr(finder, "find_spec"):
-                    continue
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    if spec.loader is not None:
-                        spec.loader = _PatchingLoader(spec.loader, patches)
-                    return spec
-            return None
-        finally:
-            self._resolving.discard(fullname)
-
-
-#: Further post-import patches registered by other test modules (:func:`add_patch`).
-_EXTRA: dict = {}
+    return apply
 
 
 def add_patch(module_name: str, patch) -> None:
-    """Run ``patch(module)`` after ``module_name`` is imported, after its CPU patch (if any)."""
-    _EXTRA[module_name] = patch
+    """Run ``patch(module)`` right after ``module_name`` is imported (after the patches registered
+    before it, the CPU ones first)."""
+    from otel_swa import import_hooks
+
+    import_hooks.when_imported(module_name, _applied(patch, module_name))
+
+
+_installed = False
 
 
 def install() -> None:
-    """Put the finder first on ``sys.meta_path`` (once per process); when the engine tests ask for
-    it (``OTEL_SWA_TEST_SGLANG_PROBE``), also install their scheduler-process probe."""
-    if not any(isinstance(finder, _PatchAfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _PatchAfterImport())
+    """Register the CPU patches with otel-swa's post-import hooks (once per process); when the
+    engine tests ask for it (``OTEL_SWA_TEST_SGLANG_PROBE``), also their scheduler-process probe."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for name, patch in PATCHES.items():
+        add_patch(name, patch)
     import os
 
     if os.environ.get("OTEL_SWA_TEST_SGLANG_PROBE"):
