@@ -2,17 +2,30 @@
 
 This is the sink for engines that want only the CI line; the OpenTelemetry pipeline has its own
 log-line exporter (see :mod:`otel_swa.telemetry`) that writes the same bytes.
+
+What a line sink writes (formats in :mod:`otel_swa.record`), in order, each as one log message:
+
+* once, before its first record with a known ``verify_source`` (every record of otel-swa's
+  reporter): the run start marker ``otel_swa[verify=...] otel_swa_run_start={"pid":N}``, so a log
+  that several runs append to shows where each began;
+* per record, otel-swa's line ``otel_swa[verify=...] kv_canary_swa_divergence={...}`` (SGLang's
+  record byte for byte after the tag);
+* right after it, for an audited record, the audit line ``otel_swa[verify=...] otel_swa_audit={...}``.
+
+Neither extra line contains SGLang's prefix, so SGLang's own parser and greps read the log as
+before.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import threading
 from typing import Any
 
-from otel_swa.record import SwaDivergenceRecord
+from otel_swa.record import SwaDivergenceRecord, run_start_line
 
-__all__ = ["LogLineSink", "LOGGER_NAME", "line_logger", "write_lines"]
+__all__ = ["LogLineSink", "LOGGER_NAME", "RecordLines", "line_logger", "write_lines"]
 
 #: The logger the line is written to unless another is given.
 LOGGER_NAME = "otel_swa"
@@ -42,9 +55,30 @@ def write_lines(logger: logging.Logger, level: int, lines: list[str]) -> None:
         logger.log(level, "%s", line)
 
 
+class RecordLines:
+    """The lines of each record in turn, the run start marker before the first tagged one (see
+    the module docstring). Thread-safe: the marker is written once."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._started = False
+
+    def of(self, record: SwaDivergenceRecord) -> list[str]:
+        """The lines to write for ``record``: the marker (first tagged record only), its line, its
+        audit line (audited records only)."""
+        lines = record.lines()
+        if record.verify_source is not None:
+            with self._lock:
+                first, self._started = not self._started, True
+            if first:
+                lines.insert(0, run_start_line(record.verify_source))
+        return lines
+
+
 class LogLineSink:
-    """``sink(record, context)`` that logs ``record.line()`` at ``level`` (the SGLang line after
-    otel-swa's ``otel_swa[verify=...]`` tag).
+    """``sink(record, context)`` that logs a record's lines at ``level``: otel-swa's line (SGLang's
+    record after the ``otel_swa[verify=...]`` tag), its audit line when audited, and, before the
+    first one, the run start marker (see the module docstring).
 
     The log handler adds the usual prefix (time, level, rank...); SGLang's parser, and
     :func:`otel_swa.record.find_all`, find the record after it. The lines are never silently
@@ -54,6 +88,7 @@ class LogLineSink:
     def __init__(self, logger: logging.Logger | None = None, level: int = logging.INFO) -> None:
         self.logger = line_logger(logger if logger is not None else logging.getLogger(LOGGER_NAME), level)
         self.level = level
+        self._lines = RecordLines()
 
     def __call__(self, record: SwaDivergenceRecord, context: Any = None) -> None:
-        write_lines(self.logger, self.level, [record.line()])
+        write_lines(self.logger, self.level, self._lines.of(record))

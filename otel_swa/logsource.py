@@ -1,36 +1,20 @@
-"""Records as they appear in logs: the log prefix (timestamp, rank) and files still being written.
+"""Records as they appear in logs: where each was found (line, time, rank) and files still being written.
 
-The records themselves are always read by :mod:`otel_swa.record` (:func:`~otel_swa.record.iter_matches`);
-this module only adds what stands around them in a log:
+The lines themselves (records, audit lines, run start markers, the log prefix before them) are
+read by :mod:`otel_swa.record` (:func:`~otel_swa.record.iter_entries`,
+:func:`~otel_swa.record.parse_log_prefix`); this module adds:
 
-* the **log prefix** of the line a record was found on. Two shapes are recognised:
-
-  - SGLang's scheduler processes log through ``logging`` with the format
-    ``[%(asctime)s{prefix}] %(message)s`` (``sglang.srt.utils.configure_logger``), where ``asctime``
-    uses the date format ``%Y-%m-%d %H:%M:%S`` (older releases) or ``%m-%d %H:%M:%S`` (newer ones,
-    coloured), and ``prefix`` is built in ``run_scheduler_process`` from space-separated rank
-    tokens such as `` DP1``, `` PP0``, `` TP3``, `` EP2`` (also ``ATTN_CP``/``MOE_DP`` in recent
-    versions; the order varies between versions)::
-
-        [2025-06-01 12:34:56 TP0] kv_canary_swa_divergence={...}
-        [2025-06-01 12:34:56 DP1 TP0] kv_canary_swa_divergence={...}
-        [06-01 12:34:56 PP1 TP0] kv_canary_swa_divergence={...}
-
-  - plain Python ``logging`` whose format starts with ``%(asctime)s`` (default date format
-    ``%Y-%m-%d %H:%M:%S,mmm``)::
-
-        2025-06-01 12:34:56,789 INFO kv_canary_swa_divergence={...}
-
-  The timestamp is kept as the text found in the log (no time zone is written there, so none is
-  invented); the rank is the space-joined rank tokens (``"DP1 TP0"``), or ``None`` when the line
-  names none.
+* :class:`LoggedRecord` and :class:`LoggedRunStart`: an entry with its line number and the
+  timestamp and rank of the log prefix nearest before it on its line (SGLang's
+  ``[2025-06-01 12:34:56 DP1 TP0]``, Python logging's ``2025-06-01 12:34:56,789``), the audit line
+  attached to its record (:class:`~otel_swa.record.AuditPairing`);
 
 * **line numbers** (``line_no``, 1-based) count lines as the log is read by
   :mod:`otel_swa.record`: LF, CRLF and a bare CR each end one line. A progress bar redrawn with
   bare CRs therefore takes one line per redraw, and a record's number is the number of line ends
   before it plus one. This can be higher than what ``wc -l`` or an editor that treats bare CR as
   ordinary text shows, but it is the same for a whole log read at once and for a log followed in
-  chunks.
+  chunks;
 
 * :class:`LogFollower`: a log file that another process may still be appending to, read
   incrementally (only complete lines until the final read, so a half-written record is not taken
@@ -40,67 +24,43 @@ this module only adds what stands around them in a log:
 from __future__ import annotations
 
 import os
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterable
+from typing import Any, BinaryIO, Iterable, Union
 
-from otel_swa.record import FIELDS, MalformedRecordError, SwaDivergenceRecord, _clean, iter_matches
+from otel_swa.record import (
+    AUDIT_FIELDS,
+    FIELDS,
+    AuditMatch,
+    AuditPairing,
+    LogPrefix,
+    MalformedRecordError,
+    RunStartMatch,
+    SwaDivergenceRecord,
+    _clean,
+    iter_entries,
+    parse_log_prefix,
+)
 
 __all__ = [
     "LogPrefix",
     "LoggedRecord",
+    "LoggedRunStart",
     "LogFollower",
     "parse_log_prefix",
+    "logged_entries",
     "logged_records",
+    "read_entries",
     "read_log",
     "group_by_rank",
     "ROW_FIELDS",
 ]
 
-#: Columns of a record as data (``otel-swa records``): where it was found, then the five fields.
-ROW_FIELDS = ("line_no", "timestamp", "rank") + FIELDS
-
-_TIME = r"\d{2}:\d{2}:\d{2}(?:[.,]\d+)?"
-# SGLang: "[" asctime (with or without year, or time only) rank tokens "]".
-_SGLANG_PREFIX_RE = re.compile(
-    r"\[(?P<ts>(?:(?:\d{4}-)?\d{2}-\d{2} )?" + _TIME + r")(?P<rank>(?: [A-Z][A-Z_]*\d+)*)\]"
-)
-# Python logging: an ISO-like date and time at the start of the line (after optional blanks).
-_PLAIN_PREFIX_RE = re.compile(r"^\s*(?P<ts>\d{4}-\d{2}-\d{2}[ T]" + _TIME + r")(?![\d:])")
-
-
-@dataclass(frozen=True, slots=True)
-class LogPrefix:
-    """What a log line says before its record.
-
-    Attributes:
-        timestamp: the time text as written in the log (``"2025-06-01 12:34:56"``,
-            ``"06-01 12:34:56"``, ``"2025-06-01 12:34:56,789"``), or ``None``.
-        rank: the rank tokens of SGLang's prefix joined by one space (``"TP0"``, ``"DP1 TP0"``,
-            ``"PP1 TP0"``), or ``None`` when the line names no rank.
-    """
-
-    timestamp: str | None = None
-    rank: str | None = None
-
-
-def parse_log_prefix(text: str) -> LogPrefix:
-    """Read the timestamp and rank from the text that stands before a record on its line.
-
-    ``text`` may hold ANSI colour codes; they are ignored. Text in neither recognised shape gives
-    ``LogPrefix(None, None)``; nothing is raised.
-    """
-    text = _clean(text)
-    match = _SGLANG_PREFIX_RE.search(text)
-    if match is not None:
-        rank = match.group("rank").strip()
-        return LogPrefix(match.group("ts"), rank or None)
-    match = _PLAIN_PREFIX_RE.search(text)
-    if match is not None:
-        return LogPrefix(match.group("ts"), None)
-    return LogPrefix()
+#: Columns of a record as data (``otel-swa records``): where it was found, the run it belongs to,
+#: what wrote it (``verify_source``: otel-swa's tag; empty for SGLang's own lines), the five
+#: fields, then the audit fields (empty when the record was not audited).
+ROW_FIELDS = ("line_no", "timestamp", "rank", "run", "verify_source") + FIELDS + AUDIT_FIELDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,11 +68,11 @@ class LoggedRecord:
     """A record and where it was found in a log.
 
     Attributes:
-        record: the record.
+        record: the record (with its audit fields when its audit line followed it).
         line_no: 1-based line number in the log (LF, CRLF and bare CR each end a line; see the
             module docstring).
-        timestamp: see :class:`LogPrefix`.
-        rank: see :class:`LogPrefix`.
+        timestamp: see :class:`~otel_swa.record.LogPrefix`.
+        rank: see :class:`~otel_swa.record.LogPrefix`.
     """
 
     record: SwaDivergenceRecord
@@ -120,15 +80,77 @@ class LoggedRecord:
     timestamp: str | None = None
     rank: str | None = None
 
-    def to_row(self) -> dict[str, int | str | None]:
-        """A flat dict with the keys of :data:`ROW_FIELDS`, in that order."""
+    def to_row(self, run: int | None = None) -> dict[str, int | str | None]:
+        """A flat dict with the keys of :data:`ROW_FIELDS`, in that order (``run`` as given)."""
         row: dict[str, int | str | None] = {
             "line_no": self.line_no,
             "timestamp": self.timestamp,
             "rank": self.rank,
+            "run": run,
+            "verify_source": self.record.verify_source,
         }
         row.update(self.record.to_dict())
+        row.update({name: getattr(self.record, name) for name in AUDIT_FIELDS})
         return row
+
+
+@dataclass(frozen=True, slots=True)
+class LoggedRunStart:
+    """A run start marker (``otel_swa_run_start=``) and where it was found in a log.
+
+    Attributes:
+        line_no, timestamp, rank: as in :class:`LoggedRecord`.
+        verify_source: the tag before it (the records of that run carry the same one).
+        pid: the process id it names, or ``None``.
+    """
+
+    line_no: int
+    timestamp: str | None = None
+    rank: str | None = None
+    verify_source: str | None = None
+    pid: int | None = None
+
+
+LoggedEntry = Union[LoggedRecord, LoggedRunStart]
+
+
+def logged_entries(
+    text: str,
+    *,
+    first_line_no: int = 1,
+    errors: list[MalformedRecordError] | None = None,
+    pairing: AuditPairing | None = None,
+    into: list | None = None,
+) -> list[LoggedEntry]:
+    """Every record and run start marker in ``text`` with its line number, timestamp and rank, in
+    order; each audit line attached to its record.
+
+    Args:
+        text: log text (any number of lines).
+        first_line_no: the line number of the first line of ``text`` in the whole log (when
+            ``text`` is a later chunk of a file being followed).
+        errors: when given, a :class:`~otel_swa.record.MalformedRecordError` is appended per
+            malformed line (they are skipped), with its line number and reason.
+        pairing, into: to read a log in chunks, the same :class:`~otel_swa.record.AuditPairing`
+            and the list that holds the entries read so far (the new ones are appended to it, and
+            an audit line may complete a record of an earlier chunk there).
+
+    Returns:
+        the new entries, in order.
+    """
+    pairing = AuditPairing() if pairing is None else pairing
+    out = [] if into is None else into
+    begin = len(out)
+    for entry in iter_entries(text, errors, first_line_no=first_line_no):
+        if isinstance(entry, AuditMatch):
+            error = pairing.attach(entry)
+            if error is not None and errors is not None:
+                errors.append(error)
+        elif isinstance(entry, RunStartMatch):
+            out.append(LoggedRunStart(entry.line_no, entry.timestamp, entry.rank, entry.verify_source, entry.pid))
+        else:
+            pairing.add(out, LoggedRecord(entry.record, entry.line_no, entry.timestamp, entry.rank))
+    return out[begin:]
 
 
 def logged_records(
@@ -137,31 +159,9 @@ def logged_records(
     first_line_no: int = 1,
     errors: list[MalformedRecordError] | None = None,
 ) -> list[LoggedRecord]:
-    """Every record in ``text`` with its line number, timestamp and rank, in order.
-
-    Lines are those of :mod:`otel_swa.record`'s reading (ANSI colour codes removed; LF, CRLF and
-    bare CR each end a line), so the line number and the prefix are those of the line the record
-    was found on.
-
-    Args:
-        text: log text (any number of lines).
-        first_line_no: the line number of the first line of ``text`` in the whole log (when
-            ``text`` is a later chunk of a file being followed).
-        errors: when given, a :class:`~otel_swa.record.MalformedRecordError` is appended per
-            malformed record (they are skipped).
-    """
-    lines: list[str] | None = None
-    found: list[LoggedRecord] = []
-    for match in iter_matches(text, errors):
-        if lines is None:
-            lines = _clean(text).split("\n")
-        line = lines[match.line_no - 1] if match.line_no <= len(lines) else ""
-        cut = line.find(match.text)
-        prefix = parse_log_prefix(line[:cut] if cut >= 0 else line)
-        found.append(
-            LoggedRecord(match.record, first_line_no + match.line_no - 1, prefix.timestamp, prefix.rank)
-        )
-    return found
+    """Every record in ``text`` with its line number, timestamp and rank, in order (see
+    :func:`logged_entries`; run start markers left out)."""
+    return [e for e in logged_entries(text, first_line_no=first_line_no, errors=errors) if isinstance(e, LoggedRecord)]
 
 
 class LogFollower:
@@ -174,12 +174,12 @@ class LogFollower:
     start, its line numbers from 1 again.
 
     Bytes are decoded as UTF-8; undecodable bytes become U+FFFD, so binary noise cannot stop the
-    reader.
+    reader. Only the entries are kept, not the text.
 
     Attributes:
         path: the file.
-        records: every :class:`LoggedRecord` found so far, in order.
-        errors: a :class:`~otel_swa.record.MalformedRecordError` per malformed record skipped.
+        entries: every :class:`LoggedRecord` and :class:`LoggedRunStart` found so far, in order.
+        errors: a :class:`~otel_swa.record.MalformedRecordError` per malformed line skipped.
         missing: the file did not exist at the last poll.
         error: the ``OSError`` of the last poll when the file exists but cannot be read
             (permission denied, a directory...), else ``None``.
@@ -187,10 +187,11 @@ class LogFollower:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
-        self.records: list[LoggedRecord] = []
+        self.entries: list[LoggedEntry] = []
         self.errors: list[MalformedRecordError] = []
         self.missing = False
         self.error: OSError | None = None
+        self._pairing = AuditPairing()
         self._offset = 0
         self._next_line_no = 1
         self._pending = b""
@@ -198,8 +199,13 @@ class LogFollower:
         self._after_cr = False
 
     @property
+    def records(self) -> list[LoggedRecord]:
+        """Every :class:`LoggedRecord` found so far, in order."""
+        return [entry for entry in self.entries if isinstance(entry, LoggedRecord)]
+
+    @property
     def malformed(self) -> int:
-        """How many malformed records were skipped."""
+        """How many malformed lines were skipped."""
         return len(self.errors)
 
     def poll(self, *, final: bool = False) -> list[LoggedRecord]:
@@ -218,6 +224,7 @@ class LogFollower:
                     self._pending = b""
                     self._next_line_no = 1
                     self._after_cr = False
+                    self._pairing = AuditPairing()
                 handle.seek(self._offset)
                 data = handle.read()
         except FileNotFoundError:
@@ -246,10 +253,34 @@ class LogFollower:
         if not complete:
             return []
         text = complete.decode("utf-8", errors="replace")
-        new = logged_records(text, first_line_no=self._next_line_no, errors=self.errors)
+        new = logged_entries(text, first_line_no=self._next_line_no, errors=self.errors,
+                             pairing=self._pairing, into=self.entries)
         self._next_line_no += _clean(text).count("\n")
-        self.records.extend(new)
-        return new
+        return [entry for entry in new if isinstance(entry, LoggedRecord)]
+
+
+def _read_text(source: str | os.PathLike[str] | BinaryIO | None) -> str:
+    if source is None or (isinstance(source, str) and source == "-"):
+        data: Any = sys.stdin.buffer.read()
+    elif isinstance(source, (str, os.PathLike)):
+        data = Path(source).read_bytes()
+    else:
+        data = source.read()
+    return data if isinstance(data, str) else data.decode("utf-8", errors="replace")
+
+
+def read_entries(
+    source: str | os.PathLike[str] | BinaryIO | None,
+    *,
+    errors: list[MalformedRecordError] | None = None,
+) -> list[LoggedEntry]:
+    """All records and run start markers of a complete log (see :func:`logged_entries`): a file
+    path, ``"-"`` (standard input, read to its end), or a binary (or text) stream.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError, PermissionError: the file cannot be read.
+    """
+    return logged_entries(_read_text(source), errors=errors)
 
 
 def read_log(
@@ -257,22 +288,12 @@ def read_log(
     *,
     errors: list[MalformedRecordError] | None = None,
 ) -> list[LoggedRecord]:
-    """All records of a complete log: a file path, ``"-"`` (standard input, read to its end), or a
-    binary stream.
+    """All records of a complete log (see :func:`read_entries`; run start markers left out).
 
     Raises:
         FileNotFoundError, IsADirectoryError, PermissionError: the file cannot be read.
     """
-    if source is None or (isinstance(source, str) and source == "-"):
-        stream: BinaryIO = sys.stdin.buffer
-        data = stream.read()
-    elif isinstance(source, (str, os.PathLike)):
-        data = Path(source).read_bytes()
-    else:
-        data = source.read()
-        if isinstance(data, str):
-            return logged_records(data, errors=errors)
-    return logged_records(data.decode("utf-8", errors="replace"), errors=errors)
+    return [entry for entry in read_entries(source, errors=errors) if isinstance(entry, LoggedRecord)]
 
 
 def group_by_rank(records: Iterable[LoggedRecord]) -> dict[str | None, list[SwaDivergenceRecord]]:
@@ -281,4 +302,3 @@ def group_by_rank(records: Iterable[LoggedRecord]) -> dict[str | None, list[SwaD
     for item in records:
         groups.setdefault(item.rank, []).append(item.record)
     return groups
-

@@ -1,44 +1,99 @@
-"""One SWA divergence sample and its SGLang-compatible log line.
+"""One SWA divergence sample and every line otel-swa writes or reads for it.
 
 This module knows neither torch nor OpenTelemetry: the record is the only object that crosses from
-the device side of the package to its telemetry side.
+the device side of the package to its telemetry side. Every line prefix otel-swa writes or reads is
+spelled here, and nowhere else.
 
-The line format is the one SGLang's KV canary prints (sgl-project/sglang PR #26820,
+**SGLang's line.** The format is the one SGLang's KV canary prints (sgl-project/sglang PR #26820,
 ``python/sglang/srt/kv_canary/runner/swa_divergence.py``)::
 
     kv_canary_swa_divergence={"forward_ct":40,"verify_full":5120,"verify_swa":2048,"swa_full_idx_divergence":17,"swa_out_of_window_tokens":311}
 
 i.e. the prefix followed directly by compact JSON (separators ``","`` and ``":"``) of five integer
-fields in this order. SGLang's parser finds the prefix, takes the following run of non-space
-characters and JSON-decodes it; :meth:`SwaDivergenceRecord.parse` and the ``find_*`` functions apply
-the same rule, after removing ANSI colour codes and reading CRLF or bare CR as line ends, so that
-coloured, CRLF and progress-bar-interleaved logs parse too.
+fields in this order. SGLang 0.5.23's parser (``SwaDivergenceLog.parse`` / ``find_all``) matches
+``kv_canary_swa_divergence=(\\S+)`` and builds its record with ``cls(**json.loads(...))``. The
+readers here (:meth:`SwaDivergenceRecord.parse`, :func:`iter_entries`, the ``find_*`` functions)
+accept what that parser accepts and reject what it rejects, each rejection with its line number
+and reason (:class:`MalformedRecordError`):
+
+* rejected like SGLang: JSON with spaces (``json.dumps`` without ``separators``: SGLang reads only
+  up to the first space), text that is not a JSON object, a missing field (except
+  ``swa_out_of_window_tokens``, which SGLang defaults to 0), a key SGLang's record does not have
+  (a ``TypeError`` there), a prefix with nothing after it (SGLang's regex skips it);
+* accepted like SGLang: negative integers (SGLang's int32 verify counters wrap past 2**31 - 1;
+  the CI judge then says why such a record fails) and keys in any order;
+* accepted beyond SGLang: ANSI colour codes (removed), CRLF and bare CR line ends, and several
+  records glued on one line (``...}kv_canary_swa_divergence={...``, two writers without a line
+  end between them): every whole record is recovered, each with the rank of the nearest log
+  prefix before it;
+* refused though SGLang would take it: a value that is not a JSON integer (``1.5``, ``"3"``,
+  ``true``), or an integer outside int64 (what OTLP carries; see :data:`INT64_MAX`).
+
+**otel-swa's lines.** otel-swa logs the record after a tag, ``otel_swa[verify=attention]
+kv_canary_swa_divergence={...}`` (:meth:`SwaDivergenceRecord.line`), and writes two more lines of
+its own prefixes, which SGLang's parser never matches (neither prefix contains SGLang's):
+
+* the **SWA slot audit** of an audited record, right after its line, same tag, same
+  ``forward_ct`` (:meth:`SwaDivergenceRecord.audit_line`)::
+
+      otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,"swa_stale_tokens":0,"swa_shared_slots":0,"swa_pages_in_use":12,"swa_pages_referenced":12}
+
+  compact JSON of ``forward_ct`` and the audit fields (:data:`AUDIT_FIELDS`) present; keys this
+  version does not know are ignored, so fields can be added later. It is attached back to the
+  latest record of the same tag and log rank when that record has the same ``forward_ct``;
+* a **run start** marker, before the first record a line sink writes (:func:`run_start_line`)::
+
+      otel_swa[verify=attention] otel_swa_run_start={"pid":4242}
+
+  so that a log appended to by several runs shows where each began (unknown keys ignored).
+
+Text is read after removing ANSI colour codes and reading CRLF or bare CR as line ends, so that
+coloured, CRLF and progress-bar-interleaved logs parse too. The log prefix before a line (time,
+SGLang's rank tokens) is read by :func:`parse_log_prefix`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, Union
 
 __all__ = [
     "LINE_PREFIX",
+    "AUDIT_PREFIX",
+    "RUN_START_PREFIX",
+    "LINE_TAG",
     "FIELDS",
     "AUDIT_FIELDS",
     "VERIFY_SOURCES",
+    "INT64_MAX",
+    "INT64_MIN",
     "MalformedRecordError",
     "SwaDivergenceRecord",
+    "LogPrefix",
+    "parse_log_prefix",
     "RecordMatch",
+    "AuditMatch",
+    "RunStartMatch",
+    "AuditPairing",
     "FoundRecords",
+    "run_start_line",
+    "iter_entries",
+    "iter_matches",
     "find_all",
     "find_last",
-    "iter_matches",
 ]
 
 #: The prefix SGLang prints before the JSON object. Existing CI greps search for it.
 LINE_PREFIX = "kv_canary_swa_divergence="
+#: The prefix of otel-swa's audit line (written after the record's line; never SGLang's).
+AUDIT_PREFIX = "otel_swa_audit="
+#: The prefix of otel-swa's run start marker (written before a line sink's first record).
+RUN_START_PREFIX = "otel_swa_run_start="
+_PREFIXES = (LINE_PREFIX, AUDIT_PREFIX, RUN_START_PREFIX)
 
 #: The record's fields, in SGLang's order (the order of the JSON keys in the line).
 FIELDS = (
@@ -49,7 +104,8 @@ FIELDS = (
     "swa_out_of_window_tokens",
 )
 
-#: Fields beyond SGLang's (never in the line): the SWA slot audit, ``None`` when not audited.
+#: Fields beyond SGLang's (never in SGLang's line; on the audit line): the SWA slot audit, ``None``
+#: when not audited.
 AUDIT_FIELDS = (
     "swa_leaked_slots",
     "swa_stale_tokens",
@@ -64,6 +120,11 @@ AUDIT_FIELDS = (
 #: in the FULL pool, the tokens still held in the window in the SWA pool), where no canary runs.
 VERIFY_SOURCES = ("attention", "kv_canary")
 
+#: Bounds of every field: int64, what OTLP carries (an OTLP integer data point is an ``sfixed64``;
+#: a larger Python int makes the whole metrics export fail with ``ValueError: Value out of range``).
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
+
 #: Written before the record on otel-swa's own lines (``otel_swa[verify=kv_canary] kv_canary_swa_...``):
 #: it tells otel-swa's line from SGLang's in one log and what the verify counts are, without touching
 #: the JSON (SGLang's parser searches for the record prefix and ignores what stands before it).
@@ -72,23 +133,41 @@ _TAG_BEFORE_RE = re.compile(r"otel_swa\[verify=([a-z_]+)\] ?$")
 
 # CSI sequences such as "\x1b[32m" (colour) and "\x1b[0m" (reset), as written by coloured log handlers.
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
-# The prefix, then SGLang's rule: the run of non-whitespace characters that follows it.
-_MATCH_RE = re.compile(re.escape(LINE_PREFIX) + r"(\S*)")
+# Any of the prefixes above, wherever it stands.
+_PREFIX_RE = re.compile("|".join(re.escape(p) for p in _PREFIXES))
+# SGLang's rule: the run of non-whitespace characters after the prefix.
+_RUN_RE = re.compile(r"\S*")
+_DECODER = json.JSONDecoder()
+
+_TIME = r"\d{2}:\d{2}:\d{2}(?:[.,]\d+)?"
+# SGLang: "[" asctime (with or without year, or time only) rank tokens "]".
+_SGLANG_PREFIX_RE = re.compile(
+    r"\[(?P<ts>(?:(?:\d{4}-)?\d{2}-\d{2} )?" + _TIME + r")(?P<rank>(?: [A-Z][A-Z_]*\d+)*)\]"
+)
+# Python logging: an ISO-like date and time at the start of the line (after optional blanks).
+_PLAIN_PREFIX_RE = re.compile(r"^\s*(?P<ts>\d{4}-\d{2}-\d{2}[ T]" + _TIME + r")(?![\d:])")
+
+_KIND_WORDS = {LINE_PREFIX: "record", AUDIT_PREFIX: "audit line", RUN_START_PREFIX: "run start line"}
 
 
 class MalformedRecordError(ValueError):
-    """A record prefix is present but what follows it is not a valid record.
+    """A prefix is present but what follows it is not a valid record (or audit line, run start).
 
     Attributes:
         text: the text that was being parsed (after colour codes were removed).
         reason: what was wrong, in words.
+        line_no: 1-based line number where it was found, ``None`` when not known.
+        prefix: which prefix: :data:`LINE_PREFIX`, :data:`AUDIT_PREFIX` or :data:`RUN_START_PREFIX`.
     """
 
-    def __init__(self, text: str, reason: str) -> None:
+    def __init__(self, text: str, reason: str, line_no: int | None = None, prefix: str = LINE_PREFIX) -> None:
         self.text = text
         self.reason = reason
+        self.line_no = line_no
+        self.prefix = prefix
         shown = text if len(text) <= 300 else text[:297] + "..."
-        super().__init__(f"malformed {LINE_PREFIX!r} record: {reason}; in {shown!r}")
+        where = f"line {line_no}: " if line_no is not None else ""
+        super().__init__(f"{where}malformed {prefix!r} {_KIND_WORDS.get(prefix, 'record')}: {reason}; in {shown!r}")
 
 
 def _clean(text: str) -> str:
@@ -101,11 +180,24 @@ def _clean(text: str) -> str:
     return text
 
 
+def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
+    if type(value) is not int:  # noqa: E721 - bool and int subclasses are refused on purpose
+        raise TypeError(f"{owner}.{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{owner}.{name} must be >= {minimum}, got {value}")
+    if value > INT64_MAX:
+        raise ValueError(
+            f"{owner}.{name}={value} is above the int64 maximum 2**63 - 1 = {INT64_MAX} (OTLP carries int64)"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class SwaDivergenceRecord:
     """One sample of the SWA KV cache, as SGLang's SWA divergence reporter defines it.
 
-    All fields are non-negative Python ``int`` (``bool`` is refused).
+    All fields are Python ``int`` (``bool`` is refused) from 0 to :data:`INT64_MAX`. (Records read
+    from a log keep what the log says: SGLang's parser takes negative integers, so the readers of
+    this module do too; see the module docstring.)
 
     Attributes:
         forward_ct: host-side count of forward steps the reporter had seen when the sample was
@@ -119,7 +211,8 @@ class SwaDivergenceRecord:
         swa_out_of_window_tokens: at the sampled step, the number of live tokens whose SWA slot is
             0 (freed because the token left the window; slot 0 is the reserved "none").
 
-    Beyond SGLang's five fields, keyword-only and never written into the line:
+    Beyond SGLang's five fields, keyword-only and never written into SGLang's line (the audit
+    fields go on the audit line, :meth:`audit_line`):
 
     Attributes:
         divergence_applicable: ``False`` for engines without a FULL-to-SWA mapping (vLLM): the
@@ -139,8 +232,8 @@ class SwaDivergenceRecord:
     Raises:
         TypeError: a field is not an ``int`` (or is a ``bool``); an audit field is neither
             ``None`` nor an ``int``; ``divergence_applicable`` is not a ``bool``.
-        ValueError: a field is negative; ``verify_source`` is not ``None`` nor one of
-            :data:`VERIFY_SOURCES`.
+        ValueError: a field is negative or above :data:`INT64_MAX` (the message names the field
+            and the value); ``verify_source`` is not ``None`` nor one of :data:`VERIFY_SOURCES`.
     """
 
     forward_ct: int
@@ -161,12 +254,7 @@ class SwaDivergenceRecord:
             value = getattr(self, name)
             if value is None and name in AUDIT_FIELDS:
                 continue
-            if type(value) is not int:  # noqa: E721 - bool and int subclasses are refused on purpose
-                raise TypeError(
-                    f"SwaDivergenceRecord.{name} must be an int, got {value!r} ({type(value).__name__})"
-                )
-            if value < 0:
-                raise ValueError(f"SwaDivergenceRecord.{name} must be >= 0, got {value}")
+            _check_int("SwaDivergenceRecord", name, value, 0)
         if type(self.divergence_applicable) is not bool:
             raise TypeError(f"SwaDivergenceRecord.divergence_applicable must be a bool, got {self.divergence_applicable!r}")
         if self.verify_source is not None and self.verify_source not in VERIFY_SOURCES:
@@ -174,6 +262,20 @@ class SwaDivergenceRecord:
                 f"SwaDivergenceRecord.verify_source must be None or one of {', '.join(VERIFY_SOURCES)}, "
                 f"got {self.verify_source!r}"
             )
+
+    @classmethod
+    def _as_logged(cls, values: dict[str, int], verify_source: str | None, audit: dict[str, int] | None = None,
+                   divergence_applicable: bool = True) -> "SwaDivergenceRecord":
+        """A record as a log line holds it: the five fields already checked to be int64 (negative
+        ones included, as SGLang's parser takes them), audit fields already checked >= 0."""
+        record = object.__new__(cls)
+        for name in FIELDS:
+            object.__setattr__(record, name, values[name])
+        object.__setattr__(record, "divergence_applicable", divergence_applicable)
+        for name in AUDIT_FIELDS:
+            object.__setattr__(record, name, None if audit is None else audit.get(name))
+        object.__setattr__(record, "verify_source", verify_source)
+        return record
 
     @property
     def audited(self) -> bool:
@@ -191,7 +293,8 @@ class SwaDivergenceRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "SwaDivergenceRecord":
-        """Build a record from a decoded JSON object; keys beyond the five are ignored.
+        """Build a record from a dict of the five fields; other keys are ignored (the line readers
+        are stricter: see the module docstring).
 
         Raises:
             KeyError: a field is missing.
@@ -203,10 +306,10 @@ class SwaDivergenceRecord:
         return cls(**{name: data[name] for name in FIELDS})
 
     def replace(self, **changes: int) -> "SwaDivergenceRecord":
-        """A copy with some fields changed."""
+        """A copy with some fields changed (checked as by the constructor)."""
         return dataclasses.replace(self, **changes)
 
-    # ------------------------------------------------------------------ the line
+    # ------------------------------------------------------------------ the lines
     def format(self) -> str:
         """The SGLang line body: ``kv_canary_swa_divergence=`` + compact JSON, no spaces.
 
@@ -214,6 +317,9 @@ class SwaDivergenceRecord:
         five values. The logging prefix (time, level, rank...) is the log handler's business.
         """
         return LINE_PREFIX + json.dumps(self.to_dict(), separators=(",", ":"))
+
+    def _tagged(self, body: str) -> str:
+        return body if self.verify_source is None else f"{LINE_TAG.format(self.verify_source)} {body}"
 
     def line(self) -> str:
         """The message otel-swa logs: :meth:`format`, after the tag ``otel_swa[verify=<source>]``
@@ -223,22 +329,40 @@ class SwaDivergenceRecord:
         ``SwaDivergenceLog.find_all`` read it; :func:`find_all` reads the tag back into
         :attr:`verify_source`.
         """
-        body = self.format()
-        return body if self.verify_source is None else f"{LINE_TAG.format(self.verify_source)} {body}"
+        return self._tagged(self.format())
+
+    def audit_line(self) -> str | None:
+        """The audit line of an audited record, written right after :meth:`line`, or ``None`` when
+        the record carries no audit field: the same tag, then :data:`AUDIT_PREFIX` and compact JSON
+        of ``forward_ct`` and the audit fields present, in :data:`AUDIT_FIELDS` order::
+
+            otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,...}
+        """
+        audit = self.audit_dict()
+        if not audit:
+            return None
+        body = AUDIT_PREFIX + json.dumps({"forward_ct": self.forward_ct, **audit}, separators=(",", ":"))
+        return self._tagged(body)
+
+    def lines(self) -> list[str]:
+        """What a line sink logs for this record: :meth:`line`, then :meth:`audit_line` if any."""
+        audit = self.audit_line()
+        return [self.line()] if audit is None else [self.line(), audit]
 
     @classmethod
     def parse(cls, line: str) -> "SwaDivergenceRecord":
         """Parse the first record in ``line`` (a log line, possibly with a prefix before the record).
 
         Raises:
-            MalformedRecordError: no record prefix in ``line``, or the text after it is not a JSON
-                object holding the five fields as non-negative integers.
+            MalformedRecordError: no record prefix in ``line``, or what follows the first one is not
+                a record by the rules of the module docstring (the reason says which).
         """
         text = _clean(line)
-        match = _MATCH_RE.search(text)
-        if match is None:
-            raise MalformedRecordError(text, f"no {LINE_PREFIX!r} prefix found")
-        return _with_tag(_decode(match.group(1), text), text, match.start())
+        for match in _PREFIX_RE.finditer(text):
+            if match.group(0) != LINE_PREFIX:
+                continue
+            return _decode_at(text, match, None, _NO_PREFIX).record
+        raise MalformedRecordError(text, f"no {LINE_PREFIX!r} prefix found")
 
     # Convenience aliases so that the record type owns its finders, as in SGLang.
     @staticmethod
@@ -252,56 +376,345 @@ class SwaDivergenceRecord:
         return find_all(text)
 
 
-def _decode(payload: str, context: str) -> SwaDivergenceRecord:
-    try:
-        data = json.loads(payload)
-    except ValueError as exc:
-        raise MalformedRecordError(context, f"text after the prefix is not JSON ({exc})") from None
-    if not isinstance(data, dict):
-        raise MalformedRecordError(context, f"expected a JSON object, got {type(data).__name__}")
-    try:
-        return SwaDivergenceRecord.from_dict(data)
-    except (KeyError, TypeError, ValueError) as exc:
-        reason = exc.args[0] if exc.args else str(exc)
-        raise MalformedRecordError(context, str(reason)) from None
+def run_start_line(verify_source: str | None, pid: int | None = None) -> str:
+    """otel-swa's run start marker: ``otel_swa[verify=<source>] otel_swa_run_start={"pid":N}``.
+
+    A line sink writes it once, before the first record it writes, so a log that several runs
+    append to shows where each began. ``pid`` defaults to this process's id.
+
+    Raises:
+        ValueError: ``verify_source`` is not ``None`` nor one of :data:`VERIFY_SOURCES`.
+    """
+    if verify_source is not None and verify_source not in VERIFY_SOURCES:
+        raise ValueError(f"verify_source must be None or one of {', '.join(VERIFY_SOURCES)}, got {verify_source!r}")
+    body = RUN_START_PREFIX + json.dumps({"pid": os.getpid() if pid is None else pid}, separators=(",", ":"))
+    return body if verify_source is None else f"{LINE_TAG.format(verify_source)} {body}"
 
 
-def _with_tag(record: SwaDivergenceRecord, text: str, start: int) -> SwaDivergenceRecord:
-    """``record`` with the ``verify_source`` of an otel-swa tag just before ``start`` on its line."""
-    line_start = text.rfind("\n", 0, start) + 1
-    tag = _TAG_BEFORE_RE.search(text, line_start, start)
-    if tag is None or tag.group(1) not in VERIFY_SOURCES:
-        return record
-    return dataclasses.replace(record, verify_source=tag.group(1))
+# ---------------------------------------------------------------------------------- log prefixes
+@dataclass(frozen=True, slots=True)
+class LogPrefix:
+    """What a log line says before a record.
+
+    Two shapes are recognised:
+
+    * SGLang's scheduler processes log with ``[%(asctime)s{prefix}] %(message)s``
+      (``sglang.srt.utils.configure_logger``), ``asctime`` as ``%Y-%m-%d %H:%M:%S`` (older
+      releases) or ``%m-%d %H:%M:%S`` (newer ones, coloured), and ``prefix`` built in
+      ``run_scheduler_process`` from space-separated rank tokens such as `` DP1``, `` PP0``,
+      `` TP3``, `` EP2`` (also ``ATTN_CP``/``MOE_DP``; the order varies between versions):
+      ``[2025-06-01 12:34:56 DP1 TP0] kv_canary_swa_divergence={...}``;
+    * plain Python ``logging`` whose format starts with ``%(asctime)s`` (default date format
+      ``%Y-%m-%d %H:%M:%S,mmm``): ``2025-06-01 12:34:56,789 INFO kv_canary_swa_divergence={...}``.
+
+    Attributes:
+        timestamp: the time text as written in the log (``"2025-06-01 12:34:56"``,
+            ``"06-01 12:34:56"``, ``"2025-06-01 12:34:56,789"``; no time zone is written there,
+            so none is invented), or ``None``.
+        rank: the rank tokens of SGLang's prefix joined by one space (``"TP0"``, ``"DP1 TP0"``,
+            ``"PP1 TP0"``), or ``None`` when the line names no rank.
+    """
+
+    timestamp: str | None = None
+    rank: str | None = None
 
 
+_NO_PREFIX = LogPrefix()
+
+
+def _nearest_prefix(head: str) -> LogPrefix:
+    """The log prefix nearest before a record: the last SGLang prefix in ``head`` (the cleaned
+    text from the start of its line to the record), else a plain-logging time at its start."""
+    last = None
+    if "[" in head:
+        for last in _SGLANG_PREFIX_RE.finditer(head):
+            pass
+    if last is not None:
+        return LogPrefix(last.group("ts"), last.group("rank").strip() or None)
+    plain = _PLAIN_PREFIX_RE.search(head)
+    return LogPrefix(plain.group("ts"), None) if plain is not None else _NO_PREFIX
+
+
+def parse_log_prefix(text: str) -> LogPrefix:
+    """Read the timestamp and rank from the text that stands before a record on its line (the
+    nearest SGLang prefix when there are several, see :class:`LogPrefix`).
+
+    ``text`` may hold ANSI colour codes; they are ignored. Text in neither recognised shape gives
+    ``LogPrefix(None, None)``; nothing is raised.
+    """
+    return _nearest_prefix(_clean(text))
+
+
+# ---------------------------------------------------------------------------------- entries
 class RecordMatch(NamedTuple):
     """One record found in a text.
 
     Attributes:
-        record: the parsed record.
+        record: the parsed record (with its audit fields once its audit line was read).
         text: the matched text: the prefix and its JSON object, exactly as in the log.
         line_no: 1-based number of the line (of the cleaned text) the record was found on.
+        rank, timestamp: from the log prefix nearest before it on its line (:class:`LogPrefix`).
     """
 
     record: SwaDivergenceRecord
     text: str
     line_no: int
+    rank: str | None = None
+    timestamp: str | None = None
+
+
+class AuditMatch(NamedTuple):
+    """One audit line (:data:`AUDIT_PREFIX`) found in a text.
+
+    Attributes:
+        forward_ct: the ``forward_ct`` of the record it belongs to.
+        audit: the audit fields it holds (names of :data:`AUDIT_FIELDS`; unknown keys left out).
+        text, line_no, rank, timestamp: as in :class:`RecordMatch`.
+        verify_source: from the tag before it, ``None`` without one.
+    """
+
+    forward_ct: int
+    audit: dict
+    text: str
+    line_no: int
+    rank: str | None = None
+    timestamp: str | None = None
+    verify_source: str | None = None
+
+
+class RunStartMatch(NamedTuple):
+    """One run start marker (:data:`RUN_START_PREFIX`) found in a text.
+
+    Attributes:
+        fields: its JSON object (``{"pid": 4242}``; unknown keys kept, never required).
+        text, line_no, rank, timestamp, verify_source: as in :class:`AuditMatch`.
+    """
+
+    fields: dict
+    text: str
+    line_no: int
+    rank: str | None = None
+    timestamp: str | None = None
+    verify_source: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        """The process id the marker names, or ``None``."""
+        pid = self.fields.get("pid")
+        return pid if type(pid) is int else None  # noqa: E721
+
+
+Entry = Union[RecordMatch, AuditMatch, RunStartMatch]
+
+#: SGLang's record keys (``SwaDivergenceLog``); ``swa_out_of_window_tokens`` defaults to 0 there.
+_SGLANG_DEFAULTS = {"swa_out_of_window_tokens": 0}
+
+
+def _tag_before(text: str, line_start: int, start: int) -> str | None:
+    tag = _TAG_BEFORE_RE.search(text, line_start, start)
+    if tag is None or tag.group(1) not in VERIFY_SOURCES:
+        return None
+    return tag.group(1)
+
+
+def _with_tag(record: SwaDivergenceRecord, text: str, start: int) -> SwaDivergenceRecord:
+    """``record`` with the ``verify_source`` of an otel-swa tag just before ``start`` on its line."""
+    source = _tag_before(text, text.rfind("\n", 0, start) + 1, start)
+    if source is None:
+        return record
+    return SwaDivergenceRecord._as_logged(record.to_dict(), source, record.audit_dict() or None,
+                                          record.divergence_applicable)
+
+
+def _logged_int(name: str, value: Any, minimum: int) -> str | None:
+    """Why ``value`` cannot be field ``name`` of a logged line, or ``None`` when it can."""
+    if type(value) is not int:  # noqa: E721 - bool refused
+        return f"{name}={json.dumps(value)} is not an integer"
+    if value < minimum:
+        return f"{name}={value} is negative"
+    if not INT64_MIN <= value <= INT64_MAX:
+        return f"{name}={value} is outside int64 (-2**63 .. 2**63 - 1, what OTLP carries)"
+    return None
+
+
+def _decode_object(text: str, match: re.Match, line_no: int | None) -> tuple[dict, int]:
+    """Decode the JSON object after the prefix ``match`` by SGLang's rule (the run of non-space
+    characters after it); return it and where it ends.
+
+    Raises:
+        MalformedRecordError: nothing after the prefix, text that is no JSON object, JSON with
+            spaces, or text glued after the object with no other prefix later on the line.
+    """
+    prefix = match.group(0)
+    start = match.end()
+    run_end = _RUN_RE.match(text, start).end()
+    line_end = text.find("\n", start)
+    line_end = len(text) if line_end < 0 else line_end
+    shown = text[match.start():run_end]
+
+    def fail(reason: str) -> MalformedRecordError:
+        return MalformedRecordError(shown, reason, line_no, prefix)
+
+    if run_end == start:
+        raise fail("nothing follows the prefix (SGLang's parser skips such a line)")
+    payload = text[start:run_end]
+    try:
+        data, end = _DECODER.raw_decode(payload)
+    except ValueError as exc:
+        try:  # the same text with its spaces: json.dumps without separators=(",", ":")
+            spaced, _ = _DECODER.raw_decode(text[start:line_end])
+        except ValueError:
+            spaced = None
+        if isinstance(spaced, dict):
+            raise fail("the JSON holds spaces: SGLang's parser (and this one) reads only up to the first space; "
+                       "write compact JSON, json.dumps(..., separators=(',', ':'))") from None
+        raise fail(f"the text after the prefix is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise fail(f"expected a JSON object, got {type(data).__name__}")
+    if end < len(payload) and _PREFIX_RE.search(text, start + end, line_end) is None:
+        raise fail(f"text glued after the JSON object ({payload[end:][:40]!r}); SGLang's parser rejects the record")
+    return data, start + end
+
+
+def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix) -> Entry:
+    """The entry whose prefix is ``match`` in the cleaned ``text``.
+
+    Raises:
+        MalformedRecordError: what follows the prefix is not valid (the reason says why).
+    """
+    kind = match.group(0)
+    data, end = _decode_object(text, match, line_no)
+    shown = text[match.start():end]
+    line_start = text.rfind("\n", 0, match.start()) + 1
+    source = _tag_before(text, line_start, match.start())
+
+    def fail(reason: str) -> MalformedRecordError:
+        return MalformedRecordError(shown, reason, line_no, kind)
+
+    if kind == LINE_PREFIX:
+        unknown = [key for key in data if key not in FIELDS]
+        if unknown:
+            raise fail(f"unknown key(s) {', '.join(map(repr, unknown))}: SGLang's SwaDivergenceLog(**fields) "
+                       "raises TypeError on them")
+        missing = [name for name in FIELDS if name not in data and name not in _SGLANG_DEFAULTS]
+        if missing:
+            raise fail(f"missing field(s) {', '.join(missing)}")
+        values = {name: data.get(name, _SGLANG_DEFAULTS.get(name)) for name in FIELDS}
+        for name in FIELDS:
+            reason = _logged_int(name, values[name], INT64_MIN)
+            if reason is not None:
+                raise fail(reason)
+        record = SwaDivergenceRecord._as_logged(values, source)
+        return RecordMatch(record, shown, line_no, prefix.rank, prefix.timestamp)
+    if kind == AUDIT_PREFIX:
+        if "forward_ct" not in data:
+            raise fail("missing field forward_ct")
+        audit = {}
+        for name in ("forward_ct",) + AUDIT_FIELDS:
+            if name in data:
+                reason = _logged_int(name, data[name], 0)
+                if reason is not None:
+                    raise fail(reason)
+                if name != "forward_ct":
+                    audit[name] = data[name]
+        return AuditMatch(data["forward_ct"], audit, shown, line_no, prefix.rank, prefix.timestamp, source)
+    return RunStartMatch(data, shown, line_no, prefix.rank, prefix.timestamp, source)
+
+
+def iter_entries(
+    text: str, errors: list[MalformedRecordError] | None = None, *, first_line_no: int = 1
+) -> Iterator[Entry]:
+    """Yield every record, audit line and run start marker in ``text``, in order, as found (an
+    audit line is not attached to its record here: see :class:`AuditPairing` and :func:`find_all`).
+
+    Malformed ones are skipped; when ``errors`` is given, their errors (with line number and
+    reason) are appended to it. ``first_line_no`` is the number of the first line of ``text`` in
+    the whole log (a later chunk of a file being followed).
+    """
+    cleaned = _clean(text)
+    line_no = first_line_no
+    last_pos = 0
+    consumed = 0  # end of the last object decoded: a prefix inside it is not a new entry
+    for match in _PREFIX_RE.finditer(cleaned):
+        if match.start() < consumed:
+            continue
+        line_no += cleaned.count("\n", last_pos, match.start())
+        last_pos = match.start()
+        line_start = cleaned.rfind("\n", 0, match.start()) + 1
+        try:
+            entry = _decode_at(cleaned, match, line_no, _nearest_prefix(cleaned[line_start:match.start()]))
+        except MalformedRecordError as exc:
+            if errors is not None:
+                errors.append(exc)
+            continue
+        consumed = match.start() + len(entry.text)
+        yield entry
+
+
+def _with_audit(record: SwaDivergenceRecord, audit: dict) -> SwaDivergenceRecord:
+    return SwaDivergenceRecord._as_logged(record.to_dict(), record.verify_source, audit, record.divergence_applicable)
+
+
+class AuditPairing:
+    """Attaches audit lines to their records while a log is read, possibly in chunks.
+
+    An audit line belongs to the latest record before it with the same tag (``verify_source``)
+    and the same log rank, when that record has the audit line's ``forward_ct`` and no audit line
+    yet (the line sinks write it right after the record's line, through the same logger). Any
+    other audit line is an error (``MalformedRecordError`` with the reason).
+
+    Use :meth:`add` for every record (or other entry) in order, into a list the caller keeps, and
+    :meth:`attach` for every audit line: the record's entry in that list is replaced by one whose
+    record carries the audit fields. Entries are :class:`RecordMatch` or any object with
+    ``record`` and ``rank`` attributes that ``_replace`` (named tuples) or
+    :func:`dataclasses.replace` can copy.
+    """
+
+    def __init__(self) -> None:
+        self._latest: dict[tuple[str | None, str | None], tuple[list, int, int]] = {}
+
+    def add(self, entries: list, entry: Any) -> None:
+        """Append ``entry`` to ``entries``; remember it when it holds a record."""
+        entries.append(entry)
+        record = getattr(entry, "record", None)
+        if isinstance(record, SwaDivergenceRecord):
+            self._latest[(record.verify_source, entry.rank)] = (entries, len(entries) - 1, record.forward_ct)
+
+    def attach(self, audit: AuditMatch) -> MalformedRecordError | None:
+        """Attach ``audit`` to its record; return the error when it has none (nothing changed)."""
+        slot = self._latest.pop((audit.verify_source, audit.rank), None)
+        if slot is None or slot[2] != audit.forward_ct:
+            if slot is not None:
+                self._latest[(audit.verify_source, audit.rank)] = slot
+            rank = f" of rank {audit.rank}" if audit.rank else ""
+            return MalformedRecordError(
+                audit.text, f"no record{rank} with forward_ct={audit.forward_ct} just before this audit line",
+                audit.line_no, AUDIT_PREFIX,
+            )
+        entries, index, _ = slot
+        entry = entries[index]
+        record = _with_audit(entry.record, audit.audit)
+        entries[index] = entry._replace(record=record) if hasattr(entry, "_replace") else dataclasses.replace(entry, record=record)
+        return None
 
 
 class FoundRecords(list):
-    """The records found in a text, in order (a ``list`` of :class:`SwaDivergenceRecord`).
+    """The records found in a text, in order (a ``list`` of :class:`SwaDivergenceRecord`), each
+    with the audit fields of its audit line when one followed it.
 
     Attributes:
         matches: a :class:`RecordMatch` per record, same order.
-        malformed: how many record prefixes were followed by something that is not a record;
-            they were skipped.
-        errors: the :class:`MalformedRecordError` for each skipped one.
+        entries: every record, audit line and run start marker, in order (:class:`RecordMatch`,
+            :class:`AuditMatch`, :class:`RunStartMatch`).
+        malformed: how many prefixes were followed by something that is not valid; they were
+            skipped.
+        errors: the :class:`MalformedRecordError` for each skipped one (line number and reason).
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.matches: list[RecordMatch] = []
+        self.entries: list[Entry] = []
         self.errors: list[MalformedRecordError] = []
 
     @property
@@ -309,36 +722,37 @@ class FoundRecords(list):
         return len(self.errors)
 
 
-def iter_matches(text: str, errors: list[MalformedRecordError] | None = None) -> Iterator[RecordMatch]:
-    """Yield every record in ``text`` (any number of lines), in order.
-
-    Malformed records are skipped; when ``errors`` is given, their errors are appended to it.
-    """
-    cleaned = _clean(text)
-    line_no = 1
-    last_pos = 0
-    for match in _MATCH_RE.finditer(cleaned):
-        line_no += cleaned.count("\n", last_pos, match.start())
-        last_pos = match.start()
-        try:
-            record = _with_tag(_decode(match.group(1), match.group(0)), cleaned, match.start())
-        except MalformedRecordError as exc:
-            if errors is not None:
-                errors.append(exc)
-            continue
-        yield RecordMatch(record, match.group(0), line_no)
-
-
 def find_all(text: str) -> FoundRecords:
-    """Every record in ``text``, in order; an empty result when there is none.
+    """Every record in ``text``, in order, audit lines attached (:class:`AuditPairing`); an empty
+    result when there is none.
 
-    Malformed records are skipped and counted in ``result.malformed``; nothing is raised.
+    Malformed lines are skipped and counted in ``result.malformed`` (``result.errors`` says where
+    and why); nothing is raised.
     """
     found = FoundRecords()
-    for match in iter_matches(text, found.errors):
-        found.append(match.record)
-        found.matches.append(match)
+    pairing = AuditPairing()
+    for entry in iter_entries(text, found.errors):
+        if isinstance(entry, AuditMatch):
+            error = pairing.attach(entry)
+            if error is not None:
+                found.errors.append(error)
+            found.entries.append(entry)
+        else:
+            pairing.add(found.entries, entry)
+    found.matches.extend(entry for entry in found.entries if isinstance(entry, RecordMatch))
+    found.extend(match.record for match in found.matches)
     return found
+
+
+def iter_matches(text: str, errors: list[MalformedRecordError] | None = None) -> Iterator[RecordMatch]:
+    """Yield every record in ``text`` (any number of lines), in order, audit lines attached.
+
+    Malformed lines are skipped; when ``errors`` is given, their errors are appended to it.
+    """
+    found = find_all(text)
+    if errors is not None:
+        errors.extend(found.errors)
+    yield from found.matches
 
 
 def find_last(text: str) -> tuple[SwaDivergenceRecord, str] | None:
@@ -346,7 +760,8 @@ def find_last(text: str) -> tuple[SwaDivergenceRecord, str] | None:
 
     Mirrors SGLang's ``find_last``; malformed records are skipped.
     """
-    last: RecordMatch | None = None
-    for match in iter_matches(text):
-        last = match
-    return None if last is None else (last.record, last.text)
+    found = find_all(text)
+    if not found.matches:
+        return None
+    last = found.matches[-1]
+    return last.record, last.text

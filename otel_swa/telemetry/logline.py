@@ -5,7 +5,9 @@
 ``otel_swa[verify=attention] kv_canary_swa_divergence={"forward_ct":...}``
 (``SwaDivergenceRecord.line()``: the record part byte-identical to SGLang's line, after a tag that
 says otel-swa wrote it and what the verify counts are) and ignores every other log record. So the line that SGLang's CI greps for is one more
-exporter on the same pipeline as OTLP, and ``otel-swa check`` reads it back.
+exporter on the same pipeline as OTLP, and ``otel-swa check`` reads it back. Like the plain sink
+(:mod:`otel_swa.logline`), it writes the run start marker before its first line and, right after
+the line of an audited sample (the audit fields are event attributes), its audit line.
 
 Where the line goes:
 
@@ -34,7 +36,7 @@ from typing import IO, Sequence
 from opentelemetry.sdk._logs import ReadableLogRecord
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 
-from otel_swa.logline import LOGGER_NAME, line_logger, write_lines
+from otel_swa.logline import LOGGER_NAME, RecordLines, line_logger, write_lines
 from otel_swa.telemetry import semconv as sc
 from otel_swa.telemetry.events import record_from_attributes
 
@@ -57,6 +59,11 @@ class SwaLogLineExporter(LogRecordExporter):
 
     Records whose attributes do not form a valid record are counted in :attr:`malformed` and
     logged; the export still succeeds for the others.
+
+    Attributes:
+        lines_written: samples written (one SGLang line each; the run start marker and audit lines
+            are not counted).
+        malformed: sample events without a valid record (no line written for them).
     """
 
     def __init__(self, stream: IO[str] | None = None, *, logger_name: str = LOGGER_NAME, level: int = logging.INFO) -> None:
@@ -66,6 +73,7 @@ class SwaLogLineExporter(LogRecordExporter):
         if stream is None:
             line_logger(self._logger, level)
         self._lock = threading.Lock()
+        self._lines = RecordLines()
         self._shutdown = False
         self.lines_written = 0
         self.malformed = 0
@@ -73,24 +81,24 @@ class SwaLogLineExporter(LogRecordExporter):
     def export(self, batch: Sequence[ReadableLogRecord]) -> LogRecordExportResult:
         if self._shutdown:
             return LogRecordExportResult.FAILURE
-        lines = []
+        records = []
         for readable in batch:
             log_record = readable.log_record
             if log_record.event_name != sc.EVENT_NAME:
                 continue
             try:
-                lines.append(record_from_attributes(log_record.attributes or {}).line())
+                records.append(record_from_attributes(log_record.attributes or {}))
             except (KeyError, TypeError, ValueError) as exc:
                 self.malformed += 1
                 _log.warning("%s event without a valid record (%s); no line written", sc.EVENT_NAME, exc)
-        if not lines:
+        if not records:
             return LogRecordExportResult.SUCCESS
         try:
             with self._lock:
-                self._write(lines)
-                self.lines_written += len(lines)
+                self._write([line for record in records for line in self._lines.of(record)])
+                self.lines_written += len(records)
         except Exception:  # an unwritable stream must not break the pipeline
-            _log.exception("could not write %d SWA divergence line(s)", len(lines))
+            _log.exception("could not write the lines of %d SWA divergence sample(s)", len(records))
             return LogRecordExportResult.FAILURE
         return LogRecordExportResult.SUCCESS
 

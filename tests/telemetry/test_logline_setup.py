@@ -226,3 +226,34 @@ def test_logline_exporter_keeps_a_level_the_application_set(basic_config_root):
     provider.shutdown()
     assert basic_config_root.getvalue() == ""
     assert logging.getLogger("otel_swa").level == logging.ERROR
+
+
+def test_logline_exporter_writes_the_run_start_marker_and_audit_lines_from_event_attributes():
+    stream = io.StringIO()
+    provider = logline_provider(SwaLogLineExporter(stream))
+    sink = SwaTelemetrySink(logger_provider=provider, span_events=False)
+    audited = R(20, 5120, 2048, 17, 311, verify_source="kv_canary", swa_leaked_slots=4, swa_stale_tokens=0,
+                swa_shared_slots=0, swa_pages_in_use=12, swa_pages_referenced=11)
+    sink(audited, None)
+    sink(R(40, 9000, 3000, 0, 640, verify_source="kv_canary"), None)
+    provider.shutdown()
+    assert stream.getvalue().splitlines() == [
+        f'otel_swa[verify=kv_canary] otel_swa_run_start={{"pid":{os.getpid()}}}',
+        "otel_swa[verify=kv_canary] " + LINES[0],
+        'otel_swa[verify=kv_canary] otel_swa_audit={"forward_ct":20,"swa_leaked_slots":4,"swa_stale_tokens":0,'
+        '"swa_shared_slots":0,"swa_pages_in_use":12,"swa_pages_referenced":11}',
+        "otel_swa[verify=kv_canary] " + LINES[1],
+    ]
+    assert list(find_all(stream.getvalue())) == [audited, R(40, 9000, 3000, 0, 640, verify_source="kv_canary")]
+
+
+def test_logline_exporter_refuses_a_value_above_int64_and_writes_nothing_for_it():
+    stream = io.StringIO()
+    exporter = SwaLogLineExporter(stream)
+    provider = logline_provider(exporter)
+    attributes = {f"kv_cache.swa.{name}": 1 for name in
+                  ("forward_ct", "verify_full", "verify_swa", "swa_full_idx_divergence", "swa_out_of_window_tokens")}
+    attributes["kv_cache.swa.verify_full"] = 2**63
+    provider.get_logger("x").emit(event_name="kv_cache.swa.divergence_sample", attributes=attributes)
+    provider.shutdown()
+    assert (stream.getvalue(), exporter.malformed, exporter.lines_written) == ("", 1, 0)

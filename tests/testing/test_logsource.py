@@ -49,9 +49,11 @@ def test_logged_records_keep_line_timestamp_rank():
     ]
     assert found[1].record == SwaDivergenceRecord(20, 300, 150, 2, 9)
     assert len(errors) == 1
-    assert found[1].to_row() == {
-        "line_no": 3, "timestamp": "2025-06-01 12:00:20", "rank": "DP1 TP0", "forward_ct": 20,
-        "verify_full": 300, "verify_swa": 150, "swa_full_idx_divergence": 2, "swa_out_of_window_tokens": 9,
+    assert found[1].to_row(run=1) == {
+        "line_no": 3, "timestamp": "2025-06-01 12:00:20", "rank": "DP1 TP0", "run": 1, "verify_source": None,
+        "forward_ct": 20, "verify_full": 300, "verify_swa": 150, "swa_full_idx_divergence": 2,
+        "swa_out_of_window_tokens": 9, "swa_leaked_slots": None, "swa_stale_tokens": None, "swa_shared_slots": None,
+        "swa_pages_in_use": None, "swa_pages_referenced": None,
     }
     groups = group_by_rank(found)
     assert list(groups) == ["DP0 TP0", "DP1 TP0", None]
@@ -122,3 +124,22 @@ def test_follower_final_read_ending_in_cr_then_lf(tmp_path):
     with open(path, "ab") as f:
         f.write(b"\n" + (LINE % (20, 10, 5, 1, 1)).encode() + b"\n")
     assert [n.line_no for n in follower.poll()] == [2]
+
+
+def test_follower_attaches_an_audit_line_read_in_a_later_poll(tmp_path):
+    from otel_swa.logsource import LoggedRunStart
+    from otel_swa.record import run_start_line
+
+    record = SwaDivergenceRecord(20, 10, 5, 1, 1, verify_source="attention", swa_leaked_slots=2, swa_stale_tokens=0,
+                                 swa_shared_slots=0)
+    path = tmp_path / "server.log"
+    follower = LogFollower(path)
+    path.write_text("[2025-06-01 12:00:20 TP0] " + run_start_line("attention", pid=9) + "\n"
+                    + "[2025-06-01 12:00:20 TP0] " + record.line() + "\n")
+    assert [n.record.audited for n in follower.poll()] == [False]
+    with open(path, "a") as f:
+        f.write("[2025-06-01 12:00:20 TP0] " + record.audit_line() + "\n")
+    assert follower.poll() == []  # no new record; the one read before now carries its audit
+    assert [r.record for r in follower.records] == [record]
+    assert follower.entries[0] == LoggedRunStart(1, "2025-06-01 12:00:20", "TP0", "attention", 9)
+    assert follower.malformed == 0
