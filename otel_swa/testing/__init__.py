@@ -16,29 +16,37 @@ this package)::
         reporter.flush()
         swa_records.assert_observed()
 
-The rules (peak divergence and out-of-window over all records, ``verify_swa < verify_full`` on the
-last record) and the accepted sources are described in :mod:`otel_swa.testing.assertions`. Nothing
-here imports pytest except :mod:`otel_swa.testing.plugin`.
+One verdict, :func:`judge` (:mod:`otel_swa.testing.judge`: peaks of divergence and out-of-window,
+the verify lag on the last record, a clean SWA slot audit, judged on the last run of a log, rank
+by rank), behind three fronts: :func:`assert_swa_divergence_observed`, the fixture, and
+``otel-swa check``. Runs, ranks and writers of a log: :mod:`otel_swa.testing.runs`; the sources
+read: :mod:`otel_swa.testing.sources`. Nothing here imports pytest except
+:mod:`otel_swa.testing.plugin`.
 """
 
 from otel_swa.testing.assertions import (
     DEFAULT_POLL_S,
     DEFAULT_TIMEOUT_S,
     SwaDivergenceNotObserved,
-    SwaObservation,
     assert_swa_divergence_observed,
-    judge,
     wait_for_observation,
 )
 from otel_swa.testing.capture import SwaRecordCapture
+from otel_swa.testing.judge import AUDIT_RULES, Failure, GroupVerdict, SwaObservation, judge
+from otel_swa.testing.runs import RunRecord, split_runs
 
 __all__ = [
+    "AUDIT_RULES",
     "DEFAULT_POLL_S",
     "DEFAULT_TIMEOUT_S",
+    "Failure",
+    "GroupVerdict",
+    "RunRecord",
     "SwaDivergenceNotObserved",
     "SwaObservation",
     "SwaRecordCapture",
     "assert_swa_divergence_observed",
     "judge",
+    "split_runs",
     "wait_for_observation",
 ]

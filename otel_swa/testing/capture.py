@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -9,15 +10,20 @@ from typing import Callable
 
 from opentelemetry.context import Context
 
-from otel_swa.logsource import LogFollower
-from otel_swa.record import LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord, iter_matches
-from otel_swa.testing.assertions import (
-    DEFAULT_POLL_S,
-    SwaObservation,
-    _Snapshot,
-    _Source,
-    assert_swa_divergence_observed,
+from otel_swa.logsource import LogFollower, logged_entries
+from otel_swa.record import (
+    AUDIT_PREFIX,
+    LINE_PREFIX,
+    RUN_START_PREFIX,
+    AuditMatch,
+    AuditPairing,
+    MalformedRecordError,
+    SwaDivergenceRecord,
+    iter_entries,
 )
+from otel_swa.testing.assertions import DEFAULT_POLL_S, SwaObservation, assert_swa_divergence_observed
+from otel_swa.testing.runs import RunRecord, split_runs
+from otel_swa.testing.sources import Snapshot, Source, follower_problem, text_of
 
 __all__ = ["SwaRecordCapture"]
 
@@ -34,7 +40,7 @@ class _RecordLogHandler(logging.Handler):
             message = log_record.getMessage()
         except Exception:  # a message whose arguments do not format is not ours to judge
             return
-        if LINE_PREFIX in message:
+        if LINE_PREFIX in message or AUDIT_PREFIX in message or RUN_START_PREFIX in message:
             self._capture._add_logged(message)
 
 
@@ -52,8 +58,11 @@ class SwaRecordCapture:
     it follows a file or output, which another process may still be writing; records that reach
     the sink or ``logging`` are in place once the reporter's ``flush()`` has returned.
 
-    When records come from more than one place, they are merged in ``forward_ct`` order (stable), so
-    "the last record" is the one with the highest step count.
+    When records come from more than one place (the sink, ``logging``, each followed file, each
+    captured output), each place is judged on its own, with its own runs and ranks, and every place
+    that holds records must show the SWA path; :attr:`records` lists them all, merged in
+    ``forward_ct`` order (stable). Audit lines and run start markers that reach ``logging`` are read
+    too (an audit line attached to the record logged just before it).
 
     The sink is thread-safe; it raises ``TypeError`` for anything but a record (the reporter catches
     and counts sink errors).
@@ -63,7 +72,8 @@ class SwaRecordCapture:
         self._lock = threading.Lock()
         self._sunk: list[SwaDivergenceRecord] = []
         self._contexts: list[Context | None] = []
-        self._logged: list[SwaDivergenceRecord] = []
+        self._logged: list = []  # RecordMatch and RunStartMatch, audit lines attached
+        self._logged_pairing = AuditPairing()
         self._logged_errors: list[MalformedRecordError] = []
         self._followers: list[LogFollower] = []
         self._outputs: list[Callable[[], str | bytes]] = []
@@ -80,9 +90,15 @@ class SwaRecordCapture:
 
     def _add_logged(self, message: str) -> None:
         errors: list[MalformedRecordError] = []
-        found = [match.record for match in iter_matches(message, errors)]
+        entries = list(iter_entries(message, errors))
         with self._lock:
-            self._logged.extend(found)
+            for entry in entries:
+                if isinstance(entry, AuditMatch):
+                    error = self._logged_pairing.attach(entry)
+                    if error is not None:
+                        errors.append(error)
+                else:
+                    self._logged_pairing.add(self._logged, entry)
             self._logged_errors.extend(errors)
 
     def capture_logging(
@@ -125,47 +141,50 @@ class SwaRecordCapture:
             self._outputs.append(get_text)
 
     # ------------------------------------------------------------------ outputs
-    def _snapshot(self, final: bool = False) -> _Snapshot:
+    def _parts(self, final: bool = False) -> tuple[list[tuple[str, list[RunRecord]]], list, list[str]]:
+        """``(label, records)`` per place, the malformed lines and the problems of followed files."""
         with self._lock:
-            parts = [list(self._sunk), list(self._logged)]
-            malformed = len(self._logged_errors)
+            sunk = list(self._sunk)
+            logged = list(self._logged)
+            errors: list[MalformedRecordError] = list(self._logged_errors)
             followers = list(self._followers)
             outputs = list(self._outputs)
+        parts = [("sink", split_runs(sunk, part="sink")),
+                 ("logging", split_runs(logged, part="logging", line_numbers=False))]
         problems = []
-        last_line_no = None
         for follower in followers:
+            label = os.fspath(follower.path)
             follower.poll(final=final)
-            parts.append([item.record for item in follower.records])
-            malformed += follower.malformed
-            if follower.missing:
-                problems.append(f"log file {os.fspath(follower.path)!r} does not exist")
-            elif follower.error is not None:
-                problems.append(f"log file {os.fspath(follower.path)!r} cannot be read ({follower.error})")
-            if len(followers) == 1 and follower.records:
-                last_line_no = follower.records[-1].line_no
-        for get_text in outputs:
-            text = get_text()
-            if isinstance(text, bytes):
-                text = text.decode("utf-8", errors="replace")
-            errors: list[MalformedRecordError] = []
-            parts.append([match.record for match in iter_matches(text, errors)])
-            malformed += len(errors)
-        nonempty = [part for part in parts if part]
-        if len(nonempty) == 1:
-            records = nonempty[0]
-        else:
-            records = sorted((r for part in nonempty for r in part), key=lambda r: r.forward_ct)
-            last_line_no = None
-        return _Snapshot(records, malformed, last_line_no if records else None, "; ".join(problems) or None)
+            parts.append((label, split_runs(follower.entries, part=label)))
+            errors.extend(follower.errors)
+            problem = follower_problem(follower)
+            if problem is not None:
+                problems.append(problem)
+        for number, get_text in enumerate(outputs, 1):
+            label = "captured output" if len(outputs) == 1 else f"captured output {number}"
+            found: list[MalformedRecordError] = []
+            entries = logged_entries(text_of(get_text()), errors=found)
+            parts.append((label, split_runs(entries, part=label)))
+            errors.extend(found)
+        return parts, errors, problems
 
-    def _as_source(self) -> _Source:
+    def _snapshot(self, final: bool = False) -> Snapshot:
+        parts, errors, problems = self._parts(final)
+        nonempty = [records for _, records in parts if records]
+        if len(nonempty) == 1:  # one place: no part labels in the explanation
+            records = [dataclasses.replace(item, part=None) for item in nonempty[0]]
+        else:
+            records = [item for part in nonempty for item in part]
+        return Snapshot(records, errors, "; ".join(problems) or None)
+
+    def _as_source(self) -> Source:
         capture = self
 
-        class _CaptureSource(_Source):
+        class _CaptureSource(Source):
             describe = "the captured records (" + capture._describe() + ")"
             growing = bool(capture._followers or capture._outputs)
 
-            def read(self, final: bool = False) -> _Snapshot:
+            def read(self, final: bool = False) -> Snapshot:
                 return capture._snapshot(final)
 
         return _CaptureSource()
@@ -181,8 +200,10 @@ class SwaRecordCapture:
 
     @property
     def records(self) -> list[SwaDivergenceRecord]:
-        """Every record captured so far (files and output read again now), merged as described above."""
-        return self._snapshot().records
+        """Every record captured so far (files and output read again now), merged in ``forward_ct``
+        order (stable)."""
+        parts, _, _ = self._parts()
+        return sorted((item.record for _, part in parts for item in part), key=lambda r: r.forward_ct)
 
     @property
     def contexts(self) -> list[Context | None]:
@@ -192,8 +213,8 @@ class SwaRecordCapture:
 
     @property
     def malformed(self) -> int:
-        """Malformed records skipped in logged messages, files and output."""
-        return self._snapshot().malformed
+        """Malformed lines skipped in logged messages, files and output."""
+        return len(self._parts()[1])
 
     def assert_observed(
         self,
@@ -201,15 +222,28 @@ class SwaRecordCapture:
         min_divergence: int = 1,
         min_out_of_window: int = 1,
         require_verify_lag: bool = True,
+        require_clean_audit: bool = True,
+        runs: str = "last",
+        ranks: str = "each",
+        lines: str = "auto",
         timeout_s: float | None = None,
         poll_s: float = DEFAULT_POLL_S,
     ) -> SwaObservation:
-        """:func:`~otel_swa.testing.assert_swa_divergence_observed` on this capture."""
+        """:func:`~otel_swa.testing.assert_swa_divergence_observed` on this capture (same rules
+        and arguments).
+
+        Raises:
+            SwaDivergenceNotObserved: the verdict is not a pass (the message says why).
+        """
         return assert_swa_divergence_observed(
             self,
             min_divergence=min_divergence,
             min_out_of_window=min_out_of_window,
             require_verify_lag=require_verify_lag,
+            require_clean_audit=require_clean_audit,
+            runs=runs,
+            ranks=ranks,
+            lines=lines,
             timeout_s=timeout_s,
             poll_s=poll_s,
         )

@@ -99,11 +99,27 @@ def test_capture_sink_logging_and_merge(tmp_path):
         path = tmp_path / "b.log"
         path.write_text(rec(60, 300, 120, 0, 0).format() + "\n")
         capture.follow(path)
-        # merged in forward_ct order: the followed file's record is the last one
+        # listed merged in forward_ct order
         assert [r.forward_ct for r in capture.records] == [20, 40, 60]
         assert capture.malformed == 1
-        obs = capture.assert_observed(timeout_s=0)
-        assert (obs.peak_divergence, obs.peak_out_of_window, obs.last.forward_ct) == (3, 4, 60)
+        # judged place by place: none of the three shows both signals on its own
+        with pytest.raises(SwaDivergenceNotObserved) as info:
+            capture.assert_observed(timeout_s=0)
+        obs = info.value.observation
+        assert [(g.part, g.failed) for g in obs.groups] == [
+            ("sink", ("divergence",)), ("logging", ("out-of-window",)),
+            (str(path), ("divergence", "out-of-window"))]
+        text = str(info.value)
+        assert "  sink: FAILED, 1 record(s)" in text and f"  {path}: FAILED, 1 record(s), line 1" in text
     finally:
         capture.close()
     assert logger.level == logging.WARNING and not logger.handlers
+
+
+def test_capture_of_one_place_is_judged_without_place_labels():
+    capture = SwaRecordCapture()
+    capture(rec(20, 100, 40, 3, 4), None)
+    capture(rec(40, 200, 90, 1, 2), None)
+    obs = capture.assert_observed()
+    assert [(g.part, g.run, g.records) for g in obs.groups] == [(None, 1, 2)]
+    assert "sink:" not in obs.explain()

@@ -126,3 +126,37 @@ def test_malformed_records_are_skipped_and_counted(pytester):
     """)
     result.assert_outcomes(passed=1, failed=1)
     assert "0 record(s) seen (2 malformed skipped)" in result.stdout.str()
+
+
+def test_fixture_judges_the_last_run_and_every_rank_of_a_followed_log(pytester):
+    result = run(pytester, """
+        from otel_swa.record import run_start_line
+
+        def appended(path):
+            marker = "[2025-06-01 12:00:00 TP0] " + run_start_line("attention", pid=1) + "\\n"
+            path.write_text(marker + line(20, 100, 40, 3, 5) + line(40, 200, 80, 4, 6)      # a good run
+                            + marker + line(20, 100, 100, 0, 0) + line(40, 200, 200, 0, 0))  # then a broken one
+
+        def test_appended_log(tmp_path, swa_records):
+            log = tmp_path / "server.log"
+            appended(log)
+            swa_records.follow(log)
+            swa_records.assert_observed(timeout_s=0)
+
+        def test_dead_rank(tmp_path, swa_records):
+            log = tmp_path / "server.log"
+            log.write_text(line(20, 100, 40, 3, 5) + line(20, 100, 100, 0, 0, rank="TP1")
+                           + line(40, 200, 80, 4, 6) + line(40, 200, 200, 0, 0, rank="TP1"))
+            swa_records.follow(log)
+            swa_records.assert_observed(timeout_s=0)
+
+        def test_whole_log_on_request(tmp_path, swa_records):
+            log = tmp_path / "server.log"
+            appended(log)
+            swa_records.follow(log)
+            swa_records.assert_observed(timeout_s=0, runs="all", require_verify_lag=False)
+    """)
+    result.assert_outcomes(failed=2, passed=1)
+    out = result.stdout.str()
+    assert "run 2, TP0: FAILED, 2 record(s), lines 5-6" in out
+    assert "TP1: FAILED, 2 record(s), lines 2-4" in out

@@ -1,0 +1,626 @@
+"""The CI verdict: whether a run shows the SWA path working. One pure function, :func:`judge`.
+
+Records come in with their writer, rank and run (:func:`otel_swa.testing.runs.split_runs`); a
+verdict per run and rank comes out (:class:`GroupVerdict`), each failure with its reason
+(:class:`Failure`), and :meth:`SwaObservation.explain` says it in words. ``otel-swa check``, the
+pytest assertion and the ``swa_records`` fixture are thin fronts over it; reading the sources
+(files, text, a growing log, an in-process sink) is :mod:`otel_swa.testing.sources`' business.
+
+The signals, as SGLang's CI helper ``assert_swa_divergence_observed`` defines the first three
+(sgl-project/sglang PR #26820):
+
+* ``divergence``: the **peak** ``swa_full_idx_divergence`` over the group's records is at least
+  ``min_divergence`` (default 1);
+* ``out-of-window``: the **peak** ``swa_out_of_window_tokens`` is at least ``min_out_of_window``;
+* ``verify lag``: the **last** record has ``verify_swa < verify_full`` (both counters are
+  cumulative; a negative value, from a wrapped 32-bit counter, cannot show it);
+* ``audit``: when the group's records carry the SWA slot audit (otel-swa's audit lines), the peak
+  of each field of :data:`AUDIT_RULES` is 0: no leaked SWA slots, no stale tokens, no shared SWA
+  slots (``require_clean_audit``, default on);
+* ``runs``: no rank shows runs interleaved in one log (``forward_ct`` going back and forth: two
+  runs writing the same log at once, or every line logged twice), which no rule can split.
+
+Peaks, because under pipeline parallelism one micro-batch is sampled per interval and a single
+sample may show an idle one.
+
+What is judged:
+
+* ``runs="last"`` (default): the last run of the log (runs are counted per writer); ``"each"``:
+  every run, all must pass; ``"all"``: the whole log as one run (the rule before runs were told
+  apart).
+* ``ranks="each"`` (default): every rank on its own, all must pass; a rank that wrote records in
+  another run of the log but none in the judged one fails (a dead rank). ``"all"``: the records
+  of every rank of a run together (peaks over all, the verify lag on the last line), for pipeline
+  parallelism where one micro-batch is sampled per interval.
+* ``lines="auto"`` (default): otel-swa's tagged lines when there are any, else SGLang's own
+  (untagged) lines; the explanation says when the other writer's lines were left out.
+  ``"otel-swa"`` / ``"sglang"``: that writer only; ``"both"``: each writer on its own, both must
+  pass.
+
+This module does not import pytest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from otel_swa.record import LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord
+from otel_swa.testing.runs import OTEL_SWA_LINES, SGLANG_LINES, RunRecord, split_runs
+
+__all__ = [
+    "SIGNALS",
+    "RUN_MODES",
+    "RANK_MODES",
+    "LINE_MODES",
+    "ALL_RANKS",
+    "AuditRule",
+    "AUDIT_RULES",
+    "Failure",
+    "AuditPeak",
+    "GroupVerdict",
+    "SwaObservation",
+    "judge",
+    "check_modes",
+]
+
+#: The signals, by name, in the order they are judged and reported.
+SIGNALS = ("divergence", "out-of-window", "verify lag", "audit", "runs")
+RUN_MODES = ("last", "each", "all")
+RANK_MODES = ("each", "all")
+LINE_MODES = ("auto", "otel-swa", "sglang", "both")
+#: :attr:`GroupVerdict.rank` of a group that holds every rank (``ranks="all"``).
+ALL_RANKS = "all ranks"
+
+#: At most this many malformed lines are listed without ``verbose``.
+_ERRORS_SHOWN = 1
+
+
+@dataclass(frozen=True)
+class AuditRule:
+    """One SWA slot audit field the judge requires to be 0.
+
+    Attributes:
+        field: the record field (one of :data:`otel_swa.record.AUDIT_FIELDS`).
+        label: what a non-zero value is, in words.
+        meaning: what the field counts.
+    """
+
+    field: str
+    label: str
+    meaning: str
+
+
+#: The audit fields judged, one rule each: their peak over a group's audited records must be 0.
+AUDIT_RULES = (
+    AuditRule("swa_leaked_slots", "leaked SWA slots", "SWA slots of pages in use that no live token maps into"),
+    AuditRule("swa_stale_tokens", "stale tokens", "live tokens whose SWA page is on the free list"),
+    AuditRule("swa_shared_slots", "shared SWA slots", "SWA slots that two distinct live FULL slots map to"),
+)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed signal and why, in words a CI log reader understands.
+
+    Attributes:
+        signal: one of :data:`SIGNALS`.
+        reason: what was seen against what was needed.
+    """
+
+    signal: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AuditPeak:
+    """The peak of one audit field over a group.
+
+    Attributes:
+        rule: the :class:`AuditRule`.
+        peak: the largest value.
+        peak_at, peak_line_no: ``forward_ct`` and line of the first record holding it.
+        first_at, first_line_no: ``forward_ct`` and line of the first non-zero value (``None`` if none).
+    """
+
+    rule: AuditRule
+    peak: int
+    peak_at: int | None
+    peak_line_no: int | None
+    first_at: int | None = None
+    first_line_no: int | None = None
+
+
+@dataclass(frozen=True)
+class GroupVerdict:
+    """The verdict on one run of one rank (or of all ranks) of one writer.
+
+    Attributes:
+        writer: ``otel-swa`` or ``sglang`` (see :mod:`otel_swa.testing.runs`).
+        run: the run number, or ``None`` when the whole log was judged as one (``runs="all"``).
+        rank: the rank, ``None`` without ranks, :data:`ALL_RANKS` for ``ranks="all"``.
+        part: which place the records came from when there are several, else ``None``.
+        records: how many records the group holds.
+        first_line_no, last_line_no: lines of its first and last record (``None`` off a log).
+        peak_divergence, peak_divergence_at: the largest ``swa_full_idx_divergence`` and the
+            ``forward_ct`` of the first record holding it (0 and ``None`` without records).
+        peak_out_of_window, peak_out_of_window_at: the same for ``swa_out_of_window_tokens``.
+        last: the last record, or ``None``.
+        last_line_no: its line, or ``None``.
+        audited: how many of its records carry the SWA slot audit.
+        audit_peaks: one :class:`AuditPeak` per :data:`AUDIT_RULES` field present.
+        failures: the failed signals with their reasons, in :data:`SIGNALS` order.
+        missing_from: for a rank without records in this run, the runs where it has some.
+    """
+
+    writer: str
+    run: int | None
+    rank: str | None
+    part: str | None
+    records: int
+    first_line_no: int | None
+    last_line_no: int | None
+    peak_divergence: int
+    peak_divergence_at: int | None
+    peak_out_of_window: int
+    peak_out_of_window_at: int | None
+    last: SwaDivergenceRecord | None
+    audited: int
+    audit_peaks: tuple[AuditPeak, ...]
+    failures: tuple[Failure, ...]
+    missing_from: tuple[int, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    @property
+    def failed(self) -> tuple[str, ...]:
+        return tuple(f.signal for f in self.failures)
+
+
+@dataclass(frozen=True)
+class SwaObservation:
+    """The verdict over a source: every judged group, what was left out, and why.
+
+    Attributes:
+        source: what was read, in words (a path, "in-process sink"...).
+        records: how many valid records were seen in the source (judged or not).
+        malformed: how many malformed lines were skipped.
+        errors: their :class:`~otel_swa.record.MalformedRecordError` (line number and reason).
+        groups: one :class:`GroupVerdict` per judged run and rank.
+        failures: failures of the source as a whole (interleaved runs), beside the groups'.
+        notes: what was seen and not judged, and how to judge it (runs, ranks, writers).
+        peak_divergence, peak_divergence_at, peak_out_of_window, peak_out_of_window_at: over the
+            judged records.
+        last: the last judged record in log order, or ``None``; last_line_no: its line.
+        min_divergence, min_out_of_window, require_verify_lag, require_clean_audit: the rules.
+        runs_mode, ranks_mode, lines_mode: what was judged (see the module docstring).
+        failed: the names (from :data:`SIGNALS`) of every signal that failed anywhere, in order.
+        waited_s: seconds spent waiting for the source to grow.
+        problem: why the source could not be read (missing file, permission...), else ``None``.
+        empty: the source held no text at all (e.g. the captured output of an engine that crashed
+            before logging anything), as opposed to text without records.
+    """
+
+    source: str
+    records: int
+    malformed: int
+    peak_divergence: int
+    peak_divergence_at: int | None
+    peak_out_of_window: int
+    peak_out_of_window_at: int | None
+    last: SwaDivergenceRecord | None
+    last_line_no: int | None
+    min_divergence: int
+    min_out_of_window: int
+    require_verify_lag: bool
+    failed: tuple[str, ...]
+    waited_s: float = 0.0
+    problem: str | None = None
+    empty: bool = False
+    groups: tuple[GroupVerdict, ...] = ()
+    failures: tuple[Failure, ...] = ()
+    notes: tuple[str, ...] = ()
+    errors: tuple[MalformedRecordError, ...] = ()
+    require_clean_audit: bool = True
+    runs_mode: str = "last"
+    ranks_mode: str = "each"
+    lines_mode: str = "auto"
+
+    @property
+    def ok(self) -> bool:
+        """Every judged group passed, nothing failed for the source as a whole, and it was readable."""
+        return not self.failed and self.problem is None
+
+    def explain(self, verbose: bool = False) -> str:
+        """A multi-line account for a CI log: what was read, what was judged, each signal's verdict
+        per run and rank, with the reason of each failure; ``verbose`` lists every malformed line."""
+        head = "SWA path observed" if self.ok else "SWA path NOT observed"
+        seen = f"{self.records} record(s) seen"
+        if self.malformed:
+            seen += f" ({self.malformed} malformed skipped)"
+        waited = f", waited {self.waited_s:.1f} s" if self.waited_s else ""
+        lines = [f"{head} in {self.source}: {seen}{waited}"]
+        if self.problem is not None:
+            lines.append(f"  unusable source: {self.problem}")
+        if self.empty and self.problem is None:
+            lines.append("  the source was empty (no text at all): did the engine crash, or log to another stream?")
+        elif self.records == 0 and self.problem is None:
+            lines.append(
+                f"  no {LINE_PREFIX!r} record found; is the reporter on (interval > 0) and the run long enough?"
+            )
+        shown = self.errors if verbose else self.errors[:_ERRORS_SHOWN]
+        for error in shown:
+            where = f"line {error.line_no}" if error.line_no is not None else "a line"
+            lines.append(f"  malformed, skipped: {where}: {error.reason}")
+        if len(self.errors) > len(shown):
+            lines.append(f"  ... and {len(self.errors) - len(shown)} more malformed line(s) (--verbose lists them)")
+        for note in self.notes:
+            lines.append(f"  {note}")
+        for failure in self.failures:
+            lines.append(f"  FAILED {failure.signal}: {failure.reason}")
+        flat = len(self.groups) == 1 and _label(self.groups[0], self) == ""
+        for group in self.groups:
+            indent = "  " if flat else "    "
+            if not flat:
+                verdict = "ok" if group.ok else "FAILED"
+                where = _lines_of(group)
+                lines.append(f"  {_label(group, self)}: {verdict}, {group.records} record(s){where}")
+            lines.extend(indent + text for text in _group_lines(group, self))
+        return "\n".join(lines)
+
+
+def _label(group: GroupVerdict, obs: SwaObservation) -> str:
+    parts = []
+    if group.part is not None:
+        parts.append(group.part)
+    if obs.lines_mode == "both":
+        parts.append(f"{group.writer} lines")
+    if group.run is not None and any(n.startswith("runs:") for n in obs.notes):
+        parts.append(f"run {group.run}")
+    if group.rank is not None:
+        parts.append(group.rank)
+    return ", ".join(parts)
+
+
+def _lines_of(group: GroupVerdict) -> str:
+    if group.first_line_no is None:
+        return ""
+    if group.first_line_no == group.last_line_no:
+        return f", line {group.first_line_no}"
+    return f", lines {group.first_line_no}-{group.last_line_no}"
+
+
+def _group_lines(group: GroupVerdict, obs: SwaObservation) -> list[str]:
+    failed = {f.signal: f.reason for f in group.failures}
+
+    def verdict(name: str) -> str:
+        return "FAILED" if name in failed else "ok    "
+
+    at = lambda ct: "" if ct is None else f" at forward_ct={ct}"  # noqa: E731
+    out = []
+    if group.missing_from:
+        runs = ", ".join(map(str, group.missing_from))
+        out.append(f"no record from {group.rank} in this run (it wrote records in run {runs}): a dead rank?")
+    out.append(
+        f"{verdict('divergence')} divergence: peak swa_full_idx_divergence={group.peak_divergence}"
+        f"{at(group.peak_divergence_at)} (need >= {obs.min_divergence})"
+    )
+    out.append(
+        f"{verdict('out-of-window')} out-of-window: peak swa_out_of_window_tokens={group.peak_out_of_window}"
+        f"{at(group.peak_out_of_window_at)} (need >= {obs.min_out_of_window})"
+    )
+    if not obs.require_verify_lag:
+        out.append("skip   verify lag: not required")
+    else:
+        out.append(f"{verdict('verify lag')} verify lag: {failed.get('verify lag') or _lag_text(group.last)}")
+    if group.audited:
+        if not obs.require_clean_audit:
+            out.append("skip   SWA slot audit: not required")
+        elif "audit" in failed:
+            out.append(f"FAILED SWA slot audit: {failed['audit']}")
+        else:
+            fields = ", ".join(f"{p.rule.field}=0" for p in group.audit_peaks)
+            out.append(f"ok     SWA slot audit: clean in {group.audited} audited record(s) ({fields} throughout)")
+    if group.last is not None:
+        line_no = group.last_line_no if group.last_line_no is not None or len(obs.groups) > 1 else obs.last_line_no
+        where = f" (line {line_no})" if line_no is not None else ""
+        out.append(f"last record{where}: {group.last.format()}")
+    return out
+
+
+def _lag_text(last: SwaDivergenceRecord | None) -> str:
+    if last is None:
+        return "no last record (need verify_swa < verify_full)"
+    relation = "<" if last.verify_swa < last.verify_full else "is not <"
+    return f"last record verify_swa={last.verify_swa} {relation} verify_full={last.verify_full}"
+
+
+def _check_threshold(name: str, value: object) -> int:
+    if type(value) is not int or value < 0:  # noqa: E721 - bool refused
+        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+    return value
+
+
+def check_modes(runs: str, ranks: str, lines: str) -> None:
+    """Check the three mode arguments of :func:`judge`.
+
+    Raises:
+        ValueError: a mode is not one of its choices (the message names the value and the choices).
+    """
+    for name, value, choices in (("runs", runs, RUN_MODES), ("ranks", ranks, RANK_MODES), ("lines", lines, LINE_MODES)):
+        if value not in choices:
+            raise ValueError(f"{name}={value!r}; expected one of {', '.join(choices)}")
+
+
+def _evaluate(
+    items: Sequence[RunRecord],
+    *,
+    writer: str,
+    run: int | None,
+    rank: str | None,
+    part: str | None,
+    missing_from: tuple[int, ...],
+    min_divergence: int,
+    min_out_of_window: int,
+    require_verify_lag: bool,
+    require_clean_audit: bool,
+) -> GroupVerdict:
+    peak_div, peak_div_at, peak_oow, peak_oow_at = 0, None, 0, None
+    for item in items:
+        record = item.record
+        if peak_div_at is None or record.swa_full_idx_divergence > peak_div:
+            peak_div, peak_div_at = record.swa_full_idx_divergence, record.forward_ct
+        if peak_oow_at is None or record.swa_out_of_window_tokens > peak_oow:
+            peak_oow, peak_oow_at = record.swa_out_of_window_tokens, record.forward_ct
+    last_item = items[-1] if items else None
+    last = last_item.record if last_item is not None else None
+    where = "" if rank is None or rank == ALL_RANKS else f" from {rank}"
+    failures: list[Failure] = []
+    if peak_div_at is None or peak_div < min_divergence:
+        failures.append(Failure("divergence", f"peak swa_full_idx_divergence={peak_div}{where}, need >= {min_divergence}"
+                                if items else f"no record{where}"))
+    if peak_oow_at is None or peak_oow < min_out_of_window:
+        failures.append(Failure("out-of-window", f"peak swa_out_of_window_tokens={peak_oow}{where}, need >= {min_out_of_window}"
+                                if items else f"no record{where}"))
+    if require_verify_lag:
+        if last is None:
+            failures.append(Failure("verify lag", "no last record (need verify_swa < verify_full)"))
+        elif last.verify_full < 0 or last.verify_swa < 0:
+            failures.append(Failure("verify lag", (
+                f"last record verify_swa={last.verify_swa}, verify_full={last.verify_full}: a negative total cannot "
+                "show the lag (a 32-bit verify counter wrapped past 2**31 - 1?); check an earlier run or "
+                "--no-verify-lag")))
+        elif not last.verify_swa < last.verify_full:
+            failures.append(Failure("verify lag", _lag_text(last)))
+    audited = [item for item in items if item.record.audited]
+    peaks: list[AuditPeak] = []
+    for rule in AUDIT_RULES:
+        present = [item for item in audited if getattr(item.record, rule.field) is not None]
+        if not present:
+            continue
+        peak_item = max(present, key=lambda item: getattr(item.record, rule.field))  # first of the largest
+        first = next((item for item in present if getattr(item.record, rule.field) > 0), None)
+        peaks.append(AuditPeak(
+            rule, getattr(peak_item.record, rule.field), peak_item.record.forward_ct, peak_item.line_no,
+            first.record.forward_ct if first else None, first.line_no if first else None,
+        ))
+    if require_clean_audit:
+        faults = [p for p in peaks if p.peak > 0]
+        if faults:
+            failures.append(Failure("audit", "; ".join(_audit_reason(p) for p in faults)
+                                    + f" (in {len(audited)} audited record(s){where}; each must stay 0)"))
+    return GroupVerdict(
+        writer=writer, run=run, rank=rank, part=part, records=len(items),
+        first_line_no=items[0].line_no if items else None,
+        last_line_no=last_item.line_no if last_item is not None else None,
+        peak_divergence=peak_div, peak_divergence_at=peak_div_at,
+        peak_out_of_window=peak_oow, peak_out_of_window_at=peak_oow_at,
+        last=last, audited=len(audited), audit_peaks=tuple(peaks),
+        failures=tuple(failures), missing_from=missing_from,
+    )
+
+
+def _audit_reason(peak: AuditPeak) -> str:
+    line = lambda n: "" if n is None else f" (line {n})"  # noqa: E731
+    text = f"{peak.rule.label}: peak {peak.rule.field}={peak.peak} at forward_ct={peak.peak_at}{line(peak.peak_line_no)}"
+    if peak.first_at is not None and peak.first_at != peak.peak_at:
+        text += f", first non-zero at forward_ct={peak.first_at}{line(peak.first_line_no)}"
+    return text
+
+
+def _runs_note(count: int, items: Sequence[RunRecord], judged: str, writer_word: str) -> str:
+    starts = {}
+    for item in items:
+        starts.setdefault(item.run, item.line_no)
+    begun = [f"run {n} at line {line}" for n, line in starts.items() if line is not None and n > 1]
+    if len(begun) > 4:
+        begun = begun[:3] + [f"... run {count} at line {starts[count]}"]
+    begun = f" ({', '.join(begun)})" if begun else ""
+    if judged == "last":
+        return (f"runs: {count} runs in {writer_word}{begun}; judged the last, run {count}; "
+                "--run each judges every run, --run all the whole log as one")
+    if judged == "each":
+        return f"runs: {count} runs in {writer_word}{begun}; judged each"
+    return f"runs: {count} runs in {writer_word}{begun}; judged together as one (--run all)"
+
+
+def judge(
+    records: Iterable[Any],
+    *,
+    min_divergence: int = 1,
+    min_out_of_window: int = 1,
+    require_verify_lag: bool = True,
+    require_clean_audit: bool = True,
+    runs: str = "last",
+    ranks: str = "each",
+    lines: str = "auto",
+    source: str = "records",
+    errors: Sequence[MalformedRecordError] = (),
+    malformed: int | None = None,
+    waited_s: float = 0.0,
+    problem: str | None = None,
+    empty: bool = False,
+    last_line_no: int | None = None,
+) -> SwaObservation:
+    """Judge ``records`` (in log order) by the rules of the module docstring.
+
+    Args:
+        records: :class:`~otel_swa.testing.runs.RunRecord` items (writer, rank and run known), or
+            anything :func:`~otel_swa.testing.runs.split_runs` takes (plain records, log entries),
+            which it then splits.
+        min_divergence, min_out_of_window, require_verify_lag, require_clean_audit: the rules.
+        runs, ranks, lines: what is judged (see the module docstring).
+        source, errors, malformed, waited_s, problem, empty: what the source says about itself,
+            reported as they are (``malformed`` defaults to ``len(errors)``).
+        last_line_no: the line of the last record when ``records`` has no line numbers.
+
+    Raises:
+        ValueError: a threshold is not an int >= 0, or a mode is not one of its choices.
+    """
+    _check_threshold("min_divergence", min_divergence)
+    _check_threshold("min_out_of_window", min_out_of_window)
+    check_modes(runs, ranks, lines)
+    items = list(records)
+    if not all(isinstance(item, RunRecord) for item in items):
+        items = split_runs(items)
+    rules = dict(min_divergence=min_divergence, min_out_of_window=min_out_of_window,
+                 require_verify_lag=bool(require_verify_lag), require_clean_audit=bool(require_clean_audit))
+
+    streams: dict[tuple[str | None, str], list[RunRecord]] = {}
+    for item in items:
+        streams.setdefault((item.part, item.writer), []).append(item)
+    parts = list(dict.fromkeys(part for part, _ in streams))
+    groups: list[GroupVerdict] = []
+    failures: list[Failure] = []
+    notes: list[str] = []
+    for part in parts:
+        present = [w for w in (OTEL_SWA_LINES, SGLANG_LINES) if (part, w) in streams]
+        if lines == "auto":
+            chosen = present[:1]
+            if len(present) == 2:
+                counts = (len(streams[(part, OTEL_SWA_LINES)]), len(streams[(part, SGLANG_LINES)]))
+                notes.append(f"lines: otel-swa's tagged lines ({counts[0]} records) and SGLang's own untagged lines "
+                             f"({counts[1]}) are both here; judged otel-swa's (--lines sglang or --lines both "
+                             "judges SGLang's)")
+        elif lines == "both":
+            chosen = present
+        else:
+            chosen = [lines] if lines in present else []
+            other = [w for w in present if w != lines]
+            if other:
+                notes.append(f"lines: judged {lines} lines only; {len(streams[(part, other[0])])} record(s) of "
+                             f"{other[0]} lines left out")
+        for writer in chosen:
+            stream = streams[(part, writer)]
+            groups.extend(_judge_stream(stream, writer, part, runs, ranks, notes, failures, rules, len(chosen) > 1))
+    if not groups:
+        groups.append(_evaluate([], writer=lines if lines in (OTEL_SWA_LINES, SGLANG_LINES) else OTEL_SWA_LINES,
+                                run=None, rank=None, part=None, missing_from=(), **rules))
+
+    judged = [item for group in groups for item in _group_items(items, group)]
+    judged.sort(key=lambda item: (item.line_no is None, item.line_no or 0))
+    summary = _evaluate(judged, writer="", run=None, rank=None, part=None, missing_from=(), **rules) if judged else None
+    failed_names = {f.signal for f in failures} | {f.signal for g in groups for f in g.failures}
+    last_item = None
+    for group in groups:
+        for item in _group_items(items, group):
+            if last_item is None or (item.line_no or 0) >= (last_item.line_no or 0):
+                last_item = item
+    return SwaObservation(
+        source=source,
+        records=len(items),
+        malformed=len(errors) if malformed is None else malformed,
+        peak_divergence=summary.peak_divergence if summary else 0,
+        peak_divergence_at=summary.peak_divergence_at if summary else None,
+        peak_out_of_window=summary.peak_out_of_window if summary else 0,
+        peak_out_of_window_at=summary.peak_out_of_window_at if summary else None,
+        last=last_item.record if last_item is not None else None,
+        last_line_no=(last_item.line_no if last_item.line_no is not None else last_line_no) if last_item else None,
+        min_divergence=min_divergence,
+        min_out_of_window=min_out_of_window,
+        require_verify_lag=bool(require_verify_lag),
+        failed=tuple(name for name in SIGNALS if name in failed_names),
+        waited_s=waited_s,
+        problem=problem,
+        empty=bool(empty) and not items,
+        groups=tuple(groups),
+        failures=tuple(failures),
+        notes=tuple(notes),
+        errors=tuple(errors),
+        require_clean_audit=bool(require_clean_audit),
+        runs_mode=runs,
+        ranks_mode=ranks,
+        lines_mode=lines,
+    )
+
+
+def _group_items(items: Sequence[RunRecord], group: GroupVerdict) -> list[RunRecord]:
+    return [
+        item for item in items
+        if item.part == group.part and item.writer == group.writer
+        and (group.run is None or item.run == group.run)
+        and (group.rank == ALL_RANKS or item.rank == group.rank)
+    ]
+
+
+def _judge_stream(
+    stream: Sequence[RunRecord],
+    writer: str,
+    part: str | None,
+    runs: str,
+    ranks: str,
+    notes: list[str],
+    failures: list[Failure],
+    rules: dict,
+    several_writers: bool,
+) -> list[GroupVerdict]:
+    writer_word = ("otel-swa's lines" if writer == OTEL_SWA_LINES else "SGLang's lines") if several_writers else "this log"
+    if part is not None:
+        writer_word = f"{writer_word} of {part}"
+    run_numbers = list(dict.fromkeys(item.run for item in stream))
+    count = max(run_numbers)
+    if count > 1:
+        notes.append(_runs_note(count, stream, runs, writer_word))
+    rank_list = list(dict.fromkeys(item.rank for item in stream))
+    runs_of_rank: dict[str | None, list[int]] = {}
+    for item in stream:
+        seen = runs_of_rank.setdefault(item.rank, [])
+        if not seen or seen[-1] != item.run:
+            seen.append(item.run)
+    named = [rank for rank in rank_list if rank is not None]
+    if len(rank_list) > 1 and ranks == "each":
+        shown = ", ".join(rank if rank is not None else "no rank" for rank in rank_list)
+        notes.append(f"ranks: judged each rank on its own ({shown}); --ranks all judges them together "
+                     "(pipeline parallelism, where one micro-batch is sampled per interval)")
+    elif named and ranks == "all" and len(rank_list) > 1:
+        notes.append(f"ranks: judged {len(rank_list)} ranks together (--ranks all)")
+    # interleaved runs: a rank whose forward_ct went back and came forward again more than once
+    for rank in rank_list:
+        marks = [item for item in stream if item.rank == rank and item.back_and_forth]
+        if len(marks) >= 2:
+            who = rank if rank is not None else "the lines"
+            lines_of = f" (lines {marks[0].line_no}, {marks[1].line_no}, ...)" if marks[0].line_no is not None else ""
+            failures.append(Failure("runs", (
+                f"forward_ct of {who}{' of ' + part if part else ''} went back and came forward again "
+                f"{len(marks)} times{lines_of}: several runs wrote this log at the same time, or every line was "
+                "logged twice; their records cannot be told apart (give each run its own log)")))
+    if runs == "all":
+        selected: list[int | None] = [None]
+    elif runs == "last":
+        selected = [count]
+    else:
+        selected = list(range(1, count + 1))
+    groups = []
+    for run in selected:
+        in_run = [item for item in stream if run is None or item.run == run]
+        if ranks == "all":
+            label = ALL_RANKS if named else None
+            groups.append(_evaluate(in_run, writer=writer, run=run, rank=label, part=part, missing_from=(), **rules))
+            continue
+        for rank in rank_list:
+            of_rank = [item for item in in_run if item.rank == rank]
+            missing = tuple(runs_of_rank[rank]) if not of_rank else ()
+            groups.append(_evaluate(of_rank, writer=writer, run=run, rank=rank, part=part, missing_from=missing, **rules))
+    return groups
