@@ -3,10 +3,13 @@
 Each subcommand lives in its own module under :mod:`otel_swa.commands` with two functions,
 ``add_arguments(parser)`` and ``run(args) -> int``; this module only dispatches.
 
-Exit status: 0 success; 1 the command ran and its check failed (``check``); 2 unusable input or
-arguments (the message names the value and what was expected). When the reader of standard output
-goes away (``otel-swa replay | head -1``), output stops quietly and the exit status is the one the
-command would have had (``check`` keeps its verdict).
+Exit status: 0 success; 1 the command ran and its check failed (``check``: the SWA path was not
+observed; ``replay``: its own SWA slot audit found faults, or it took no sample; ``records``: its
+output could not be written); 2 unusable input or arguments (the message names the value and what
+was expected); 130 ``replay`` interrupted (Ctrl-C), after its summary. When the reader of standard
+output goes away (``otel-swa replay | head -1``), output stops quietly and the exit status is the
+one the command would have had (``check`` keeps its verdict); when standard output cannot take
+more (``> /dev/full``), one line on stderr says so.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from otel_swa.version import __version__
 #: subcommand -> (module under otel_swa.commands, one-line help)
 SUBCOMMANDS = {
     "replay": ("replay", "replay an LLM request trace through the reference hybrid-SWA engine with the reporter on"),
-    "check": ("check", "assert that a log shows the SWA path working (divergence, out-of-window, verify lag)"),
+    "check": ("check", "assert that a log shows the SWA path working (divergence, out-of-window, verify lag, "
+                       "a clean SWA slot audit; the last run, every rank)"),
     "records": ("records", "print the records of a log as JSON lines or CSV"),
     "plot": ("plot", "draw a run's records against forward_ct (needs the 'plot' extra)"),
 }

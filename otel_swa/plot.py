@@ -1,7 +1,9 @@
 """A picture of a run: the records of each rank against ``forward_ct``.
 
-One row per rank (one row when the log names no rank; when only some lines name a rank, the lines
-without one get their own row, labelled "no rank"), two panels per row:
+One row per label: a rank, or a run and a rank when several runs wrote the log (``"run 2 TP0"``,
+as ``otel-swa plot`` labels them, so a restarted run is a row of its own instead of a line drawn
+back to its start). One row when the log names no rank; when only some lines name a rank, the
+lines without one get their own row, labelled "no rank". Two panels per row:
 
 * left: ``swa_full_idx_divergence`` and ``swa_out_of_window_tokens`` at each sampled forward step,
   unit ``{token}``;
@@ -130,9 +132,9 @@ def plot_records(
     """Draw the run and write it to ``path`` (format from the suffix: ``.png``, ``.svg``, ``.pdf``...).
 
     Args:
-        records_by_rank: the records of each rank in log order, keyed by rank label (``"TP0"``,
-            ``"DP1 TP0"``; ``None`` for a log without ranks), e.g. from
-            :func:`otel_swa.logsource.group_by_rank`; a plain sequence of records is one rank.
+        records_by_rank: the records of each row in log order, keyed by row label (``"TP0"``,
+            ``"DP1 TP0"``, ``"run 2 TP0"``; ``None`` for a log without ranks), e.g. from
+            :func:`otel_swa.logsource.group_by_rank`; a plain sequence of records is one row.
         path: the image file to write; its folder must exist.
         title: the figure title (default: counts of records and ranks).
         dpi: resolution of raster formats.
@@ -196,7 +198,7 @@ def plot_records(
     for ax in axes[-1]:
         ax.set_xlabel("forward_ct (forward steps)")
     # rows, not named ranks: lines without a rank, next to ranked ones, are a row of their own
-    rank_note = f", {len(ranks)} rank{'s' if len(ranks) != 1 else ''}" if named else ""
+    rank_note = f", {len(ranks)} row{'s' if len(ranks) != 1 else ''}" if named else ""
     fig.suptitle(title or f"SWA KV cache over a run: {total} record{'s' if total != 1 else ''}{rank_note}")
     fig.savefig(out, dpi=dpi)
     return out

@@ -7,7 +7,7 @@ import sys
 
 from otel_swa.commands._args import non_negative_int, positive_seconds, seconds
 from otel_swa.commands._output import stdout_closed
-from otel_swa.logsource import LoggedRecord, read_log
+from otel_swa.logsource import LoggedEntry, LoggedRecord, read_entries
 from otel_swa.record import MalformedRecordError
 
 __all__ = [
@@ -16,7 +16,9 @@ __all__ = [
     "seconds",
     "positive_seconds",
     "add_source_argument",
+    "load_entries",
     "load_records",
+    "malformed_summary",
     "error",
     "stdout_closed",
 ]
@@ -30,20 +32,43 @@ def add_source_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="FILE|-", help="log file to read, or '-' for standard input")
 
 
-def load_records(source: str) -> tuple[list[LoggedRecord], int]:
-    """The records of a complete log and the number of malformed ones skipped.
+def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]]:
+    """The records and run start markers of a complete log, and the malformed lines skipped.
 
     Raises:
         InputError: the file is missing or cannot be read.
     """
     errors: list[MalformedRecordError] = []
     try:
-        found = read_log(source, errors=errors)
+        found = read_entries(source, errors=errors)
     except FileNotFoundError:
         raise InputError(f"log file {source!r} does not exist") from None
     except OSError as exc:
         raise InputError(f"log file {source!r} cannot be read: {exc.strerror or exc}") from None
-    return found, len(errors)
+    return found, errors
+
+
+def load_records(source: str) -> tuple[list[LoggedRecord], int]:
+    """The records of a complete log and the number of malformed lines skipped.
+
+    Raises:
+        InputError: the file is missing or cannot be read.
+    """
+    entries, errors = load_entries(source)
+    return [entry for entry in entries if isinstance(entry, LoggedRecord)], len(errors)
+
+
+def malformed_summary(errors: list[MalformedRecordError], verbose: bool) -> list[str]:
+    """Lines for stderr about the malformed lines skipped: the count and the first reason (every
+    one with ``verbose``)."""
+    if not errors:
+        return []
+    shown = errors if verbose else errors[:1]
+    lines = [f"otel-swa: {len(errors)} malformed line(s) skipped"]
+    lines += [f"otel-swa:   line {e.line_no}: {e.reason}" for e in shown]
+    if len(errors) > len(shown):
+        lines.append("otel-swa:   ... (--verbose lists them all)")
+    return lines
 
 
 def error(message: str) -> int:

@@ -1,15 +1,18 @@
-"""Assert that a log shows the SWA path working: divergence, out-of-window tokens, verify lag.
+"""Assert that a log shows the SWA path working: divergence, out-of-window tokens, verify lag, a clean audit.
 
-The shell form of :func:`otel_swa.testing.assert_swa_divergence_observed`, with the same rules:
-peak ``swa_full_idx_divergence`` >= ``--min-divergence`` and peak ``swa_out_of_window_tokens`` >=
-``--min-out-of-window`` over all records, and ``verify_swa < verify_full`` on the last record
-(unless ``--no-verify-lag``).
+The shell form of :func:`otel_swa.testing.assert_swa_divergence_observed`, with the same verdict
+(:func:`otel_swa.testing.judge.judge`): in the last run of the log, for every rank, peak
+``swa_full_idx_divergence`` >= ``--min-divergence`` and peak ``swa_out_of_window_tokens`` >=
+``--min-out-of-window``, ``verify_swa < verify_full`` on the last record (unless
+``--no-verify-lag``), and, where otel-swa's audit lines are present, no leaked SWA slot, stale token
+or shared SWA slot (unless ``--no-audit``). A rank whose runs are interleaved (two runs writing the
+log at once) fails.
 
 Exit status: 0 observed; 1 not observed (the explanation is printed on stdout); 2 unusable input (a
 missing or unreadable file; the message is on stderr). The exit status is the verdict even when the
-explanation cannot be written (a reader that closed the pipe, a full disk). With ``--wait SECONDS`` a file that is still
-being written (or does not exist yet) is read again every ``--poll`` seconds until the signals are
-observed or the time is up. Standard input (``-``) is read to its end.
+explanation cannot be written (a reader that closed the pipe, a full disk). With ``--wait SECONDS`` a
+file that is still being written (or does not exist yet) is read again every ``--poll`` seconds
+until the verdict is a pass or the time is up. Standard input (``-``) is read to its end.
 """
 
 from __future__ import annotations
@@ -20,13 +23,15 @@ from otel_swa.commands._loginput import (
     InputError,
     add_source_argument,
     error,
-    load_records,
+    load_entries,
     non_negative_int,
     positive_seconds,
     seconds,
 )
 from otel_swa.commands._output import print_result
-from otel_swa.testing.assertions import DEFAULT_POLL_S, judge, wait_for_observation
+from otel_swa.testing.assertions import DEFAULT_POLL_S, wait_for_observation
+from otel_swa.testing.judge import LINE_MODES, RANK_MODES, RUN_MODES, judge
+from otel_swa.testing.runs import split_runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,35 +42,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="required peak swa_out_of_window_tokens (default 1)")
     parser.add_argument("--no-verify-lag", dest="require_verify_lag", action="store_false",
                         help="do not require verify_swa < verify_full on the last record")
+    parser.add_argument("--no-audit", dest="require_clean_audit", action="store_false",
+                        help="do not fail on leaked SWA slots, stale tokens or shared SWA slots found by otel-swa's "
+                             "audit lines (default: fail when any is above 0)")
+    parser.add_argument("--run", dest="runs", choices=RUN_MODES, default="last",
+                        help="which run of a log that several runs wrote (forward_ct going back, or otel-swa's run "
+                             "start lines): the last (default), each (all must pass) or all (the whole log as one)")
+    parser.add_argument("--ranks", choices=RANK_MODES, default="each",
+                        help="each: every rank of the log prefix (TP0, DP1 TP0...) must pass on its own (default); "
+                             "all: the records of every rank judged together, for pipeline parallelism where one "
+                             "micro-batch is sampled per interval")
+    parser.add_argument("--lines", choices=LINE_MODES, default="auto",
+                        help="whose lines: otel-swa's tagged lines, SGLang's own untagged lines, or both (each must "
+                             "pass); auto (default): otel-swa's when present, else SGLang's")
     parser.add_argument("--wait", type=seconds, default=0.0, metavar="SECONDS",
                         help="keep reading a growing file until observed or SECONDS have passed (default 0: read once)")
     parser.add_argument("--poll", type=positive_seconds, default=DEFAULT_POLL_S, metavar="SECONDS",
                         help=f"pause between reads while waiting (default {DEFAULT_POLL_S})")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="list every malformed line with its number and reason (default: the first)")
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing when the check passes")
 
 
 def run(args: argparse.Namespace) -> int:
-    thresholds = dict(
+    rules = dict(
         min_divergence=args.min_divergence,
         min_out_of_window=args.min_out_of_window,
         require_verify_lag=args.require_verify_lag,
+        require_clean_audit=args.require_clean_audit,
+        runs=args.runs,
+        ranks=args.ranks,
+        lines=args.lines,
     )
     if args.source == "-":
         try:
-            found, malformed = load_records("-")
+            entries, errors = load_entries("-")
         except InputError as exc:
             return error(str(exc))
-        observation = judge(
-            [item.record for item in found],
-            malformed=malformed,
-            source="standard input",
-            last_line_no=found[-1].line_no if found else None,
-            **thresholds,
-        )
+        observation = judge(split_runs(entries), errors=errors, source="standard input", **rules)
     else:
-        observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, **thresholds)
+        observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, **rules)
         if observation.problem is not None:
             return error(observation.problem)
     if not (observation.ok and args.quiet):
-        print_result(observation.explain())  # the verdict stands even when it cannot be printed
+        print_result(observation.explain(verbose=args.verbose))  # the verdict stands even when it cannot be printed
     return 0 if observation.ok else 1

@@ -1,9 +1,17 @@
-"""Print the records of a log as JSON lines or CSV, with their line number, timestamp and rank.
+"""Print the records of a log as JSON lines or CSV, with their line number, timestamp, rank and run.
 
 Columns, in order: ``line_no`` (1-based line of the log), ``timestamp`` (the log prefix's time as
 written there, empty/null when absent), ``rank`` (SGLang's rank tokens such as ``DP1 TP0``, empty/null
-when absent), then the five record fields in SGLang's order. Malformed records are skipped and counted
-on stderr. Exit status 2 when the file is missing or unreadable.
+when absent), ``run`` (1-based run of the log, counted per writer: see
+:mod:`otel_swa.testing.runs`), ``verify_source`` (otel-swa's tag; empty/null for SGLang's own lines),
+the five record fields in SGLang's order, then the SWA slot audit fields (empty/null when the record
+has no audit line). Malformed lines are skipped and counted on stderr with the first reason (every
+one with ``--verbose``).
+
+Numbers are written exactly, as decimal integers (up to 2**63 - 1). Some readers round integers
+above 2**53 (JavaScript's ``JSON.parse`` and viewers built on it, jq 1.6); pandas, Python's ``json``
+and ``csv`` keep them. Exit status 2 when the file is missing or unreadable; 1 when standard output
+cannot be written (a full disk: one line on stderr); a reader that closes the pipe is not an error.
 """
 
 from __future__ import annotations
@@ -13,34 +21,51 @@ import csv
 import json
 import sys
 
-from otel_swa.commands._loginput import InputError, add_source_argument, error, load_records, stdout_closed
-from otel_swa.logsource import ROW_FIELDS
+from otel_swa.commands._loginput import (
+    InputError,
+    add_source_argument,
+    error,
+    load_entries,
+    malformed_summary,
+    stdout_closed,
+)
+from otel_swa.commands._output import discard_stdout
+from otel_swa.logsource import ROW_FIELDS, LoggedRecord
+from otel_swa.testing.runs import split_runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_source_argument(parser)
     parser.add_argument("--format", choices=("jsonl", "csv"), default="jsonl",
                         help="jsonl: one JSON object per record (default); csv: a header row, then one row per record")
+    parser.add_argument("-v", "--verbose", action="store_true",
+                        help="list every malformed line with its number and reason (default: the first)")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        found, malformed = load_records(args.source)
+        entries, errors = load_entries(args.source)
     except InputError as exc:
         return error(str(exc))
+    records = [entry for entry in entries if isinstance(entry, LoggedRecord)]
+    runs = [item.run for item in split_runs(entries)]
     try:
         out = sys.stdout
         if args.format == "csv":
             writer = csv.DictWriter(out, fieldnames=ROW_FIELDS, lineterminator="\n")
             writer.writeheader()
-            for item in found:
-                writer.writerow({k: ("" if v is None else v) for k, v in item.to_row().items()})
+            for item, run in zip(records, runs):
+                writer.writerow({k: ("" if v is None else v) for k, v in item.to_row(run).items()})
         else:
-            for item in found:
-                out.write(json.dumps(item.to_row(), separators=(",", ":")) + "\n")
+            for item, run in zip(records, runs):
+                out.write(json.dumps(item.to_row(run), separators=(",", ":")) + "\n")
         out.flush()
     except BrokenPipeError:
         return stdout_closed()
-    if malformed:
-        print(f"otel-swa: {malformed} malformed record(s) skipped", file=sys.stderr)
+    except OSError as exc:
+        discard_stdout()
+        print(f"otel-swa: cannot write to standard output: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    for line in malformed_summary(errors, args.verbose):
+        print(line, file=sys.stderr)
     return 0

@@ -13,6 +13,13 @@ the variable):
 * ``OTEL_SWA_RING_SIZE``: slots of the reporter's device-to-host ring.
 * ``OTEL_SWA_DP_RANK``, ``OTEL_SWA_PP_RANK``, ``OTEL_SWA_TP_RANK``: the rank tokens of the log
   prefix, in SGLang's shape ``[time DP1 PP0 TP3]`` (DP and PP only when set; TP0 by default).
+
+Exit status: 0 the run ended and found nothing wrong; 1 its own SWA slot audit found leaked slots,
+stale tokens or shared slots, or the reporter was on and took no sample (the run was shorter than
+the interval); 2 unusable options, input or environment (one line on stderr); 130 interrupted
+(Ctrl-C): every sample taken so far is delivered and the summary printed first. Standard output
+that its reader closes (``| head``) stops quietly; one that cannot take more (``> /dev/full``) is
+said once on stderr; neither changes the exit status.
 """
 
 from __future__ import annotations
@@ -21,14 +28,24 @@ import argparse
 import dataclasses
 import logging
 import os
-import re
+import signal
 import sys
-from pathlib import Path
+import threading
 from typing import Any
 
 from otel_swa import config as otel_swa_config
 from otel_swa.commands._args import non_negative_int, positive_float, positive_int
-from otel_swa.commands._output import StdoutLogHandler, discard_stdout
+from otel_swa.commands._output import GuardedStdout, StdoutLogHandler
+from otel_swa.commands._replay_checks import (
+    available_memory as _available_memory,
+    check_log_file,
+    check_plot,
+    check_pool_memory,
+    is_allocation_error,
+    otel_hint,
+    pool_too_large,
+)
+from otel_swa.commands._replay_summary import Progress, print_summary, summary_rows, verdict_of
 from otel_swa.record import SwaDivergenceRecord
 
 #: The SGLang log format (``[time{rank tokens}] message``), so the output reads like an engine's log.
@@ -114,12 +131,12 @@ def rank_prefix(ranks: dict[str, int]) -> str:
     return "".join(" " + token for token in tokens)
 
 
-def _line_logger(log_file: str | None, prefix: str) -> logging.Logger:
+def _line_logger(log_file: str | None, prefix: str, out: GuardedStdout) -> logging.Logger:
     logger = logging.getLogger("otel_swa.replay")
     logger.setLevel(logging.INFO)
     logger.propagate = False
     formatter = logging.Formatter(LOG_FORMAT.replace("{prefix}", prefix), LOG_DATEFMT)
-    handlers: list[logging.Handler] = [StdoutLogHandler()]
+    handlers: list[logging.Handler] = [StdoutLogHandler(out)]
     if log_file:
         handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
     for handler in handlers:
@@ -155,10 +172,10 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, run_model=not args.no_model,
         )
         requests = load_trace(args.trace, limit=args.requests or None)
-        _check_pool_memory(engine_config, _available_memory())
+        check_pool_memory(engine_config, _available_memory())
         if args.log_file:
-            _check_log_file(args.log_file)
-        plot_path = _check_plot(args.plot, interval) if args.plot else None
+            check_log_file(args.log_file)
+        plot_path = check_plot(args.plot, interval) if args.plot else None
     except (ConfigError, ValueError, OSError, ImportError) as exc:
         print(f"otel-swa replay: {exc}", file=sys.stderr)
         return 2
@@ -166,6 +183,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"otel-swa replay: the trace {args.trace!r} holds no request", file=sys.stderr)
         return 2
 
+    out = GuardedStdout()  # every writer of standard output goes through it: no traceback for | head or a full disk
     exporters = args.exporter if args.exporter is not None else ["logline"]
     records: list[SwaDivergenceRecord] = []
     reporter = None
@@ -175,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
         )
     logger = None
     if "logline" in exporters and reporter is not None:
-        logger = _line_logger(args.log_file, prefix)
+        logger = _line_logger(args.log_file, prefix, out)
     telemetry = None
     otel_exporters = [name for name in exporters if name in ("console", "otlp")]
     # Without --exporter, the standard OTEL_{TRACES,METRICS,LOGS}_EXPORTER variables choose the
@@ -187,22 +205,28 @@ def run(args: argparse.Namespace) -> int:
 
         # With an OpenTelemetry pipeline the SGLang line is one more exporter on it (swa_logline,
         # written to the same logger); without one, a plain sink writes it at no OpenTelemetry cost.
+        console: dict[str, Any] = {}
         if from_environment:
             chosen = None
             line_by_exporter = "swa_logline" in os.environ.get("OTEL_LOGS_EXPORTER", "")
         else:
+            if "console" in otel_exporters:  # built here, writing through the guard
+                otel_exporters.remove("console")
+                console = _console_processors(out)
             if logger is not None:
                 otel_exporters.append("logline")
-            chosen = ",".join(otel_exporters)
+            chosen = ",".join(otel_exporters) or "none"
             line_by_exporter = logger is not None
         try:
             telemetry = configure(exporters=chosen, default_service_name="otel-swa-replay",
-                                  logline_logger=logger.name if logger is not None else None)
+                                  logline_logger=logger.name if logger is not None else None, **console)
         except ConfigError as exc:
+            _shutdown_quietly(console)
             print(f"otel-swa replay: {exc}", file=sys.stderr)
             return 2
         except ValueError as exc:  # the SDK refused one of the standard OTEL_* variables
-            print(f"otel-swa replay: OpenTelemetry cannot be set up from the environment: {exc}{_otel_hint(exc)}",
+            _shutdown_quietly(console)
+            print(f"otel-swa replay: OpenTelemetry cannot be set up from the environment: {exc}{otel_hint(exc)}",
                   file=sys.stderr)
             return 2
         if reporter is not None:
@@ -214,163 +238,116 @@ def run(args: argparse.Namespace) -> int:
         from otel_swa.engine_wrapping import request_span_hooks
 
         hooks = request_span_hooks(telemetry.start_request_span, telemetry.end_request_span)
-    progress = not args.no_progress and sys.stderr.isatty()
-    if not args.no_progress and not progress:  # a log, not a terminal: a plain line now and then
+    progress = Progress()
+    stop = _StopAtStep()
+    hooks["on_step"] = _both(_both(hooks.get("on_step"), progress), stop.check)
+    bar = not args.no_progress and sys.stderr.isatty()
+    if not args.no_progress and not bar:  # a log, not a terminal: a plain line now and then
         from otel_swa.commands._progress import ProgressLines
 
-        hooks["on_step"] = _both(hooks.get("on_step"), ProgressLines(len(requests)))
+        hooks["on_step"] = _both(hooks["on_step"], ProgressLines(len(requests)))
+    summary: Any = progress
+    interrupted = False
+    stop.install()
     try:
         summary = replay(
             requests, engine_config, reporter,
-            progress=progress, arrivals=args.arrivals, time_scale=args.time_scale,
+            progress=bar, arrivals=args.arrivals, time_scale=args.time_scale,
             forward_span=telemetry.forward_span if telemetry is not None else None,
             **hooks,
         )
+    except KeyboardInterrupt:  # Ctrl-C: deliver what was sampled, then the summary and 130
+        interrupted = True
     except RequestTooLargeError as exc:
         print(f"otel-swa replay: {exc}", file=sys.stderr)
         return 2
     except (MemoryError, RuntimeError) as exc:
-        if not _is_allocation_error(exc):
+        if not is_allocation_error(exc):
             raise
-        print(f"otel-swa replay: {_pool_too_large(args, exc)}", file=sys.stderr)
+        print(f"otel-swa replay: {pool_too_large(args, exc)}", file=sys.stderr)
         return 2
     finally:
-        if reporter is not None:
-            reporter.close()
-        if telemetry is not None:
-            telemetry.shutdown()
-        if logger is not None:
-            _close_logger(logger)
-    try:
-        _print_summary(args, interval, summary, records, reporter.stats if reporter is not None else None)
-    except BrokenPipeError:  # the reader of stdout is gone; the plot is still drawn
-        discard_stdout()
-    if plot_path is not None:
+        try:
+            if reporter is not None:
+                reporter.close()
+            if telemetry is not None:
+                telemetry.shutdown()
+            if logger is not None:
+                _close_logger(logger)
+        finally:
+            if not interrupted:
+                stop.uninstall()
+    stats = reporter.stats if reporter is not None else None
+    verdict = verdict_of(records, stats, interrupted)
+    print_summary(summary_rows(args, interval, summary, records, stats, verdict, len(requests)), out)
+    for reason in verdict.reasons(interval, summary.forward_steps):
+        print(f"otel-swa replay: {reason}", file=sys.stderr)
+    stop.uninstall()  # a Ctrl-C while the run shut down and summed up was held until here
+    if plot_path is not None and not interrupted:
         from otel_swa.plot import PlotUnavailableError, plot_records
 
         try:
-            plot_records(records, plot_path, title=f"otel-swa replay of {args.trace} ({summary.requests_total} requests)")
+            plot_records(records, plot_path, title=f"otel-swa replay of {args.trace} ({len(requests)} requests)")
         except (PlotUnavailableError, ValueError, OSError) as exc:
             print(f"otel-swa replay: cannot draw {args.plot}: {exc}", file=sys.stderr)
             return 2
-        print(f"plot written to {plot_path}")
-    return 0
+        out.write(f"plot written to {plot_path}\n")
+        out.flush()
+    return verdict.exit_status
 
 
-def _check_plot(path: str, interval: int) -> Path:
-    """Check ``--plot`` before the run: matplotlib imports, the suffix is an image format, the folder
-    exists, and the reporter is on (else there is nothing to draw).
+class _StopAtStep:
+    """Ctrl-C during the run stops it at the end of the forward step under way (the ``on_step``
+    hook raises ``KeyboardInterrupt`` there, outside the reporter and its sinks), so that every
+    sample taken is delivered and the summary printed; a second Ctrl-C stops at once. Only in the
+    main thread (where Python delivers signals); elsewhere SIGINT keeps its handler."""
 
-    Returns:
-        the path the image will have (``.png`` appended when there is no suffix).
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+        self._installed = False
 
-    Raises:
-        PlotUnavailableError: matplotlib is not installed (the message gives the pip command).
-        ValueError, OSError: the path cannot take an image, or the reporter is off.
-    """
-    from otel_swa.plot import check_image_path
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed = True
 
-    out = check_image_path(path)
-    if interval == 0:
-        raise ValueError(f"--plot {path!r} needs records, but the reporter is off (interval 0)")
-    return out
+    def uninstall(self) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
 
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
 
-def _check_log_file(path: str) -> None:
-    """Open ``--log-file`` for appending once, before the run, so a bad path fails at once.
-
-    Raises:
-        ValueError: the file cannot be opened (the message names the option, the path and why).
-    """
-    try:
-        with open(path, "a", encoding="utf-8"):
-            pass
-    except OSError as exc:
-        raise ValueError(f"--log-file {path!r} cannot be opened for appending: {exc.strerror or exc}") from None
-
-
-#: Standard OpenTelemetry variables the SDK validates when the providers are built: a word in the
-#: SDK's error -> the variable and the values it accepts (OpenTelemetry SDK environment variables).
-_OTEL_HINTS = {
-    "exemplar filter": "OTEL_METRICS_EXEMPLAR_FILTER expects always_on, always_off or trace_based",
-}
+    def check(self, result: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
 
 
-def _otel_hint(exc: Exception) -> str:
-    text = str(exc).lower()
-    for word, hint in _OTEL_HINTS.items():
-        if word in text:
-            return f" ({hint})"
-    return " (check the OTEL_* environment variables)"
+def _console_processors(out: Any) -> dict[str, list]:
+    """The OpenTelemetry console exporters of ``--exporter console``, writing to ``out`` (the SDK's
+    own default is the ``sys.stdout`` of the moment it was imported, which no guard can wrap)."""
+    from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, ConsoleLogRecordExporter
+    from opentelemetry.sdk.metrics.export import ConsoleMetricExporter, PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
 
-
-#: Host bytes per slot of the reference engine's pools, besides the KV entries: a free-list entry
-#: (a Python int in a deque, about 36 bytes) in each pool, plus the int64 full-to-SWA mapping (8
-#: bytes) per FULL slot. A coarse figure, enough to refuse a size no machine can hold before the
-#: engine starts filling its free lists.
-_FREE_LIST_BYTES_PER_SLOT = 36
-_MAPPING_BYTES_PER_FULL_SLOT = 8
-
-
-def _available_memory() -> int | None:
-    """Bytes of host memory available now (``MemAvailable`` of /proc/meminfo, else the physical
-    memory), or ``None`` when the system does not say."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        return None
-
-
-def _check_pool_memory(config: Any, available: int | None) -> None:
-    """Refuse pool sizes whose host memory alone exceeds what is available.
-
-    Raises:
-        ValueError: the message names the option that is too large, the estimate and what is available.
-    """
-    if available is None:
-        return
-    kv_bytes = 2 * 4 * config.num_heads * config.head_dim if config.run_model else 0  # float32 K and V
-    need = {
-        "--full-pool": config.full_pool_size * (_FREE_LIST_BYTES_PER_SLOT + _MAPPING_BYTES_PER_FULL_SLOT + kv_bytes),
-        "--swa-pool": config.swa_pool_size * (_FREE_LIST_BYTES_PER_SLOT + kv_bytes),
+    return {
+        "span_processors": [BatchSpanProcessor(ConsoleSpanExporter(out=out))],
+        "metric_readers": [PeriodicExportingMetricReader(ConsoleMetricExporter(out=out))],
+        "log_record_processors": [BatchLogRecordProcessor(ConsoleLogRecordExporter(out=out))],
     }
-    if sum(need.values()) <= available:
-        return
-    option = max(need, key=need.__getitem__)
-    slots = config.full_pool_size if option == "--full-pool" else config.swa_pool_size
-    raise ValueError(
-        f"{option} {slots} slots is too large for this machine's memory: the KV pools need about "
-        f"{_gib(sum(need.values()))} of host memory, {_gib(available)} is available; lower {option}"
-    )
 
 
-def _gib(n_bytes: int) -> str:
-    """``n_bytes`` in GiB, or in MiB below 1 GiB (one decimal)."""
-    if n_bytes < 2**30:
-        return f"{n_bytes / 2**20:,.1f} MiB"
-    return f"{n_bytes / 2**30:,.1f} GiB"
-
-
-def _is_allocation_error(exc: BaseException) -> bool:
-    """A host or device memory allocation failed (torch raises RuntimeError, or its subclass
-    OutOfMemoryError, with "allocate" in the message; Python raises MemoryError)."""
-    return isinstance(exc, MemoryError) or "allocate" in str(exc).lower()
-
-
-def _pool_too_large(args: argparse.Namespace, exc: BaseException) -> str:
-    """One line naming the pool option that is too large for this machine's memory."""
-    match = re.search(r"allocate (\d+) bytes", str(exc))
-    tried = f" (an allocation of {int(match.group(1)):,} bytes failed)" if match else ""
-    option, value = max((("--full-pool", args.full_pool), ("--swa-pool", args.swa_pool)), key=lambda item: item[1])
-    return (f"cannot allocate the KV pools{tried}: {option} {value} slots is too large for this machine's memory; "
-            f"lower {option}")
+def _shutdown_quietly(console: dict[str, list]) -> None:
+    for items in console.values():
+        for item in items:
+            try:
+                item.shutdown()
+            except Exception:  # nothing was exported yet; a failing shutdown changes nothing
+                pass
 
 
 def _both(first: Any, second: Any) -> Any:
@@ -383,40 +360,3 @@ def _both(first: Any, second: Any) -> Any:
         second(result)
 
     return on_step
-
-
-def _print_summary(args: argparse.Namespace, interval: int, summary: Any, records: list, stats: Any) -> None:
-    last = records[-1] if records else None
-    rows = [
-        ("trace", f"{args.trace} ({summary.requests_total} requests)"),
-        ("engine", f"window {args.window}, FULL pool {args.full_pool} slots, SWA pool {args.swa_pool} slots, page size {args.page_size}"),
-        ("forward steps", f"{summary.forward_steps}"),
-        ("requests finished", f"{summary.requests_finished} / {summary.requests_total}"),
-        ("samples delivered", "reporter off (interval 0)" if stats is None else
-         f"{stats.samples_delivered} / {stats.samples_taken} taken (every {interval} forward steps)"),
-        ("peak divergence", _peak(records, "swa_full_idx_divergence", "tokens")),
-        ("peak out-of-window", _peak(records, "swa_out_of_window_tokens", "tokens")),
-        ("last verify_full", f"{last.verify_full} entries" if last else "n/a"),
-        ("last verify_swa", f"{last.verify_swa} entries" if last else "n/a"),
-        ("SWA slot audit", _audit_summary(records)),
-        ("peak slots in use", f"FULL {summary.peak_full_slots} / {summary.full_pool_size}, SWA {summary.peak_swa_slots} / {summary.swa_pool_size}"),
-        ("wall time", f"{summary.wall_s:.1f} s"),
-    ]
-    width = max(len(name) for name, _ in rows)
-    print("otel-swa replay summary")
-    for name, value in rows:
-        print(f"  {name:<{width}}  {value}")
-
-
-def _peak(records: list, field: str, unit: str) -> str:
-    return f"{max(getattr(r, field) for r in records)} {unit}" if records else "n/a"
-
-
-def _audit_summary(records: list) -> str:
-    audited = [r for r in records if r.audited]
-    if not audited:
-        return "n/a"
-    peaks = {name: max(getattr(r, name) for r in audited) for name in ("swa_leaked_slots", "swa_stale_tokens", "swa_shared_slots")}
-    verdict = "clean" if not any(peaks.values()) else "FAULTS"
-    return (f"{verdict}: peak leaked {peaks['swa_leaked_slots']} slots, stale {peaks['swa_stale_tokens']} tokens, "
-            f"shared {peaks['swa_shared_slots']} slots ({len(audited)} samples)")

@@ -40,7 +40,8 @@ def test_replay_into_a_closed_pipe_is_quiet_and_exits_0(tmp_path):
     assert code == 0
     # the run went on: the log file holds every line (10 requests take more than 20 forward steps)
     lines = log_file.read_text().splitlines()
-    assert len(lines) >= 1 and all("kv_canary_swa_divergence=" in line for line in lines)
+    records = [line for line in lines if "kv_canary_swa_divergence=" in line]
+    assert len(records) >= 1 and len(lines) == 1 + 2 * len(records)  # run start, then each line and its audit
 
 
 @pytest.mark.parametrize("text, verdict", [(OBSERVED, 0), (NOT_OBSERVED, 1)])
@@ -66,3 +67,40 @@ def test_records_into_a_closed_pipe_is_quiet(tmp_path):
     log = tmp_path / "run.log"
     log.write_text(OBSERVED * 3)
     assert _run_with_closed_stdout(["records", str(log)], tmp_path) == (0, "")
+
+
+def test_replay_with_the_console_exporters_into_a_closed_pipe_is_quiet(tmp_path):
+    # `otel-swa replay --exporter console | head -2`: the console exporters write from their own
+    # threads; none may print a traceback when the reader is gone
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(CLI + ["replay", "--requests", "10", "--no-model", "--no-progress", "--interval", "20",
+                                     "--exporter", "console"],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120, env=env)
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (0, "")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+@pytest.mark.parametrize("exporter", ["logline", "console"])
+def test_replay_into_dev_full_says_so_in_one_line(tmp_path, exporter):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(CLI + ["replay", "--requests", "10", "--no-model", "--no-progress", "--interval", "20",
+                                     "--exporter", exporter],
+                              stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, env=env)
+    assert proc.returncode == 0
+    assert proc.stderr.splitlines() == ["otel-swa: cannot write to standard output: No space left on device"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_records_into_dev_full_exits_1_in_one_line(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text(OBSERVED * 3)
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(CLI + ["records", str(log)], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == ["otel-swa: cannot write to standard output: No space left on device"]

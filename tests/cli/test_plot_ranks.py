@@ -47,7 +47,7 @@ def test_unranked_lines_next_to_ranked_ones_are_a_labelled_counted_row(tmp_path,
         "TP2\ntokens at sampled step",
         "no rank\ntokens at sampled step",
     ]
-    assert fig._suptitle.get_text() == "SWA KV cache over a run: 5 records, 4 ranks"
+    assert fig._suptitle.get_text() == "SWA KV cache over a run: 5 records, 4 rows"
 
 
 def test_log_without_ranks_has_one_unlabelled_row_and_no_rank_count(tmp_path, drawn):
@@ -56,3 +56,44 @@ def test_log_without_ranks_has_one_unlabelled_row_and_no_rank_count(tmp_path, dr
     (fig,) = drawn
     assert _rows(fig) == ["tokens at sampled step"]
     assert fig._suptitle.get_text() == "SWA KV cache over a run: 2 records"
+
+
+def _appended_log():
+    from otel_swa.record import SwaDivergenceRecord, run_start_line
+
+    lines = []
+    for run in (2, 3):  # two runs, appended: forward_ct goes back to 20
+        lines.append(f"[2025-06-01 12:34:56 TP0] {run_start_line('attention', pid=run)}")
+        for ct in range(20, 20 * run + 1, 20):
+            lines.append(f"[2025-06-01 12:34:56 TP0] {SwaDivergenceRecord(ct, 9 * ct, 4 * ct, 3, 5, verify_source='attention').line()}")
+    return "\n".join(lines) + "\n"
+
+
+def test_plot_draws_each_run_of_an_appended_log_as_a_row_of_its_own(tmp_path, drawn, capsys):
+    from otel_swa.cli import main
+
+    log = tmp_path / "run.log"
+    log.write_text(_appended_log())
+    assert main(["plot", str(log), "-o", str(tmp_path / "run.png")]) == 0
+    (fig,) = drawn
+    assert _rows(fig) == ["run 1 TP0\ntokens at sampled step", "run 2 TP0\ntokens at sampled step"]
+    # each row's line goes forward only: no line drawn back to the start of the next run
+    assert [list(ax.lines[0].get_xdata()) for ax in fig.axes[0::2]] == [[20, 40], [20, 40, 60]]
+    assert "5 records, 2 panel row(s)" in capsys.readouterr().out
+    drawn.clear()
+    assert main(["plot", str(log), "-o", str(tmp_path / "last.png"), "--run", "last"]) == 0
+    assert _rows(drawn[0]) == ["TP0\ntokens at sampled step"]
+
+
+def test_records_label_each_record_with_its_run(tmp_path, capsys):
+    import json
+
+    from otel_swa.cli import main
+
+    log = tmp_path / "run.log"
+    log.write_text(_appended_log())
+    assert main(["records", str(log)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(r["line_no"], r["run"], r["forward_ct"], r["verify_source"]) for r in rows] == [
+        (2, 1, 20, "attention"), (3, 1, 40, "attention"),
+        (5, 2, 20, "attention"), (6, 2, 40, "attention"), (7, 2, 60, "attention")]

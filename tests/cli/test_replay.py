@@ -56,7 +56,16 @@ def test_replay_lines_follow_sglang_rule_and_show_the_swa_path(replay_run):
     assert all(a["verify_full"] <= b["verify_full"] and a["verify_swa"] <= b["verify_swa"] for a, b in zip(records, records[1:]))
     # the log file holds the same lines, each with an SGLang-style prefix
     assert sglang_rule(log_text) == records
-    assert all(re.match(r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d TP0\] otel_swa\[verify=attention\] kv_canary_swa_divergence=\{", line) for line in log_text.splitlines())
+    # first the run start marker, then per sample its line and its audit line (the reference engine audits)
+    lines = log_text.splitlines()
+    stamp = r"\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d TP0\] otel_swa\[verify=attention\] "
+    assert re.fullmatch(stamp + r'otel_swa_run_start=\{"pid":\d+\}', lines[0])
+    assert len(lines) == 1 + 2 * len(records)
+    for number, (line, audit) in enumerate(zip(lines[1::2], lines[2::2])):
+        assert re.match(stamp + r"kv_canary_swa_divergence=\{", line)
+        forward_ct = records[number]["forward_ct"]
+        assert re.fullmatch(stamp + r'otel_swa_audit=\{"forward_ct":' + str(forward_ct)
+                            + r',"swa_leaked_slots":0,"swa_stale_tokens":0,"swa_shared_slots":0\}', audit)
 
 
 def test_replay_summary_agrees_with_lines(replay_run):

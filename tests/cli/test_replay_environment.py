@@ -36,13 +36,13 @@ def test_interval_from_the_environment_is_used_and_the_option_wins(monkeypatch, 
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "7")
     assert main(RUN) == 0
     out = capsys.readouterr().out
-    cts = [int(m) for m in re.findall(r'"forward_ct":(\d+)', out)]
+    cts = [int(m) for m in re.findall(r'kv_canary_swa_divergence=\{"forward_ct":(\d+)', out)]
     steps = int(_summary(out)["forward steps"])
     assert cts == list(range(7, steps + 1, 7))
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "0")
     assert main(RUN + ["--interval", "9"]) == 0
     out = capsys.readouterr().out
-    assert [int(m) for m in re.findall(r'"forward_ct":(\d+)', out)] == list(range(9, steps + 1, 9))
+    assert [int(m) for m in re.findall(r'kv_canary_swa_divergence=\{"forward_ct":(\d+)', out)] == list(range(9, steps + 1, 9))
 
 
 @pytest.mark.parametrize("value, message", [

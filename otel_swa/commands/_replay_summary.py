@@ -1,0 +1,154 @@
+"""The summary ``otel-swa replay`` prints at the end of a run, and the run's own verdict.
+
+The verdict (:class:`ReplayVerdict`) gives the exit status: 1 when the SWA slot audit of the run
+found leaked slots, stale tokens or shared slots, or when the reporter was on and took no sample
+(the run ended before the first sampling step); 130 when the run was interrupted (Ctrl-C), after
+every sample taken so far was delivered; else 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Sequence, TextIO
+
+from otel_swa.record import SwaDivergenceRecord
+from otel_swa.testing.judge import AUDIT_RULES
+
+__all__ = ["ReplayVerdict", "Progress", "verdict_of", "summary_rows", "print_summary"]
+
+#: Exit status of a run interrupted by SIGINT (128 + 2, as a shell reports it).
+INTERRUPTED = 130
+
+
+@dataclass
+class Progress:
+    """What an ``on_step`` hook saw, for the summary of an interrupted run.
+
+    Attributes:
+        forward_steps: the ``forward_ct`` of the last forward step seen.
+        finished: requests finished so far.
+    """
+
+    forward_steps: int = 0
+    finished: int = 0
+
+    def __call__(self, result: Any) -> None:
+        self.forward_steps = result.forward_ct
+        self.finished += len(result.finished)
+
+
+@dataclass(frozen=True)
+class ReplayVerdict:
+    """What the run found about itself.
+
+    Attributes:
+        audit_faults: the peak of each audit field over the audited samples, when any is above 0.
+        no_sample: the reporter was on and took no sample.
+        interrupted: the run was interrupted (SIGINT).
+    """
+
+    audit_faults: dict
+    no_sample: bool
+    interrupted: bool
+
+    @property
+    def exit_status(self) -> int:
+        if self.interrupted:
+            return INTERRUPTED
+        return 1 if self.audit_faults or self.no_sample else 0
+
+    def reasons(self, interval: int, forward_steps: int) -> list[str]:
+        """One line per reason for a non-zero exit status (for stderr)."""
+        out = []
+        if self.audit_faults:
+            found = ", ".join(f"{name}={peak}" for name, peak in self.audit_faults.items())
+            out.append(f"the SWA slot audit found faults (peak {found}); exit status 1")
+        if self.no_sample:
+            out.append(f"the reporter took no sample in {forward_steps} forward step(s) (interval {interval}); "
+                       "exit status 1")
+        if self.interrupted:
+            out.append(f"interrupted at forward step {forward_steps}; every sample taken was delivered; exit status "
+                       f"{INTERRUPTED}")
+        return out
+
+
+def verdict_of(records: Sequence[SwaDivergenceRecord], stats: Any, interrupted: bool) -> ReplayVerdict:
+    """The run's verdict from its records and the reporter's stats (``None``: reporter off)."""
+    audited = [r for r in records if r.audited]
+    faults = {}
+    for rule in AUDIT_RULES:
+        values = [getattr(r, rule.field) for r in audited if getattr(r, rule.field) is not None]
+        if values and max(values) > 0:
+            faults[rule.field] = max(values)
+    no_sample = stats is not None and stats.samples_taken == 0 and not interrupted
+    return ReplayVerdict(faults, no_sample, interrupted)
+
+
+def summary_rows(
+    args: argparse.Namespace,
+    interval: int,
+    summary: Any,
+    records: Sequence[SwaDivergenceRecord],
+    stats: Any,
+    verdict: ReplayVerdict,
+    total: int,
+) -> list[tuple[str, str]]:
+    """The rows of the summary, ``(name, value)``. ``summary`` is the engine's ``ReplaySummary``,
+    or a :class:`Progress` when the run was interrupted; ``total``: requests submitted."""
+    last = records[-1] if records else None
+    complete = not verdict.interrupted
+    finished = summary.requests_finished if complete else summary.finished
+    rows = [
+        ("trace", f"{args.trace} ({total} requests)"),
+        ("engine", f"window {args.window}, FULL pool {args.full_pool} slots, SWA pool {args.swa_pool} slots, "
+                   f"page size {args.page_size}"),
+        ("forward steps", f"{summary.forward_steps}"),
+        ("requests finished", f"{finished} / {total}"),
+        ("samples delivered", _samples(stats, interval, summary.forward_steps, verdict)),
+        ("peak divergence", _peak(records, "swa_full_idx_divergence", "tokens")),
+        ("peak out-of-window", _peak(records, "swa_out_of_window_tokens", "tokens")),
+        ("last verify_full", f"{last.verify_full} entries" if last else "n/a"),
+        ("last verify_swa", f"{last.verify_swa} entries" if last else "n/a"),
+        ("SWA slot audit", _audit_summary(records)),
+    ]
+    if complete:
+        rows.append(("peak slots in use", f"FULL {summary.peak_full_slots} / {summary.full_pool_size}, "
+                                          f"SWA {summary.peak_swa_slots} / {summary.swa_pool_size}"))
+        rows.append(("wall time", f"{summary.wall_s:.1f} s"))
+    else:
+        rows.append(("interrupted", f"at forward step {summary.forward_steps} (Ctrl-C); every sample taken was delivered"))
+    return rows
+
+
+def print_summary(rows: list[tuple[str, str]], out: TextIO) -> None:
+    """Print the summary to ``out``: a title line, then one aligned row per item."""
+    width = max(len(name) for name, _ in rows)
+    out.write("otel-swa replay summary\n")
+    for name, value in rows:
+        out.write(f"  {name:<{width}}  {value}\n")
+    out.flush()
+
+
+def _samples(stats: Any, interval: int, forward_steps: int, verdict: ReplayVerdict) -> str:
+    if stats is None:
+        return "reporter off (interval 0)"
+    text = f"{stats.samples_delivered} / {stats.samples_taken} taken (every {interval} forward steps)"
+    if verdict.no_sample:
+        text += (f": NONE in {forward_steps} forward step(s), the run ended before the first sampling step "
+                 "(lower --interval)")
+    return text
+
+
+def _peak(records: Sequence[SwaDivergenceRecord], field: str, unit: str) -> str:
+    return f"{max(getattr(r, field) for r in records)} {unit}" if records else "n/a"
+
+
+def _audit_summary(records: Sequence[SwaDivergenceRecord]) -> str:
+    audited = [r for r in records if r.audited]
+    if not audited:
+        return "n/a"
+    peaks = {name: max(getattr(r, name) for r in audited) for name in ("swa_leaked_slots", "swa_stale_tokens", "swa_shared_slots")}
+    verdict = "clean" if not any(peaks.values()) else "FAULTS"
+    return (f"{verdict}: peak leaked {peaks['swa_leaked_slots']} slots, stale {peaks['swa_stale_tokens']} tokens, "
+            f"shared {peaks['swa_shared_slots']} slots ({len(audited)} samples)")
