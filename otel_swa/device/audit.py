@@ -16,6 +16,18 @@ holder (a running request, the prefix cache) still reads maps its FULL slot to a
 
 Out-of-range ids (a free page id outside ``1..num_pages``, a FULL slot outside the mapping, an SWA
 slot beyond the pool) are ignored rather than read out of bounds.
+
+Cost. The audit reads only the ``n`` holder slots and the ``k`` free page ids: O(n + k) work, none
+of it proportional to the pool sizes. Distinct values (distinct free pages, distinct referenced
+pages, distinct held FULL slots, SWA slots reached twice) are found without sorting and without
+clearing a table: every element writes its own index ``i`` into a table cell addressed by its value
+(``table[value_i] = i``; with duplicates one writer wins), then reads the cell back; the elements
+that read their own index are one per distinct value. The tables are as long as the id ranges
+(FULL slots, SWA slots, SWA pages) but never initialised, cleared or scanned, so their size costs
+memory, not time: they are kept by a :class:`~otel_swa.device.workspace.Workspace` on the CPU
+(``int32``, 4 bytes per FULL slot, SWA slot and SWA page) and taken from the caching allocator
+for each audit on CUDA. No atomic operation is involved (the old pool-wide ``index_add_`` piled
+them on index 0 on a GPU).
 """
 
 from __future__ import annotations
@@ -24,11 +36,22 @@ from dataclasses import dataclass
 
 import torch
 
+from otel_swa.device.workspace import Workspace
+
 __all__ = ["AUDIT_WIDTH", "SwaSlotAudit", "audit_counts", "audit_swa_slots"]
 
 #: Values written by :func:`audit_counts`: pages in use, pages in use that live tokens map into,
 #: leaked pages, stale tokens, shared SWA slots (all int64).
 AUDIT_WIDTH = 5
+
+_INDEX = torch.int32  # table cells hold element indices (< 2**31 elements per audit)
+
+
+def _first_of_each_value(table: torch.Tensor, keys: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``bool [n]``: True for one element per distinct value of ``keys`` (``int64 [n]``, valid
+    indices of ``table``); ``order`` is ``arange(n)`` in the table's dtype."""
+    table.index_put_((keys,), order)
+    return table.index_select(0, keys) == order
 
 
 def audit_counts(
@@ -38,6 +61,7 @@ def audit_counts(
     num_swa_pages: int,
     page_size: int,
     holder_full_slots: torch.Tensor,
+    workspace: Workspace | None = None,
 ) -> torch.Tensor:
     """Write the audit counts into ``out`` (``int64 [AUDIT_WIDTH]`` on the device) and return it.
 
@@ -45,57 +69,86 @@ def audit_counts(
         out: destination, ``int64 [AUDIT_WIDTH]``: ``[pages_in_use, pages_referenced,
             leaked_pages, stale_tokens, shared_swa_slots]``. Multiply page counts by ``page_size``
             for slots.
-        full_to_swa_index_mapping: ``int64 [num_full_slots]``, the SWA slot of each FULL slot.
+        full_to_swa_index_mapping: ``int64`` (or ``int32``) ``[num_full_slots]``, the SWA slot of
+            each FULL slot.
         swa_free_page_ids: ``int [k]``, the SWA pool's free page ids (slot ids when
             ``page_size == 1``), every free list together.
         num_swa_pages: pages of the SWA pool (ids ``1 .. num_swa_pages``), host int >= 1.
         page_size: slots per page, host int >= 1.
         holder_full_slots: ``int [n]``, the FULL slot of every token a live holder still reads;
             give all holders, or the missing ones' pages show as leaked.
+        workspace: where the id tables live (see the module docstring); default a new one, whose
+            CPU tables are then made for this call only.
+
+    Work: O(n + k) device operations, independent of the pool sizes; no host sync.
 
     Raises:
         ValueError: ``num_swa_pages`` or ``page_size`` below 1.
     """
     if num_swa_pages < 1 or page_size < 1:
         raise ValueError(f"num_swa_pages and page_size must be >= 1, got {num_swa_pages} and {page_size}")
-    device = full_to_swa_index_mapping.device
-    pages = num_swa_pages + 1
-    swa_slots = pages * page_size
+    mapping = full_to_swa_index_mapping
+    device = mapping.device
+    ws = workspace if workspace is not None else Workspace(device)
+    pages = num_swa_pages
+    swa_slots = (pages + 1) * page_size
+    size = mapping.shape[0]
 
-    free = swa_free_page_ids.to(device=device, dtype=torch.int64).reshape(-1)
-    free_ok = (free >= 1) & (free <= num_swa_pages)
-    is_free = torch.zeros(pages, dtype=torch.bool, device=device)
-    is_free.index_fill_(0, torch.where(free_ok, free, 0), True)
-    is_free[0] = False
+    free = swa_free_page_ids.reshape(-1)
+    if free.dtype != torch.int64:
+        free = free.long()
+    full = holder_full_slots.reshape(-1)
+    if full.dtype != torch.int64:
+        full = full.long()
+    k, n = free.numel(), full.numel()
+    order_k = ws.arange(k, _INDEX)
+    order_n = ws.arange(n, _INDEX)
+    page_table = ws.get("audit.pages", pages + 2, _INDEX)  # ids 0..pages, pages + 1: nobody
 
-    size = full_to_swa_index_mapping.shape[0]
-    full = holder_full_slots.to(device=device, dtype=torch.int64).reshape(-1)
+    # Free pages: valid ids 1..pages; the others are sent to the spare cell pages + 1.
+    free_ok = (free >= 1) & (free <= pages)
+    free_keys = torch.where(free_ok, free, pages + 1)
+    distinct_free = (_first_of_each_value(page_table, free_keys, order_k) & free_ok).sum()
+
+    # Holders: their SWA slot and page (page 0 is reserved: never counted).
     full_ok = (full >= 0) & (full < size)
-    swa = full_to_swa_index_mapping.index_select(0, torch.where(full_ok, full, 0)).long()
+    swa = mapping.index_select(0, torch.where(full_ok, full, 0))
+    if swa.dtype != torch.int64:
+        swa = swa.long()
     mapped = full_ok & (swa > 0) & (swa < swa_slots)
     page = torch.where(mapped, torch.div(swa, page_size, rounding_mode="floor"), 0)
-    referenced = torch.zeros(pages, dtype=torch.bool, device=device)
-    referenced.index_fill_(0, page, True)
-    referenced[0] = False
-    in_use = ~is_free
-    in_use[0] = False
+    mapped &= page >= 1
 
-    # Shared SWA slots over DISTINCT held FULL slots: mark the held FULL slots, then count, per SWA
-    # slot, the held FULL slots mapping to it (fixed shapes: no unique(), no host sync).
-    held = torch.zeros(size, dtype=torch.bool, device=device)
-    held.index_fill_(0, torch.where(full_ok, full, 0), True)
-    held[0] = False  # FULL slot 0 is the reserved padding slot (and where invalid ids were sent)
-    all_swa = full_to_swa_index_mapping.long()
-    counted = held & (all_swa > 0) & (all_swa < swa_slots)
-    per_slot = torch.zeros(swa_slots, dtype=torch.int64, device=device)
-    per_slot.index_add_(0, torch.where(counted, all_swa, 0), counted.long())
-    per_slot[0] = 0
+    # Is a holder's page on the free list? The cell of the page names a free-list entry; the page is
+    # free when that entry (read back) is the page itself. Cells never written now hold old values:
+    # a stale index either points outside the list or at an entry holding another page.
+    if k:
+        entry = page_table.index_select(0, page).long()
+        clamped = entry.clamp(0, k - 1)
+        on_free_list = (clamped == entry) & (free_keys.index_select(0, clamped) == page)
+    else:
+        on_free_list = torch.zeros_like(mapped)
+    stale = (mapped & on_free_list).sum()
 
-    out[0].copy_(in_use.sum())
-    out[1].copy_((referenced & in_use).sum())
-    out[2].copy_((in_use & ~referenced).sum())
-    out[3].copy_((mapped & is_free.index_select(0, page)).sum())
-    out[4].copy_((per_slot > 1).sum())
+    # Pages in use that a holder maps into: distinct pages over holders whose page is not free.
+    in_use_ref = mapped & ~on_free_list
+    ref_keys = torch.where(in_use_ref, page, pages + 1)
+    referenced = (_first_of_each_value(page_table, ref_keys, order_n) & in_use_ref).sum()
+
+    # Shared SWA slots: over distinct held FULL slots (slot 0 is padding), the SWA slots reached by
+    # two or more of them: per SWA slot one holder wins its cell; the losers, one per SWA slot
+    # again, are the slots reached twice.
+    full_table = ws.get("audit.full", size + 1, _INDEX)
+    held = full_ok & (full != 0)
+    distinct_held = _first_of_each_value(full_table, torch.where(held, full, size), order_n) & held
+    counted = distinct_held & (swa > 0) & (swa < swa_slots)
+    slot_table = ws.get("audit.swa", swa_slots + 1, _INDEX)
+    winners = _first_of_each_value(slot_table, torch.where(counted, swa, swa_slots), order_n)
+    losers = counted & ~winners
+    shared = (_first_of_each_value(slot_table, torch.where(losers, swa, swa_slots), order_n) & losers).sum()
+
+    in_use = pages - distinct_free
+    torch.stack([in_use, referenced, in_use - referenced, stale, shared], out=out)
     return out
 
 

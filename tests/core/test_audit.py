@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
+from otel_swa.device.workspace import Workspace
 from otel_swa.reference.engine import EngineConfig, ReferenceEngine
 from otel_swa.reference.trace import TraceRequest
 from otel_swa.reporter import SwaDivergenceReporter
@@ -44,6 +45,63 @@ def test_audit_counts_equal_plain_recount(seed, page_size):
     out = torch.full((AUDIT_WIDTH,), 99, dtype=torch.int64)
     audit_counts(out, torch.tensor(mapping), torch.tensor(free, dtype=torch.int64), num_pages, page_size, torch.tensor(holders, dtype=torch.int64))
     assert out.tolist() == recount(mapping, free, num_pages, page_size, holders)
+
+
+# One workspace for every example, its tables first filled with noise: the audit never relies on
+# what a table holds from an earlier audit (or from nothing).
+_SHARED = Workspace("cpu")
+for _name, _size in (("audit.pages", 64), ("audit.full", 128), ("audit.swa", 128)):
+    _SHARED.get(_name, _size, torch.int32).copy_(torch.randint(-5, 50, (_size,), dtype=torch.int32))
+
+
+@settings(max_examples=80, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 2, 4]))
+def test_audit_with_a_reused_workspace_equals_plain_recount(seed, page_size):
+    rng = random.Random(seed)
+    num_pages = rng.randint(1, 12)
+    full_size = rng.randint(2, 60)
+    swa_slots = (num_pages + 1) * page_size
+    mapping = [0] + [rng.choice([0, rng.randrange(0, swa_slots + 3)]) for _ in range(full_size - 1)]
+    # duplicates and out-of-range ids in the free list too
+    free = [rng.randrange(-1, num_pages + 3) for _ in range(rng.randint(0, num_pages + 2))]
+    holders = [rng.randrange(-2, full_size + 3) for _ in range(rng.randint(0, 40))]
+    out = torch.full((AUDIT_WIDTH,), 99, dtype=torch.int64)
+    audit_counts(out, torch.tensor(mapping), torch.tensor(free, dtype=torch.int64), num_pages, page_size,
+                 torch.tensor(holders, dtype=torch.int64), _SHARED)
+    expected = recount(mapping, free, num_pages, page_size, holders)
+    assert out.tolist() == expected
+
+
+def test_audit_cost_does_not_grow_with_the_pool():
+    """O(live holders + free list): the same holders and free list against a 64x larger pool take
+    the same device operations, none of them sized by the pool (counted, not timed)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sizes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            if func.is_view or any(result is arg for arg in args):  # a view, or an in-place write of n cells
+                return result
+            for value in (result if isinstance(result, (tuple, list)) else (result,)):
+                if isinstance(value, torch.Tensor):
+                    self.largest = max(self.largest, value.numel())
+            return result
+
+    largest = []
+    for pool in (1 << 12, 1 << 18):
+        mapping = torch.arange(pool + 2) % 1000
+        out = torch.zeros(AUDIT_WIDTH, dtype=torch.int64)
+        ws = Workspace("cpu")
+        holders, free = torch.arange(1, 301), torch.arange(500, 600)
+        audit_counts(out, mapping, free, 999, 1, holders, ws)  # tables made here, once
+        with Sizes() as sizes:
+            audit_counts(out, mapping, free, 999, 1, holders, ws)
+        largest.append(sizes.largest)
+    assert largest[0] == largest[1] <= 300
 
 
 def test_prefix_sharing_is_not_a_shared_slot():
