@@ -526,8 +526,14 @@ def _with_tag(record: SwaDivergenceRecord, text: str, start: int) -> SwaDivergen
                                           record.divergence_applicable)
 
 
+_FIELD_SET = frozenset(FIELDS)
+_AUDIT_KEYS = ("forward_ct",) + AUDIT_FIELDS
+
+
 def _logged_int(name: str, value: Any, minimum: int) -> str | None:
     """Why ``value`` cannot be field ``name`` of a logged line, or ``None`` when it can."""
+    if type(value) is int and minimum <= value <= INT64_MAX:  # noqa: E721 - the common case first
+        return None
     if type(value) is not int:  # noqa: E721 - bool refused
         return f"{name}={json.dumps(value)} is not an integer"
     if value < minimum:
@@ -576,8 +582,9 @@ def _decode_object(text: str, match: re.Match, line_no: int | None) -> tuple[dic
     return data, start + end
 
 
-def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix) -> Entry:
-    """The entry whose prefix is ``match`` in the cleaned ``text``.
+def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix, line_start: int | None = None) -> Entry:
+    """The entry whose prefix is ``match`` in the cleaned ``text`` (``line_start``: where its
+    line starts, found when not given).
 
     Raises:
         MalformedRecordError: what follows the prefix is not valid (the reason says why).
@@ -585,14 +592,15 @@ def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefi
     kind = match.group(0)
     data, end = _decode_object(text, match, line_no)
     shown = text[match.start():end]
-    line_start = text.rfind("\n", 0, match.start()) + 1
-    source = _tag_before(text, line_start, match.start())
+    if line_start is None:
+        line_start = text.rfind("\n", 0, match.start()) + 1
+    source = _tag_before(text, line_start, match.start()) if "]" in text[line_start:match.start()] else None
 
     def fail(reason: str) -> MalformedRecordError:
         return MalformedRecordError(shown, reason, line_no, kind)
 
     if kind == LINE_PREFIX:
-        unknown = [key for key in data if key not in FIELDS]
+        unknown = [key for key in data if key not in _FIELD_SET]
         if unknown:
             raise fail(f"unknown key(s) {', '.join(map(repr, unknown))}: SGLang's SwaDivergenceLog(**fields) "
                        "raises TypeError on them")
@@ -610,7 +618,7 @@ def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefi
         if "forward_ct" not in data:
             raise fail("missing field forward_ct")
         audit = {}
-        for name in ("forward_ct",) + AUDIT_FIELDS:
+        for name in _AUDIT_KEYS:
             if name in data:
                 reason = _logged_int(name, data[name], 0)
                 if reason is not None:
@@ -642,7 +650,7 @@ def iter_entries(
         last_pos = match.start()
         line_start = cleaned.rfind("\n", 0, match.start()) + 1
         try:
-            entry = _decode_at(cleaned, match, line_no, _nearest_prefix(cleaned[line_start:match.start()]))
+            entry = _decode_at(cleaned, match, line_no, _nearest_prefix(cleaned[line_start:match.start()]), line_start)
         except MalformedRecordError as exc:
             if errors is not None:
                 errors.append(exc)
