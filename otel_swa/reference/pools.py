@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from otel_swa.pool_usage import POOL_FULL, POOL_SWA, PoolUsage
+
 __all__ = ["HybridKVPools", "RequestSlots", "PoolExhaustedError", "pages_for"]
 
 
@@ -138,6 +140,19 @@ class HybridKVPools:
     def swa_used_slots(self) -> int:
         """SWA slots held by requests (whole pages)."""
         return (self.swa_pages - len(self._swa_free)) * self.page_size
+
+    def usage(self) -> tuple[PoolUsage, PoolUsage]:
+        """How full each pool is now, in slots (host ints; no device work): FULL and SWA.
+
+        ``available`` is the free pages x page size, ``used`` the rest (whole pages held by
+        requests), ``total`` the usable size (page 0, reserved, is not counted) and ``evictable``
+        0: the reference engine has no prefix cache, a finished request frees its slots at once.
+        """
+        ps = self.page_size
+        return (
+            PoolUsage.from_free(POOL_FULL, total=self.full_size, available=len(self._full_free) * ps),
+            PoolUsage.from_free(POOL_SWA, total=self.swa_size, available=len(self._swa_free) * ps),
+        )
 
     def free_full_page_list(self) -> list[int]:
         """A copy of the FULL free list (page numbers, in allocation order)."""

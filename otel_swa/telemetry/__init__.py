@@ -24,7 +24,15 @@ kv_cache.swa.reporter.sink.errors           ObservableCtr   {error}      reporte
 kv_cache.swa.reporter.samples.invalid       ObservableCtr   {sample}     reporter.stats.invalid_samples
 kv_cache.swa.reporter.samples.skipped       ObservableCtr   {sample}     reporter.stats.skipped_captures
 kv_cache.swa.reporter.samples.pending       ObservableGauge {sample}     reporter.stats.pending
+kv_cache.swa.memory.saved                   Gauge           By           swa_out_of_window_tokens x SWA KV bytes per token
+kv_cache.pool.tokens.used                   ObservableGauge {token}      the engine's pool (pool=full|swa), at collection
+kv_cache.pool.tokens.available              ObservableGauge {token}      idem
+kv_cache.pool.tokens.evictable              ObservableGauge {token}      idem (held only by the prefix cache)
+kv_cache.pool.tokens.limit                  ObservableGauge {token}      idem (the pool's size)
+kv_cache.pool.utilization                   ObservableGauge 1            idem (used / limit)
 ==========================================  ==============  ===========  ===================
+
+The ``kv_cache.pool.`` gauges and ``kv_cache.swa.memory.saved``: :mod:`otel_swa.telemetry.pools`.
 
 Events: ``kv_cache.swa.divergence_sample`` (Logs API event and span event), see
 :mod:`otel_swa.telemetry.events`. Usage::
@@ -48,6 +56,7 @@ Events: ``kv_cache.swa.divergence_sample`` (Logs API event and span event), see
 from otel_swa.telemetry.events import SampleEvents, record_attributes, record_from_attributes
 from otel_swa.telemetry.logline import SwaLogLineExporter
 from otel_swa.telemetry.metrics import INSTRUMENTS, InstrumentSpec, SwaMetrics
+from otel_swa.telemetry.pools import POOL_INSTRUMENTS, SAVINGS_INSTRUMENT, PoolMetrics, pool_metrics
 from otel_swa.telemetry.semconv import EVENT_NAME, FORWARD_SPAN_NAME, NAMESPACE, SAMPLE_SPAN_NAME
 from otel_swa.telemetry.setup import SwaTelemetry, configure, resolve_exporters
 from otel_swa.telemetry.sink import SwaTelemetrySink
@@ -61,6 +70,10 @@ __all__ = [
     "INSTRUMENTS",
     "InstrumentSpec",
     "SwaMetrics",
+    "POOL_INSTRUMENTS",
+    "SAVINGS_INSTRUMENT",
+    "PoolMetrics",
+    "pool_metrics",
     "SampleEvents",
     "record_attributes",
     "record_from_attributes",

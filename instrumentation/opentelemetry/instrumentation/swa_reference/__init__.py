@@ -12,6 +12,12 @@ afterwards is observed:
   ``docs/telemetry.md``) and the event ``kv_cache.swa.divergence_sample`` (Logs API and span
   event) under the forward step where each sample was taken;
 * each forward step runs in a span ``forward step`` linked to the spans of its requests;
+* the pool usage gauges ``kv_cache.pool.tokens.{used,available,evictable,limit}`` and
+  ``kv_cache.pool.utilization`` (``pool=full|swa``) read the engine's free lists
+  (``HybridKVPools.usage()``) when the SDK collects, never during a step; the engine has no prefix
+  cache, so ``evictable`` is 0. When the engine runs the model and has a reporter,
+  ``kv_cache.swa.memory.saved`` is each sample's out-of-window tokens x the SWA layer's K/V bytes
+  per slot (from the engine's KV storage tensors: ``2 x num_heads x head_dim x 4`` for float32);
 * each submitted request gets a span ``request`` (kind SERVER, its own trace) from submission to
   completion, unless the request object carries a W3C ``traceparent`` attribute (from a serving
   front end), in which case the forward steps link to that span instead;
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from types import SimpleNamespace
 from typing import Any, Collection
 
@@ -78,8 +85,11 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
         from otel_swa.engine_wrapping import instrument_telemetry
 
         engine_class = module.ReferenceEngine
+        from otel_swa.telemetry.pools import pool_metrics
+
         telemetry = instrument_telemetry(kwargs)
         self._providers = telemetry.providers
+        self._pools = pool_metrics(telemetry.providers[1])
         self._sink = telemetry.sink
         self._tracer = telemetry.tracer
         self._max_links = telemetry.max_links
@@ -115,6 +125,10 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
             sink = self._sink.for_another_reporter()
             sink.attach(engine.reporter)
             lifecycle.track(engine.reporter, self._providers)  # delivered at exit, before the SDK shuts down
+            bytes_per_token = swa_kv_bytes_per_token(engine)
+            if bytes_per_token:
+                engine.reporter.add_sink(self._pools.savings_sink(bytes_per_token))
+        self._pools.register(_pool_usage, owner=engine)
         request_spans = RequestSpans(self._tracer)
         traceparents: dict[Any, str] = {}
         forward_spans = ForwardSpans(self._tracer, traceparents, max_links=self._max_links)
@@ -178,3 +192,18 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
             return stats
 
         return run_until_done
+
+
+def _pool_usage(engine: Any) -> Any:
+    """The reference engine's pools now (the source registered per engine; holds no reference)."""
+    return engine.pools.usage()
+
+
+def swa_kv_bytes_per_token(engine: Any) -> "int | None":
+    """K and V bytes one token takes in the engine's sliding-window layer, read from the shapes and
+    dtypes of its KV storage (``engine.kv.swa_k`` / ``swa_v``: ``[num_slots, num_heads, head_dim]``;
+    no device access); ``None`` when the engine keeps no KV (``run_model=False``)."""
+    kv = getattr(engine, "kv", None)
+    if kv is None:
+        return None
+    return sum(math.prod(t.shape[1:]) * t.element_size() for t in (kv.swa_k, kv.swa_v))
