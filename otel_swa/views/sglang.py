@@ -36,6 +36,7 @@ import torch
 from otel_swa.device.audit import SwaSlotAudit, audit_swa_slots
 from otel_swa.device.sample import live_full_slots
 from otel_swa.logline import LogLineSink
+from otel_swa.pool_usage import POOL_FULL, POOL_SWA, PoolUsage
 from otel_swa.views.base import SwaAuditInputs, SwaBatch
 
 __all__ = [
@@ -49,6 +50,8 @@ __all__ = [
     "audit_swa_slots",
     "audit_sglang_swa_slots",
     "scheduler_holder_full_slots",
+    "scheduler_pool_usage",
+    "swa_kv_bytes_per_token",
 ]
 
 #: The SGLang versions whose allocator layout this adapter was tested against (pip specifier).
@@ -441,3 +444,83 @@ def scheduler_holder_full_slots(scheduler: Any, batch: Any = None) -> torch.Tens
     if not parts:
         return torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
     return torch.cat(parts)
+
+
+# ---------------------------------------------------------------------------------- pool usage
+
+
+def scheduler_pool_usage(scheduler: Any) -> "tuple[PoolUsage, ...] | None":
+    """How full SGLang's KV pools are, computed as SGLang computes its own pool gauges.
+
+    The computation of sglang 0.5.23's ``SchedulerPoolStatsObserver.get_pool_stats``
+    (``managers/scheduler_components/pool_stats_observer.py``), whose fields become the Prometheus
+    gauges ``sglang:kv_/swa_ used/available/evictable _tokens`` and ``full_/swa_token_usage``:
+
+    * hybrid SWA (``scheduler.is_hybrid_swa``): ``(capacity, available)`` of each pool from the
+      allocator's ``swa_capacity_and_available(full_capacity=scheduler.full_tokens_per_layer,
+      swa_capacity=scheduler.swa_tokens_per_layer)``; evictable from the tree cache's
+      ``full_evictable_size()`` / ``swa_evictable_size()`` (0 for the SWA pool under the
+      per-request SWA ring, ``allocator.swa_req_ring``); ``used = capacity - (available +
+      evictable)``; an empty pool (capacity 0) reports 0 used and 0 available;
+    * otherwise, one FULL pool: ``allocator.available_size()``, ``tree_cache.evictable_size()``,
+      capacity ``scheduler.max_total_num_tokens x scheduler.kv_shard_widening``;
+    * hybrid SSM without SWA (``scheduler.is_hybrid_ssm``, mamba state pools): ``None``, not read.
+
+    Host work only: the allocator's free-list lengths and the tree cache's counters, no device
+    tensor is read. Call it between the scheduler's updates (e.g. the metric collection) or from
+    another thread: the figures are then those of one moment give or take an update in flight.
+
+    Returns:
+        ``(full, swa)`` for hybrid SWA, ``(full,)`` otherwise, in tokens; ``None`` for hybrid SSM.
+
+    Raises:
+        TypeError: ``scheduler`` lacks SGLang's attributes (the message names the missing one).
+        ValueError: the figures are inconsistent (available + evictable above capacity: HiSparse's
+            transient over-release, which SGLang's gauges clamp to 0 used); that read gives nothing.
+    """
+    allocator = _attr(scheduler, "token_to_kv_pool_allocator", "scheduler")
+    tree = _attr(scheduler, "tree_cache", "scheduler")
+    if getattr(scheduler, "is_hybrid_swa", False):
+        (full_cap, full_avail), (swa_cap, swa_avail) = allocator.swa_capacity_and_available(
+            full_capacity=_attr(scheduler, "full_tokens_per_layer", "scheduler"),
+            swa_capacity=_attr(scheduler, "swa_tokens_per_layer", "scheduler"),
+        )
+        full_evict = int(tree.full_evictable_size())
+        swa_evict = 0 if getattr(allocator, "swa_req_ring", False) else int(tree.swa_evictable_size())
+        return (
+            _pool(POOL_FULL, int(full_cap), int(full_avail), full_evict),
+            _pool(POOL_SWA, int(swa_cap), int(swa_avail), swa_evict),
+        )
+    if getattr(scheduler, "is_hybrid_ssm", False):
+        return None
+    capacity = int(_attr(scheduler, "max_total_num_tokens", "scheduler")) * int(getattr(scheduler, "kv_shard_widening", 1))
+    return (_pool(POOL_FULL, capacity, int(allocator.available_size()), int(tree.evictable_size())),)
+
+
+def _pool(pool: str, capacity: int, available: int, evictable: int) -> PoolUsage:
+    if not capacity:  # SGLang: an empty pool counts 0 used and 0 available
+        return PoolUsage(pool, 0, 0, evictable, 0)
+    return PoolUsage.from_free(pool, total=capacity, available=available, evictable=evictable)
+
+
+def swa_kv_bytes_per_token(kv_pool: Any) -> "int | None":
+    """KV bytes one token takes in all the sliding-window layers of SGLang's ``SWAKVPool``.
+
+    ``layer_num x head_num x (head_dim + v_head_dim) x store_dtype.itemsize`` of its
+    ``swa_kv_pool`` (an ``MHATokenToKVPool``: one K and one V row per token and layer; the per-token
+    scales of FP8/FP4 pools are not counted). ``kv_pool`` is the allocator's ``get_kvcache()`` (or
+    ``ModelRunner.token_to_kv_pool``). Reads attributes only.
+
+    Returns:
+        bytes per token (int >= 1), or ``None`` when ``kv_pool`` has no SWA pool of that kind
+        (not a hybrid SWA model, or an MLA-style SWA pool without K/V heads).
+    """
+    swa = getattr(kv_pool, "swa_kv_pool", None)
+    try:
+        layers, heads = int(swa.layer_num), int(swa.head_num)
+        dims = int(swa.head_dim) + int(swa.v_head_dim)
+        itemsize = int(swa.store_dtype.itemsize)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    size = layers * heads * dims * itemsize
+    return size if size > 0 else None

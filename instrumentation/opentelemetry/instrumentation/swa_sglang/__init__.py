@@ -28,7 +28,10 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
     calls ``ModelRunner.forward`` from inside it): the forward-step span links to the root spans of
     SGLang's own request tracing (``req.time_stats.trace_ctx``, ``--enable-trace``) of the batch's
     requests, and each sample is audited against every holder of KV
-    (:func:`otel_swa.views.sglang.scheduler_holder_full_slots`). The instrumentor also adds the
+    (:func:`otel_swa.views.sglang.scheduler_holder_full_slots`). At its first call per scheduler it
+    registers the scheduler's pools for the pool usage gauges (``kv_cache.pool.*``, read at
+    collection time by :func:`otel_swa.views.sglang.scheduler_pool_usage`, SGLang's own
+    computation of its pool gauges, with the process's ranks). The instrumentor also adds the
     method ``Scheduler.otel_swa_flush`` (:data:`FLUSH_RPC_METHOD`).
 ``sglang.srt.entrypoints.engine.Engine.shutdown(self)``
     In the main process, before SGLang kills its schedulers with SIGKILL (which runs no exit hook
@@ -119,6 +122,8 @@ _log = logging.getLogger(__name__)
 
 #: Attribute of an instrumented ``ModelRunner`` holding its wiring (``None``: not observed).
 RUNNER_ATTRIBUTE = "_otel_swa_telemetry"
+#: Attribute of an instrumented ``Scheduler`` holding its pool usage registration.
+POOLS_ATTRIBUTE = "_otel_swa_pools"
 #: Attribute of an instrumented ``CanaryManager`` holding the reporter of its model runner.
 CANARY_ATTRIBUTE = "_otel_swa_reporter"
 
@@ -193,6 +198,12 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         return (self._wrap_forward, self._wrap_canary_init, self._wrap_pre_ops, self._wrap_run_batch,
                 self._wrap_shutdown)
 
+    def _set_up_telemetry(self, kwargs: dict) -> None:
+        from otel_swa.telemetry.pools import pool_metrics
+
+        super()._set_up_telemetry(kwargs)
+        self._pools = pool_metrics(self._providers[1])
+
     def _wrap(self, targets: list) -> None:
         super()._wrap(targets)
         for index, (cls, _function) in targets:
@@ -231,11 +242,35 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                         ranks=ranks,
                     )
                     weakref.finalize(runner, reporter.close)
+                    self._add_savings_sink(runner, reporter, ranks)
         except Exception:
             _log.exception("instrumenting an SGLang model runner failed; it runs uninstrumented")
             wiring = None
         runner.__dict__[RUNNER_ATTRIBUTE] = wiring
         return wiring
+
+    def _add_savings_sink(self, runner: Any, reporter: Any, ranks: dict) -> None:
+        """``kv_cache.swa.memory.saved`` for ``reporter``'s samples, from the SWA KV pool's bytes per
+        token (:func:`otel_swa.views.sglang.swa_kv_bytes_per_token`), when the model has one."""
+        from otel_swa.views.sglang import swa_kv_bytes_per_token
+
+        try:
+            bytes_per_token = swa_kv_bytes_per_token(getattr(runner, "token_to_kv_pool", None))
+            if bytes_per_token:
+                reporter.add_sink(self._pools.savings_sink(bytes_per_token, ranks))
+        except Exception:  # the reporter's other sinks are unaffected
+            _log.exception("kv_cache.swa.memory.saved is not recorded for this model runner")
+
+    def _register_pools(self, scheduler: Any) -> None:
+        """Register ``scheduler``'s pools for the pool usage gauges, once per scheduler."""
+        from otel_swa.views.sglang import scheduler_pool_usage
+
+        registration = None
+        try:
+            registration = self._pools.register(scheduler_pool_usage, owner=scheduler, attributes=_ranks())
+        except Exception:
+            _log.exception("SGLang's KV pools are not observed (pool usage gauges)")
+        scheduler.__dict__[POOLS_ATTRIBUTE] = registration
 
     # ------------------------------------------------------------------ wrappers
     def _wrap_forward(self, original: Callable) -> Callable:
@@ -342,9 +377,12 @@ class SwaSglangInstrumentor(EngineInstrumentor):
 
     def _wrap_run_batch(self, original: Callable) -> Callable:
         running = self._running
+        instrumentor = self
 
         @functools.wraps(original)
         def run_batch(scheduler, batch, *args, **kwargs):
+            if POOLS_ATTRIBUTE not in scheduler.__dict__:
+                instrumentor._register_pools(scheduler)
             running.scheduler, running.batch = scheduler, batch
             try:
                 return original(scheduler, batch, *args, **kwargs)
