@@ -47,6 +47,7 @@ from typing import Any, Sequence
 
 import torch
 
+from otel_swa.pool_usage import POOL_FULL, POOL_SWA, PoolUsage
 from otel_swa.views.base import SwaBatch
 
 __all__ = [
@@ -61,6 +62,8 @@ __all__ = [
     "batch_view",
     "block_mapping",
     "observe_counts",
+    "kv_cache_pool_usage",
+    "scheduler_pool_usage",
 ]
 
 #: The null block's id in vLLM's ``BlockPool`` (the pool reserves block 0 for it).
@@ -440,3 +443,112 @@ def observe_counts(reporter: Any, counts: WindowCounts) -> None:
     """Add a batch's entries to ``reporter``: ``live_tokens`` to FULL, ``swa_entries`` to SWA."""
     reporter.observe("full", counts.live_tokens)
     reporter.observe("swa", counts.swa_entries)
+
+
+# ---------------------------------------------------------------------------------- pool usage
+
+#: Which managers' groups make up each pool (``type(manager).__mro__`` names, vLLM 0.33's
+#: ``single_type_kv_cache_manager.py``). Other kinds (chunked local attention, Mamba, cross
+#: attention, RSWA, circular buffer...) belong to neither pool.
+_POOL_OF_MANAGER = {"SlidingWindowManager": POOL_SWA}
+_FULL_MANAGERS = ("FullAttentionManager",)
+
+
+def _pool_of(manager: Any) -> "str | None":
+    if type(manager).__name__ in _FULL_MANAGERS:
+        return POOL_FULL
+    for cls in type(manager).__mro__:
+        if cls.__name__ in _POOL_OF_MANAGER:
+            return _POOL_OF_MANAGER[cls.__name__]
+    return None
+
+
+def _group_id(block_hash: Any) -> int:
+    """The KV cache group of a ``BlockHashWithGroupId``: its last 4 bytes, big-endian (vLLM 0.33's
+    ``kv_cache_utils.make_block_hash_with_group_id``)."""
+    return int.from_bytes(bytes(block_hash)[-4:], "big", signed=False)
+
+
+def kv_cache_pool_usage(kv_cache_manager: Any) -> "tuple[PoolUsage, ...]":
+    """How full vLLM's KV cache is, per pool kind, in tokens (vLLM 0.33's v1 ``KVCacheManager``).
+
+    vLLM keeps one ``BlockPool`` (``kv_cache_manager.coordinator.block_pool``) for every KV cache
+    group; each group (``coordinator.single_type_managers[i]``) takes its blocks from it. A pool
+    here is the groups of one kind: ``full`` the ``FullAttentionManager`` groups, ``swa`` the
+    ``SlidingWindowManager`` groups (other kinds are in neither). Per pool, in token slots of the
+    shared pool (blocks x the groups' ``block_size``):
+
+    * ``used``: the distinct real blocks in the groups' block tables (``req_to_blocks``; the null
+      block, ``is_null``, is no block), the blocks that running or preempted-but-held requests keep;
+    * ``evictable``: free blocks (``ref_cnt == 0``) still in the prefix cache (``block_hash`` set)
+      whose hash belongs to one of the groups (``BlockHashWithGroupId``'s group id);
+    * ``available``: free blocks not in the prefix cache, shared: the same in both pools;
+    * ``total``: ``num_gpu_blocks - 1`` (block 0 is the null block), shared: the same in both.
+
+    So over the pools ``sum(used) / total`` is vLLM's own ``kv_cache_usage_perc``
+    (``BlockPool.get_usage()``, ``1 - free / (num_gpu_blocks - 1)``), with free = available + the
+    evictable blocks, when every group is of one of the two kinds.
+
+    Host work only (no device tensor): one pass over the groups' block tables and one over
+    ``block_pool.blocks``, about ``num_gpu_blocks`` attribute reads: call it at metric collection,
+    not every step. Read from another thread while the scheduler runs, the figures are those of one
+    moment give or take an update in flight.
+
+    Returns:
+        one :class:`~otel_swa.pool_usage.PoolUsage` per pool kind present (``full`` first).
+
+    Raises:
+        TypeError: not vLLM's ``KVCacheManager`` (the message names the missing attribute).
+        ValueError: the groups of one pool have different block sizes (no single token unit), or
+            the counts are inconsistent.
+    """
+    try:
+        coordinator = kv_cache_manager.coordinator
+        managers = coordinator.single_type_managers
+        block_pool = coordinator.block_pool
+        blocks = block_pool.blocks
+        total_blocks = int(block_pool.num_gpu_blocks) - 1
+    except AttributeError as exc:
+        raise TypeError(
+            f"{type(kv_cache_manager).__name__} is not vLLM's KVCacheManager ({SUPPORTED_VLLM}): {exc}"
+        ) from None
+    groups: dict[str, list[tuple[int, Any]]] = {}
+    for group_id, manager in enumerate(managers):
+        pool = _pool_of(manager)
+        if pool is not None:
+            groups.setdefault(pool, []).append((group_id, manager))
+    pool_of_group = {group_id: pool for pool, members in groups.items() for group_id, _ in members}
+    free_uncached = 0
+    evictable_blocks = dict.fromkeys(groups, 0)
+    for block in blocks:
+        if block.ref_cnt != 0 or block.is_null:
+            continue
+        block_hash = block.block_hash
+        if block_hash is None:
+            free_uncached += 1
+            continue
+        pool = pool_of_group.get(_group_id(block_hash))
+        if pool is not None:
+            evictable_blocks[pool] += 1
+    usages = []
+    for pool in (POOL_FULL, POOL_SWA):
+        members = groups.get(pool)
+        if not members:
+            continue
+        sizes = {_block_size(manager) for _, manager in members}
+        if len(sizes) != 1:
+            raise ValueError(f"the {pool} KV cache groups have block sizes {sorted(sizes)}; expected one")
+        block_size = sizes.pop()
+        held = 0
+        for _, manager in members:
+            ids = {block.block_id for req_blocks in list(_req_to_blocks(manager).values())
+                   for block in list(req_blocks) if not block.is_null}
+            held += len(ids)
+        usages.append(PoolUsage(pool, held * block_size, free_uncached * block_size,
+                                evictable_blocks[pool] * block_size, total_blocks * block_size))
+    return tuple(usages)
+
+
+def scheduler_pool_usage(scheduler: Any) -> "tuple[PoolUsage, ...]":
+    """:func:`kv_cache_pool_usage` of a vLLM ``Scheduler``'s ``kv_cache_manager``."""
+    return kv_cache_pool_usage(scheduler.kv_cache_manager)

@@ -25,6 +25,11 @@ Instrumenting wraps three methods:
     * ``reporter.step``: every ``interval`` steps the same read becomes the sample's view
       (:meth:`otel_swa.views.vllm.WindowTable.view`): null-block tokens count as out of window.
 
+    At its first call per scheduler, the scheduler's KV cache is registered for the pool usage
+    gauges (``kv_cache.pool.*``, ``pool=full|swa``), read when the SDK collects by
+    :func:`otel_swa.views.vllm.kv_cache_pool_usage`: tokens held by each kind of KV cache group in
+    the shared ``BlockPool``, never on the step.
+
     A step that schedules no token is not a forward step and is not counted. A step whose tables
     cannot be read is counted with an empty batch and observes nothing (the first such error of a
     scheduler is logged with its traceback, the later ones are not). The
@@ -140,8 +145,20 @@ class SwaVllmInstrumentor(EngineInstrumentor):
     def _resolve_more(self) -> None:
         self._swa_manager_class = self._resolve(*_SLIDING_WINDOW_MANAGER)
 
+    def _set_up_telemetry(self, kwargs: dict) -> None:
+        from otel_swa.telemetry.pools import pool_metrics
+
+        super()._set_up_telemetry(kwargs)
+        self._pools = pool_metrics(self._providers[1])
+
     # ------------------------------------------------------------------ scheduler side
     def _wire(self, scheduler: Any) -> Any:
+        from otel_swa.views.vllm import scheduler_pool_usage
+
+        try:
+            self._pools.register(scheduler_pool_usage, owner=scheduler)
+        except Exception:
+            _log.exception("vLLM's KV cache pools are not observed (pool usage gauges)")
         wiring = None
         try:
             managers = scheduler.kv_cache_manager.coordinator.single_type_managers
