@@ -20,17 +20,22 @@ import collections
 import functools
 import logging
 import threading
-from dataclasses import dataclass
+import types
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, NamedTuple
 
 import torch
 
 from otel_swa import config
 from otel_swa.device import (
+    FAULTS,
     STAGE_WIDTH,
     DeviceToHostRing,
     KVPool,
     PoolAccumulator,
+    SampleMeta,
+    Workspace,
+    read_sample,
     stage_sample,
 )
 from otel_swa.record import VERIFY_SOURCES, SwaDivergenceRecord
@@ -50,6 +55,9 @@ _log = logging.getLogger("otel_swa.reporter")
 Sink = Callable[[SwaDivergenceRecord, Any], None]
 
 
+_NO_FAULTS: Mapping[str, int] = types.MappingProxyType({name: 0 for name in FAULTS})
+
+
 @dataclass(frozen=True)
 class ReporterStats:
     """The reporter's own health counters (all cumulative ints).
@@ -61,10 +69,17 @@ class ReporterStats:
             for the oldest copy (samples are never dropped).
         sink_errors: exceptions raised by sinks (caught and logged).
         pending: samples staged and not yet delivered.
-        skipped_captures: sampling steps skipped because the current CUDA stream was capturing a
-            graph (a sample cannot be taken inside capture).
-        invalid_samples: samples whose values could not form a record (a negative total: a
-            negative count was given to ``observe`` as a device tensor); logged, never delivered.
+        skipped_captures: ``step()`` calls made while the current CUDA stream was capturing a
+            graph: ignored (the captured forward has not run; no host state changes, no event is
+            polled, no sample is taken).
+        invalid_samples: samples delivered as no record because their values could not form
+            one: a negative total (a negative count given to ``observe`` as a device tensor) or a
+            fault of the view (``view_faults``); logged, never delivered.
+        view_faults: per fault of :data:`otel_swa.device.FAULTS`, the samples whose view showed
+            it (a sample with two faults counts under both): ``req_pool_indices`` outside
+            ``req_to_token``, a live token's FULL slot outside ``0 .. len(mapping) - 1``,
+            ``seq_lens`` above ``max_context_len`` or below 0, ``seq_lens_cpu`` different from
+            ``seq_lens``. Read-only mapping, every fault present.
     """
 
     samples_taken: int
@@ -74,6 +89,7 @@ class ReporterStats:
     pending: int
     skipped_captures: int
     invalid_samples: int = 0
+    view_faults: Mapping[str, int] = field(default_factory=lambda: _NO_FAULTS)
 
 
 class _Pending(NamedTuple):
@@ -82,6 +98,8 @@ class _Pending(NamedTuple):
     context: Any
     divergence_applicable: bool
     audit_page_size: int  # 0 when the sample carries no audit
+    meta: SampleMeta
+    host_totals: tuple[int, int]  # the accumulator's host part when the sample was taken
 
 
 class SwaDivergenceReporter:
@@ -92,13 +110,21 @@ class SwaDivergenceReporter:
             :meth:`from_env` to honour the environment gate, where 0 means off.
         device: the device of the engine's KV cache tensors (``"cpu"``, ``"cuda:0"``...).
         ring_size: host ring slots (int >= 1); samples in flight at once.
-        sinks: callables ``sink(record, context)``; more with :meth:`add_sink`.
+        sinks: callables ``sink(record, context)``; more with :meth:`add_sink`. A sink that has a
+            ``flush()`` method gets it called by :meth:`flush` (after the records), and one with
+            ``reset_after_fork()`` by :meth:`reset_after_fork`.
         verify_source: what the counts given to :meth:`observe` are, carried by every record
             (:data:`otel_swa.record.VERIFY_SOURCES`): ``"attention"`` (default: the KV entries
             attention read) or ``"kv_canary"`` (the entries SGLang's KV canary verified).
 
     Raises:
         ValueError: ``interval`` or ``ring_size`` below 1 or not an int; an unknown ``verify_source``.
+
+    CUDA graphs. Every entry point may be called while the current stream captures a graph:
+    ``observe`` with a device tensor is captured (each replay adds), ``step`` is ignored and counted
+    in ``stats.skipped_captures`` (a captured forward has not run; call ``step`` after each replay,
+    outside capture), ``flush`` and ``close`` do nothing there (they would wait on events, which
+    capture forbids) and log it once. Nothing polls or synchronises inside capture.
 
     Use::
 
@@ -129,9 +155,14 @@ class SwaDivergenceReporter:
         self.interval = interval
         self.verify_source = verify_source
         self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
         self._accumulator = PoolAccumulator(self.device)
         self._ring = DeviceToHostRing(ring_size, STAGE_WIDTH, self.device)
+        self._workspace = Workspace(self.device)
         self._sinks: list[Sink] = list(sinks)
+        self._init_state()
+
+    def _init_state(self) -> None:
         self._pending: collections.deque[_Pending] = collections.deque()
         self._next_slot = 0
         self._forward_ct = 0
@@ -142,6 +173,8 @@ class SwaDivergenceReporter:
         self._sink_errors = 0
         self._skipped_captures = 0
         self._invalid_samples = 0
+        self._view_faults = {name: 0 for name in FAULTS}
+        self._capture_warned = False
         # Held while the ring and the pending queue change (sampling, delivery, flush), so that a
         # close() from another thread (an uninstrument, a finaliser) cannot race the engine's step().
         # Plain steps with nothing pending never take it.
@@ -174,11 +207,13 @@ class SwaDivergenceReporter:
     def observe(self, pool: "KVPool | int | str", count: "int | torch.Tensor") -> None:
         """Add ``count`` KV entries checked/read in ``pool`` during this forward.
 
-        Device-side in-place add: no host sync, no allocation, safe inside CUDA graph capture (pass
-        ``count`` as a 0-dim device tensor there; a Python int is captured as a constant).
+        A Python int is added on the host (no device operation, no allocation); a 0-dim device
+        tensor in place on the device (no host sync, safe inside CUDA graph capture: pass a tensor
+        there; a Python int inside capture is captured as a constant, added at every replay).
 
         Raises:
-            ValueError: unknown pool.
+            ValueError: unknown pool, a negative int.
+            TypeError: neither an int nor a 0-dim integer tensor.
         """
         self._accumulator.add(pool, count)
 
@@ -189,7 +224,7 @@ class SwaDivergenceReporter:
         included: on CPU the copy is done when the sample is staged, so a record reaches the sinks
         at the step it describes (a process killed right after loses nothing the reporter held);
         on CUDA it is delivered at the first later ``step()`` or ``flush()`` that finds its event
-        complete.
+        complete. Inside CUDA graph capture the call is ignored (class docstring).
 
         Args:
             view: a :class:`otel_swa.views.SwaBatchView` describing the batch of this forward step,
@@ -203,9 +238,12 @@ class SwaDivergenceReporter:
                 :func:`otel_swa.views.validate_view`): an integration error, raised so it is seen
                 at the first sample. Errors of the view factory or of the device work (out of
                 memory, a CUDA fault) also propagate; sink errors never do, and invalid sample
-                values are counted, not raised.
+                values (a bad view's included) are counted, not raised.
         """
         if self._closed:
+            return
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            self._skipped_captures += 1
             return
         self._forward_ct += 1
         if self._pending:
@@ -224,21 +262,53 @@ class SwaDivergenceReporter:
         self._sinks.append(sink)
 
     def flush(self) -> None:
-        """Deliver every pending sample now, waiting for copies still in flight. Idempotent;
-        thread-safe with respect to ``step()``."""
+        """Deliver every pending sample now, waiting for copies still in flight, then call the
+        sinks' own ``flush()`` (a sink that hands records to another thread delivers them there
+        before this returns). Idempotent; thread-safe with respect to ``step()``. Inside CUDA graph
+        capture it does nothing (waiting is not allowed there)."""
+        if self._capturing("flush"):
+            return
         with self._lock:
             while self._pending:
                 head = self._pending[0]
                 self._ring.wait(head.slot)
                 self._deliver(self._pending.popleft())
+            sinks = list(self._sinks)
+        for sink in sinks:
+            flush = getattr(sink, "flush", None)
+            if callable(flush):
+                try:
+                    flush()
+                except Exception:  # telemetry must never crash the engine
+                    self._sink_errors += 1
+                    _log.exception("otel-swa sink %r failed to flush", sink)
 
     def close(self) -> None:
-        """Flush, then stop: later ``observe`` still works, later ``step`` does nothing. Idempotent."""
+        """Flush, then stop: later ``observe`` still works, later ``step`` does nothing. Idempotent.
+        Inside CUDA graph capture it does nothing (the reporter stays open)."""
+        if self._capturing("close"):
+            return
         with self._lock:
             if self._closed:
                 return
             self.flush()
             self._closed = True
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: forget the parent's state (totals, forward count, pending samples,
+        health counts) and reset the sinks that can be (their own ``reset_after_fork()``, e.g. a
+        delivery thread that did not survive the fork). The sinks stay attached. Called by
+        :mod:`otel_swa.lifecycle` for every tracked reporter."""
+        self._accumulator.reset()
+        self._ring.reset_after_fork()
+        self._init_state()
+        for sink in list(self._sinks):
+            reset = getattr(sink, "reset_after_fork", None)
+            if callable(reset):
+                try:
+                    reset()
+                except Exception:
+                    _log.exception("otel-swa sink %r could not be reset after a fork", sink)
 
     def __enter__(self) -> "SwaDivergenceReporter":
         return self
@@ -258,9 +328,10 @@ class SwaDivergenceReporter:
 
     @property
     def totals(self) -> torch.Tensor:
-        """The device accumulator, ``int64 [2]`` (FULL, SWA) on the reporter's device. Reading it
-        on the host synchronises; meant for tests and debugging."""
-        return self._accumulator.totals
+        """The totals so far, ``int64 [2]`` (FULL, SWA) on the reporter's device: the device part
+        plus the host ints (a new tensor). Reading it on the host synchronises; meant for tests and
+        debugging."""
+        return self._accumulator.combined()
 
     @property
     def stats(self) -> ReporterStats:
@@ -272,13 +343,20 @@ class SwaDivergenceReporter:
             pending=len(self._pending),
             skipped_captures=self._skipped_captures,
             invalid_samples=self._invalid_samples,
+            view_faults=types.MappingProxyType(dict(self._view_faults)),
         )
+
+    def _capturing(self, what: str) -> bool:
+        """Whether this thread's current CUDA stream is capturing (never true on CPU); logs once."""
+        if not (self._cuda and torch.cuda.is_current_stream_capturing()):
+            return False
+        if not self._capture_warned:
+            self._capture_warned = True
+            _log.warning("otel-swa reporter.%s() called during CUDA graph capture: nothing done", what)
+        return True
 
     # ------------------------------------------------------------------ device side
     def _sample(self, view: Any, context: Any) -> None:
-        if self._ring.is_cuda and torch.cuda.is_current_stream_capturing():
-            self._skipped_captures += 1
-            return
         if callable(view) and not isinstance(view, SwaBatchView):
             view = view()
         validate_view(view, self.device)
@@ -292,7 +370,7 @@ class SwaDivergenceReporter:
             context = _otel_context.get_current()
         audit = getattr(view, "swa_audit", None)
         slot = self._next_slot
-        stage_sample(
+        meta = stage_sample(
             self._ring.stage[slot],
             self._accumulator.totals,
             view.req_to_token,
@@ -301,11 +379,16 @@ class SwaDivergenceReporter:
             view.seq_lens,
             getattr(view, "seq_lens_cpu", None),
             audit,
-            functools.partial(self._ring.upload_lengths, slot),
+            functools.partial(self._ring.upload, slot),
+            req_pool_indices_cpu=getattr(view, "req_pool_indices_cpu", None),
+            workspace=self._workspace,
         )
         self._ring.start_copy(slot)
         applicable = getattr(view, "divergence_applicable", True) is not False
-        self._pending.append(_Pending(slot, self._forward_ct, context, applicable, audit.page_size if audit else 0))
+        host = self._accumulator.host
+        self._pending.append(_Pending(
+            slot, self._forward_ct, context, applicable, audit.page_size if audit else 0, meta, (host[0], host[1]),
+        ))
         # Advanced only now: a sample that failed above leaves its slot free for the next one.
         self._next_slot = (slot + 1) % self._ring.slots
         self._samples_taken += 1
@@ -317,21 +400,34 @@ class SwaDivergenceReporter:
             self._deliver(pending.popleft())
 
     def _deliver(self, pending: _Pending) -> None:
-        values = self._ring.read(pending.slot)
-        verify_full, verify_swa, divergence, out_of_window = values[:4]
-        _in_use, _referenced, leaked_pages, stale, shared = values[4:]
-        audited = pending.audit_page_size > 0
+        reading = read_sample(self._ring.read(pending.slot), pending.meta)
+        if reading.faults:
+            self._invalid_samples += 1
+            first = [name for name in reading.faults if not self._view_faults[name]]
+            for name in reading.faults:
+                self._view_faults[name] += 1
+            if first:  # each fault is logged the first time; later ones are counted (never a flood)
+                _log.error(
+                    "otel-swa sample at forward_ct=%d not delivered: the view shows %s (later samples with "
+                    "the same fault are only counted: reporter.stats.view_faults)",
+                    pending.forward_ct, ", ".join(reading.faults),
+                )
+            return
+        page_size = pending.audit_page_size
+        audit = reading.audit if page_size else None
         try:
             record = SwaDivergenceRecord(
                 forward_ct=pending.forward_ct,
-                verify_full=verify_full,
-                verify_swa=verify_swa,
-                swa_full_idx_divergence=divergence,
-                swa_out_of_window_tokens=out_of_window,
+                verify_full=reading.verify_full + pending.host_totals[0],
+                verify_swa=reading.verify_swa + pending.host_totals[1],
+                swa_full_idx_divergence=reading.divergence,
+                swa_out_of_window_tokens=reading.out_of_window,
                 divergence_applicable=pending.divergence_applicable,
-                swa_leaked_slots=leaked_pages * pending.audit_page_size if audited else None,
-                swa_stale_tokens=stale if audited else None,
-                swa_shared_slots=shared if audited else None,
+                swa_leaked_slots=audit[2] * page_size if audit else None,
+                swa_stale_tokens=audit[3] if audit else None,
+                swa_shared_slots=audit[4] if audit else None,
+                swa_pages_in_use=audit[0] if audit else None,
+                swa_pages_referenced=audit[1] if audit else None,
                 verify_source=self.verify_source,
             )
         except (TypeError, ValueError) as exc:  # never let a bad value escape into the engine

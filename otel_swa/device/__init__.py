@@ -9,11 +9,17 @@ from otel_swa.device.audit import (
 )
 from otel_swa.device.d2h_ring import DeviceToHostRing
 from otel_swa.device.sample import (
+    DENSE_FILL_RATIO,
+    FAULTS,
     STAGE_WIDTH,
+    SampleMeta,
+    SampleReading,
     count_divergence,
     live_full_slots,
+    read_sample,
     stage_sample,
 )
+from otel_swa.device.workspace import Workspace
 
 __all__ = [
     "AUDIT_WIDTH",
@@ -24,8 +30,14 @@ __all__ = [
     "PoolAccumulator",
     "pool_index",
     "DeviceToHostRing",
+    "DENSE_FILL_RATIO",
+    "FAULTS",
     "STAGE_WIDTH",
+    "SampleMeta",
+    "SampleReading",
     "count_divergence",
     "live_full_slots",
+    "read_sample",
     "stage_sample",
+    "Workspace",
 ]

@@ -43,27 +43,38 @@ def pool_index(pool: object) -> int:
 
 
 class PoolAccumulator:
-    """Cumulative number of KV entries checked (read) per pool, on the device.
+    """Cumulative number of KV entries checked (read) per pool: the device part and the host part.
+
+    A count given as a device tensor is added on the device, in place (no host sync, safe inside
+    CUDA graph capture); a count given as a Python int is added to a host int (no device operation,
+    no allocation: the engine's host counts never become a kernel launch). A sample stages the
+    device part and carries the host part with it; the record's totals are their sum.
 
     Attributes:
-        totals: ``int64`` tensor of shape ``[2]`` on ``device``; index 0 the FULL pool, 1 the SWA
-            pool (the layout of SGLang's ``verify`` counters). Allocated once.
+        totals: ``int64`` tensor of shape ``[2]`` on ``device``, the device part; index 0 the FULL
+            pool, 1 the SWA pool (the layout of SGLang's ``verify`` counters). Allocated once.
+        host: ``[full, swa]``, the host part (Python ints).
     """
 
-    __slots__ = ("totals", "_cells")
+    __slots__ = ("totals", "host", "_cells", "_on_cuda")
 
     def __init__(self, device: torch.device) -> None:
+        device = torch.device(device)
         self.totals = torch.zeros(2, dtype=torch.int64, device=device)
-        # 0-dim views made once, so that add() does no indexing work at all.
+        self.host = [0, 0]
+        # 0-dim views made once, so that a tensor add does no indexing work at all.
         self._cells = (self.totals[0], self.totals[1])
+        self._on_cuda = device.type == "cuda"
 
     def add(self, pool: object, count: "int | torch.Tensor") -> None:
-        """Add ``count`` entries to ``pool``'s total, in place on the device.
+        """Add ``count`` entries to ``pool``'s total.
 
         Args:
             pool: see :func:`pool_index`.
-            count: a Python ``int`` or a 0-dim integer tensor on the accumulator's device. Inside a
-                CUDA graph a Python int is captured as a constant: pass a device tensor there.
+            count: a Python ``int`` (added on the host) or a 0-dim integer tensor on the
+                accumulator's device (added in place on the device). Inside CUDA graph capture a
+                Python int is added on the device, as a constant captured into the graph (every
+                replay adds it): pass a device tensor there.
 
         Raises:
             ValueError: unknown pool, or a negative Python int ``count`` (a tensor's value is not
@@ -72,9 +83,18 @@ class PoolAccumulator:
                 bool, a tensor of another shape or dtype); only metadata is checked.
         """
         if type(count) is int:
+            try:
+                index = _POOL_INDEX[pool]
+            except (KeyError, TypeError):
+                index = pool_index(pool)  # raises the ValueError
             if count < 0:
                 raise ValueError(f"count of KV entries must be >= 0, got {count} for pool {pool!r}")
-        elif not (
+            if self._on_cuda and torch.cuda.is_current_stream_capturing():
+                self._cells[index].add_(count)
+                return
+            self.host[index] += count
+            return
+        if not (
             isinstance(count, torch.Tensor)
             and count.dim() == 0
             and not count.dtype.is_floating_point
@@ -85,6 +105,11 @@ class PoolAccumulator:
             raise TypeError(f"count of KV entries must be an int or a 0-dim integer tensor, got {shown} for pool {pool!r}")
         self._cells[pool_index(pool)].add_(count)
 
+    def combined(self) -> torch.Tensor:
+        """Device part plus host part, a new ``int64 [2]`` tensor on the device (reads nothing back)."""
+        return self.totals + torch.tensor(self.host, dtype=torch.int64).to(self.totals.device)
+
     def reset(self) -> None:
-        """Set both totals to zero (device op, no sync)."""
+        """Set both parts to zero (device op, no sync)."""
         self.totals.zero_()
+        self.host = [0, 0]

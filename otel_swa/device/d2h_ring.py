@@ -17,6 +17,7 @@ plain synchronous copy, so a slot is ready as soon as it was started.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = ["DeviceToHostRing"]
@@ -43,9 +44,9 @@ class DeviceToHostRing:
         self.slots = slots
         self.is_cuda = self.device.type == "cuda"
         self.stage = torch.zeros(slots, width, dtype=torch.int64, device=self.device)
-        # Pinned host buffers for the batch's sequence lengths, one per slot, grown on demand:
-        # the live-token gather uploads them without blocking the host.
-        self._lengths: list[torch.Tensor | None] = [None] * slots
+        # Pinned host buffers for what a sample uploads (the batch's host lengths and offsets), one
+        # per slot, grown on demand: the upload never blocks the host.
+        self._uploads: list[torch.Tensor | None] = [None] * slots
         if self.is_cuda:
             self.host = torch.zeros(slots, width, dtype=torch.int64, pin_memory=True)
             self._stream = torch.cuda.Stream(device=self.device)
@@ -57,25 +58,26 @@ class DeviceToHostRing:
             self._stream = None
             self._events = None
 
-    def upload_lengths(self, slot: int, lengths: torch.Tensor) -> torch.Tensor:
-        """``lengths`` (``int64 [batch]`` on the CPU) on the device, for the sample staged in ``slot``.
+    def upload(self, slot: int, values: np.ndarray) -> torch.Tensor:
+        """``values`` (a host ``int64`` numpy array, any shape) as a tensor on the device, for the
+        sample staged in ``slot``.
 
-        On CUDA the values go through the slot's pinned buffer and a non-blocking copy on the
+        On CUDA the values go through the slot's pinned buffer and one non-blocking copy on the
         current stream, so the host never waits for the queued forward (a copy from pageable memory
         would). The buffer is rewritten only when the slot is reused, after its sample was delivered,
-        i.e. after this copy completed. On CPU ``lengths`` is returned as is.
+        i.e. after this copy completed. On CPU the array is wrapped, not copied.
         """
         if not self.is_cuda:
-            return lengths
-        count = lengths.numel()
-        buffer = self._lengths[slot]
+            return torch.from_numpy(values)
+        count = values.size
+        buffer = self._uploads[slot]
         if buffer is None or buffer.numel() < count:
             size = max(count, 64, 2 * (buffer.numel() if buffer is not None else 0))
             buffer = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self._lengths[slot] = buffer
+            self._uploads[slot] = buffer
         staged = buffer[:count]
-        staged.copy_(lengths)
-        return staged.to(self.device, non_blocking=True)
+        staged.numpy()[:] = values.reshape(-1)  # host memory write: no torch operation
+        return staged.view(values.shape).to(self.device, non_blocking=True)
 
     def start_copy(self, slot: int) -> None:
         """Start copying ``stage[slot]`` to ``host[slot]``; returns without waiting on CUDA."""
@@ -96,6 +98,10 @@ class DeviceToHostRing:
         """Block until ``host[slot]`` holds the finished copy."""
         if self.is_cuda:
             self._events[slot].synchronize()
+
+    def reset_after_fork(self) -> None:
+        """Forget copies in flight in a forked child (nothing to release: a forked child cannot use
+        the parent's CUDA context, and on CPU no copy is ever in flight)."""
 
     def read(self, slot: int) -> list[int]:
         """The host values of ``slot`` as Python ints (call only once ``ready``/``wait``)."""

@@ -10,32 +10,255 @@ FULL slot ``f`` and its SWA slot ``s = full_to_swa_index_mapping[f]``;
 * out-of-window counts the tokens with ``s == 0`` (slot freed because the token left the window;
   slot 0 is the reserved "none").
 
-A FULL slot outside ``[0, len(mapping))`` is counted as out-of-window rather than read
-out of bounds, so a bad engine state can never fault the device.
+How one sample is computed (:func:`stage_sample`):
+
+* **live** (the host knows the lengths, ``seq_lens_cpu``, and the batch is not nearly full): the
+  flat ``req_to_token`` index of every live token comes from one ``cumsum`` over a buffer of ones
+  with each request's jump written at its first token, then two gathers (``req_to_token``, the
+  mapping), one subtraction and two ``count_nonzero``. Work proportional to the live tokens.
+* **dense** (no host lengths, or a fill ratio ``sum(seq_lens) / (batch * max_context_len)`` at or
+  above :data:`DENSE_FILL_RATIO`): the rows are gathered whole, positions at or beyond ``seq_len``
+  are masked. At a high fill this costs less than the index computation of the live path (both
+  ways are measured side by side in ``benchmarks/bench_sample.py``, which sets the ratio).
+
+The choice is made on the host, per sample, from what the host already knows; both give the same
+counts. Every temporary is written with ``out=`` into a :class:`~otel_swa.device.workspace.Workspace`
+(kept on the CPU, the caching allocator on CUDA), and the results reach the staged slot through one
+``cat``.
+
+Bad views (issue "bad views are never plausible numbers"): the sample also stages what it needs to
+tell that the view was unusable, without a host sync: the range of ``req_pool_indices``, the range
+of the live tokens' FULL slots, the number of batch entries whose ``seq_lens`` differs from
+``seq_lens_cpu`` and, without host lengths, the range of ``seq_lens``; negative lengths and lengths
+beyond ``max_context_len`` in ``seq_lens_cpu`` are seen on the host. :func:`read_sample` turns them
+into :data:`FAULTS`. Every index is clamped before it is used, so a bad view never makes the device
+read out of bounds; its counts are not trusted (the reporter delivers no record for it).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
+from otel_swa.device.workspace import Workspace
 
-__all__ = ["live_full_slots", "count_divergence", "stage_sample", "STAGE_WIDTH"]
+__all__ = [
+    "STAGE_WIDTH",
+    "DENSE_FILL_RATIO",
+    "FAULTS",
+    "SampleMeta",
+    "SampleReading",
+    "stage_sample",
+    "read_sample",
+    "host_lengths",
+    "live_full_slots",
+    "count_divergence",
+]
 
-#: Layout of one staged sample (all int64): verify_full, verify_swa, divergence, out_of_window,
-#: then the audit counts of :func:`otel_swa.device.audit.audit_counts` (pages in use, pages
-#: referenced, leaked pages, stale tokens, shared SWA slots), or ``-1`` there when not audited.
-STAGE_WIDTH = 4 + AUDIT_WIDTH
+#: Fill ratio (live tokens / (batch x max_context_len)) from which a sample with host lengths is
+#: computed dense rather than live: measured crossover on 2 CPU cores, 1 torch thread (see
+#: ``BENCHMARKS.md``, "live vs dense").
+DENSE_FILL_RATIO = 0.75
+
+# Layout of one staged sample (all int64).
+_VERIFY = 0  # 0, 1: the device part of verify_full, verify_swa (host ints are added at delivery)
+_DIVERGENT = 2  # tokens with s != f and s != 0
+_NONZERO = 3  # live tokens with s != 0
+_LIVE = 4  # live tokens (dense path without host lengths; else the host knows)
+_ROWS = 5  # 5, 6: min and max of req_pool_indices
+_SLOTS = 7  # 7, 8: min and max of the live tokens' FULL slots
+_LENS = 9  # 9, 10: entries whose seq_lens != seq_lens_cpu (host lengths) | min, max of seq_lens
+_FILLER_SWA = 11  # dense: mapping[_FILLER], the SWA slot of the filler the masked positions got
+_AUDIT = 12
+_FILLER = 1  # FULL slot given to masked positions of the dense path
+#: int64 values per staged sample: the counts, the fault evidence, then the audit counts of
+#: :func:`otel_swa.device.audit.audit_counts` (pages in use, pages referenced, leaked pages,
+#: stale tokens, shared SWA slots).
+STAGE_WIDTH = _AUDIT + AUDIT_WIDTH
+
+#: The faults :func:`read_sample` can report, in this order.
+FAULTS = (
+    "req_pool_index_out_of_range",  # a batch entry names a row outside req_to_token
+    "full_slot_out_of_range",  # a live token's FULL slot is negative or beyond the mapping
+    "seq_len_beyond_width",  # a seq_len above max_context_len
+    "negative_seq_len",  # a seq_len below 0
+    "seq_lens_cpu_mismatch",  # seq_lens_cpu differs from seq_lens
+)
 
 
-def _host_lengths(seq_lens_cpu: "torch.Tensor | Sequence[int]") -> torch.Tensor:
+@dataclass(frozen=True)
+class SampleMeta:
+    """What the host knew when it staged a sample; :func:`read_sample` needs it to read the values.
+
+    Attributes:
+        path: ``"live"``, ``"dense"`` or ``"empty"`` (no live token: nothing gathered).
+        live_tokens: live tokens when the host knows them (host lengths), else ``None``.
+        batch: entries of the batch.
+        num_rows: rows of ``req_to_token``.
+        width: ``max_context_len``, the columns of ``req_to_token``.
+        mapping_size: entries of the mapping.
+        host_faults: faults seen on the host (from ``seq_lens_cpu``).
+        host_lengths: whether ``seq_lens_cpu`` was given.
+        audited: whether the audit counts were staged.
+        host_rows: whether the rows were known on the host (then checked there).
+    """
+
+    @property
+    def gathered(self) -> int:
+        """Positions the sample gathered: the live tokens, or ``batch x width`` when dense."""
+        return self.batch * self.width if self.path == "dense" else (self.live_tokens or 0)
+
+    path: str
+    live_tokens: "int | None"
+    batch: int
+    num_rows: int
+    width: int
+    mapping_size: int
+    host_faults: tuple[str, ...] = ()
+    host_lengths: bool = True
+    audited: bool = False
+    host_rows: bool = False
+
+
+@dataclass(frozen=True)
+class SampleReading:
+    """A staged sample read on the host (all ints).
+
+    Attributes:
+        verify_full, verify_swa: the device totals staged (without the host ints).
+        divergence, out_of_window: the counts (meaningful only when ``faults`` is empty).
+        faults: the :data:`FAULTS` shown, in that order.
+        audit: the five audit counts, or ``None`` when not audited.
+    """
+
+    verify_full: int
+    verify_swa: int
+    divergence: int
+    out_of_window: int
+    faults: tuple[str, ...]
+    audit: "tuple[int, int, int, int, int] | None"
+
+
+def host_lengths(seq_lens_cpu: "torch.Tensor | Sequence[int]") -> np.ndarray:
+    """``seq_lens_cpu`` as an ``int64`` numpy array (a view of a CPU ``int64`` tensor: no copy).
+
+    Raises:
+        ValueError: a tensor on another device than the CPU, or values that are not integers.
+        TypeError: an entry is not a number.
+    """
     if isinstance(seq_lens_cpu, torch.Tensor):
         if seq_lens_cpu.device.type != "cpu":
             raise ValueError(f"seq_lens_cpu must be a host tensor, got one on {seq_lens_cpu.device}")
-        return seq_lens_cpu.to(torch.int64)
-    return torch.tensor(list(seq_lens_cpu), dtype=torch.int64)
+        if seq_lens_cpu.dtype.is_floating_point or seq_lens_cpu.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise ValueError(f"seq_lens_cpu must hold integers, got dtype {seq_lens_cpu.dtype}")
+        return seq_lens_cpu.detach().reshape(-1).to(torch.int64).numpy()
+    values = np.asarray(seq_lens_cpu if isinstance(seq_lens_cpu, (list, tuple, np.ndarray)) else list(seq_lens_cpu))
+    if values.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if values.dtype.kind not in "iu":
+        raise ValueError(f"seq_lens_cpu must hold integers, got {values.dtype} values such as {values.reshape(-1)[0]!r}")
+    return values.astype(np.int64, copy=False).reshape(-1)
+
+
+def _flat_rows(req_to_token: torch.Tensor) -> "tuple[torch.Tensor, int]":
+    """``req_to_token`` as a 1-D view and the stride between its rows (a copy only when its
+    positions are not contiguous within a row)."""
+    if req_to_token.stride(1) != 1:
+        req_to_token = req_to_token.contiguous()
+    rows, width = req_to_token.shape
+    row_stride = req_to_token.stride(0) if rows > 1 else width
+    span = (rows - 1) * row_stride + width if rows else 0
+    return req_to_token.as_strided((span,), (1,)), row_stride
+
+
+def stage_sample(
+    out: torch.Tensor,
+    totals: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_swa_index_mapping: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    seq_lens: torch.Tensor,
+    seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
+    swa_audit: Any = None,
+    upload: "Callable[[np.ndarray], torch.Tensor] | None" = None,
+    *,
+    req_pool_indices_cpu: "torch.Tensor | Sequence[int] | None" = None,
+    workspace: Workspace | None = None,
+    dense_fill_ratio: float = DENSE_FILL_RATIO,
+) -> SampleMeta:
+    """Write one sample into ``out`` (``int64 [STAGE_WIDTH]`` on the device), in stream order.
+
+    Args:
+        out: the staging slot.
+        totals: the device totals, ``int64 [2]`` (FULL, SWA), staged as they are now.
+        req_to_token, full_to_swa_index_mapping, req_pool_indices, seq_lens, seq_lens_cpu,
+            swa_audit, req_pool_indices_cpu: the view's tensors (see
+            :class:`otel_swa.views.SwaBatchView`). With ``req_pool_indices_cpu`` (and
+            ``seq_lens_cpu``) the rows are known on the host: their checks and the per-request
+            index jumps are computed there, and ``req_pool_indices`` is not read.
+        upload: how a host ``int64`` numpy array reaches the device; default ``torch.from_numpy``
+            then ``.to(device)`` (on CUDA the reporter passes its ring's pinned, non-blocking copy).
+        workspace: where the temporaries go (default: a new one, allocating as it goes).
+        dense_fill_ratio: see the module docstring.
+
+    Returns:
+        The :class:`SampleMeta` to give :func:`read_sample` with the staged values.
+
+    The tensors are read now, at the sampled forward step: later changes to them by the engine
+    cannot leak into this sample. Only metadata and the host lengths are read on the host.
+
+    Raises:
+        ValueError: ``seq_lens_cpu`` is not a sequence of integers on the host.
+    """
+    ws = workspace if workspace is not None else Workspace(out.device)
+    mapping = full_to_swa_index_mapping
+    num_rows, width = req_to_token.shape
+    size = mapping.shape[0]
+    rows = req_pool_indices
+    batch = rows.shape[0]
+    audited = swa_audit is not None
+    if audited:
+        audit_counts(
+            out[_AUDIT:], mapping, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
+            swa_audit.page_size, swa_audit.holder_full_slots, ws,
+        )
+    if seq_lens_cpu is not None:
+        given = host_lengths(seq_lens_cpu)
+        host_rows = None
+        if req_pool_indices_cpu is not None:
+            host_rows = host_lengths(req_pool_indices_cpu)
+            if host_rows.size and (host_rows.min() < 0 or host_rows.max() >= num_rows):
+                row_fault: tuple[str, ...] = ("req_pool_index_out_of_range",)
+                host_rows = host_rows.clip(0, max(num_rows - 1, 0))
+            else:
+                row_fault = ()
+        faults = tuple(
+            name for name, bad in (("seq_len_beyond_width", given > width), ("negative_seq_len", given < 0)) if bad.any()
+        )
+        lens = given.clip(0, width) if faults else given
+        if host_rows is not None:
+            faults = row_fault + faults
+        live = int(lens.sum())
+        rows_known = host_rows is not None
+        if batch == 0 or live == 0 or width == 0 or num_rows == 0:
+            _stage_empty(out, totals, rows, seq_lens, given, upload, ws, rows_known)
+            path = "empty"
+        elif live < dense_fill_ratio * batch * width:
+            _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live, upload, ws)
+            path = "live"
+        else:
+            _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload, ws)
+            path = "dense"
+        return SampleMeta(path, live, batch, num_rows, width, size, faults, True, audited, rows_known)
+    if batch == 0 or width == 0 or num_rows == 0:
+        _stage_empty(out, totals, rows, seq_lens, None, upload, ws)
+        return SampleMeta("empty", 0, batch, num_rows, width, size, (), False, audited)
+    _stage_dense(out, totals, req_to_token, mapping, rows, None, seq_lens, None, None, upload, ws)
+    return SampleMeta("dense", None, batch, num_rows, width, size, (), False, audited)
 
 
 def live_full_slots(
@@ -45,16 +268,17 @@ def live_full_slots(
     seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
     upload: "Callable[[torch.Tensor], torch.Tensor] | None" = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FULL slots of the live tokens of a batch.
+    """The FULL slots of the live tokens of a batch (a helper for host-side checks such as
+    :func:`otel_swa.views.sglang.audit_sglang_swa_slots`; the reporter's sample uses
+    :func:`stage_sample`, which needs fewer device passes).
 
     Args:
         req_to_token: ``int32``/``int64`` ``[num_req_slots, max_context_len]``.
         req_pool_indices: ``int32``/``int64`` ``[batch]``.
         seq_lens: ``int32``/``int64`` ``[batch]`` on the same device.
         seq_lens_cpu: the same lengths known on the host, or ``None``.
-        upload: how the host lengths reach the device (``int64 [batch]`` CPU tensor -> device
-            tensor); default a plain ``.to(device)``, which on CUDA waits for the stream. The
-            reporter passes its ring's pinned, non-blocking upload.
+        upload: how the host lengths reach the device (``int64 [batch]`` numpy array -> device
+            tensor); default a plain ``.to(device)``, which on CUDA waits for the stream.
 
     Returns:
         ``(slots, mask)``, both of one shape, ``slots`` ``int64`` and ``mask`` ``bool`` (the tokens
@@ -72,9 +296,9 @@ def live_full_slots(
     valid_row = (rows >= 0) & (rows < num_rows)
     rows = torch.where(valid_row, rows, 0)
     if seq_lens_cpu is not None:
-        lens_host = _host_lengths(seq_lens_cpu).clamp(0, width)
+        lens_host = torch.from_numpy(host_lengths(seq_lens_cpu)).clamp(0, width)
         total = int(lens_host.sum())
-        lens = upload(lens_host) if upload is not None else lens_host.to(device)
+        lens = upload(lens_host.numpy()) if upload is not None else lens_host.to(device)
         # Token t of the flattened batch belongs to batch entry i = owner[t], at position
         # t - start[i]; output_size keeps repeat_interleave free of a device-to-host sync, and it
         # equals the sum of `lens` by construction.
@@ -94,7 +318,8 @@ def count_divergence(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Divergence and out-of-window counts (0-dim ``int64`` device tensors) for ``full_slots``.
 
-    ``mask`` (same shape, ``bool``) selects the tokens to count; ``None`` counts all.
+    ``mask`` (same shape, ``bool``) selects the tokens to count; ``None`` counts all. A FULL slot
+    outside the mapping is counted as out of window (never read out of bounds).
     """
     size = full_to_swa_index_mapping.shape[0]
     in_range = (full_slots >= 0) & (full_slots < size)
@@ -109,33 +334,171 @@ def count_divergence(
     return remapped.sum(), evicted.sum()
 
 
-def stage_sample(
-    out: torch.Tensor,
-    totals: torch.Tensor,
-    req_to_token: torch.Tensor,
-    full_to_swa_index_mapping: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
-    swa_audit: Any = None,
-    upload: "Callable[[torch.Tensor], torch.Tensor] | None" = None,
-) -> None:
-    """Write one sample into ``out`` (``int64 [STAGE_WIDTH]`` on the device), in stream order.
+def _upload(upload: "Callable[[np.ndarray], torch.Tensor] | None", array: np.ndarray, device: torch.device) -> torch.Tensor:
+    if upload is not None:
+        return upload(array)
+    host = torch.from_numpy(array)
+    return host if device.type == "cpu" else host.to(device)
 
-    ``out`` receives ``totals[0]`` (verify_full), ``totals[1]`` (verify_swa), the divergence count,
-    the out-of-window count and, when ``swa_audit`` (an ``otel_swa.views.SwaAuditInputs``) is
-    given, the audit counts (else ``-1``). The tensors are read now, at the sampled forward step:
-    later changes to them by the engine cannot leak into this sample.
-    """
-    slots, mask = live_full_slots(req_to_token, req_pool_indices, seq_lens, seq_lens_cpu, upload)
-    divergence, out_of_window = count_divergence(slots, mask, full_to_swa_index_mapping)
-    out[0:2].copy_(totals)
-    out[2].copy_(divergence)
-    out[3].copy_(out_of_window)
-    if swa_audit is None:
-        out[4:].fill_(-1)
+
+def _commit(out: torch.Tensor, totals: torch.Tensor, fields: dict[int, torch.Tensor], ws: Workspace) -> None:
+    """Write ``totals`` and ``fields`` (layout position -> 0-dim or 1-element tensor) into
+    ``out[:_AUDIT]`` in one ``cat``; positions not given get 0."""
+    zero = ws.zeros(1)
+    parts = [totals]
+    for position in range(_DIVERGENT, _AUDIT):
+        value = fields.get(position)
+        parts.append(zero if value is None else value.reshape(1))
+    torch.cat(parts, out=out[:_AUDIT])
+
+
+def _stage_empty(out, totals, rows, seq_lens, lens, upload, ws, rows_known=False) -> None:
+    """No live token: the totals and, with a batch, its row range and length checks."""
+    fields: dict[int, torch.Tensor] = {}
+    if rows.shape[0]:
+        if not rows_known:
+            fields[_ROWS], fields[_ROWS + 1] = torch.aminmax(rows)
+        if lens is not None:
+            host = _upload(upload, np.ascontiguousarray(lens), out.device)
+            fields[_LENS] = torch.count_nonzero(host - seq_lens)
+        else:
+            fields[_LENS], fields[_LENS + 1] = torch.aminmax(seq_lens)
+    _commit(out, totals, fields, ws)
+
+
+def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live, upload, ws) -> None:
+    """The live path (module docstring): work proportional to the ``live`` tokens."""
+    batch = lens.shape[0]
+    num_rows = req_to_token.shape[0]
+    flat, row_stride = _flat_rows(req_to_token)
+    # Token t of request i has flat index row_stride * row_i + (t - start_i): a run of +1 steps
+    # with a jump at each start, jump_i = row_stride * (row_i - row_{i-1}) - len_{i-1} (row_{-1} = 0
+    # and len_{-1} = 1 make the first jump land on row_0's first slot). Requests of length 0 share a
+    # start with the next one: their jumps add up (accumulate) to the right one, and the jumps of
+    # trailing empty requests land in a spare last cell.
+    ends = np.cumsum(lens)
+    host = np.empty((3, batch), dtype=np.int64)
+    host[0, 0] = 0
+    host[0, 1:] = ends[:-1]
+    host[1, 0] = -1
+    host[1, 1:] = -lens[:-1]
+    if host_rows is not None:  # the whole jump on the host
+        host[1, 0] += row_stride * host_rows[0]
+        host[1, 1:] += row_stride * np.diff(host_rows)
+    host[2] = given  # as given: compared with the device's seq_lens
+    up = _upload(upload, host, out.device)
+    fields: dict[int, torch.Tensor] = {_LENS: torch.count_nonzero(up[2] - seq_lens)}
+    if host_rows is None:
+        fields[_ROWS], fields[_ROWS + 1] = torch.aminmax(rows)
+        rows_ext = ws.kept("live.rows", batch + 1, rows.dtype, fill=0)  # [0] stays 0: only [1:] is written
+        torch.clamp(rows, 0, num_rows - 1, out=rows_ext[1:])
+        jumps = torch.add(up[1], torch.sub(rows_ext[1:], rows_ext[:-1]), alpha=row_stride)
     else:
-        audit_counts(
-            out[4:], full_to_swa_index_mapping, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
-            swa_audit.page_size, swa_audit.holder_full_slots,
-        )
+        jumps = up[1]
+    steps = ws.get("live.steps", live + 1, torch.int64)
+    steps.fill_(1)
+    steps.index_put_((up[0],), jumps, accumulate=True)
+    index = ws.get("live.index", live, torch.int64)
+    torch.cumsum(steps[:live], 0, out=index)
+    _count(out, totals, flat, mapping, index, live, ws, fields)
+
+
+def _count(out, totals, flat, mapping, index, live, ws, fields) -> None:
+    """Gather the FULL slots at ``index`` (``int64 [live]`` into ``flat``), then their SWA slots,
+    count, and commit with ``fields``."""
+    size = mapping.shape[0]
+    if index is None:  # dense: the gathered rows themselves
+        raw = flat
+    else:
+        raw = torch.index_select(flat, 0, index, out=ws.get("count.raw", live, flat.dtype))
+    if raw.dtype == mapping.dtype:
+        full = raw
+    else:  # compare in one dtype: a mixed-dtype comparison is several times slower
+        full = ws.get("count.full", live, mapping.dtype)
+        full.copy_(raw)
+    fields[_SLOTS], fields[_SLOTS + 1] = torch.aminmax(full)
+    full.clamp_(0, size - 1)
+    swa = torch.index_select(mapping, 0, full, out=ws.get("count.swa", live, mapping.dtype))
+    # (s - f) * s is non-zero exactly when s != f and s != 0 (slot ids are far below 2**31, so the
+    # int64 product cannot wrap to 0).
+    differs = torch.sub(swa, full, out=ws.get("count.diff", live, torch.int64)).mul_(swa)
+    fields[_DIVERGENT] = torch.count_nonzero(differs)
+    fields[_NONZERO] = torch.count_nonzero(swa)
+    _commit(out, totals, fields, ws)
+
+
+def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload, ws) -> None:
+    """The dense path: whole rows of ``req_to_token``; positions at or beyond ``seq_len`` are set
+    to FULL slot 1 (a valid index) and their contribution, known from ``mapping[1]`` and their
+    number, is taken off on the host (:func:`read_sample`)."""
+    num_rows, width = req_to_token.shape
+    batch = rows.shape[0]
+    fields: dict[int, torch.Tensor] = {}
+    up = None
+    if lens is not None:
+        host = np.empty((3 if host_rows is not None else 2, batch), dtype=np.int64)
+        host[0], host[1] = lens, given
+        if host_rows is not None:
+            host[2] = host_rows
+        up = _upload(upload, host, out.device)
+    if host_rows is None:
+        fields[_ROWS], fields[_ROWS + 1] = torch.aminmax(rows)
+        rows_c = torch.clamp(rows, 0, num_rows - 1, out=ws.get("dense.rows", batch, rows.dtype))
+    else:
+        rows_c = up[2]
+    block = torch.index_select(req_to_token, 0, rows_c, out=ws.get("dense.block", batch * width, req_to_token.dtype).view(batch, width))
+    if up is not None:
+        device_lens = up[0]
+        fields[_LENS] = torch.count_nonzero(up[1] - seq_lens)
+    else:
+        fields[_LENS], fields[_LENS + 1] = torch.aminmax(seq_lens)
+        device_lens = torch.clamp(seq_lens, 0, width, out=ws.get("dense.lens", batch, seq_lens.dtype))
+        fields[_LIVE] = device_lens.sum()
+    beyond = torch.ge(ws.arange(width, device_lens.dtype), device_lens.unsqueeze(1), out=ws.get("dense.mask", batch * width, torch.bool).view(batch, width))
+    block.masked_fill_(beyond, _FILLER if mapping.shape[0] > _FILLER else 0)
+    fields[_FILLER_SWA] = mapping[min(_FILLER, mapping.shape[0] - 1)]
+    _count(out, totals, block.view(-1), mapping, None, batch * width, ws, fields)
+
+
+def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
+    """Read a staged sample (``values``: the ``STAGE_WIDTH`` ints of its slot) with ``meta``.
+
+    The faults (:data:`FAULTS`) come from the staged ranges and counts and from
+    ``meta.host_faults``; the counts are those of SGLang's definition when there is none.
+    """
+    faults = set(meta.host_faults)
+    live = meta.live_tokens
+    divergence = out_of_window = 0
+    if meta.batch:
+        if not meta.host_rows and (values[_ROWS] < 0 or values[_ROWS + 1] >= meta.num_rows):
+            faults.add("req_pool_index_out_of_range")
+        if meta.host_lengths:
+            if values[_LENS]:
+                faults.add("seq_lens_cpu_mismatch")
+        else:
+            if values[_LENS] < 0:
+                faults.add("negative_seq_len")
+            if values[_LENS + 1] > meta.width:
+                faults.add("seq_len_beyond_width")
+    if meta.path != "empty":
+        slot_low, slot_high = values[_SLOTS], values[_SLOTS + 1]
+        if slot_low < 0 or slot_high >= meta.mapping_size:
+            faults.add("full_slot_out_of_range")
+        if live is None:
+            live = values[_LIVE]
+        divergence, nonzero = values[_DIVERGENT], values[_NONZERO]
+        if meta.path == "dense":  # take off the masked positions (FULL slot _FILLER each)
+            masked = meta.gathered - live
+            filler_swa = values[_FILLER_SWA]
+            nonzero -= masked * (filler_swa != 0)
+            divergence -= masked * (filler_swa != 0 and filler_swa != _FILLER)
+        out_of_window = live - nonzero
+    audit = tuple(values[_AUDIT:_AUDIT + AUDIT_WIDTH]) if meta.audited else None
+    return SampleReading(
+        verify_full=values[_VERIFY],
+        verify_swa=values[_VERIFY + 1],
+        divergence=divergence,
+        out_of_window=out_of_window,
+        faults=tuple(name for name in FAULTS if name in faults),
+        audit=audit,
+    )

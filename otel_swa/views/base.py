@@ -21,8 +21,15 @@ and, optionally:
 
 ``seq_lens_cpu``
     the same as ``seq_lens`` as a host tensor or a sequence of ints. With it the reporter gathers
-    exactly the live tokens (``sum(seq_lens)`` of them); without it it falls back to a masked gather
-    over ``[batch, max_context_len]``, which needs no host sync either.
+    exactly the live tokens (``sum(seq_lens)`` of them), or, when they fill 75 % or more of
+    ``[batch, max_context_len]``, the whole rows (cheaper then; see :mod:`otel_swa.device.sample`);
+    without it it always gathers the whole rows, masked, which needs no host sync either. The
+    sample also counts the batch entries where it differs from ``seq_lens`` (a fault: such a
+    sample gives no record).
+``req_pool_indices_cpu``
+    the same as ``req_pool_indices`` on the host (a CPU tensor or a sequence of ints), used with
+    ``seq_lens_cpu``: the rows are then checked and turned into gather offsets on the host, and the
+    sample takes four device operations fewer (``req_pool_indices`` is not read).
 ``swa_audit``
     a :class:`SwaAuditInputs` (the SWA free list and every live holder's FULL slots): the reporter
     then also counts leaked SWA slots, stale tokens and shared SWA slots in the same device pass
@@ -78,6 +85,7 @@ class SwaBatch:
 
     ``seq_lens_cpu`` is optional host knowledge of ``seq_lens`` (a CPU tensor or a sequence of
     ints); give it when the engine has it, so the reporter gathers only the live tokens.
+    ``req_pool_indices_cpu`` is the same for ``req_pool_indices`` (read only with ``seq_lens_cpu``).
     """
 
     req_to_token: torch.Tensor
@@ -87,6 +95,7 @@ class SwaBatch:
     seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None
     swa_audit: SwaAuditInputs | None = None
     divergence_applicable: bool = True
+    req_pool_indices_cpu: "torch.Tensor | Sequence[int] | None" = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -112,7 +121,8 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
     Raises:
         TypeError: an attribute is missing, is not a tensor, or has the wrong dtype.
         ValueError: a tensor has the wrong number of dimensions or is on another device, or
-            ``req_pool_indices``, ``seq_lens`` and ``seq_lens_cpu`` differ in length.
+            ``req_pool_indices``, ``seq_lens``, ``seq_lens_cpu`` and ``req_pool_indices_cpu`` differ
+            in length.
     """
     for name in ("req_to_token", "full_to_swa_index_mapping", "req_pool_indices", "seq_lens"):
         if not hasattr(view, name):
@@ -128,6 +138,18 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
         if len(host_lens) != view.req_pool_indices.shape[0]:
             raise ValueError(
                 f"view.seq_lens_cpu has {len(host_lens)} entries but view.req_pool_indices has "
+                f"{view.req_pool_indices.shape[0]}; they must describe the same batch"
+            )
+    host_rows = getattr(view, "req_pool_indices_cpu", None)
+    if host_rows is not None:
+        if isinstance(host_rows, torch.Tensor) and (host_rows.dim() != 1 or host_rows.device.type != "cpu"):
+            raise ValueError(
+                f"view.req_pool_indices_cpu must be a 1-dimensional host tensor or a sequence, got shape "
+                f"{tuple(host_rows.shape)} on {host_rows.device}"
+            )
+        if len(host_rows) != view.req_pool_indices.shape[0]:
+            raise ValueError(
+                f"view.req_pool_indices_cpu has {len(host_rows)} entries but view.req_pool_indices has "
                 f"{view.req_pool_indices.shape[0]}; they must describe the same batch"
             )
     audit = getattr(view, "swa_audit", None)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otel_swa.device import STAGE_WIDTH, DeviceToHostRing
+from otel_swa.device import FAULTS, STAGE_WIDTH, DeviceToHostRing
 from otel_swa.record import SwaDivergenceRecord
 from otel_swa.reporter import KVPool, SwaDivergenceReporter
 from otel_swa.views import SwaBatch
@@ -259,14 +259,20 @@ def test_bad_construction(kwargs):
         SwaDivergenceReporter(**kwargs)
 
 
-def test_out_of_range_full_slot_counts_as_out_of_window_not_a_fault():
-    view = make_view([[0, 0], [7, 99]], [0, 1, 2, 3, 4, 5, 6, 3], [1], [2], host_lens=False)
+def test_full_slot_outside_the_mapping_is_a_fault_not_a_count(caplog):
+    """Case 7: a live token whose FULL slot lies beyond the mapping makes the sample invalid: no
+    record with plausible numbers, the fault counted, the device never reading out of bounds."""
     got = []
     reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
-    reporter.step(view)
+    for req_to_token in ([[0, 0], [7, 99]], [[0, 0], [-1, 2]]):  # 99 beyond the 8 entries, and -1
+        for host_lens in (True, False):
+            reporter.step(make_view(req_to_token, [0, 1, 2, 3, 4, 5, 6, 3], [1], [2], host_lens=host_lens))
     reporter.flush()
-    # 7 -> 3 (remapped), 99 is outside the mapping -> counted as out of window
-    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1, verify_source="attention")]
+    assert got == []
+    stats = reporter.stats
+    assert (stats.samples_taken, stats.samples_delivered, stats.invalid_samples) == (4, 0, 4)
+    assert dict(stats.view_faults) == {**NO_FAULTS, "full_slot_out_of_range": 4}
+    assert caplog.text.count("full_slot_out_of_range") == 1  # logged once, then counted
 
 
 def test_cpu_path_never_touches_cuda(monkeypatch):
@@ -307,7 +313,7 @@ def test_cuda_ring_matches_recount_and_is_pinned():
         expected.append(SwaDivergenceRecord(step, total, 0, *recount(*state), verify_source="attention"))
     reporter.close()
     assert got == expected
-    assert all(buf is not None and buf.is_pinned() for buf in reporter._ring._lengths)
+    assert all(buf is not None and buf.is_pinned() for buf in reporter._ring._uploads)
 
 
 @pytest.mark.gpu
@@ -328,37 +334,53 @@ def test_observe_inside_cuda_graph():
     assert reporter.totals.tolist() == [0, 5 + 3 * 5]  # warm-up + 3 replays (capture itself does not run)
 
 
+NO_FAULTS = {name: 0 for name in FAULTS}
+
+
 @pytest.mark.parametrize("host_lens", [True, False])
-def test_corrupt_batch_never_reads_out_of_bounds(host_lens):
-    """A row index outside req_to_token selects nothing; a length beyond max_context_len is clamped."""
+def test_bad_rows_and_lengths_are_faults_and_never_read_out_of_bounds(host_lens):
+    """Case 7: a row index outside req_to_token and a length beyond max_context_len give no record
+    (their clamped counts would look normal: divergence 1, out-of-window 1 here), each fault counted."""
     req_to_token = [[0, 0, 0], [1, 2, 3], [3, 3, 3]]
     mapping = [0, 1, 7, 0]
-    # row 9 does not exist; row 1 claims 10 tokens in a 3-wide table
-    view = make_view(req_to_token, mapping, [9, 1], [2, 10], host_lens=host_lens)
     got = []
     reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
-    reporter.step(view)
+    # row 9 does not exist; row 1 claims 10 tokens in a 3-wide table; then one fault at a time
+    for rows, lens in (([9, 1], [2, 10]), ([9], [2]), ([1], [10]), ([-1], [1])):
+        reporter.step(make_view(req_to_token, mapping, rows, lens, host_lens=host_lens))
+    reporter.step(make_view(req_to_token, mapping, [1], [3], host_lens=host_lens))  # a good one
     reporter.flush()
-    # row 1 clamped to 3 tokens: 1 -> 1 (same), 2 -> 7 (remapped), 3 -> 0 (evicted)
-    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1, verify_source="attention")]
+    assert got == [SwaDivergenceRecord(5, 0, 0, 1, 1, verify_source="attention")]
+    assert dict(reporter.stats.view_faults) == {
+        **NO_FAULTS, "req_pool_index_out_of_range": 3, "seq_len_beyond_width": 2,
+    }
+    assert reporter.stats.invalid_samples == 4
 
 
-def test_host_lengths_are_authoritative_for_the_live_gather():
-    """With seq_lens_cpu the gather is sized by the host lengths, never by a disagreeing device copy."""
+@pytest.mark.parametrize("host_lens", [True, False])
+def test_negative_seq_len_is_a_fault(host_lens):
+    view = make_view([[0, 0, 0], [1, 2, 3]], [0, 1, 7, 0], [1, 1], [3, -2], host_lens=host_lens)
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: pytest.fail("record delivered")])
+    reporter.step(view)
+    assert dict(reporter.stats.view_faults) == {**NO_FAULTS, "negative_seq_len": 1}
+
+
+def test_host_lengths_differing_from_the_device_lengths_is_a_fault():
+    """Case 7: seq_lens_cpu disagreeing with seq_lens (here the live gather would count divergence 1
+    where the device lengths give 0) is counted, not reported as a measurement."""
     req_to_token = [[0, 0, 0], [1, 2, 3]]
     mapping = [0, 1, 7, 0]
-    view = SwaBatch(
-        torch.tensor(req_to_token, dtype=torch.int32),
-        torch.tensor(mapping, dtype=torch.int64),
-        torch.tensor([1]),
-        torch.tensor([1]),  # stale device copy
-        seq_lens_cpu=[3],
-    )
     got = []
     reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
-    reporter.step(view)
+    for device_lens, host in (([1], [3]), ([3, 0], [3, 1]), ([2], [2])):
+        view = SwaBatch(
+            torch.tensor(req_to_token, dtype=torch.int32), torch.tensor(mapping, dtype=torch.int64),
+            torch.ones(len(device_lens), dtype=torch.int64), torch.tensor(device_lens), seq_lens_cpu=host,
+        )
+        reporter.step(view)
     reporter.flush()
-    assert got == [SwaDivergenceRecord(1, 0, 0, 1, 1, verify_source="attention")]
+    assert got == [SwaDivergenceRecord(3, 0, 0, 1, 0, verify_source="attention")]  # only the agreeing one
+    assert dict(reporter.stats.view_faults) == {**NO_FAULTS, "seq_lens_cpu_mismatch": 2}
 
 
 def test_lazy_view_is_built_only_at_sampling_steps():
