@@ -1,17 +1,25 @@
 """The metrics of a delivered sample: one table describing each instrument, one loop creating them.
 
 Every instrument is described once in :data:`INSTRUMENTS` (name, kind, unit, description, and how its
-value is read). :class:`SwaMetrics` creates them on a meter and records a record with the
-``context`` of the forward step where the sample was taken, so that the SDK's exemplars (filter
-``OTEL_METRICS_EXEMPLAR_FILTER``, default ``trace_based``) carry that step's trace and span ids.
+value is read). :class:`SwaMetrics` creates them on a meter.
+
+Record values are read when the SDK collects. Delivering a record stores its values in the
+:class:`RecordStore` of its reporter (a few dict writes, no SDK call); the ``counter`` and ``gauge``
+rows of :data:`INSTRUMENTS` are observable instruments whose callbacks, on the SDK's collecting thread
+(``OTEL_METRIC_EXPORT_INTERVAL``, or a ``force_flush``), report the latest value of every series
+with the context of the forward step where its sample was taken, so that the SDK's exemplars
+(filter ``OTEL_METRICS_EXEMPLAR_FILTER``, default ``trace_based``) carry that step's trace and span
+ids. Per delivered record the SDK is called once (the delivery-delay histogram), instead of once per
+series.
 
 Cumulative totals. ``forward_ct``, ``verify_full`` and ``verify_swa`` are running totals kept by the
-reporter. A Counter takes increments, so the last total seen per series (instrument and ``pool``) is kept
-in a store of the caller (one per reporter: the sink's) and the difference is added. The SDK then exports the right numbers under
-both cumulative and delta temporality (``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``).
-A total lower than the previous one means the reporter was restarted (a new reporter starts from
-0): the new total is added as the increment since the restart, the reset is counted in
-``kv_cache.swa.reporter.resets`` and logged as a warning.
+reporter, reported as they are by ``ObservableCounter`` s (summed over the reporters whose points
+have the same attributes). The SDK turns them into the right points under both cumulative and delta
+temporality (``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``). A total lower than the previous
+one means the reporter was restarted (a new reporter starts from 0): the total before the restart
+is kept as an offset, so the series never goes down, the reset is counted in
+``kv_cache.swa.reporter.resets`` and logged as a warning. The totals of a reporter whose store is
+garbage-collected stay in the sums (no false reset, no negative delta point); its gauges go.
 
 Reporter health (the ``observable_counter`` and ``observable_gauge`` rows of :data:`INSTRUMENTS`,
 read from ``reporter.stats``) is observed by asynchronous instruments, summed over the reporters
@@ -24,6 +32,7 @@ never go down: no false reset under cumulative temporality, no negative point un
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import weakref
@@ -36,11 +45,15 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from otel_swa.record import VERIFY_SOURCES, SwaDivergenceRecord
 from otel_swa.telemetry import semconv as sc
 
-__all__ = ["InstrumentSpec", "INSTRUMENTS", "DELAY_BUCKETS", "SwaMetrics"]
+__all__ = ["InstrumentSpec", "INSTRUMENTS", "DELAY_BUCKETS", "SwaMetrics", "RecordStore", "ATTR_FAULT"]
 
 _log = logging.getLogger(__name__)
 
-Attributes = Mapping[str, str]
+#: Attribute of ``kv_cache.swa.reporter.view_faults``: which fault of the view
+#: (:data:`otel_swa.device.FAULTS`, e.g. ``seq_lens_cpu_mismatch``). Bounded: five values.
+ATTR_FAULT = sc.NAMESPACE + "fault"
+
+Attributes = Mapping[str, Any]
 _FULL = {sc.ATTR_POOL: sc.POOL_FULL}
 _SWA = {sc.ATTR_POOL: sc.POOL_SWA}
 _POOL_SOURCE = {
@@ -57,17 +70,28 @@ def _pool(pool: str, record: SwaDivergenceRecord) -> Attributes:
         return _FULL if pool == sc.POOL_FULL else _SWA
     return _POOL_SOURCE[pool, record.verify_source]
 
+
+def _field(name: str) -> Callable[[SwaDivergenceRecord], tuple]:
+    """Reader of an optional record field: one point when it is present, none when ``None``."""
+
+    def read(record: SwaDivergenceRecord) -> tuple:
+        value = getattr(record, name, None)
+        return ((value, _NONE),) if value is not None else ()
+
+    return read
+
 #: Bucket boundaries of the delivery-delay histogram, in forward steps. With a ring of a few slots a
 #: sample normally lands one or two steps after it was taken; the tail shows a stalled copy.
 DELAY_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
 
 # Kinds of instrument in the table.
-TOTAL_COUNTER = "counter"  # Counter fed with the increment of a cumulative record total
-GAUGE = "gauge"  # synchronous Gauge set to a value of the sampled step
+TOTAL_COUNTER = "counter"  # ObservableCounter of a cumulative record total (latest delivered, kept monotonic)
+GAUGE = "gauge"  # ObservableGauge of a value of the latest delivered sample
 DELAY_HISTOGRAM = "histogram"  # Histogram of reporter.forward_ct - record.forward_ct at delivery
 EVENT_COUNTER = "event_counter"  # Counter incremented by the telemetry itself (resets)
 STATS_COUNTER = "observable_counter"  # ObservableCounter of a cumulative ReporterStats field
 STATS_GAUGE = "observable_gauge"  # ObservableGauge of a ReporterStats field
+SINK_COUNTER = "sink_counter"  # ObservableCounter of a count kept by the reporter's telemetry sink
 
 
 @dataclass(frozen=True)
@@ -76,14 +100,16 @@ class InstrumentSpec:
 
     Attributes:
         name: dotted lowercase metric name (``kv_cache.swa.`` namespace, see ``semconv``).
-        kind: one of ``counter`` (increments of a cumulative record total), ``gauge``,
-            ``histogram`` (delivery delay), ``event_counter``, ``observable_counter`` and
-            ``observable_gauge`` (fields of ``reporter.stats``).
+        kind: one of ``counter`` (a cumulative record total, read at collection), ``gauge`` (a
+            value of the latest record, read at collection), ``histogram`` (delivery delay),
+            ``event_counter``, ``observable_counter`` and ``observable_gauge`` (fields of
+            ``reporter.stats``; a mapping field gives one point per key), ``sink_counter`` (a
+            count of the reporter's telemetry sink).
         unit: UCUM unit with annotation, e.g. ``{entry}``.
         description: what a data point means.
         source: the record field(s) or ``ReporterStats`` field it is read from (documentation).
         read: for ``counter``/``gauge``: record -> ``(value, attributes)`` pairs; for the
-            observable kinds: the ``ReporterStats`` attribute name; otherwise ``None``.
+            observable kinds: the ``ReporterStats`` (or sink) attribute name; otherwise ``None``.
     """
 
     name: str
@@ -125,19 +151,31 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
         sc.NAMESPACE + "slots.leaked", GAUGE, "{slot}",
         "SWA slots of pages in use that no live token maps into: allocated and unreachable",
         "swa_leaked_slots (when the engine gives audit inputs)",
-        lambda r: ((r.swa_leaked_slots, _NONE),) if r.swa_leaked_slots is not None else (),
+        _field("swa_leaked_slots"),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "tokens.stale", GAUGE, "{token}",
         "Live tokens whose SWA page is on the free list: the slot may be handed to another request",
         "swa_stale_tokens (when the engine gives audit inputs)",
-        lambda r: ((r.swa_stale_tokens, _NONE),) if r.swa_stale_tokens is not None else (),
+        _field("swa_stale_tokens"),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "slots.shared", GAUGE, "{slot}",
         "SWA slots that two distinct live FULL slots map to: two tokens write one slot",
         "swa_shared_slots (when the engine gives audit inputs)",
-        lambda r: ((r.swa_shared_slots, _NONE),) if r.swa_shared_slots is not None else (),
+        _field("swa_shared_slots"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "pages.in_use", GAUGE, "{page}",
+        "SWA pages allocated (not on the SWA free list) when the sample was taken",
+        "swa_pages_in_use (when the engine gives audit inputs)",
+        _field("swa_pages_in_use"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "pages.referenced", GAUGE, "{page}",
+        "SWA pages in use that at least one live token maps into (in use - referenced = leaked pages)",
+        "swa_pages_referenced (when the engine gives audit inputs)",
+        _field("swa_pages_referenced"),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "reporter.delivery.delay", DELAY_HISTOGRAM, "{forward}",
@@ -169,14 +207,27 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     ),
     InstrumentSpec(
         sc.NAMESPACE + "reporter.samples.invalid", STATS_COUNTER, "{sample}",
-        "Samples whose values could not form a record (a negative total from a negative observe count); "
-        "logged, never delivered",
+        "Samples that gave no record: a negative total (a negative observe count) or a fault of the "
+        "view (kv_cache.swa.reporter.view_faults); logged, never delivered",
         "ReporterStats.invalid_samples", "invalid_samples",
     ),
     InstrumentSpec(
+        sc.NAMESPACE + "reporter.view_faults", STATS_COUNTER, "{sample}",
+        "Samples whose view showed a fault, per fault (kv_cache.swa.fault): req_pool_index_out_of_range, "
+        "full_slot_out_of_range, seq_len_beyond_width, negative_seq_len, seq_lens_cpu_mismatch; "
+        "such a sample gives no record",
+        "ReporterStats.view_faults", "view_faults",
+    ),
+    InstrumentSpec(
         sc.NAMESPACE + "reporter.samples.skipped", STATS_COUNTER, "{sample}",
-        "Sampling steps skipped because the current CUDA stream was capturing a graph",
+        "step() calls ignored because the current CUDA stream was capturing a graph",
         "ReporterStats.skipped_captures", "skipped_captures",
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "telemetry.records.dropped", SINK_COUNTER, "{record}",
+        "Records the telemetry sink could not hand to its delivery thread (its queue was full): not in "
+        "the metrics, events and line; the forward step never waits for the queue",
+        "SwaTelemetrySink.dropped", "dropped",
     ),
     InstrumentSpec(
         sc.NAMESPACE + "reporter.samples.pending", STATS_GAUGE, "{sample}",
@@ -184,6 +235,39 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
         "ReporterStats.pending", "pending",
     ),
 )
+
+
+_sequence = itertools.count(1)  # delivery order across stores: the latest value of a gauge wins
+
+
+class RecordStore:
+    """What one reporter's delivered records left for the record instruments: the latest value of
+    every series with its context, and the cumulative totals with their restart offsets. Made by
+    :meth:`SwaMetrics.store`, one per reporter (its sink's); passed to :meth:`SwaMetrics.record`.
+
+    Attributes:
+        attributes: added to every point of this store (the reporter's process ranks, bounded).
+        totals: ``(instrument name, attribute items) -> last total delivered`` (before offsets).
+    """
+
+    __slots__ = ("attributes", "totals", "offsets", "latest", "_keyed", "__weakref__")
+
+    def __init__(self, attributes: Mapping[str, Any] | None = None) -> None:
+        self.attributes = dict(attributes) if attributes else {}
+        self.totals: dict[tuple, int] = {}
+        self.offsets: dict[tuple, int] = {}
+        self.latest: dict[tuple, tuple] = {}  # key -> (value, attributes, context, sequence)
+        self._keyed: dict[int, tuple[tuple, dict]] = {}
+
+    def key(self, name: str, base: Attributes) -> tuple[tuple, dict]:
+        """The series key and full attributes of ``name`` with ``base`` attributes (cached: the
+        table's attribute dicts are module constants)."""
+        cached = self._keyed.get(id(base))
+        if cached is None or cached[2] is not base:
+            attributes = {**base, **self.attributes}
+            cached = (tuple(sorted(attributes.items())), attributes, base)
+            self._keyed[id(base)] = cached
+        return (name, cached[0]), cached[1]
 
 
 class SwaMetrics:
@@ -198,8 +282,8 @@ class SwaMetrics:
     of the reporters attached to it (two instrumentors, or ``configure()`` and an instrumentor, in
     one process).
 
-    Thread safety: :meth:`record` may be called from any thread; the callers' last-total stores are
-    updated under a lock.
+    Thread safety: :meth:`record` may be called from any thread (the sinks' delivery thread); the
+    stores are read by the SDK's collecting thread under the same lock.
     """
 
     _by_meter: "weakref.WeakKeyDictionary[Any, SwaMetrics]" = weakref.WeakKeyDictionary()
@@ -219,79 +303,207 @@ class SwaMetrics:
             return metrics
 
     def __init__(self, meter: Meter) -> None:
-        self._lock = threading.Lock()  # the callers' last-total stores
+        self._lock = threading.Lock()  # the record stores
+        self._stores: "weakref.WeakSet[RecordStore]" = weakref.WeakSet()
+        self._retired_totals: dict[tuple, int] = {}  # totals of garbage-collected stores, per series
         # reentrant: a reporter's finalizer may run (garbage collection) while the lock is held
         self._stats_lock = threading.RLock()
-        # live reporter -> (its last counts seen per ReporterStats counter field, its attributes)
-        self._reporters: "weakref.WeakKeyDictionary[Any, tuple[dict[str, int], tuple]]" = weakref.WeakKeyDictionary()
-        # counts of reporters that were garbage-collected, per (attributes, ReporterStats counter field)
+        # live reporter -> (its last counts seen per ReporterStats counter field, its attributes, its sink)
+        self._reporters: "weakref.WeakKeyDictionary[Any, tuple[dict, tuple, Any]]" = weakref.WeakKeyDictionary()
+        # counts of reporters that were garbage-collected, per (attributes, field, fault)
         self._retired: dict[tuple, int] = {}
-        self._counter_fields = tuple(spec.read for spec in INSTRUMENTS if spec.kind == STATS_COUNTER)
+        self._counter_fields = tuple((spec.read, spec.kind) for spec in INSTRUMENTS if spec.kind in (STATS_COUNTER, SINK_COUNTER))
         self._instruments: dict[str, Any] = {}
         for spec in INSTRUMENTS:
             self._instruments[spec.name] = self._create(meter, spec)
         self._resets = self._instruments[sc.NAMESPACE + "reporter.resets"]
         self._delay = self._instruments[sc.NAMESPACE + "reporter.delivery.delay"]
+        self._totals_specs = tuple(spec for spec in INSTRUMENTS if spec.kind == TOTAL_COUNTER)
+        self._gauge_specs = tuple(spec for spec in INSTRUMENTS if spec.kind == GAUGE)
 
     # ------------------------------------------------------------------ creation (the one loop)
     def _create(self, meter: Meter, spec: InstrumentSpec) -> Any:
         common = dict(name=spec.name, unit=spec.unit, description=spec.description)
-        if spec.kind in (TOTAL_COUNTER, EVENT_COUNTER):
-            return meter.create_counter(**common)
+        if spec.kind == TOTAL_COUNTER:
+            return meter.create_observable_counter(callbacks=[self._totals_callback(spec.name)], **common)
         if spec.kind == GAUGE:
-            return meter.create_gauge(**common)
+            return meter.create_observable_gauge(callbacks=[self._gauge_callback(spec.name)], **common)
+        if spec.kind == EVENT_COUNTER:
+            return meter.create_counter(**common)
         if spec.kind == DELAY_HISTOGRAM:
             return meter.create_histogram(**common, explicit_bucket_boundaries_advisory=list(DELAY_BUCKETS))
-        if spec.kind == STATS_COUNTER:
-            return meter.create_observable_counter(callbacks=[self._stats_callback(spec.read, True)], **common)
+        if spec.kind in (STATS_COUNTER, SINK_COUNTER):
+            return meter.create_observable_counter(callbacks=[self._stats_callback(spec.read, True, spec.kind)], **common)
         if spec.kind == STATS_GAUGE:
-            return meter.create_observable_gauge(callbacks=[self._stats_callback(spec.read, False)], **common)
+            return meter.create_observable_gauge(callbacks=[self._stats_callback(spec.read, False, spec.kind)], **common)
         raise ValueError(f"instrument {spec.name!r} has unknown kind {spec.kind!r}")
 
-    def _stats_callback(self, field: str, cumulative: bool) -> Callable[[CallbackOptions], Iterator[Observation]]:
-        """The callback of one health instrument: ``field`` of ``reporter.stats`` summed over the
-        live reporters of each attribute set (their process ranks), plus (``cumulative``) the
-        retired counts of garbage-collected ones."""
+    # ------------------------------------------------------------------ record instruments
+    def store(self, attributes: Mapping[str, Any] | None = None) -> RecordStore:
+        """A new :class:`RecordStore` for one reporter, with ``attributes`` on its points. When it
+        is garbage-collected its totals stay in the counters (module docstring)."""
+        store = RecordStore(attributes)
+        with self._lock:
+            self._stores.add(store)
+        finalizer = weakref.finalize(store, self._retire_totals, store.totals, store.offsets)
+        finalizer.atexit = False
+        return store
+
+    def _retire_totals(self, totals: dict, offsets: dict) -> None:
+        with self._lock:
+            for key, total in totals.items():
+                self._retired_totals[key] = self._retired_totals.get(key, 0) + total + offsets.get(key, 0)
+
+    def _totals_callback(self, name: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+        """Each series of ``name``: the sum over the stores (and retired stores) of offset + total,
+        with the context of the latest record among them."""
+
+        def callback(options: CallbackOptions) -> Iterator[Observation]:
+            sums: dict[tuple, list] = {}
+            with self._lock:
+                for key, value in self._retired_totals.items():
+                    if key[0] == name:
+                        sums[key[1]] = [value, None, None, 0]
+                for store in list(self._stores):
+                    for key, total in store.totals.items():
+                        if key[0] != name:
+                            continue
+                        _, attributes, context, sequence = store.latest[key]
+                        entry = sums.setdefault(key[1], [0, attributes, None, 0])
+                        entry[0] += total + store.offsets.get(key, 0)
+                        entry[1] = attributes
+                        if sequence > entry[3]:
+                            entry[2], entry[3] = context, sequence
+            for items, (value, attributes, context, _) in sums.items():
+                yield Observation(value, attributes if attributes is not None else dict(items), context=context)
+
+        return callback
+
+    def _gauge_callback(self, name: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+        """Each series of ``name``: the value of the latest record that had it, with its context."""
+
+        def callback(options: CallbackOptions) -> Iterator[Observation]:
+            latest: dict[tuple, tuple] = {}
+            with self._lock:
+                for store in list(self._stores):
+                    for key, entry in store.latest.items():
+                        if key[0] == name and (key[1] not in latest or entry[3] > latest[key[1]][3]):
+                            latest[key[1]] = entry
+            for value, attributes, context, _ in latest.values():
+                yield Observation(value, attributes, context=context)
+
+        return callback
+
+    def record(
+        self,
+        record: SwaDivergenceRecord,
+        context: Context | None = None,
+        *,
+        delivered_at: int | None = None,
+        store: RecordStore,
+    ) -> None:
+        """Record one delivered sample: its values go to ``store`` (read at the next collection),
+        the delivery delay to the histogram, a reset (a total lower than before) to the resets
+        counter.
+
+        Args:
+            record: the sample.
+            context: the context of the forward step where it was taken (exemplars point there).
+            delivered_at: ``reporter.forward_ct`` when the record was delivered; when given, the
+                delivery delay ``delivered_at - record.forward_ct`` goes to the histogram.
+            store: the reporter's :class:`RecordStore` (from :meth:`store`).
+
+        Raises:
+            TypeError: ``record`` is not a :class:`SwaDivergenceRecord`, or ``store`` is not a
+                :class:`RecordStore`.
+        """
+        if not isinstance(record, SwaDivergenceRecord):
+            raise TypeError(f"expected a SwaDivergenceRecord, got {type(record).__name__}")
+        if not isinstance(store, RecordStore):
+            raise TypeError(f"store must be a RecordStore from SwaMetrics.store(), got {type(store).__name__}")
+        sequence = next(_sequence)
+        went_back = []
+        with self._lock:
+            for spec in self._totals_specs:
+                for total, base in spec.read(record):
+                    key, attributes = store.key(spec.name, base)
+                    last = store.totals.get(key, 0)
+                    if total < last:
+                        store.offsets[key] = store.offsets.get(key, 0) + last
+                        went_back.append((spec.name, attributes, last, total))
+                    store.totals[key] = total
+                    store.latest[key] = (total, attributes, context, sequence)
+            for spec in self._gauge_specs:
+                for value, base in spec.read(record):
+                    key, attributes = store.key(spec.name, base)
+                    store.latest[key] = (value, attributes, context, sequence)
+        extra = store.attributes or None
+        if went_back:
+            for name, attributes, last, total in went_back:
+                _log.warning(
+                    "%s%s went back from %d to %d: the reporter was restarted; counting from 0 again",
+                    name, dict(attributes) or "", last, total,
+                )
+            self._resets.add(1, extra, context=context)
+        if delivered_at is not None:
+            self._delay.record(max(0, delivered_at - record.forward_ct), extra, context=context)
+
+    # ------------------------------------------------------------------ health instruments
+    def _stats_callback(self, field: str, cumulative: bool, kind: str) -> Callable[[CallbackOptions], Iterator[Observation]]:
+        """The callback of one health instrument: ``field`` of ``reporter.stats`` (or of the
+        reporter's sink, for ``sink_counter``) summed over the live reporters of each attribute set
+        (their process ranks), plus (``cumulative``) the retired counts of garbage-collected ones. A
+        mapping field gives one point per key (attribute :data:`ATTR_FAULT`)."""
+
+        def read(reporter: Any, sink: Any) -> Any:
+            if kind == SINK_COUNTER:
+                return getattr(sink, field, 0) if sink is not None else 0
+            return getattr(reporter.stats, field)
 
         def callback(options: CallbackOptions) -> Iterator[Observation]:
             with self._stats_lock:
                 live = list(self._reporters.items())
                 totals: dict[tuple, int] = {}
                 if cumulative:
-                    for (attributes, name), value in self._retired.items():
+                    for (attributes, name, part), value in self._retired.items():
                         if name == field:
-                            totals[attributes] = totals.get(attributes, 0) + value
-                for reporter, (seen, attributes) in live:
+                            totals[attributes, part] = totals.get((attributes, part), 0) + value
+                for reporter, (seen, attributes, sink_ref) in live:
                     try:
-                        value = int(getattr(reporter.stats, field))
+                        value = read(reporter, sink_ref() if sink_ref is not None else None)
+                        parts = dict(value) if isinstance(value, Mapping) else {None: int(value)}
                     except Exception:  # telemetry never breaks the export cycle
-                        _log.exception("could not read reporter.stats.%s", field)
-                        value = seen.get(field, 0)
-                    if cumulative:
-                        value = max(value, seen.get(field, 0))
-                        seen[field] = value
-                    totals[attributes] = totals.get(attributes, 0) + value
+                        _log.exception("could not read %s of an SWA divergence reporter", field)
+                        parts = {part: count for (name, part), count in seen.items() if name == field}
+                    for part, count in parts.items():
+                        if cumulative:
+                            count = max(int(count), seen.get((field, part), 0))
+                            seen[field, part] = count
+                        totals[attributes, part] = totals.get((attributes, part), 0) + int(count)
             del live  # drop the strong references before yielding
-            for attributes, total in totals.items():
-                yield Observation(total, dict(attributes))
+            for (attributes, part), total in totals.items():
+                points = dict(attributes)
+                if part is not None:
+                    points[ATTR_FAULT] = part
+                yield Observation(total, points)
 
         return callback
 
-    def _retire(self, seen: dict[str, int], attributes: tuple) -> None:
+    def _retire(self, seen: dict, attributes: tuple) -> None:
         """Finalizer of an attached reporter: keep its last counts seen in the summed counters."""
         with self._stats_lock:
-            for field, value in seen.items():
-                key = (attributes, field)
+            for (field, part), value in seen.items():
+                key = (attributes, field, part)
                 self._retired[key] = self._retired.get(key, 0) + value
 
-    # ------------------------------------------------------------------ recording
-    def attach(self, reporter: Any, attributes: Mapping[str, Any] | None = None) -> None:
+    def attach(self, reporter: Any, attributes: Mapping[str, Any] | None = None, sink: Any = None) -> None:
         """Observe ``reporter.stats`` in the asynchronous health instruments (the
         ``observable_counter`` and ``observable_gauge`` rows of :data:`INSTRUMENTS`, each naming
-        its ``ReporterStats`` field), with ``attributes`` on its data points (its process ranks).
-        Reporters with the same attributes are summed. The reporter is held by a weak
-        reference; once it is garbage-collected its last counts seen stay in the counters (see the
-        module docstring) and it no longer adds to the gauges. Attaching it again does nothing.
+        its ``ReporterStats`` field, and the ``sink_counter`` rows, read from ``sink``), with
+        ``attributes`` on its data points (its process ranks). Reporters with the same attributes
+        are summed. The reporter and the sink are held by weak references; once the reporter is
+        garbage-collected its last counts seen stay in the counters (see the module docstring) and
+        it no longer adds to the gauges. Attaching it again does nothing.
 
         Raises:
             TypeError: ``reporter`` cannot be weakly referenced or hashed.
@@ -300,8 +512,8 @@ class SwaMetrics:
         with self._stats_lock:
             if reporter in self._reporters:
                 return
-            seen: dict[str, int] = {}
-            self._reporters[reporter] = (seen, key)
+            seen: dict = {}
+            self._reporters[reporter] = (seen, key, weakref.ref(sink) if sink is not None else None)
         finalizer = weakref.finalize(reporter, self._retire, seen, key)
         finalizer.atexit = False
 
@@ -313,75 +525,18 @@ class SwaMetrics:
             entry = self._reporters.get(reporter)
             if entry is None:
                 return
-            seen = entry[0]
+            seen, _, sink_ref = entry
             try:
                 stats = reporter.stats
             except Exception:
                 _log.exception("could not read reporter.stats")
                 return
-            for field in self._counter_fields:
+            sink = sink_ref() if sink_ref is not None else None
+            for field, kind in self._counter_fields:
                 try:
-                    value = int(getattr(stats, field))
+                    value = getattr(sink if kind == SINK_COUNTER else stats, field)
+                    parts = dict(value) if isinstance(value, Mapping) else {None: int(value)}
                 except Exception:  # the collection callback logs it
                     continue
-                seen[field] = max(value, seen.get(field, 0))
-
-    def record(
-        self,
-        record: SwaDivergenceRecord,
-        context: Context | None = None,
-        *,
-        delivered_at: int | None = None,
-        totals: dict,
-        extra: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Record one delivered sample.
-
-        Args:
-            record: the sample.
-            context: the context of the forward step where it was taken (exemplars point there).
-            delivered_at: ``reporter.forward_ct`` when the record was delivered; when given, the
-                delivery delay ``delivered_at - record.forward_ct`` goes to the histogram.
-            totals: where the last cumulative totals of this record's source (one reporter) are
-                kept, so that several reporters can share the instruments: a dict owned by the
-                caller, empty at first, passed again with every record of that source.
-            extra: attributes added to every data point (the reporter's process ranks, bounded).
-
-        Raises:
-            TypeError: ``record`` is not a :class:`SwaDivergenceRecord`.
-        """
-        if not isinstance(record, SwaDivergenceRecord):
-            raise TypeError(f"expected a SwaDivergenceRecord, got {type(record).__name__}")
-        went_back = False
-        for spec in INSTRUMENTS:
-            if spec.kind == TOTAL_COUNTER:
-                instrument = self._instruments[spec.name]
-                for total, attributes in spec.read(record):
-                    if extra:
-                        attributes = {**attributes, **extra}
-                    increment, reset = self._increment(totals, spec.name, attributes, total)
-                    went_back = went_back or reset
-                    # add(0) too: the series exists from the first record on
-                    instrument.add(increment, attributes, context=context)
-            elif spec.kind == GAUGE:
-                instrument = self._instruments[spec.name]
-                for value, attributes in spec.read(record):
-                    instrument.set(value, {**attributes, **extra} if extra else attributes, context=context)
-        if went_back:
-            self._resets.add(1, extra, context=context)
-        if delivered_at is not None:
-            self._delay.record(max(0, delivered_at - record.forward_ct), extra, context=context)
-
-    def _increment(self, totals: dict, name: str, attributes: Attributes, total: int) -> tuple[int, bool]:
-        """The increment of a cumulative total since the last record, and whether it went back."""
-        key = (name, tuple(sorted(attributes.items())))
-        with self._lock:
-            last = totals.get(key, 0)
-            totals[key] = total
-        if total >= last:
-            return total - last, False
-        _log.warning(
-            "%s%s went back from %d to %d: the reporter was restarted; counting from 0 again",
-            name, dict(attributes) or "", last, total,
-        )
-        return total, True
+                for part, count in parts.items():
+                    seen[field, part] = max(int(count), seen.get((field, part), 0))

@@ -1,16 +1,49 @@
-"""The reporter sink that turns each delivered record into metrics and events.
+"""The reporter sink that turns each delivered record into metrics and events, off the engine's thread.
 
 A sink is any callable ``sink(record, context)``; the reporter calls it once per delivered
 :class:`~otel_swa.record.SwaDivergenceRecord`, in ``forward_ct`` order, with the
 ``opentelemetry.context.Context`` of the forward step where the sample was taken.
-:class:`SwaTelemetrySink` records the metrics of :mod:`otel_swa.telemetry.metrics` and emits the
-events of :mod:`otel_swa.telemetry.events`. Telemetry never breaks the engine: an exception in any
-part is caught, logged and counted in :attr:`SwaTelemetrySink.errors`, and the other parts still run.
+:class:`SwaTelemetrySink` stores the record's values for the metrics of
+:mod:`otel_swa.telemetry.metrics` (read when the SDK collects) and emits the events of
+:mod:`otel_swa.telemetry.events` (the Logs API event, which the ``swa_logline`` exporter turns into
+otel-swa's line, and the span event). Telemetry never breaks the engine: an exception in any part is
+caught, logged and counted in :attr:`SwaTelemetrySink.errors`, and the other parts still run.
+
+The delivery thread. Calling the sink delivers at once, on the calling thread. A sink attached to a
+reporter (:meth:`SwaTelemetrySink.attach`) gives the reporter a hand-off instead: at the sampled
+step the engine's thread only puts the record (with its context and the reporter's forward count)
+in a bounded FIFO queue, a few microseconds, and one daemon thread per process,
+``otel-swa-telemetry``, delivers the queued records to their sinks in order. Guarantees:
+
+* **in order**: one queue, one deliverer at a time (the thread or a flush), so every sink sees its
+  records in ``forward_ct`` order, and the line is written in order;
+* **nothing lost at flush, close or exit**: ``reporter.flush()`` / ``close()`` call the hand-off's
+  ``flush()``, which delivers every queued record on the calling thread (waiting for the one the
+  thread may be delivering) before it returns; :mod:`otel_swa.lifecycle` flushes the reporters at
+  exit before the SDK's providers shut down, so those records are exported;
+* **never blocking the forward**: when the queue holds :data:`QUEUE_CAPACITY` records (the thread
+  is stalled, e.g. in an exporter that blocks) a new record is not queued: it is counted in
+  :attr:`SwaTelemetrySink.dropped` (exported as ``kv_cache.swa.telemetry.records.dropped``) and a
+  warning is logged once;
+* **fork**: a thread does not survive ``fork()``. :func:`reset_after_fork` (called by
+  ``SwaDivergenceReporter.reset_after_fork``, which :mod:`otel_swa.lifecycle` calls in a forked
+  child) empties the queue (its records are the parent's) and lets the next record start a new
+  thread; a record put in a child without that call is noticed by the process id and handled the
+  same way.
+
+What a SIGKILL can lose: the records still queued, normally none (the thread is woken at once and
+delivers a record in well under a millisecond) and at most those of the last few samples when the
+thread was stalled. The plain line sink (:class:`otel_swa.logline.LogLineSink`) does not use the
+thread: it writes the line on the engine's thread at the step the sample describes (on CPU), so a
+SIGKILLed process has lost no line it sampled.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import os
+import threading
 import weakref
 from typing import Any, Mapping
 
@@ -25,9 +58,140 @@ from otel_swa.telemetry.events import SampleEvents
 from otel_swa.telemetry.metrics import SwaMetrics
 from otel_swa.version import __version__
 
-__all__ = ["SwaTelemetrySink"]
+__all__ = ["SwaTelemetrySink", "QUEUE_CAPACITY", "reset_after_fork", "flush_queued"]
 
 _log = logging.getLogger(__name__)
+
+#: Records the delivery queue holds at most (all sinks of the process together). Records arrive
+#: once per sampling interval; the queue fills only when the delivery thread is stalled.
+QUEUE_CAPACITY = 4096
+
+
+class _DeliveryQueue:
+    """The process's queue of records waiting for their sink, and the thread that delivers them.
+
+    Start and stop live here only: the thread is started by the first :meth:`put` (and again by
+    the first one after a fork), and it never stops (a daemon thread: it does not hold up
+    interpreter exit, where :mod:`otel_swa.lifecycle` flushes first).
+    """
+
+    def __init__(self, capacity: int = QUEUE_CAPACITY) -> None:
+        self.capacity = capacity
+        self._init()
+
+    def _init(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._wake = threading.Condition(threading.Lock())
+        # Held while records are taken off the queue and delivered (the thread or a flush): order.
+        self._delivering = threading.RLock()
+        self._thread: threading.Thread | None = None
+        self._pid = os.getpid()
+
+    def put(self, sink: "SwaTelemetrySink", record: SwaDivergenceRecord, context: Any, delivered_at: "int | None") -> bool:
+        """Queue a record for ``sink``; ``False`` (not queued) when the queue is full. Never blocks
+        beyond a short lock held by no deliverer."""
+        if self._pid != os.getpid():
+            self.reset_after_fork()
+        if len(self._items) >= self.capacity:
+            return False
+        self._items.append((sink, record, context, delivered_at))
+        with self._wake:
+            if self._thread is None:
+                self._start()
+            self._wake.notify()
+        return True
+
+    def _start(self) -> None:
+        thread = threading.Thread(target=self._run, name="otel-swa-telemetry", daemon=True)
+        self._thread = thread
+        thread.start()
+
+    def _run(self) -> None:
+        items, wake, delivering = self._items, self._wake, self._delivering
+        while True:
+            with wake:
+                while not items:
+                    wake.wait()
+            with delivering:
+                self._deliver_queued(items)
+
+    @staticmethod
+    def _deliver_queued(items: collections.deque) -> None:
+        while items:
+            try:
+                sink, record, context, delivered_at = items.popleft()
+            except IndexError:  # taken by another deliverer
+                return
+            sink._deliver(record, context, delivered_at)
+
+    def flush(self, timeout_s: "float | None" = None) -> bool:
+        """Deliver every record queued now, on the calling thread, after the one being delivered.
+        ``False`` when the thread held the queue longer than ``timeout_s`` (an exporter that
+        blocks): the records stay queued."""
+        if self._pid != os.getpid():
+            self.reset_after_fork()
+        if not self._delivering.acquire(timeout=-1 if timeout_s is None else timeout_s):
+            _log.warning("otel-swa telemetry flush gave up after %.1f s: the delivery thread is stalled", timeout_s)
+            return False
+        try:
+            self._deliver_queued(self._items)
+        finally:
+            self._delivering.release()
+        return True
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: drop the queued records (the parent delivers them) and the parent's
+        thread and locks; the next record starts a new thread."""
+        self._init()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_queue = _DeliveryQueue()
+
+
+def reset_after_fork() -> None:
+    """Reset the process's delivery queue and thread in a forked child (see the module docstring).
+    Idempotent; what :mod:`otel_swa.lifecycle` needs after a fork (through the reporters)."""
+    _queue.reset_after_fork()
+
+
+def flush_queued(timeout_s: "float | None" = None) -> bool:
+    """Deliver every record queued for any sink of this process, on the calling thread (see the
+    module docstring); ``False`` when the delivery thread held the queue longer than ``timeout_s``."""
+    return _queue.flush(timeout_s)
+
+
+class _HandOff:
+    """What an attached sink gives its reporter: ``handoff(record, context)`` queues the record for
+    the delivery thread; ``flush()`` delivers what is queued; ``reset_after_fork()``."""
+
+    __slots__ = ("sink",)
+
+    def __init__(self, sink: "SwaTelemetrySink") -> None:
+        self.sink = sink
+
+    def __call__(self, record: SwaDivergenceRecord, context: Any = None) -> None:
+        sink = self.sink
+        reporter = sink._reporter() if sink._reporter is not None else None
+        delivered_at = reporter.forward_ct if reporter is not None else None
+        if not _queue.put(sink, record, context, delivered_at):
+            sink.dropped += 1
+            if sink.dropped == 1:
+                _log.warning(
+                    "otel-swa telemetry queue full (%d records): records are dropped from the metrics, events "
+                    "and line, never waited for (kv_cache.swa.telemetry.records.dropped)", _queue.capacity,
+                )
+
+    def flush(self) -> None:
+        _queue.flush()
+
+    def reset_after_fork(self) -> None:
+        _queue.reset_after_fork()
+
+    def __repr__(self) -> str:
+        return f"<hand-off to {self.sink!r}>"
 
 
 class SwaTelemetrySink:
@@ -41,20 +205,24 @@ class SwaTelemetrySink:
         log_events: also emit the Logs API event (default True; the log-line exporter needs it).
         metrics, events: share the instruments and event emitters of another sink (one sink per
             reporter, several reporters in a process: the SDK keeps one instrument per name).
-            Each sink keeps the last cumulative totals of its own reporter.
+            Each sink keeps the totals of its own reporter.
         attributes: added to every metric data point and event of this sink's reporter, e.g. the
             ranks of the engine process when they are known only at run time (under
             ``opentelemetry-instrument`` the resource is fixed before the engine knows its rank).
             Bounded values only.
 
-    One sink serves one reporter: it turns that reporter's cumulative totals (``forward_ct``,
-    ``verify_full``, ``verify_swa``) into counter increments, so records of a second reporter
-    would be taken for a restart. For another reporter use :meth:`for_another_reporter` (or
+    One sink serves one reporter: it reports that reporter's cumulative totals (``forward_ct``,
+    ``verify_full``, ``verify_swa``), so records of a second reporter would be taken for a restart.
+    For another reporter use :meth:`for_another_reporter` (or
     :meth:`otel_swa.telemetry.setup.SwaTelemetry.attach`, which does it).
 
+    Calling the sink delivers on the calling thread; through :meth:`attach` the records go by the
+    delivery thread (module docstring).
+
     Attributes:
-        records: records received.
+        records: records delivered to the metrics and events.
         errors: parts (metrics or events) that raised, caught and logged.
+        dropped: records of the attached reporter not queued because the queue was full.
     """
 
     def __init__(
@@ -80,10 +248,12 @@ class SwaTelemetrySink:
         self.metrics = metrics
         self.events = events
         self.attributes = dict(attributes) if attributes else None
-        self._totals: dict = {}
+        self._store = metrics.store(self.attributes)
         self._reporter: "weakref.ref[Any] | None" = None
+        self.handoff = _HandOff(self)
         self.records = 0
         self.errors = 0
+        self.dropped = 0
 
     def for_another_reporter(self, attributes: Mapping[str, Any] | None = None) -> "SwaTelemetrySink":
         """A new sink sharing this one's instruments and event emitters, with its own totals and
@@ -101,9 +271,10 @@ class SwaTelemetrySink:
         return self._reporter is not None
 
     def attach(self, reporter: Any) -> Any:
-        """Hand this sink to ``reporter`` (``reporter.add_sink``) and observe its health
-        (``reporter.stats``; delivery delay from ``reporter.forward_ct``). Returns ``reporter``.
-        Attaching the same reporter again does nothing.
+        """Hand this sink's hand-off to ``reporter`` (``reporter.add_sink``: its records then reach
+        this sink through the delivery thread) and observe its health (``reporter.stats``;
+        delivery delay from ``reporter.forward_ct``). Returns ``reporter``. Attaching the same
+        reporter again does nothing.
 
         Raises:
             ValueError: this sink is already attached to another reporter (use
@@ -116,14 +287,17 @@ class SwaTelemetrySink:
                 "this SwaTelemetrySink already serves another reporter and keeps that reporter's "
                 "cumulative totals; attach sink.for_another_reporter() to a second reporter"
             )
-        reporter.add_sink(self)
-        self.metrics.attach(reporter, self.attributes)
+        reporter.add_sink(self.handoff)
+        self.metrics.attach(reporter, self.attributes, self)
         self._reporter = weakref.ref(reporter)
         return reporter
 
+    def flush(self) -> None:
+        """Deliver the records queued for the delivery thread now (every sink's: one queue)."""
+        _queue.flush()
+
     def __call__(self, record: SwaDivergenceRecord, context: Context | None = None) -> None:
-        """Record ``record`` (sampled in the forward step of ``context``). Never raises."""
-        self.records += 1
+        """Record ``record`` (sampled in the forward step of ``context``) now. Never raises."""
         reporter = self._reporter() if self._reporter is not None else None
         delivered_at = None
         if reporter is not None:
@@ -131,17 +305,20 @@ class SwaTelemetrySink:
                 delivered_at = int(reporter.forward_ct)
             except Exception:
                 delivered_at = None
-        for part, call in (
-            ("metrics", lambda: self._record_metrics(record, context, delivered_at, reporter)),
-            ("events", lambda: self.events.emit(record, context, self.attributes)),
-        ):
-            try:
-                call()
-            except Exception:
-                self.errors += 1
-                _log.exception("SWA divergence telemetry (%s) failed for forward_ct=%s", part, getattr(record, "forward_ct", "?"))
+        self._deliver(record, context, delivered_at)
 
-    def _record_metrics(self, record: SwaDivergenceRecord, context: Context | None, delivered_at: int | None, reporter: Any) -> None:
-        self.metrics.record(record, context, delivered_at=delivered_at, totals=self._totals, extra=self.attributes)
-        if reporter is not None:
-            self.metrics.note_stats(reporter)
+    def _deliver(self, record: SwaDivergenceRecord, context: Context | None, delivered_at: "int | None") -> None:
+        self.records += 1
+        try:
+            self.metrics.record(record, context, delivered_at=delivered_at, store=self._store)
+            reporter = self._reporter() if self._reporter is not None else None
+            if reporter is not None:
+                self.metrics.note_stats(reporter)
+        except Exception:
+            self.errors += 1
+            _log.exception("SWA divergence telemetry (metrics) failed for forward_ct=%s", getattr(record, "forward_ct", "?"))
+        try:
+            self.events.emit(record, context, self.attributes)
+        except Exception:
+            self.errors += 1
+            _log.exception("SWA divergence telemetry (events) failed for forward_ct=%s", getattr(record, "forward_ct", "?"))

@@ -134,7 +134,7 @@ class FakeReporter:
         from types import SimpleNamespace
 
         self.stats = SimpleNamespace(samples_taken=0, samples_delivered=0, ring_full_waits=0, sink_errors=0, pending=0,
-                                     invalid_samples=0, skipped_captures=0)
+                                     invalid_samples=0, skipped_captures=0, view_faults={})
 
     def add_sink(self, sink):
         self.sinks.append(sink)
@@ -144,7 +144,7 @@ def test_health_instruments_read_the_attached_reporter(pipeline):
     sink = SwaTelemetrySink(**pipeline.providers())
     reporter = FakeReporter()
     sink.attach(reporter)
-    assert reporter.sinks == [sink]
+    assert reporter.sinks == [sink.handoff]  # records reach the sink through its delivery thread
     reporter.stats.samples_taken, reporter.stats.samples_delivered = 3, 2
     reporter.stats.ring_full_waits, reporter.stats.pending = 1, 1
     reporter.forward_ct = 21
@@ -212,22 +212,83 @@ def test_a_failing_meter_never_raises_into_the_reporter(pipeline, caplog):
 def test_record_refuses_what_is_not_a_record(pipeline):
     sink = SwaTelemetrySink(**pipeline.providers())
     with pytest.raises(TypeError, match="expected a SwaDivergenceRecord, got dict"):
-        sink.metrics.record({"forward_ct": 20}, None, totals={})
+        sink.metrics.record({"forward_ct": 20}, None, store=sink.metrics.store())
+    with pytest.raises(TypeError, match="store must be a RecordStore"):
+        sink.metrics.record(RECORDS[0], None, store={})
 
 
-def test_record_needs_the_callers_totals_and_keeps_each_store_apart(pipeline):
+def test_each_store_keeps_its_own_totals_and_the_counters_sum_them(pipeline):
     sink = SwaTelemetrySink(**pipeline.providers())
-    with pytest.raises(TypeError, match="totals"):
+    with pytest.raises(TypeError, match="store"):
         sink.metrics.record(RECORDS[0], None)  # no hidden store shared by every caller
-    a, b = {}, {}
-    sink.metrics.record(RECORDS[0], None, totals=a)  # source a: 20 steps, 5120 FULL entries
-    sink.metrics.record(R(10, 1000, 400, 0, 0), None, totals=b)  # source b: 10 steps, 1000 entries
-    sink.metrics.record(RECORDS[1], None, totals=a)  # a: +20 steps, +3880 entries
+    a, b = sink.metrics.store(), sink.metrics.store()
+    sink.metrics.record(RECORDS[0], None, store=a)  # source a: 20 steps, 5120 FULL entries
+    sink.metrics.record(R(10, 1000, 400, 0, 0), None, store=b)  # source b: 10 steps, 1000 entries
+    sink.metrics.record(RECORDS[1], None, store=a)  # a: 40 steps, 9000 entries
     m = pipeline.metrics()
     assert value(m["kv_cache.swa.forward_steps"]["points"]) == 40 + 10
     assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 9000 + 1000
     assert "kv_cache.swa.reporter.resets" not in m  # b's lower totals were not taken for a restart of a
-    assert a[("kv_cache.swa.forward_steps", ())] == 40 and b[("kv_cache.swa.forward_steps", ())] == 10
+    assert a.totals[("kv_cache.swa.forward_steps", ())] == 40 and b.totals[("kv_cache.swa.forward_steps", ())] == 10
+    # b's reporter goes away: its totals stay in the counters (no false reset), a goes on
+    del b
+    import gc
+
+    gc.collect()
+    sink.metrics.record(RECORDS[2], None, store=a)
+    m = pipeline.metrics()
+    assert value(m["kv_cache.swa.forward_steps"]["points"]) == 60 + 10
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 15000 + 1000
+
+
+def test_values_are_read_at_collection_and_delivery_calls_the_sdk_once(pipeline, monkeypatch):
+    """A delivered record only updates the store; the instruments read it when the SDK collects.
+    The one SDK call per record is the delivery-delay histogram (with a known delivery step)."""
+    sink = SwaTelemetrySink(**pipeline.providers())
+    calls = []
+    monkeypatch.setattr(sink.metrics._delay, "record", lambda *a, **k: calls.append("histogram"))
+    monkeypatch.setattr(sink.metrics._resets, "add", lambda *a, **k: calls.append("resets"))
+    sink.metrics.record(RECORDS[0], None, delivered_at=21, store=sink._store)
+    sink.metrics.record(RECORDS[1], None, store=sink._store)
+    assert calls == ["histogram"]
+    m = pipeline.metrics()
+    assert value(m["kv_cache.swa.tokens.out_of_window"]["points"]) == 640
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="swa") == 3000
+
+
+def test_audit_page_gauges_and_the_latest_audited_value_stays(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    sink(R(20, 10, 5, 1, 2, swa_leaked_slots=8, swa_stale_tokens=0, swa_shared_slots=0,
+           swa_pages_in_use=12, swa_pages_referenced=10), None)
+    sink(R(40, 20, 9, 1, 2), None)  # not audited: the last audited values are the ones shown
+    m = pipeline.metrics()
+    assert m["kv_cache.swa.pages.in_use"]["unit"] == "{page}"
+    assert value(m["kv_cache.swa.pages.in_use"]["points"]) == 12
+    assert value(m["kv_cache.swa.pages.referenced"]["points"]) == 10
+    assert value(m["kv_cache.swa.slots.leaked"]["points"]) == 8
+    assert value(m["kv_cache.swa.tokens.out_of_window"]["points"]) == 2
+
+
+def test_view_faults_are_exported_per_fault(pipeline):
+    import torch
+
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.views import SwaBatch
+
+    sink = SwaTelemetrySink(**pipeline.providers())
+    reporter = SwaDivergenceReporter(1)
+    sink.attach(reporter)
+    r2t = torch.tensor([[0, 0], [1, 2]], dtype=torch.int32)
+    mapping = torch.tensor([0, 1, 2])
+    for rows, device_lens, host_lens in (([5], [1], [1]), ([1], [1], [2]), ([1], [1], [2]), ([1], [2], [2])):
+        reporter.step(SwaBatch(r2t, mapping, torch.tensor(rows), torch.tensor(device_lens), seq_lens_cpu=host_lens))
+    reporter.flush()
+    m = pipeline.metrics()
+    faults = {dict(p.attributes)["kv_cache.swa.fault"]: p.value for p in m["kv_cache.swa.reporter.view_faults"]["points"]}
+    assert faults == {"req_pool_index_out_of_range": 1, "seq_lens_cpu_mismatch": 2, "full_slot_out_of_range": 0,
+                      "seq_len_beyond_width": 0, "negative_seq_len": 0}
+    assert value(m["kv_cache.swa.reporter.samples.invalid"]["points"]) == 3
+    assert value(m["kv_cache.swa.reporter.samples.delivered"]["points"]) == 1
 
 
 def test_every_reporter_stats_field_has_one_health_instrument():
@@ -237,4 +298,4 @@ def test_every_reporter_stats_field_has_one_health_instrument():
 
     observed = [spec.read for spec in INSTRUMENTS if spec.kind in ("observable_counter", "observable_gauge")]
     assert sorted(observed) == sorted(f.name for f in fields(ReporterStats))
-    assert len(observed) == 7
+    assert len(observed) == 8
