@@ -64,8 +64,12 @@ def test_replay_lines_follow_sglang_rule_and_show_the_swa_path(replay_run):
     for number, (line, audit) in enumerate(zip(lines[1::2], lines[2::2])):
         assert re.match(stamp + r"kv_canary_swa_divergence=\{", line)
         forward_ct = records[number]["forward_ct"]
-        assert re.fullmatch(stamp + r'otel_swa_audit=\{"forward_ct":' + str(forward_ct)
-                            + r',"swa_leaked_slots":0,"swa_stale_tokens":0,"swa_shared_slots":0\}', audit)
+        match = re.fullmatch(stamp + r'otel_swa_audit=\{"forward_ct":' + str(forward_ct)
+                             + r',"swa_leaked_slots":0,"swa_stale_tokens":0,"swa_shared_slots":0'
+                             + r'(?:,"swa_pages_in_use":(\d+),"swa_pages_referenced":(\d+))?\}', audit)
+        assert match, audit
+        if match.group(1) is not None:  # nothing leaked: every SWA page in use is referenced
+            assert int(match.group(1)) == int(match.group(2)) > 0
 
 
 def test_replay_summary_agrees_with_lines(replay_run):
