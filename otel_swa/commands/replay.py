@@ -85,6 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument("--page-size", type=positive_int, default=cfg.page_size, help="slots per page (default: %(default)s)")
     eng.add_argument("--max-running", type=positive_int, default=cfg.max_running, help="most requests per forward step (default: %(default)s)")
     eng.add_argument("--token-budget", type=positive_int, default=cfg.token_budget, help="most new tokens per forward step (default: %(default)s)")
+    eng.add_argument("--max-context-len", type=positive_int, default=cfg.max_context_len, metavar="TOKENS",
+                     help="longest request in KV positions (prompt + output - 1); a request longer than this, or than a "
+                          "pool can hold, is reported and skipped, and the summary counts it (default: %(default)s)")
     eng.add_argument("--seed", type=int, default=cfg.seed, help="seed of the model weights and prompt tokens (default: %(default)s)")
     eng.add_argument("--no-model", action="store_true", help="skip the attention math (KV cache bookkeeping and reporter only; faster)")
     rep = parser.add_argument_group("reporter and output")
@@ -169,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
             EngineConfig(),
             window=args.window, full_pool_size=args.full_pool, swa_pool_size=args.swa_pool,
             page_size=args.page_size, max_running=args.max_running, token_budget=args.token_budget,
-            seed=args.seed, run_model=not args.no_model,
+            seed=args.seed, run_model=not args.no_model, max_context_len=args.max_context_len,
         )
         requests = load_trace(args.trace, limit=args.requests or None)
         check_pool_memory(engine_config, _available_memory())
@@ -279,7 +282,11 @@ def run(args: argparse.Namespace) -> int:
                 stop.uninstall()
     stats = reporter.stats if reporter is not None else None
     verdict = verdict_of(records, stats, interrupted)
-    print_summary(summary_rows(args, interval, summary, records, stats, verdict, len(requests)), out)
+    rows = summary_rows(args, interval, summary, records, stats, verdict, len(requests))
+    if not interrupted:  # the requests that could not fit, after "requests finished"
+        at = next((i + 1 for i, (name, _) in enumerate(rows) if name == "requests finished"), len(rows))
+        rows.insert(at, ("requests skipped", summary.skipped_line()))
+    print_summary(rows, out)
     for reason in verdict.reasons(interval, summary.forward_steps):
         print(f"otel-swa replay: {reason}", file=sys.stderr)
     stop.uninstall()  # a Ctrl-C while the run shut down and summed up was held until here

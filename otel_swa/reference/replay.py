@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterable, Iterator
@@ -28,9 +29,29 @@ import torch
 
 from otel_swa.reference.config import ARRIVALS, DEFAULT_REPLAY, EngineConfig, ReplayDefaults
 from otel_swa.reference.engine import BatchInfo, EngineStats, ReferenceEngine
+from otel_swa.reference.scheduler import RequestTooLargeError
 from otel_swa.reference.trace import TraceRequest
 
-__all__ = ["ReplayDefaults", "DEFAULT_REPLAY", "ReplaySummary", "replay", "ARRIVALS"]
+__all__ = ["ReplayDefaults", "DEFAULT_REPLAY", "ReplaySummary", "SkippedRequest", "replay", "ARRIVALS"]
+
+_log = logging.getLogger("otel_swa.reference.replay")
+
+#: Skipped requests logged one by one (logger ``otel_swa.reference.replay``, WARNING); the rest are
+#: counted in one line at the end of the submission.
+LOGGED_SKIPS = 5
+
+
+@dataclass(frozen=True)
+class SkippedRequest:
+    """A request of the trace that can never run with the engine's configuration.
+
+    Attributes:
+        index: its position in the trace (0-based).
+        reason: why, naming the request and the size it exceeds (``max_context_len`` or a pool).
+    """
+
+    index: int
+    reason: str
 
 @dataclass(frozen=True)
 class ReplaySummary:
@@ -38,7 +59,9 @@ class ReplaySummary:
 
     Attributes:
         forward_steps: forward steps the engine ran.
-        requests_total, requests_finished: requests submitted and finished.
+        requests_total, requests_finished: requests submitted and finished (skipped requests are
+            not submitted).
+        skipped: the requests of the trace that could not fit, in trace order.
         wall_s: wall-clock seconds of the replay (engine steps and reporter work, not trace loading).
         virtual_s: the engine's virtual clock at the end, in seconds.
         peak_full_slots, peak_swa_slots: most slots in use per pool (whole pages x page size).
@@ -56,6 +79,19 @@ class ReplaySummary:
     full_pool_size: int
     swa_pool_size: int
     engine: EngineStats
+    skipped: tuple[SkippedRequest, ...] = ()
+
+    @property
+    def requests_skipped(self) -> int:
+        """Requests of the trace that could not fit and were skipped."""
+        return len(self.skipped)
+
+    def skipped_line(self) -> str:
+        """The summary's ``requests skipped`` value: ``0``, or the count and the first reason
+        (requests are numbered by their position in the trace, from 0)."""
+        if not self.skipped:
+            return "0"
+        return f"{len(self.skipped)} (too long for this engine; first: {self.skipped[0].reason})"
 
 
 @contextlib.contextmanager
@@ -84,11 +120,18 @@ def replay(
     num_threads: int | None = 1,
     on_submit: "Callable[[Any, TraceRequest], None] | None" = None,
     on_step: "Callable[[Any], None] | None" = None,
+    on_engine: "Callable[[ReferenceEngine], None] | None" = None,
 ) -> ReplaySummary:
     """Run ``requests`` through a fresh :class:`ReferenceEngine` until all have finished.
 
     The reporter, when given, is flushed at the end (its last samples are delivered) but not
     closed: the caller owns it.
+
+    A request that can never run with ``config`` (more KV positions than ``max_context_len``, or a
+    reservation larger than a pool: :class:`~otel_swa.reference.scheduler.RequestTooLargeError`)
+    is skipped, not submitted: it is listed in ``ReplaySummary.skipped`` and the first
+    :data:`LOGGED_SKIPS` are logged as warnings (logger ``otel_swa.reference.replay``), then one
+    line counts the others. The other requests run as usual.
 
     Args:
         requests: the trace (e.g. from :func:`otel_swa.reference.trace.load_trace`).
@@ -109,9 +152,12 @@ def replay(
             leaves the setting alone. The reference model's operations are small, and on a busy
             machine extra threads cost more in synchronisation than they save, hence 1.
 
+        on_engine: called with the new engine before any request is submitted (e.g. to register
+            its pools with the telemetry: ``PoolMetrics.register(..., owner=engine)``).
+
     Raises:
-        ValueError: unknown ``arrivals`` or ``time_scale <= 0``.
-        RequestTooLargeError: a request can never run with ``config`` (raised before any step).
+        ValueError: unknown ``arrivals`` or ``time_scale <= 0``, or a request with negative
+            token counts.
     """
     if arrivals not in ARRIVALS:
         raise ValueError(f"arrivals={arrivals!r}; expected one of {', '.join(ARRIVALS)}")
@@ -120,10 +166,22 @@ def replay(
     engine = ReferenceEngine(config, reporter=reporter, device=device)
     if forward_span is not None:
         engine.forward_span = forward_span
-    for request in requests:
-        state = engine.submit(request, arrival_s=0.0 if arrivals == "ignore" else request.arrival_s / time_scale)
+    if on_engine is not None:
+        on_engine(engine)
+    skipped: list[SkippedRequest] = []
+    for index, request in enumerate(requests):
+        try:
+            state = engine.submit(request, arrival_s=0.0 if arrivals == "ignore" else request.arrival_s / time_scale,
+                                  rid=index)
+        except RequestTooLargeError as exc:
+            skipped.append(SkippedRequest(index, str(exc)))
+            if len(skipped) <= LOGGED_SKIPS:
+                _log.warning("skipped, cannot fit: %s", exc)
+            continue
         if on_submit is not None:
             on_submit(state, request)
+    if len(skipped) > LOGGED_SKIPS:
+        _log.warning("skipped %d more request(s) that cannot fit (%d in all)", len(skipped) - LOGGED_SKIPS, len(skipped))
     total = engine.stats.submitted
     bar = None
     if progress:
@@ -159,4 +217,5 @@ def replay(
         full_pool_size=engine.config.full_pool_size,
         swa_pool_size=engine.config.swa_pool_size,
         engine=stats,
+        skipped=tuple(skipped),
     )

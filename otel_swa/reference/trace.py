@@ -29,10 +29,11 @@ import csv
 import os
 import time
 from dataclasses import dataclass
+from fractions import Fraction
 from importlib import resources
 from typing import TextIO
 
-__all__ = ["TraceRequest", "TraceFormatError", "load_trace", "PACKAGED_TRACES", "HEADER"]
+__all__ = ["TraceRequest", "TraceFormatError", "load_trace", "scale_contexts", "write_trace", "PACKAGED_TRACES", "HEADER"]
 
 #: The header of the format, in order. Extra columns after these are ignored.
 HEADER = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
@@ -177,3 +178,58 @@ def load_trace(source: "str | os.PathLike[str]", limit: int | None = None) -> li
     with open(path, "r", encoding="utf-8", newline="") as stream:
         return _read(stream, path, limit)
 
+
+def scale_contexts(requests: "list[TraceRequest]", longest: int) -> list[TraceRequest]:
+    """The same requests with every prompt stretched by one factor, for long-context runs.
+
+    The factor is the largest that keeps every request's KV length (``context + generated - 1``
+    tokens, what the engine holds at its end) within ``longest``; each context becomes
+    ``max(1, floor(context x factor))``. Arrival times and generated tokens are unchanged, so the
+    trace keeps its mix of prompt lengths and its load over time, only longer: e.g. the first 200
+    requests of the conversation trace (prompts up to 4,107 tokens) with ``longest=131072`` get
+    prompts up to about 128K tokens.
+
+    Raises:
+        ValueError: ``longest`` is not an integer >= 1, or a request generates more than
+            ``longest`` tokens (no prompt length fits).
+    """
+    if isinstance(longest, bool) or not isinstance(longest, int) or longest < 1:
+        raise ValueError(f"longest={longest!r}; expected an integer >= 1 (tokens)")
+    factor = None  # exact: no rounding may push the longest request past the limit
+    for index, request in enumerate(requests):
+        room = longest - max(0, request.generated_tokens - 1)
+        if room < 1:
+            raise ValueError(
+                f"request {index} generates {request.generated_tokens} tokens; no prompt fits in longest={longest}"
+            )
+        if request.context_tokens > 0:
+            ratio = Fraction(room, request.context_tokens)
+            factor = ratio if factor is None else min(factor, ratio)
+    if factor is None:
+        return list(requests)
+    return [TraceRequest(r.arrival_s, max(1, r.context_tokens * factor.numerator // factor.denominator),
+                         r.generated_tokens) for r in requests]
+
+
+def write_trace(requests: "list[TraceRequest]", path: "str | os.PathLike[str]", start: str = "2023-11-16 18:15:46") -> None:
+    """Write ``requests`` as a CSV file in the Azure trace format (read back by :func:`load_trace`).
+
+    ``TIMESTAMP`` is ``start`` (``YYYY-MM-DD HH:MM:SS``, UTC) plus each ``arrival_s``, with 7
+    fractional digits as in the published files.
+
+    Raises:
+        ValueError: ``start`` is not in that form.
+        OSError: the file cannot be written.
+    """
+    try:
+        base = calendar.timegm(time.strptime(start, "%Y-%m-%d %H:%M:%S"))
+    except ValueError:
+        raise ValueError(f"start={start!r}; expected 'YYYY-MM-DD HH:MM:SS'") from None
+    with open(path, "w", encoding="utf-8", newline="") as stream:
+        writer = csv.writer(stream, lineterminator="\n")
+        writer.writerow(HEADER)
+        for request in requests:
+            ticks = round(request.arrival_s * 10**7)
+            whole, fraction = divmod(ticks, 10**7)
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(base + whole))
+            writer.writerow((f"{stamp}.{fraction:07d}", request.context_tokens, request.generated_tokens))
