@@ -19,6 +19,8 @@ __all__ = [
     "parallel_ranks",
     "warn_once",
     "sigterm_flush",
+    "forward_spans",
+    "FORWARD_SPANS_CHOICES",
 ]
 
 DEFAULT_RING_SIZE = 4
@@ -131,6 +133,29 @@ def sigterm_flush(environ: Mapping[str, str] | None = None) -> bool:
     """
     env = os.environ if environ is None else environ
     return read_int(ev.OTEL_SWA_SIGTERM_FLUSH, env.get(ev.OTEL_SWA_SIGTERM_FLUSH), default=1, minimum=0, maximum=1) == 1
+
+
+#: Values of ``OTEL_SWA_FORWARD_SPANS``, the default first.
+FORWARD_SPANS_CHOICES = ("sampled", "all", "off")
+
+
+def forward_spans(environ: Mapping[str, str] | None = None) -> str:
+    """``OTEL_SWA_FORWARD_SPANS``: which forward steps get a span, one of
+    :data:`FORWARD_SPANS_CHOICES` (default ``sampled``; case and blanks ignored).
+
+    Raises:
+        ConfigError: any other value (the message names the variable, the value and the choices).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ev.OTEL_SWA_FORWARD_SPANS)
+    if raw is None or raw.strip() == "":
+        return FORWARD_SPANS_CHOICES[0]
+    value = raw.strip().lower()
+    if value not in FORWARD_SPANS_CHOICES:
+        raise ConfigError(
+            f"{ev.OTEL_SWA_FORWARD_SPANS}={raw!r}; expected one of {', '.join(FORWARD_SPANS_CHOICES)}"
+        )
+    return value
 
 
 def warn_once(name: str, environ: "MutableMapping[str, str] | None" = None) -> bool:

@@ -73,6 +73,16 @@ OTEL_SWA_SIGTERM_FLUSH = "OTEL_SWA_SIGTERM_FLUSH"
 holds before SIGTERM ends the process (see :mod:`otel_swa.lifecycle`). ``0``: SIGTERM is left alone.
 """
 
+OTEL_SWA_FORWARD_SPANS = "OTEL_SWA_FORWARD_SPANS"
+"""
+.. envvar:: OTEL_SWA_FORWARD_SPANS
+
+Which forward steps get a ``forward step`` span (with its links to the batch's request spans):
+``sampled`` (default: only the steps where the reporter takes a sample, so every sample's events
+and exemplars still point at a span linked to its requests, at 1 / interval of the cost), ``all``
+(every forward step) or ``off`` (none). See ``otel_swa.telemetry.spans.ForwardSpans``.
+"""
+
 OTEL_SWA_WARNED = "OTEL_SWA_WARNED"
 """
 .. envvar:: OTEL_SWA_WARNED

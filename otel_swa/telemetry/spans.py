@@ -13,6 +13,17 @@ request id) and one link per request of the batch, to the request's span as iden
 ``traceparent`` header (``00-<trace-id>-<span-id>-<flags>``, W3C Trace Context, parsed with
 OpenTelemetry's TraceContext propagator), as a serving front end receives it.
 
+Which steps get a span (``OTEL_SWA_FORWARD_SPANS``, or ``ForwardSpans(mode=...)``): ``sampled``, the
+default, starts the span only at the forward steps where the reporter takes a sample (``forward_ct``
+a multiple of the sampling interval), so every sample's event, span event and exemplars still point
+at a forward-step span linked to the request spans of its batch: the request-trace correlation of
+what the reporter measures is kept, at ``1 / interval`` of the cost of a span per step (about
+100 us with 48 links on 2 CPU cores: ``benchmarks/bench_telemetry.py``). ``all`` spans every step
+(an engine with no other tracing of its steps may want them), ``off`` none. On a step without a span
+the context manager yields the API's invalid span and the current context is left as it was; it
+costs a few hundred nanoseconds. When the interval is not known (``interval=`` not given and the
+interval variables unset), ``sampled`` spans every step.
+
 Link limit: OpenTelemetry keeps at most ``SpanLimits.max_links`` links per span (128 by default,
 ``OTEL_SPAN_LINK_COUNT_LIMIT``) and silently drops the rest. The helper adds at most that many and
 counts the others in ``forward_step.links.dropped``; requests with no usable traceparent are counted
@@ -26,11 +37,12 @@ given to :class:`ForwardSpans` as the traceparent lookup.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import random
 from contextlib import contextmanager
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, ContextManager, Iterable, Iterator, Mapping
 
 from opentelemetry import trace
 from opentelemetry.context import Context
@@ -39,6 +51,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from otel_swa import config
 from otel_swa.telemetry import semconv as sc
 
 __all__ = [
@@ -125,6 +138,10 @@ def use_system_random_ids(tracer: Any) -> bool:
     return True
 
 
+#: What ``forward_span`` gives on a step without a span: reusable, enters to the invalid span.
+_NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
+
+
 def _default_max_links() -> int:
     return SpanLimits().max_links  # OTEL_SPAN_LINK_COUNT_LIMIT, else 128
 
@@ -138,17 +155,44 @@ class ForwardSpans:
             callable returning the string or ``None``; ``None``: no links.
         max_links: most links per forward-step span; default ``SpanLimits().max_links``
             (``OTEL_SPAN_LINK_COUNT_LIMIT``, 128). Keep it at or below the tracer provider's limit.
+        mode: which steps get a span, ``sampled``, ``all`` or ``off`` (module docstring); default
+            ``OTEL_SWA_FORWARD_SPANS`` (``sampled``).
+        interval: the reporter's sampling interval, for ``sampled``; default the interval variables
+            (``OTEL_SWA_DIVERGENCE_INTERVAL``, SGLang's), as the instrumentors read them. Settable
+            later (:attr:`interval`), e.g. when the reporter is made after the spans.
+        environ: the environment for the defaults (default ``os.environ``).
 
     Raises:
-        ValueError: ``max_links`` is negative.
+        ValueError: ``max_links`` is negative, ``interval`` below 1, an unknown ``mode``.
         TypeError: ``traceparents`` is neither a mapping nor callable.
+        otel_swa.config.ConfigError: ``OTEL_SWA_FORWARD_SPANS`` holds an unknown value.
     """
 
-    def __init__(self, tracer: Tracer, traceparents: Any = None, *, max_links: int | None = None) -> None:
+    def __init__(
+        self,
+        tracer: Tracer,
+        traceparents: Any = None,
+        *,
+        max_links: int | None = None,
+        mode: str | None = None,
+        interval: int | None = None,
+        environ: Mapping[str, str] | None = None,
+    ) -> None:
         if max_links is None:
             max_links = _default_max_links()
         if isinstance(max_links, bool) or not isinstance(max_links, int) or max_links < 0:
             raise ValueError(f"max_links={max_links!r}; expected an integer >= 0")
+        if mode is None:
+            mode = config.forward_spans(environ)
+        if mode not in config.FORWARD_SPANS_CHOICES:
+            raise ValueError(f"mode={mode!r}; expected one of {', '.join(config.FORWARD_SPANS_CHOICES)}")
+        if interval is None:
+            try:
+                interval = config.divergence_interval_if_set(environ) or None
+            except config.ConfigError:  # the reporter's own set-up reports it
+                interval = None
+        self.mode = mode
+        self.interval = interval
         if traceparents is not None and not isinstance(traceparents, Mapping) and not callable(traceparents):
             raise TypeError(
                 f"traceparents must be a mapping or a callable request_id -> traceparent, got {type(traceparents).__name__}"
@@ -164,6 +208,27 @@ class ForwardSpans:
         else:
             self._get = traceparents
         self.max_links = max_links
+
+    @property
+    def interval(self) -> int | None:
+        """The sampling interval ``sampled`` follows (``None``: unknown, every step gets a span)."""
+        return self._interval
+
+    @interval.setter
+    def interval(self, value: int | None) -> None:
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"interval={value!r}; expected an integer >= 1 or None")
+        self._interval = value
+
+    def spans_step(self, forward_ct: Any) -> bool:
+        """Whether forward step ``forward_ct`` gets a span under :attr:`mode` (a step whose
+        ``forward_ct`` is unknown gets one under ``sampled``)."""
+        if self.mode == "all":
+            return True
+        if self.mode == "off":
+            return False
+        interval = self._interval
+        return interval is None or forward_ct is None or int(forward_ct) % interval == 0
 
     def _lookup(self, request_id: Any) -> str | None:
         if self._get is None:
@@ -194,7 +259,6 @@ class ForwardSpans:
                 dropped += 1
         return links, dropped, missing
 
-    @contextmanager
     def forward_span(
         self,
         batch_info: Any = None,
@@ -207,8 +271,10 @@ class ForwardSpans:
         context: Context | None = None,
         link_contexts: Iterable[SpanContext | None] | None = None,
         attributes: Mapping[str, Any] | None = None,
-    ) -> Iterator[Span]:
-        """Run the body inside a new current span ``forward step``; yields the span.
+    ) -> ContextManager[Span]:
+        """A context manager running the body inside a new current span ``forward step``; yields
+        the span. On a step :meth:`spans_step` leaves out, it yields the API's invalid span and
+        changes nothing (no lookup, no link, no span).
 
         Values come from ``batch_info``'s attributes of the same names unless given as keywords.
         ``context`` is the parent (default: the current context). ``link_contexts``: span
@@ -217,13 +283,24 @@ class ForwardSpans:
         as missing. ``attributes``: more bounded span attributes (the process's ranks). An
         exception in the body is recorded on the span (status ERROR) and re-raised.
         """
+        if forward_ct is None:
+            forward_ct = getattr(batch_info, "forward_ct", None)
+        if self.mode != "all" and not self.spans_step(forward_ct):
+            return _NO_SPAN
+        return self._forward_span(
+            batch_info, forward_ct, batch_size, num_prefill, num_decode, request_ids, context, link_contexts, attributes,
+        )
+
+    @contextmanager
+    def _forward_span(
+        self, batch_info, forward_ct, batch_size, num_prefill, num_decode, request_ids, context, link_contexts, attributes,
+    ) -> Iterator[Span]:
         if not self._ids_independent:
             self._ids_independent = use_system_random_ids(self._tracer)
 
         def pick(name: str, value: Any) -> Any:
             return value if value is not None else getattr(batch_info, name, None)
 
-        forward_ct = pick("forward_ct", forward_ct)
         batch_size = pick("batch_size", batch_size)
         num_prefill = pick("num_prefill", num_prefill)
         num_decode = pick("num_decode", num_decode)

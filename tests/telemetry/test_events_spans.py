@@ -227,3 +227,78 @@ def test_one_cache_serves_parsing_and_linking(pipeline):
     info = spans._link.cache_info()
     assert (info.misses, info.hits, info.currsize) == (1, 1, 1)  # the link reused the parse
     assert links[0].context.span_id == parsed.span_id == 0xC7AD6B7169203331
+
+
+# ----------------------------------------------------------------- which forward steps get a span
+
+
+def forward_steps(pipeline, spans, steps=12, **kwargs):
+    """Run ``steps`` forward steps through ``spans``; returns the forward_ct of every exported
+    forward-step span and what the body saw as the current span at each step."""
+    inside = []
+    for forward_ct in range(1, steps + 1):
+        with spans.forward_span(forward_ct=forward_ct, batch_size=2, request_ids=["r0"], **kwargs) as span:
+            inside.append((span.get_span_context().is_valid, trace.get_current_span() is span))
+    exported = [s.attributes["forward_step.forward_ct"] for s in pipeline.spans.get_finished_spans()
+                if s.name == "forward step"]
+    return exported, inside
+
+
+def test_sampled_mode_spans_only_the_steps_the_reporter_samples_and_keeps_their_links(pipeline):
+    requests, _ = request_traceparents(pipeline, 1)
+    spans = ForwardSpans(pipeline.tracer_provider.get_tracer("engine"), requests, mode="sampled", interval=4)
+    exported, inside = forward_steps(pipeline, spans)
+    assert exported == [4, 8, 12]
+    # the body's current span is the step's span; elsewhere the invalid span, the context unchanged
+    assert inside == [(ct % 4 == 0, True) for ct in range(1, 13)]
+    linked = [len(s.links) for s in pipeline.spans.get_finished_spans() if s.name == "forward step"]
+    assert linked == [1, 1, 1]  # the sampled steps still link to the request
+
+
+def test_the_sampled_step_span_is_the_context_the_reporter_gives_its_sinks(pipeline):
+    """End to end with the reporter at interval 3 and spans at its samples: each record's context is
+    the span of the step it was sampled at."""
+    import torch
+
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.views import SwaBatch
+
+    seen = []
+    reporter = SwaDivergenceReporter(3, sinks=[lambda r, c: seen.append((r.forward_ct, trace.get_current_span(c)))])
+    spans = ForwardSpans(pipeline.tracer_provider.get_tracer("engine"), mode="sampled", interval=reporter.interval)
+    empty = torch.zeros(0, dtype=torch.int64)
+    view = SwaBatch(torch.zeros((1, 1), dtype=torch.int32), torch.zeros(1, dtype=torch.int64), empty, empty, ())
+    for forward_ct in range(1, 10):
+        with spans.forward_span(forward_ct=forward_ct):
+            reporter.step(view)
+    forward = {s.context.span_id: s.attributes["forward_step.forward_ct"] for s in pipeline.spans.get_finished_spans()}
+    assert [(ct, forward[span.get_span_context().span_id]) for ct, span in seen] == [(3, 3), (6, 6), (9, 9)]
+
+
+@pytest.mark.parametrize("mode, expected", [("all", list(range(1, 13))), ("off", [])])
+def test_all_and_off(pipeline, mode, expected):
+    spans = ForwardSpans(pipeline.tracer_provider.get_tracer("engine"), mode=mode, interval=4)
+    assert forward_steps(pipeline, spans)[0] == expected
+
+
+def test_the_mode_comes_from_the_variable_and_the_interval_from_the_reporters_variables(pipeline):
+    env = {"OTEL_SWA_FORWARD_SPANS": " Sampled ", "OTEL_SWA_DIVERGENCE_INTERVAL": "5"}
+    spans = ForwardSpans(pipeline.tracer_provider.get_tracer("engine"), environ=env)
+    assert (spans.mode, spans.interval) == ("sampled", 5)
+    assert forward_steps(pipeline, spans)[0] == [5, 10]
+    # the default is sampled; with no interval known every step is spanned
+    spans = ForwardSpans(pipeline.tracer_provider.get_tracer("engine"), environ={})
+    assert (spans.mode, spans.interval) == ("sampled", None)
+    assert spans.spans_step(7)
+
+
+def test_a_bad_mode_is_named(pipeline):
+    from otel_swa.config import ConfigError
+
+    tracer = pipeline.tracer_provider.get_tracer("engine")
+    with pytest.raises(ConfigError, match="OTEL_SWA_FORWARD_SPANS='every'; expected one of sampled, all, off"):
+        ForwardSpans(tracer, environ={"OTEL_SWA_FORWARD_SPANS": "every"})
+    with pytest.raises(ValueError, match="mode='some'"):
+        ForwardSpans(tracer, mode="some")
+    with pytest.raises(ValueError, match="interval=0"):
+        ForwardSpans(tracer, interval=0)
