@@ -46,18 +46,20 @@ class RecountingReporter:
                     swa = mapping[full]
                     out += swa == 0
                     divergent += swa != 0 and swa != full
-            leaked, stale, shared = self.audit(mapping)
+            leaked, stale, shared, in_use, referenced = self.audit(mapping)
             self.expected.append(
                 SwaDivergenceRecord(
                     self.forward_ct, self.verify_full, self.verify_swa, divergent, out,
                     swa_leaked_slots=leaked, swa_stale_tokens=stale, swa_shared_slots=shared,
+                    swa_pages_in_use=in_use, swa_pages_referenced=referenced,
                     verify_source="attention",  # the reference engine counts the entries attention reads
                 )
             )
         self.reporter.step(view, context)
 
     def audit(self, mapping):
-        """Leaked SWA slots, stale tokens and shared SWA slots, from the pools' host state."""
+        """Leaked SWA slots, stale tokens, shared SWA slots, SWA pages in use and in-use pages a live
+        token maps into, from the pools' host state."""
         pools = self.engine.pools
         ps = pools.page_size
         free = set(pools.free_swa_page_list())
@@ -76,7 +78,7 @@ class RecountingReporter:
                 stale += bool(mapping[full]) and mapping[full] // ps in free
         in_use = set(range(1, pools.swa_pages + 1)) - free
         leaked = len(in_use - referenced_pages) * ps
-        return leaked, stale, sum(1 for n in users.values() if n > 1)
+        return leaked, stale, sum(1 for n in users.values() if n > 1), len(in_use), len(in_use & referenced_pages)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
