@@ -183,12 +183,13 @@ def observe_verified(reporter: Any, group: Any, verify_num_valid: "torch.Tensor 
 
 
 def log_line_sink(logger: "logging.Logger | None" = None, level: int = logging.INFO) -> LogLineSink:
-    """A reporter sink that logs each record's SGLang line (``kv_canary_swa_divergence={...}``).
+    """A reporter sink that logs each record's line (``otel_swa[verify=...] kv_canary_swa_divergence={...}``).
 
-    A :class:`otel_swa.logline.LogLineSink`: the message is exactly
-    :meth:`otel_swa.record.SwaDivergenceRecord.format`, the line SGLang's reporter logs, so log greps and SGLang's
-    ``SwaDivergenceLog.find_all`` read it unchanged. Default logger: SGLang's
-    (``sglang.srt.kv_canary.runner.swa_divergence``), so the engine's log handlers apply.
+    A :class:`otel_swa.logline.LogLineSink`: the messages are
+    :meth:`otel_swa.record.SwaDivergenceRecord.lines` (the tagged line, the record part byte for byte
+    the line SGLang's reporter logs, then its audit line when audited), after one run start marker;
+    log greps and SGLang's ``SwaDivergenceLog.find_all`` read them unchanged. Default logger:
+    SGLang's (``sglang.srt.kv_canary.runner.swa_divergence``), so the engine's log handlers apply.
     """
     return LogLineSink(logger if logger is not None else logging.getLogger(SGLANG_LOGGER_NAME), level)
 
