@@ -111,3 +111,10 @@ def test_every_rank_is_its_own_series_with_its_exact_totals(agent_binary, tmp_pa
         records = find_all("\n".join(lines))
         assert len(records) == info["records"] and records[-1].to_dict() == info["last"]
         assert [rec.forward_ct for rec in records] == list(range(10, 10 * len(records) + 1, 10))
+    # and otel-swa check judges every rank of the one file on its own
+    check = subprocess.run([sys.executable, "-m", "otel_swa.cli", "check", str(log_path)],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "judged each rank on its own" in check.stdout
+    for r, info in ranks.items():
+        assert f"TP{r}: ok, {info['records']} record(s)" in check.stdout
