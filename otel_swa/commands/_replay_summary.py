@@ -15,7 +15,7 @@ from typing import Any, Sequence, TextIO
 from otel_swa.record import SwaDivergenceRecord
 from otel_swa.testing.judge import AUDIT_RULES
 
-__all__ = ["ReplayVerdict", "Progress", "verdict_of", "summary_rows", "print_summary"]
+__all__ = ["ReplayVerdict", "Progress", "verdict_of", "summary_rows", "print_summary", "export_row"]
 
 #: Exit status of a run interrupted by SIGINT (128 + 2, as a shell reports it).
 INTERRUPTED = 130
@@ -119,6 +119,27 @@ def summary_rows(
     else:
         rows.append(("interrupted", f"at forward step {summary.forward_steps} (Ctrl-C); every sample taken was delivered"))
     return rows
+
+
+_UNITS = {"traces": "spans", "metrics": "data points", "logs": "log records"}
+
+
+def export_row(export_stats: dict) -> str | None:
+    """The ``exported`` row from :meth:`otel_swa.telemetry.SwaTelemetry.export_stats` (``None``
+    when no exporter that sends was set up): what each signal's exporters sent, and what failed."""
+    if not export_stats:
+        return None
+    parts = []
+    for signal in ("traces", "metrics", "logs"):
+        counts = export_stats.get(signal)
+        if counts is None:
+            continue
+        text = f"{signal} {counts.exported} {_UNITS[signal]}"
+        if counts.failed_exports:
+            text += f" ({counts.failed} in {counts.failed_exports} failed export(s))"
+        parts.append(text)
+    failed = any(c.failed_exports for c in export_stats.values())
+    return ", ".join(parts) + ("; EXPORTS FAILED: see the warnings above" if failed else "")
 
 
 def print_summary(rows: list[tuple[str, str]], out: TextIO) -> None:

@@ -45,7 +45,7 @@ from otel_swa.commands._replay_checks import (
     otel_hint,
     pool_too_large,
 )
-from otel_swa.commands._replay_summary import Progress, print_summary, summary_rows, verdict_of
+from otel_swa.commands._replay_summary import Progress, export_row, print_summary, summary_rows, verdict_of
 from otel_swa.record import SwaDivergenceRecord
 
 #: The SGLang log format (``[time{rank tokens}] message``), so the output reads like an engine's log.
@@ -286,6 +286,10 @@ def run(args: argparse.Namespace) -> int:
     if not interrupted:  # the requests that could not fit, after "requests finished"
         at = next((i + 1 for i, (name, _) in enumerate(rows) if name == "requests finished"), len(rows))
         rows.insert(at, ("requests skipped", summary.skipped_line()))
+    exported = export_row(telemetry.export_stats()) if telemetry is not None else None
+    if exported is not None:  # what reached a collector, beside what the reporter delivered
+        at = next((i + 1 for i, (name, _) in enumerate(rows) if name == "samples delivered"), len(rows))
+        rows.insert(at, ("exported", exported))
     print_summary(rows, out)
     for reason in verdict.reasons(interval, summary.forward_steps):
         print(f"otel-swa replay: {reason}", file=sys.stderr)

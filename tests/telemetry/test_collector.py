@@ -106,6 +106,11 @@ def test_collector_receives_every_record_as_metrics_and_events(agent_binary, tmp
         linked |= links
     assert linked == requests
 
+    # the replay's summary says what was sent, and the collector got exactly that
+    exported = next(line for line in run.stdout.splitlines() if line.strip().startswith("exported"))
+    assert f"logs {len(seen['logs'])} log records" in exported and "failed" not in exported.lower()
+    assert f"traces {len(seen['spans'])} spans" in exported
+
     # events: one per record, with the trace/span ids of the forward step where it was sampled
     events = [l for l in seen["logs"] if l.get("event_name") == "kv_cache.swa.divergence_sample"]
     assert [int_value(e["attributes"]["kv_cache.swa.forward_ct"]) for e in events] == [r.forward_ct for r in records]
