@@ -49,8 +49,9 @@ _INDEX = torch.int32  # table cells hold element indices (< 2**31 elements per a
 
 def _first_of_each_value(table: torch.Tensor, keys: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """``bool [n]``: True for one element per distinct value of ``keys`` (``int64 [n]``, valid
-    indices of ``table``); ``order`` is ``arange(n)`` in the table's dtype."""
-    table.index_put_((keys,), order)
+    indices of ``table``); ``order`` is ``arange(n)`` in the table's dtype. (``scatter_``, not
+    ``index_put_``: the same writes, four times faster on the CPU.)"""
+    table.scatter_(0, keys, order)
     return table.index_select(0, keys) == order
 
 
@@ -106,46 +107,51 @@ def audit_counts(
     page_table = ws.get("audit.pages", pages + 2, _INDEX)  # ids 0..pages, pages + 1: nobody
 
     # Free pages: valid ids 1..pages; the others are sent to the spare cell pages + 1.
-    free_ok = (free >= 1) & (free <= pages)
-    free_keys = torch.where(free_ok, free, pages + 1)
-    distinct_free = (_first_of_each_value(page_table, free_keys, order_k) & free_ok).sum()
+    free_keys = free.clamp(0, pages + 1)
+    free_ok = (free_keys == free) & (free_keys != 0) & (free_keys != pages + 1)
+    free_keys.masked_fill_(~free_ok, pages + 1)
+    distinct_free = torch.count_nonzero(_first_of_each_value(page_table, free_keys, order_k) & free_ok)
 
     # Holders: their SWA slot and page (page 0 is reserved: never counted).
-    full_ok = (full >= 0) & (full < size)
-    swa = mapping.index_select(0, torch.where(full_ok, full, 0))
+    in_range = full.clamp(0, size - 1)
+    full_ok = in_range == full
+    swa = mapping.index_select(0, in_range)
     if swa.dtype != torch.int64:
         swa = swa.long()
     mapped = full_ok & (swa > 0) & (swa < swa_slots)
-    page = torch.where(mapped, torch.div(swa, page_size, rounding_mode="floor"), 0)
-    mapped &= page >= 1
+    if page_size == 1:
+        page = swa.masked_fill(~mapped, 0)
+    else:
+        page = torch.div(swa, page_size, rounding_mode="floor").masked_fill_(~mapped, 0)
+        mapped &= page >= 1
 
     # Is a holder's page on the free list? The cell of the page names a free-list entry; the page is
     # free when that entry (read back) is the page itself. Cells never written now hold old values:
     # a stale index either points outside the list or at an entry holding another page.
     if k:
-        entry = page_table.index_select(0, page).long()
+        entry = page_table.index_select(0, page)
         clamped = entry.clamp(0, k - 1)
         on_free_list = (clamped == entry) & (free_keys.index_select(0, clamped) == page)
     else:
         on_free_list = torch.zeros_like(mapped)
-    stale = (mapped & on_free_list).sum()
+    stale = torch.count_nonzero(mapped & on_free_list)
 
     # Pages in use that a holder maps into: distinct pages over holders whose page is not free.
     in_use_ref = mapped & ~on_free_list
-    ref_keys = torch.where(in_use_ref, page, pages + 1)
-    referenced = (_first_of_each_value(page_table, ref_keys, order_n) & in_use_ref).sum()
+    ref_keys = page.masked_fill(~in_use_ref, pages + 1)
+    referenced = torch.count_nonzero(_first_of_each_value(page_table, ref_keys, order_n) & in_use_ref)
 
     # Shared SWA slots: over distinct held FULL slots (slot 0 is padding), the SWA slots reached by
     # two or more of them: per SWA slot one holder wins its cell; the losers, one per SWA slot
     # again, are the slots reached twice.
     full_table = ws.get("audit.full", size + 1, _INDEX)
     held = full_ok & (full != 0)
-    distinct_held = _first_of_each_value(full_table, torch.where(held, full, size), order_n) & held
-    counted = distinct_held & (swa > 0) & (swa < swa_slots)
+    distinct_held = _first_of_each_value(full_table, in_range.masked_fill(~held, size), order_n) & held
+    counted = distinct_held & mapped if page_size == 1 else distinct_held & (swa > 0) & (swa < swa_slots)
     slot_table = ws.get("audit.swa", swa_slots + 1, _INDEX)
-    winners = _first_of_each_value(slot_table, torch.where(counted, swa, swa_slots), order_n)
+    winners = _first_of_each_value(slot_table, swa.masked_fill(~counted, swa_slots), order_n)
     losers = counted & ~winners
-    shared = (_first_of_each_value(slot_table, torch.where(losers, swa, swa_slots), order_n) & losers).sum()
+    shared = torch.count_nonzero(_first_of_each_value(slot_table, swa.masked_fill(~losers, swa_slots), order_n) & losers)
 
     in_use = pages - distinct_free
     torch.stack([in_use, referenced, in_use - referenced, stale, shared], out=out)

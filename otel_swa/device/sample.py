@@ -397,7 +397,7 @@ def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, l
         jumps = up[1]
     steps = ws.get("live.steps", live + 1, torch.int64)
     steps.fill_(1)
-    steps.index_put_((up[0],), jumps, accumulate=True)
+    steps.scatter_add_(0, up[0], jumps)
     index = ws.get("live.index", live, torch.int64)
     torch.cumsum(steps[:live], 0, out=index)
     _count(out, totals, flat, mapping, index, live, ws, fields)

@@ -42,6 +42,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager
 
+import numpy as np
 import torch
 
 from otel_swa.reference.model import ForwardBatch, KVStorage, TinyHybridModel, prompt_token_ids
@@ -331,31 +332,47 @@ class ReferenceEngine:
         released their rows.
 
         ``req_pool_indices`` and ``seq_lens`` are ``int64`` ``[batch]`` on the engine's device;
-        ``seq_lens_cpu`` is the host list of the same lengths; ``swa_audit`` holds the SWA free
-        list and the FULL slots of every request holding KV (not only the batch's), so the reporter
-        also audits the SWA pool for leaked slots, stale tokens and shared slots.
+        ``seq_lens_cpu`` and ``req_pool_indices_cpu`` are the host lists of the same values (the
+        reporter then does the rows' work on the host); ``swa_audit`` holds the SWA free list and the
+        FULL slots of every request holding KV (not only the batch's), so the reporter also audits
+        the SWA pool for leaked slots, stale tokens and shared slots.
 
         Raises:
             RuntimeError: no forward step has run yet.
         """
         if not self._last_items:
             raise RuntimeError("no forward step has run yet")
+        rows = [it.req.slots.row for it in self._last_items]
         seq_lens = [it.seq_len for it in self._last_items]
         return SwaBatch(
             req_to_token=self.pools.req_to_token,
             full_to_swa_index_mapping=self.pools.full_to_swa_index_mapping,
-            req_pool_indices=torch.tensor([it.req.slots.row for it in self._last_items], dtype=torch.int64, device=self.device),
+            req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=self.device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=self.device),
             seq_lens_cpu=seq_lens,
+            req_pool_indices_cpu=rows,
             swa_audit=self._swa_audit_inputs(),
         )
 
     def _swa_audit_inputs(self) -> SwaAuditInputs:
+        """The audit's inputs at a sampling step: host arrays built without a Python loop per token
+        (numpy over the requests), one device gather for every holder's FULL slots."""
         pools = self.pools
-        held = [pools.req_to_token[slots.row, : slots.seq_len] for slots in pools.requests.values()]
-        holder_full_slots = torch.cat(held).long() if held else torch.zeros(0, dtype=torch.int64, device=self.device)
+        holders = list(pools.requests.values())
+        req_to_token = pools.req_to_token
+        lens = np.fromiter((slots.seq_len for slots in holders), dtype=np.int64, count=len(holders))
+        total = int(lens.sum())
+        if total:
+            rows = np.fromiter((slots.row for slots in holders), dtype=np.int64, count=len(holders))
+            # flat index of position p of a holder in row r: r * width + p
+            offsets = rows * req_to_token.stride(0) - (np.cumsum(lens) - lens)
+            index = np.repeat(offsets, lens) + np.arange(total, dtype=np.int64)
+            holder_full_slots = req_to_token.view(-1).index_select(0, torch.from_numpy(index).to(self.device))
+        else:
+            holder_full_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
+        free = pools.free_swa_page_list()
         return SwaAuditInputs(
-            swa_free_page_ids=torch.tensor(pools.free_swa_page_list(), dtype=torch.int64, device=self.device),
+            swa_free_page_ids=torch.from_numpy(np.array(free, dtype=np.int64)).to(self.device),
             num_swa_pages=pools.swa_pages,
             page_size=pools.page_size,
             holder_full_slots=holder_full_slots,

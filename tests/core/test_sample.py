@@ -119,7 +119,7 @@ def batch(host_lengths=True, host_rows=False, fill=0.1, audit=False):
 
 
 # The contract. Live gather, rows and lengths known on the host: 12 operations compute the sample
-# (the flat index: fill_, index_put_, cumsum; the two gathers, the int32 -> int64 copy and the clamp
+# (the flat index: fill_, scatter_add_, cumsum; the two gathers, the int32 -> int64 copy and the clamp
 # that keeps the second in bounds; sub, mul_ and two count_nonzero; one cat into the staged slot),
 # 3 give the evidence of a bad view (issue 10, case 7: the FULL slots' range, and sub +
 # count_nonzero for the entries whose seq_lens differs from seq_lens_cpu), and 1 copies the staged
