@@ -64,11 +64,18 @@ def model(tmp_path_factory):
 
 
 def _engine_run(tmp_path_factory, model, agent, name, *, engine, env):
+    import json
+
     from sglang_engine.harness import run_engine
 
     base = {"kv_canary": "raise"}
     both = {"OTEL_SWA_DIVERGENCE_INTERVAL": str(INTERVAL), "SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL": str(INTERVAL)}
-    return run_engine(tmp_path_factory.mktemp(name), model, agent, engine={**base, **engine}, env={**both, **env})
+    directory = tmp_path_factory.mktemp(name)
+    run = run_engine(directory, model, agent, engine={**base, **engine}, env={**both, **env})
+    # the scheduler's pool figures (SGLang's own and otel-swa's reader), from the probe
+    run.pools = [json.loads(line) for path in sorted((directory / "probe").glob("pools-*.jsonl"))
+                 for line in path.read_text().splitlines()]
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +207,45 @@ def test_trace_ids_do_not_repeat_across_runs_seeded_alike(traced, paged):
     first = {s["trace_id"] for s in traced.spans("forward step")}
     second = {s["trace_id"] for s in paged.spans("forward step")}
     assert len(first) == len(traced.spans("forward step")) and not first & second
+
+
+# ------------------------------------------------------------------ KV pool usage
+POOL_FIGURES = ("used", "available", "evictable", "limit")
+
+
+def test_the_pool_reader_equals_sglangs_own_pool_stats_after_every_batch(instrumented):
+    lines = [line for line in instrumented.pools if line["at"] == "run_batch"]
+    assert len(lines) >= instrumented.forward_steps and not [l for l in lines if "error" in l]
+    for line in lines:
+        assert line["ours"] == line["sglang"], line
+    # the run filled the pools, evicted from the window and left prefixes in the radix cache
+    assert max(l["sglang"]["full"][0] for l in lines) > max(l["sglang"]["swa"][0] for l in lines) > 0
+    assert max(l["sglang"]["full"][2] for l in lines) > 0 and max(l["sglang"]["swa"][2] for l in lines) > 0
+
+
+def test_the_collector_gets_the_pools_as_sglang_counted_them_at_the_collection(instrumented):
+    (flush,) = [line for line in instrumented.pools if line["at"] == "flush"]
+    figures = flush["sglang"]
+    for pool in ("full", "swa"):
+        for index, figure in enumerate(POOL_FIGURES):
+            points = [p for p in instrumented.points(f"kv_cache.pool.tokens.{figure}")
+                      if p["attributes"]["pool"] == f"Str({pool})"]
+            assert len(points) == 1, (figure, pool, points)  # one collection: the flush at shutdown
+            assert points[0]["value"] == figures[pool][index], (figure, pool)
+            assert _int(points[0]["attributes"]["otel_swa.tp_rank"]) == 0
+        (usage,) = [p for p in instrumented.points("kv_cache.pool.utilization") if p["attributes"]["pool"] == f"Str({pool})"]
+        assert usage["value"] == pytest.approx(figures[pool][0] / figures[pool][3])
+    # idle at shutdown: nothing used but the page the paged run leaked on purpose (4 SWA slots),
+    # and the radix cache holds the prefixes it kept
+    leaked = 4 if any("leaked_page" in line for line in instrumented.probe) else 0
+    assert (figures["full"][0], figures["swa"][0]) == (0, leaked) and figures["full"][2] > 0
+
+
+def test_the_window_savings_are_out_of_window_tokens_times_the_swa_pools_bytes_per_token(instrumented):
+    # the test model (build_model.py): 3 SWA layers x 2 KV heads x (K 16 + V 16 dims) x float32 (4 bytes)
+    (point,) = instrumented.points("kv_cache.swa.memory.saved")
+    assert point["value"] == instrumented.ours[-1].swa_out_of_window_tokens * 3 * 2 * 32 * 4
+    assert _int(point["attributes"]["otel_swa.tp_rank"]) == 0
 
 
 # ------------------------------------------------------------------ the radix cache and the audit

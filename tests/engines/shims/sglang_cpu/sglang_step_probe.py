@@ -13,6 +13,12 @@ process per rank. This module is imported there (through the shims' ``.pth`` fil
 * **leak** (``OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP=N``): after forward step ``N``, takes the first page
   off the SWA allocator's free list, a leak made on purpose (the page is neither free nor mapped by
   any token); the line gets ``"leaked_page"``;
+* **pools**: after every ``Scheduler.run_batch``, SGLang's own pool statistics
+  (``scheduler.pool_stats_observer.get_pool_stats()``, what its Prometheus pool gauges report)
+  beside what otel-swa's reader (:func:`otel_swa.views.sglang.scheduler_pool_usage`) gives at
+  that moment, and, when otel-swa's flush RPC arrives (``Engine.shutdown``: the metric collection
+  that exports the pool gauges runs inside it, on the same thread), SGLang's statistics just
+  before it; one line each in ``pools-<pid>.jsonl`` (``"at": "run_batch"`` or ``"flush"``);
 * **by hand** (``OTEL_SWA_TEST_SGLANG_BY_HAND=1``): replaces the reporter SGLang's KV canary builds
   (``canary_manager.SwaDivergenceReporter``) by otel-swa's :class:`~otel_swa.views.sglang.KvCanaryHooks`
   with the SGLang log line as its sink, the one-line substitution ``docs/engines.md`` describes for
@@ -27,6 +33,7 @@ import os
 import sglang_cpu_patches
 
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
+_SCHEDULER = "sglang.srt.managers.scheduler"
 _CANARY_MANAGER = "sglang.srt.kv_canary.runner.canary_manager"
 
 
@@ -77,6 +84,49 @@ def _patch_model_runner(module) -> None:
     runner_class.forward = forward
 
 
+def sglang_pool_figures(scheduler) -> dict:
+    """SGLang's own pool statistics of ``scheduler`` now, as ``{pool: [used, available, evictable, capacity]}``."""
+    stats = scheduler.pool_stats_observer.get_pool_stats()
+    figures = {"full": [stats.full_num_used, stats.full_available_size, stats.full_evictable_size, stats.full_capacity]}
+    if stats.is_hybrid_swa:
+        figures["swa"] = [stats.swa_num_used, stats.swa_available_size, stats.swa_evictable_size, stats.swa_capacity]
+    return figures
+
+
+def _patch_scheduler(module) -> None:
+    from otel_swa.views.sglang import scheduler_pool_usage
+
+    out_dir = os.environ["OTEL_SWA_TEST_SGLANG_PROBE"]
+    scheduler_class = module.Scheduler
+    run_batch, handle_rpc_request = scheduler_class.run_batch, scheduler_class.handle_rpc_request
+
+    def write(line: dict) -> None:
+        with open(os.path.join(out_dir, f"pools-{os.getpid()}.jsonl"), "a") as out:
+            out.write(json.dumps({"pid": os.getpid(), **line}) + "\n")
+
+    def probed_run_batch(self, batch, *args, **kwargs):
+        result = run_batch(self, batch, *args, **kwargs)
+        try:
+            ours = {u.pool: [u.used, u.available, u.evictable, u.total] for u in scheduler_pool_usage(self)}
+            write({"at": "run_batch", "sglang": sglang_pool_figures(self), "ours": ours})
+        except Exception as exc:  # the test reads the error; the engine goes on
+            write({"at": "run_batch", "error": repr(exc)})
+        return result
+
+    def probed_handle_rpc_request(self, recv_req, *args, **kwargs):
+        if getattr(recv_req, "method", None) == "otel_swa_flush":
+            try:
+                write({"at": "flush", "sglang": sglang_pool_figures(self)})
+            except Exception as exc:
+                write({"at": "flush", "error": repr(exc)})
+        return handle_rpc_request(self, recv_req, *args, **kwargs)
+
+    probed_run_batch.__wrapped__ = run_batch
+    probed_handle_rpc_request.__wrapped__ = handle_rpc_request
+    scheduler_class.run_batch = probed_run_batch
+    scheduler_class.handle_rpc_request = probed_handle_rpc_request
+
+
 def _patch_canary_manager(module) -> None:
     from otel_swa.reporter import SwaDivergenceReporter
     from otel_swa.views.sglang import KvCanaryHooks, log_line_sink
@@ -90,5 +140,6 @@ def _patch_canary_manager(module) -> None:
 
 def install() -> None:
     sglang_cpu_patches.add_patch(_MODEL_RUNNER, _patch_model_runner)
+    sglang_cpu_patches.add_patch(_SCHEDULER, _patch_scheduler)
     if os.environ.get("OTEL_SWA_TEST_SGLANG_BY_HAND") == "1":
         sglang_cpu_patches.add_patch(_CANARY_MANAGER, _patch_canary_manager)
