@@ -24,7 +24,7 @@ kv_cache.swa.reporter.sink.errors           ObservableCtr   {error}      reporte
 kv_cache.swa.reporter.samples.invalid       ObservableCtr   {sample}     reporter.stats.invalid_samples
 kv_cache.swa.reporter.samples.skipped       ObservableCtr   {sample}     reporter.stats.skipped_captures
 kv_cache.swa.reporter.samples.pending       ObservableGauge {sample}     reporter.stats.pending
-kv_cache.swa.memory.saved                   Gauge           By           swa_out_of_window_tokens x SWA KV bytes per token
+kv_cache.swa.memory.saved                   ObservableGauge By           swa_out_of_window_tokens x SWA KV bytes per token
 kv_cache.pool.tokens.used                   ObservableGauge {token}      the engine's pool (pool=full|swa), at collection
 kv_cache.pool.tokens.available              ObservableGauge {token}      idem
 kv_cache.pool.tokens.evictable              ObservableGauge {token}      idem (held only by the prefix cache)
