@@ -250,6 +250,7 @@ def test_a_table_that_cannot_be_read_is_logged_once_and_its_step_still_counts(
 def test_the_forward_step_span_covers_the_runners_forward(vllm_standin, instrumentor, pipeline, monkeypatch, runner):
     v = vllm_standin()
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "4")
+    monkeypatch.setenv("OTEL_SWA_FORWARD_SPANS", "all")  # every forward step, not only the sampled ones
     instrumentor.instrument(**pipeline.providers())
     model_runner = getattr(v, runner)()
     batches = [{"a": 5, "b": 1}, {"a": 1}, {"a": 1, "b": 1, "c": 9}]
@@ -268,6 +269,7 @@ def test_the_forward_step_span_covers_the_runners_forward(vllm_standin, instrume
 def test_v2_warm_up_runs_and_empty_steps_are_not_forward_steps(vllm_standin, instrumentor, pipeline, monkeypatch):
     v = vllm_standin()
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "4")
+    monkeypatch.setenv("OTEL_SWA_FORWARD_SPANS", "all")  # every forward step, not only the sampled ones
     instrumentor.instrument(**pipeline.providers())
     runner = v.V2()
     batch = SimpleNamespace(num_scheduled_tokens={"a": 3}, total_num_scheduled_tokens=3)
