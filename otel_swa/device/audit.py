@@ -105,53 +105,54 @@ def audit_counts(
     order_k = ws.arange(k, _INDEX)
     order_n = ws.arange(n, _INDEX)
     page_table = ws.get("audit.pages", pages + 2, _INDEX)  # ids 0..pages, pages + 1: nobody
+    free_mark = ws.kept("audit.free", pages + 2, _INDEX, fill=0)  # kept: holds the stamp of the last audit
+    stamp = ws.stamp()
+    if stamp == 1:  # the first audit on this table, or the stamps wrapped: no cell may carry it yet
+        free_mark.fill_(0)
 
     # Free pages: valid ids 1..pages; the others are sent to the spare cell pages + 1.
     free_keys = free.clamp(0, pages + 1)
     free_ok = (free_keys == free) & (free_keys != 0) & (free_keys != pages + 1)
     free_keys.masked_fill_(~free_ok, pages + 1)
     distinct_free = torch.count_nonzero(_first_of_each_value(page_table, free_keys, order_k) & free_ok)
+    free_mark.index_fill_(0, free_keys, stamp)  # this audit's free pages carry its stamp
 
     # Holders: their SWA slot and page (page 0 is reserved: never counted).
-    in_range = full.clamp(0, size - 1)
-    full_ok = in_range == full
-    swa = mapping.index_select(0, in_range)
+    keys = full.clamp(0, size - 1)
+    full_ok = keys == full
+    swa = mapping.index_select(0, keys)
     if swa.dtype != torch.int64:
         swa = swa.long()
-    mapped = full_ok & (swa > 0) & (swa < swa_slots)
+    in_pool = full_ok & (swa > 0) & (swa < swa_slots)
     if page_size == 1:
-        page = swa.masked_fill(~mapped, 0)
+        page = swa.masked_fill(~in_pool, 0)
+        mapped = in_pool
     else:
-        page = torch.div(swa, page_size, rounding_mode="floor").masked_fill_(~mapped, 0)
-        mapped &= page >= 1
+        page = torch.div(swa, page_size, rounding_mode="floor").masked_fill_(~in_pool, 0)
+        mapped = in_pool & (page >= 1)
 
-    # Is a holder's page on the free list? The cell of the page names a free-list entry; the page is
-    # free when that entry (read back) is the page itself. Cells never written now hold old values:
-    # a stale index either points outside the list or at an entry holding another page.
-    if k:
-        entry = page_table.index_select(0, page)
-        clamped = entry.clamp(0, k - 1)
-        on_free_list = (clamped == entry) & (free_keys.index_select(0, clamped) == page)
-    else:
-        on_free_list = torch.zeros_like(mapped)
+    # Is a holder's page on the free list? Its cell carries this audit's stamp (older stamps: no).
+    on_free_list = free_mark.index_select(0, page) == stamp
     stale = torch.count_nonzero(mapped & on_free_list)
 
     # Pages in use that a holder maps into: distinct pages over holders whose page is not free.
+    # No routing needed: the holders of one page all agree on "in use" (a page-wide fact), and
+    # holders that map nowhere have page 0, which never counts.
     in_use_ref = mapped & ~on_free_list
-    ref_keys = page.masked_fill(~in_use_ref, pages + 1)
-    referenced = torch.count_nonzero(_first_of_each_value(page_table, ref_keys, order_n) & in_use_ref)
+    referenced = torch.count_nonzero(_first_of_each_value(page_table, page, order_n) & in_use_ref)
 
-    # Shared SWA slots: over distinct held FULL slots (slot 0 is padding), the SWA slots reached by
-    # two or more of them: per SWA slot one holder wins its cell; the losers, one per SWA slot
-    # again, are the slots reached twice.
+    # Shared SWA slots: over distinct held FULL slots (slot 0 is padding; slots outside the mapping
+    # are sent to 0 too), the SWA slots reached by two or more of them: per SWA slot one holder wins
+    # its cell; the losers, one per SWA slot again, are the slots reached twice.
     full_table = ws.get("audit.full", size + 1, _INDEX)
-    held = full_ok & (full != 0)
-    distinct_held = _first_of_each_value(full_table, in_range.masked_fill(~held, size), order_n) & held
-    counted = distinct_held & mapped if page_size == 1 else distinct_held & (swa > 0) & (swa < swa_slots)
+    keys.masked_fill_(~full_ok, 0)
+    counted = _first_of_each_value(full_table, keys, order_n) & (keys != 0) & in_pool
     slot_table = ws.get("audit.swa", swa_slots + 1, _INDEX)
-    winners = _first_of_each_value(slot_table, swa.masked_fill(~counted, swa_slots), order_n)
+    slot_keys = swa.masked_fill(~counted, swa_slots)
+    winners = _first_of_each_value(slot_table, slot_keys, order_n)
     losers = counted & ~winners
-    shared = torch.count_nonzero(_first_of_each_value(slot_table, swa.masked_fill(~losers, swa_slots), order_n) & losers)
+    slot_keys.masked_fill_(winners, swa_slots)  # only the losers keep their SWA slot
+    shared = torch.count_nonzero(_first_of_each_value(slot_table, slot_keys, order_n) & losers)
 
     in_use = pages - distinct_free
     torch.stack([in_use, referenced, in_use - referenced, stale, shared], out=out)

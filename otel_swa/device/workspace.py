@@ -73,6 +73,13 @@ class Workspace:
             self._buffers[key] = buffer
         return buffer[:size]
 
+    def stamp(self) -> int:
+        """A new positive int32 stamp per call (1, 2, ...; wraps after 2**31 - 1 calls): a kept
+        table cell written with this call's stamp is told from cells of earlier calls without
+        clearing the table."""
+        self._stamp = getattr(self, "_stamp", 0) % (2**31 - 1) + 1
+        return self._stamp
+
     def nbytes(self) -> int:
         """Bytes held by the kept buffers."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
