@@ -46,11 +46,12 @@ def prometheus_name(name: str, unit: str, kind: str) -> set[str]:
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     """(Prometheus metric names, label names) of a real export."""
+    import torch
     from opentelemetry.sdk.metrics._internal.point import Histogram, Sum
 
     from opentelemetry.instrumentation.swa_reference import SwaReferenceInstrumentor
     from otel_swa.reference.engine import EngineConfig, ReferenceEngine
-    from otel_swa.reference.trace import load_trace
+    from otel_swa.reference.trace import TraceRequest, load_trace
     from otel_swa.telemetry import configure
 
     patch = pytest.MonkeyPatch()
@@ -67,10 +68,14 @@ def exported(tmp_path_factory):
     try:
         engine = ReferenceEngine(EngineConfig(window=16, full_pool_size=4096, swa_pool_size=512, max_running=8,
                                               token_budget=128, max_context_len=2048, step_time_s=0.0))
-        for request in load_trace("conv", limit=10):
-            if request.context_tokens + request.generated_tokens <= 2048:
-                engine.submit(request, arrival_s=0.0)
-        engine.run_until_done()
+        for request in load_trace("conv", limit=10):  # scaled down: the model runs, briefly
+            engine.submit(TraceRequest(0.0, request.context_tokens // 16 + 1, request.generated_tokens // 8 + 1))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            engine.run_until_done()
+        finally:
+            torch.set_num_threads(threads)
         data = reader.get_metrics_data()
     finally:
         instrumentor.uninstrument()
