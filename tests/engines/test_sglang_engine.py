@@ -80,8 +80,10 @@ def _engine_run(tmp_path_factory, model, agent, name, *, engine, env):
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory, model, agent_binary):
+    # a span at every forward step here (the default spans the sampled steps only, as in `paged`)
     return _engine_run(tmp_path_factory, model, agent_binary, "traced",
-                       engine={"page_size": 1, "enable_trace": True, "otlp_traces_endpoint": "{otlp_grpc}"}, env={})
+                       engine={"page_size": 1, "enable_trace": True, "otlp_traces_endpoint": "{otlp_grpc}"},
+                       env={"OTEL_SWA_FORWARD_SPANS": "all"})
 
 
 @pytest.fixture(scope="module")
@@ -177,10 +179,15 @@ def test_the_collector_gets_every_sample_as_an_event_and_metrics_from_the_schedu
         assert _int(point["attributes"]["otel_swa.tp_rank"]) == 0
 
 
-def test_every_forward_step_of_the_scheduler_has_its_span(instrumented):
+def test_forward_steps_have_their_spans_every_step_or_the_sampled_ones(traced, paged):
+    every = sorted(_int(s["attributes"]["forward_step.forward_ct"]) for s in traced.spans("forward step"))
+    assert every == list(range(1, traced.forward_steps + 1))  # OTEL_SWA_FORWARD_SPANS=all
+    sampled = sorted(_int(s["attributes"]["forward_step.forward_ct"]) for s in paged.spans("forward step"))
+    assert sampled == list(range(INTERVAL, paged.forward_steps + 1, INTERVAL))  # the default
+
+
+def test_each_sample_event_is_in_the_span_of_its_forward_step(instrumented):
     spans = instrumented.spans("forward step")
-    assert sorted(_int(s["attributes"]["forward_step.forward_ct"]) for s in spans) == list(
-        range(1, instrumented.forward_steps + 1))
     assert {_int(s["attributes"]["otel_swa.tp_rank"]) for s in spans} == {0}
     # each event carries the trace context of the forward step where its sample was taken
     by_ct = {_int(s["attributes"]["forward_step.forward_ct"]): s for s in spans}
@@ -289,3 +296,12 @@ def test_interval_zero_wraps_nothing_in_the_engine(by_hand):
     assert by_hand.spans("forward step") == []
     assert by_hand.events() == []
     assert [m for m in by_hand.seen["metrics"] if m.get("name", "").startswith("kv_cache.swa.")] == []
+
+
+def test_otel_swa_check_passes_the_clean_engine_log_and_fails_the_leaking_one(traced, paged, tmp_path):
+    from otel_swa.cli import main
+
+    for name, run, expected in (("traced", traced, 0), ("paged", paged, 1)):
+        path = tmp_path / f"{name}.log"
+        path.write_text(run.log)
+        assert main(["check", str(path)]) == expected, name

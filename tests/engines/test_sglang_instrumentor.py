@@ -178,6 +178,7 @@ def test_instrument_wraps_uninstrument_restores_the_same_functions(sglang_standi
 def test_driven_steps_give_recounted_records_spans_and_metrics(sglang_standin, instrumentor, pipeline, monkeypatch):
     s = sglang_standin()
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "3")
+    monkeypatch.setenv("OTEL_SWA_FORWARD_SPANS", "all")  # a span at every forward step, not only sampled ones
     instrumentor.instrument(**pipeline.providers())
     instrumentor.instrument(**pipeline.providers())  # harmless twice
     state = CacheState(7)

@@ -75,6 +75,7 @@ def test_forward_on_the_real_allocator_gives_recounted_records(real, instrumento
 
     monkeypatch.setattr(real.ModelRunner, "forward", forward)
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "5")
+    monkeypatch.setenv("OTEL_SWA_FORWARD_SPANS", "all")  # a span at every forward step, not only sampled ones
     instrumentor.instrument(**pipeline.providers())
     sim = real.sim.SglangSim(page_size=page_size, window=WINDOW, seed=3 + page_size)
     runner = real.ModelRunner.__new__(real.ModelRunner)

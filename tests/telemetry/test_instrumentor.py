@@ -28,6 +28,7 @@ CONFIG = EngineConfig(window=16, full_pool_size=1024, swa_pool_size=256, max_run
 def instrumented(pipeline, monkeypatch):
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "3")
     monkeypatch.setenv("OTEL_SWA_RING_SIZE", "2")
+    monkeypatch.setenv("OTEL_SWA_FORWARD_SPANS", "all")  # every step's span and its request links
     lines = io.StringIO()
     pipeline.logger_provider.add_log_record_processor(SimpleLogRecordProcessor(SwaLogLineExporter(lines)))
     instrumentor = SwaReferenceInstrumentor()
