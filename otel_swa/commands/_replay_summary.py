@@ -105,6 +105,7 @@ def summary_rows(
                    f"page size {args.page_size}"),
         ("forward steps", f"{summary.forward_steps}"),
         ("requests finished", f"{finished} / {total}"),
+        *([("requests skipped", summary.skipped_line())] if complete else []),
         ("samples delivered", _samples(stats, interval, summary.forward_steps, verdict)),
         ("peak divergence", _peak(records, "swa_full_idx_divergence", "tokens")),
         ("peak out-of-window", _peak(records, "swa_out_of_window_tokens", "tokens")),

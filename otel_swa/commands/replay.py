@@ -252,11 +252,23 @@ def run(args: argparse.Namespace) -> int:
     summary: Any = progress
     interrupted = False
     stop.install()
+    on_engine = None
+    if telemetry is not None:  # the KV pools' usage and what the window saves, as gauges
+        pools = telemetry.pools
+        engines: list = []  # alive until the telemetry's last collection, at its shutdown
+
+        def on_engine(engine: Any) -> None:
+            engines.append(engine)
+            pools.register(lambda e: e.pools.usage(), owner=engine)
+            if reporter is not None and engine.kv is not None:
+                reporter.add_sink(pools.savings_sink(engine.kv.swa_bytes_per_token))
+
     try:
         summary = replay(
             requests, engine_config, reporter,
             progress=bar, arrivals=args.arrivals, time_scale=args.time_scale,
             forward_span=telemetry.forward_span if telemetry is not None else None,
+            on_engine=on_engine,
             **hooks,
         )
     except KeyboardInterrupt:  # Ctrl-C: deliver what was sampled, then the summary and 130
@@ -283,9 +295,6 @@ def run(args: argparse.Namespace) -> int:
     stats = reporter.stats if reporter is not None else None
     verdict = verdict_of(records, stats, interrupted)
     rows = summary_rows(args, interval, summary, records, stats, verdict, len(requests))
-    if not interrupted:  # the requests that could not fit, after "requests finished"
-        at = next((i + 1 for i, (name, _) in enumerate(rows) if name == "requests finished"), len(rows))
-        rows.insert(at, ("requests skipped", summary.skipped_line()))
     exported = export_row(telemetry.export_stats()) if telemetry is not None else None
     if exported is not None:  # what reached a collector, beside what the reporter delivered
         at = next((i + 1 for i, (name, _) in enumerate(rows) if name == "samples delivered"), len(rows))

@@ -68,6 +68,12 @@ class KVStorage:
 
         return cls(make(full_slots), make(full_slots), make(swa_slots), make(swa_slots))
 
+    @property
+    def swa_bytes_per_token(self) -> int:
+        """K and V bytes one token takes in the sliding-window layer (from the shapes and dtypes;
+        no device access)."""
+        return sum(math.prod(t.shape[1:]) * t.element_size() for t in (self.swa_k, self.swa_v))
+
 
 @dataclass
 class ForwardBatch:

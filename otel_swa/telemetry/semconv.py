@@ -1,6 +1,7 @@
 """Names otel-swa gives its telemetry: the metric namespace, event name, span names, attribute keys.
 
-Namespace: every metric, event and record attribute starts with ``kv_cache.swa.``. The names
+Namespace: every metric, event and record attribute starts with ``kv_cache.swa.``, but the pool
+usage gauges, ``kv_cache.pool.*`` (:mod:`otel_swa.telemetry.pools`: they cover the FULL pool too). The names
 describe the thing observed (the sliding-window-attention pool of the KV cache), not the package
 that observes it, in the way OpenTelemetry's semantic conventions name ``system.memory.*`` or
 ``gen_ai.*``; the reporter's own health sits below ``kv_cache.swa.reporter.``. Names are dotted and

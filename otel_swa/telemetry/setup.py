@@ -271,6 +271,15 @@ class SwaTelemetry:
         return stats
 
     @property
+    def pools(self) -> Any:
+        """The KV cache pool gauges on this pipeline's meter provider
+        (:func:`otel_swa.telemetry.pools.pool_metrics`): ``telemetry.pools.register(source,
+        owner=engine)`` exports an engine's pool usage, read at each collection."""
+        from otel_swa.telemetry.pools import pool_metrics
+
+        return pool_metrics(self.meter_provider)
+
+    @property
     def suppressed_warnings(self) -> int:
         """Repeated exporter warnings not logged (the first of each kind was)."""
         return self.warning_filter.suppressed if self.warning_filter is not None else 0

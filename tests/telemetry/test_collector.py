@@ -106,6 +106,12 @@ def test_collector_receives_every_record_as_metrics_and_events(agent_binary, tmp
         linked |= links
     assert linked == requests
 
+    # the KV pools' usage (read at the collection, from the engine's pools): every token of each
+    # pool is used, available or evictable; the replay's pools are 65536 (FULL) and 1024 (SWA) slots
+    for pool, size in (("full", 65536), ("swa", 1024)):
+        parts = [points(f"kv_cache.pool.tokens.{part}", pool=pool)[-1]["value"] for part in ("used", "available", "evictable")]
+        assert points("kv_cache.pool.tokens.limit", pool=pool)[-1]["value"] == sum(parts) == size
+
     # the replay's summary says what was sent, and the collector got exactly that
     exported = next(line for line in run.stdout.splitlines() if line.strip().startswith("exported"))
     assert f"logs {len(seen['logs'])} log records" in exported and "failed" not in exported.lower()

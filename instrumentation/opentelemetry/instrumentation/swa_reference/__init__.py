@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from types import SimpleNamespace
 from typing import Any, Collection
 
@@ -204,6 +203,4 @@ def swa_kv_bytes_per_token(engine: Any) -> "int | None":
     dtypes of its KV storage (``engine.kv.swa_k`` / ``swa_v``: ``[num_slots, num_heads, head_dim]``;
     no device access); ``None`` when the engine keeps no KV (``run_model=False``)."""
     kv = getattr(engine, "kv", None)
-    if kv is None:
-        return None
-    return sum(math.prod(t.shape[1:]) * t.element_size() for t in (kv.swa_k, kv.swa_v))
+    return None if kv is None else kv.swa_bytes_per_token
