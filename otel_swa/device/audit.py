@@ -18,16 +18,16 @@ Out-of-range ids (a free page id outside ``1..num_pages``, a FULL slot outside t
 slot beyond the pool) are ignored rather than read out of bounds.
 
 Cost. The audit reads only the ``n`` holder slots and the ``k`` free page ids: O(n + k) work, none
-of it proportional to the pool sizes. Distinct values (distinct free pages, distinct referenced
-pages, distinct held FULL slots, SWA slots reached twice) are found without sorting and without
-clearing a table: every element writes its own index ``i`` into a table cell addressed by its value
-(``table[value_i] = i``; with duplicates one writer wins), then reads the cell back; the elements
-that read their own index are one per distinct value. The tables are as long as the id ranges
-(FULL slots, SWA slots, SWA pages) but never initialised, cleared or scanned, so their size costs
-memory, not time: they are kept by a :class:`~otel_swa.device.workspace.Workspace` on the CPU
-(``int32``, 4 bytes per FULL slot, SWA slot and SWA page) and taken from the caching allocator
-for each audit on CUDA. No atomic operation is involved (the old pool-wide ``index_add_`` piled
-them on index 0 on a GPU).
+of it proportional to the pool sizes, and no table over the FULL pool. Distinct values (distinct
+free pages, distinct referenced pages, SWA slots reached twice) are found without sorting and
+without clearing a table: every element writes its own index ``i`` into a table cell addressed by
+its value (``table[value_i] = i``; with duplicates one writer wins), then reads the cell back; the
+elements that read their own index are one per distinct value. Free-list membership is a stamp
+(one per audit) written into the free pages' cells. The tables are as long as the SWA id ranges (SWA
+pages, SWA slots) but never scanned; they are kept by a
+:class:`~otel_swa.device.workspace.Workspace` on the CPU and taken from the caching allocator for
+each audit on CUDA (the small stamp table is kept on every device). No atomic operation is involved
+(the old pool-wide ``index_add_`` piled them on index 0 on a GPU).
 """
 
 from __future__ import annotations
@@ -117,7 +117,8 @@ def audit_counts(
     distinct_free = torch.count_nonzero(_first_of_each_value(page_table, free_keys, order_k) & free_ok)
     free_mark.index_fill_(0, free_keys, stamp)  # this audit's free pages carry its stamp
 
-    # Holders: their SWA slot and page (page 0 is reserved: never counted).
+    # Holders: their SWA slot and page (page 0 is reserved: never counted). A holder whose FULL slot
+    # lies outside the mapping maps nowhere: its page is 0.
     keys = full.clamp(0, size - 1)
     full_ok = keys == full
     swa = mapping.index_select(0, keys)
@@ -125,10 +126,10 @@ def audit_counts(
         swa = swa.long()
     in_pool = full_ok & (swa > 0) & (swa < swa_slots)
     if page_size == 1:
-        page = swa.masked_fill(~in_pool, 0)
+        page = swa.clamp(0, pages + 1).masked_fill_(~full_ok, 0)
         mapped = in_pool
     else:
-        page = torch.div(swa, page_size, rounding_mode="floor").masked_fill_(~in_pool, 0)
+        page = torch.div(swa, page_size, rounding_mode="floor").clamp_(0, pages + 1).masked_fill_(~full_ok, 0)
         mapped = in_pool & (page >= 1)
 
     # Is a holder's page on the free list? Its cell carries this audit's stamp (older stamps: no).
@@ -136,23 +137,23 @@ def audit_counts(
     stale = torch.count_nonzero(mapped & on_free_list)
 
     # Pages in use that a holder maps into: distinct pages over holders whose page is not free.
-    # No routing needed: the holders of one page all agree on "in use" (a page-wide fact), and
-    # holders that map nowhere have page 0, which never counts.
+    # No routing needed: the holders of one page all agree on "in use" (a page-wide fact); holders
+    # mapping nowhere have page 0 or the spare page, which never count.
     in_use_ref = mapped & ~on_free_list
     referenced = torch.count_nonzero(_first_of_each_value(page_table, page, order_n) & in_use_ref)
 
-    # Shared SWA slots: over distinct held FULL slots (slot 0 is padding; slots outside the mapping
-    # are sent to 0 too), the SWA slots reached by two or more of them: per SWA slot one holder wins
-    # its cell; the losers, one per SWA slot again, are the slots reached twice.
-    full_table = ws.get("audit.full", size + 1, _INDEX)
-    keys.masked_fill_(~full_ok, 0)
-    counted = _first_of_each_value(full_table, keys, order_n) & (keys != 0) & in_pool
-    slot_table = ws.get("audit.swa", swa_slots + 1, _INDEX)
-    slot_keys = swa.masked_fill(~counted, swa_slots)
-    winners = _first_of_each_value(slot_table, slot_keys, order_n)
-    losers = counted & ~winners
-    slot_keys.masked_fill_(winners, swa_slots)  # only the losers keep their SWA slot
-    shared = torch.count_nonzero(_first_of_each_value(slot_table, slot_keys, order_n) & losers)
+    # Shared SWA slots: SWA slots that two distinct held FULL slots map to (FULL slot 0 is padding;
+    # the same FULL slot held twice is prefix sharing, not a fault). Every holder writes its FULL
+    # slot into its SWA slot's cell; a holder that reads back another FULL slot shares its SWA slot
+    # with one; the distinct SWA slots of those holders are the shared ones. No table over the FULL
+    # pool is needed.
+    held = in_pool & (full != 0)
+    slot_table = ws.get("audit.swa", swa_slots + 1, torch.int64)  # FULL slot ids, then element indices
+    slot_keys = swa.masked_fill(~held, swa_slots)
+    slot_table.scatter_(0, slot_keys, keys)
+    sharing = (slot_table.index_select(0, slot_keys) != keys) & held
+    slot_keys.masked_fill_(~sharing, swa_slots)
+    shared = torch.count_nonzero(_first_of_each_value(slot_table, slot_keys, ws.arange(n)) & sharing)
 
     in_use = pages - distinct_free
     torch.stack([in_use, referenced, in_use - referenced, stale, shared], out=out)
