@@ -50,8 +50,8 @@ def test_audit_counts_equal_plain_recount(seed, page_size):
 # One workspace for every example, its tables first filled with noise: the audit never relies on
 # what a table holds from an earlier audit (or from nothing).
 _SHARED = Workspace("cpu")
-for _name, _size in (("audit.pages", 64), ("audit.full", 128), ("audit.swa", 128)):
-    _SHARED.get(_name, _size, torch.int32).copy_(torch.randint(-5, 50, (_size,), dtype=torch.int32))
+for _name, _dtype in (("audit.pages", torch.int32), ("audit.swa", torch.int64)):
+    _SHARED.get(_name, 128, _dtype).copy_(torch.randint(-5, 50, (128,), dtype=_dtype))
 
 
 @settings(max_examples=80, deadline=None)
