@@ -104,16 +104,18 @@ def audit_counts(
     k, n = free.numel(), full.numel()
     order_k = ws.arange(k, _INDEX)
     order_n = ws.arange(n, _INDEX)
-    page_table = ws.get("audit.pages", pages + 2, _INDEX)  # ids 0..pages, pages + 1: nobody
+    page_table = ws.get("audit.pages", pages + 2, _INDEX)  # ids 0..pages, and pages + 1
     free_mark = ws.kept("audit.free", pages + 2, _INDEX, fill=0)  # kept: holds the stamp of the last audit
     stamp = ws.stamp()
     if stamp == 1:  # the first audit on this table, or the stamps wrapped: no cell may carry it yet
         free_mark.fill_(0)
 
-    # Free pages: valid ids 1..pages; the others are sent to the spare cell pages + 1.
+    # Free pages: valid ids 1..pages; the others are sent to cell 0 (page 0 never counts). Routing
+    # is a multiplication by the mask throughout: masked_fill and where branch on every element and
+    # run seven times slower on the CPU when the mask is random.
     free_keys = free.clamp(0, pages + 1)
     free_ok = (free_keys == free) & (free_keys != 0) & (free_keys != pages + 1)
-    free_keys.masked_fill_(~free_ok, pages + 1)
+    free_keys.mul_(free_ok)
     distinct_free = torch.count_nonzero(_first_of_each_value(page_table, free_keys, order_k) & free_ok)
     free_mark.index_fill_(0, free_keys, stamp)  # this audit's free pages carry its stamp
 
@@ -126,10 +128,10 @@ def audit_counts(
         swa = swa.long()
     in_pool = full_ok & (swa > 0) & (swa < swa_slots)
     if page_size == 1:
-        page = swa.clamp(0, pages + 1).masked_fill_(~full_ok, 0)
+        page = swa.clamp(0, pages + 1).mul_(full_ok)
         mapped = in_pool
     else:
-        page = torch.div(swa, page_size, rounding_mode="floor").clamp_(0, pages + 1).masked_fill_(~full_ok, 0)
+        page = torch.div(swa, page_size, rounding_mode="floor").clamp_(0, pages + 1).mul_(full_ok)
         mapped = in_pool & (page >= 1)
 
     # Is a holder's page on the free list? Its cell carries this audit's stamp (older stamps: no).
@@ -148,11 +150,11 @@ def audit_counts(
     # with one; the distinct SWA slots of those holders are the shared ones. No table over the FULL
     # pool is needed.
     held = in_pool & (full != 0)
-    slot_table = ws.get("audit.swa", swa_slots + 1, torch.int64)  # FULL slot ids, then element indices
-    slot_keys = swa.masked_fill(~held, swa_slots)
+    slot_table = ws.get("audit.swa", swa_slots, torch.int64)  # FULL slot ids, then element indices
+    slot_keys = swa * held  # SWA slot 0 ("none") takes the holders that do not count
     slot_table.scatter_(0, slot_keys, keys)
     sharing = (slot_table.index_select(0, slot_keys) != keys) & held
-    slot_keys.masked_fill_(~sharing, swa_slots)
+    slot_keys.mul_(sharing)
     shared = torch.count_nonzero(_first_of_each_value(slot_table, slot_keys, ws.arange(n)) & sharing)
 
     in_use = pages - distinct_free
