@@ -20,6 +20,7 @@ Unset variables are fine: the exporters' defaults (``http://localhost:4317`` for
 
 from __future__ import annotations
 
+import math
 from typing import Mapping
 
 from otel_swa.config import ConfigError
@@ -82,6 +83,8 @@ def check_otlp_environment(protocols: Mapping[str, str], environ: Mapping[str, s
                 timeout = float(value)
             except ValueError:
                 raise ConfigError(f"{name}={value!r} is not a number; expected a timeout >= 0") from None
-            if timeout < 0 or timeout != timeout:
+            if not math.isfinite(timeout):
+                raise ConfigError(f"{name}={value!r} is not a finite number; expected a timeout >= 0")
+            if timeout < 0:
                 raise ConfigError(f"{name}={value!r} is negative; expected a timeout >= 0")
     return list(dict.fromkeys(warnings))

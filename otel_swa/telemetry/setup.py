@@ -35,6 +35,7 @@ plus ``resource_attributes``, ``process.pid``, and the process's ranks (:mod:`ot
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -226,13 +227,21 @@ class SwaTelemetry:
         (``sink.for_another_reporter()``) that shares the instruments and event emitters but keeps
         that reporter's cumulative totals, so the counters add up the work of all reporters.
         Attaching a reporter twice does nothing.
+
+        The reporter is then looked after by :mod:`otel_swa.lifecycle` like an instrumentor's: its
+        pending samples are delivered and exported at interpreter exit (before the SDK's providers
+        shut down) and on SIGTERM (when SIGTERM has its default action), and it is reset in a
+        forked child.
         """
+        from otel_swa import lifecycle
+
         for sink in self.sinks:
             if sink.reporter is reporter:
                 return reporter
         sink = self.sink if not self.sink.attached else self.sink.for_another_reporter()
         sink.attach(reporter)
         self.sinks.append(sink)
+        lifecycle.track(reporter, (self.tracer_provider, self.meter_provider, self.logger_provider))
         return reporter
 
     def forward_span(self, batch_info: Any = None, **values: Any):
@@ -298,9 +307,17 @@ class SwaTelemetry:
         if self._closed:
             return
         self._closed = True
+        for sink in self.sinks:  # what the attached reporters still hold reaches the providers first
+            reporter = sink.reporter
+            if reporter is not None:
+                try:
+                    reporter.flush()
+                except Exception:
+                    _log.exception("flushing an SWA divergence reporter before shutdown failed")
         self.request_spans.end_all()
         providers = {"traces": self.tracer_provider, "metrics": self.meter_provider, "logs": self.logger_provider}
-        deadline = time.monotonic() + (timeout_s if timeout_s is not None else _shutdown_budget_s())
+        budget = timeout_s if timeout_s is not None else _shutdown_budget_s()
+        deadline = time.monotonic() + min(max(budget, 0.0), SHUTDOWN_MAX_S)
         threads = []
         for signal in ("logs", "traces", "metrics"):
             if signal in self.owned:
@@ -337,6 +354,8 @@ class SwaTelemetry:
 
 #: Added to the exporters' timeout in :meth:`SwaTelemetry.shutdown`'s bound (seconds).
 SHUTDOWN_MARGIN_S = 2.0
+#: The longest :meth:`SwaTelemetry.shutdown` waits, whatever the timeouts say (seconds).
+SHUTDOWN_MAX_S = 600.0
 
 
 def _shutdown_budget_s() -> float:
@@ -346,7 +365,8 @@ def _shutdown_budget_s() -> float:
             timeouts.append(float(os.environ[name]))
         except (KeyError, ValueError):
             continue
-    return (max(timeouts) if timeouts else 10.0) + SHUTDOWN_MARGIN_S
+    budget = (max(timeouts) if timeouts else 10.0) + SHUTDOWN_MARGIN_S
+    return budget if math.isfinite(budget) and budget >= 0 else SHUTDOWN_MAX_S
 
 
 def _shutdown_provider(signal: str, provider: Any) -> None:

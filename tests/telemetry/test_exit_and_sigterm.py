@@ -96,3 +96,54 @@ def test_on_sigterm_every_sample_taken_is_written_and_exported(agent_binary, tmp
     assert _events(collector.seen()) == lines
     metrics = {m.get("name"): m for m in collector.seen()["metrics"]}
     assert metrics["kv_cache.swa.forward_steps"]["points"][-1]["value"] == lines[-1]
+
+
+BY_HAND = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.telemetry import configure
+    from otel_swa.views import SwaBatch
+
+    empty = torch.zeros(0, dtype=torch.int64)
+    view = SwaBatch(torch.zeros((1, 1), dtype=torch.int32), torch.zeros(1, dtype=torch.int64), empty, empty, ())
+    telemetry = configure(exporters="otlp,logline")          # wired by hand, no instrumentor
+    reporter = telemetry.attach(SwaDivergenceReporter(1))
+    for step in range(1, int(sys.argv[1]) + 1):
+        reporter.observe("full", 2)
+        reporter.step(view)
+    print("sampled", flush=True)
+    time.sleep(float(sys.argv[2]))
+    # no close(), no shutdown()
+    """
+)
+
+
+def _start_by_hand(tmp_path, collector, steps: int, pause_s: float) -> subprocess.Popen:
+    app = tmp_path / "by_hand.py"
+    app.write_text(BY_HAND)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SGLANG_"))}
+    env.update({"OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint("grpc"), "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+                "OTEL_EXPORTER_OTLP_INSECURE": "true", "OTEL_METRIC_EXPORT_INTERVAL": "600000",
+                "OTEL_BLRP_SCHEDULE_DELAY": "5000"})
+    return subprocess.Popen([sys.executable, str(app), str(steps), str(pause_s)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("ending", ["exit", "sigterm"])
+def test_a_reporter_wired_by_hand_is_delivered_and_exported_at_exit_and_on_sigterm(agent_binary, tmp_path, ending):
+    with RotelCollector(agent_binary, tmp_path) as collector:
+        proc = _start_by_hand(tmp_path, collector, steps=5, pause_s=30.0 if ending == "sigterm" else 0.0)
+        if ending == "sigterm":
+            for line in proc.stdout:
+                if line.strip() == "sampled":
+                    break
+            proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    assert proc.returncode == (-signal.SIGTERM if ending == "sigterm" else 0), err[-2000:]
+    assert [r.forward_ct for r in find_all(err)] == [1, 2, 3, 4, 5]
+    seen = collector.seen()
+    assert _events(seen) == [1, 2, 3, 4, 5]
+    metrics = {m.get("name"): m for m in seen["metrics"]}
+    assert metrics["kv_cache.swa.forward_steps"]["points"][-1]["value"] == 5

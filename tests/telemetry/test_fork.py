@@ -153,3 +153,34 @@ def test_a_spawned_child_exports_its_own_series(agent_binary, tmp_path, start):
     by_pid = _forward_steps_by_pid(seen)
     assert len(by_pid) == 2, by_pid  # distinct process.pid on each resource
     assert sorted(max(values) for values in by_pid.values()) == [float(CHILD_STEPS), float(PARENT_STEPS)]
+
+
+FORK_BY_HAND_COUNTING = COMMON + textwrap.dedent(
+    """
+    import io, logging
+    telemetry = configure(exporters="none")
+    lines = []
+    reporter = telemetry.attach(SwaDivergenceReporter(1, sinks=[lambda r, c: lines.append(r.forward_ct)]))
+    run(reporter, 3)
+    pid = os.fork()
+    if pid == 0:
+        lines.clear()
+        run(reporter, 2)  # the child's own steps, on the reporter it inherited
+        reporter.flush()
+        print("child", lines, reporter.forward_ct, flush=True)
+        os._exit(0)
+    os.waitpid(pid, 0)
+    reporter.flush()
+    print("parent", lines, reporter.forward_ct, flush=True)
+    """
+)
+
+
+def test_a_reporter_attached_by_hand_starts_from_zero_in_a_forked_child(tmp_path):
+    script = tmp_path / "program.py"
+    script.write_text(FORK_BY_HAND_COUNTING)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = dict(line.split(" ", 1) for line in run.stdout.strip().splitlines())
+    assert out["child"] == "[1, 2] 2"  # not the parent's 4, 5: its totals are the child's own
+    assert out["parent"] == "[1, 2, 3] 3"

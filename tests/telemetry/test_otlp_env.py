@@ -22,6 +22,8 @@ GRPC = {"traces": "grpc", "metrics": "grpc", "logs": "grpc"}
         ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "grpc://c:4317"}, r"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT='grpc://c:4317'"),
         ({"OTEL_EXPORTER_OTLP_TIMEOUT": "-1"}, r"OTEL_EXPORTER_OTLP_TIMEOUT='-1' is negative"),
         ({"OTEL_EXPORTER_OTLP_LOGS_TIMEOUT": "soon"}, r"OTEL_EXPORTER_OTLP_LOGS_TIMEOUT='soon' is not a number"),
+        ({"OTEL_EXPORTER_OTLP_TIMEOUT": "inf"}, r"OTEL_EXPORTER_OTLP_TIMEOUT='inf' is not a finite number"),
+        ({"OTEL_EXPORTER_OTLP_TIMEOUT": "nan"}, r"OTEL_EXPORTER_OTLP_TIMEOUT='nan' is not a finite number"),
     ],
 )
 def test_unusable_values_are_errors_naming_the_variable(environ, message):
