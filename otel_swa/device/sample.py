@@ -15,7 +15,8 @@ How one sample is computed (:func:`stage_sample`):
 * **live** (the host knows the lengths, ``seq_lens_cpu``, and the batch is not nearly full): the
   flat ``req_to_token`` index of every live token comes from one ``cumsum`` over a buffer of ones
   with each request's jump written at its first token, then two gathers (``req_to_token``, the
-  mapping), one subtraction and two ``count_nonzero``. Work proportional to the live tokens.
+  mapping), a subtraction, a multiplication and two ``count_nonzero``. Work proportional to the
+  live tokens.
 * **dense** (no host lengths, or a fill ratio ``sum(seq_lens) / (batch * max_context_len)`` at or
   above :data:`DENSE_FILL_RATIO`): the rows are gathered whole, positions at or beyond ``seq_len``
   are masked. At a high fill this costs less than the index computation of the live path (both
@@ -26,7 +27,7 @@ counts. Every temporary is written with ``out=`` into a :class:`~otel_swa.device
 (kept on the CPU, the caching allocator on CUDA), and the results reach the staged slot through one
 ``cat``.
 
-Bad views (issue "bad views are never plausible numbers"): the sample also stages what it needs to
+Bad views are never plausible numbers: the sample also stages what it needs to
 tell that the view was unusable, without a host sync: the range of ``req_pool_indices``, the range
 of the live tokens' FULL slots, the number of batch entries whose ``seq_lens`` differs from
 ``seq_lens_cpu`` and, without host lengths, the range of ``seq_lens``; negative lengths and lengths
@@ -62,7 +63,7 @@ __all__ = [
 #: Fill ratio (live tokens / (batch x max_context_len)) from which a sample with host lengths is
 #: computed dense rather than live: measured crossover on 2 CPU cores, 1 torch thread (see
 #: ``BENCHMARKS.md``, "live vs dense").
-DENSE_FILL_RATIO = 0.75
+DENSE_FILL_RATIO = 0.85
 
 # Layout of one staged sample (all int64).
 _VERIFY = 0  # 0, 1: the device part of verify_full, verify_swa (host ints are added at delivery)

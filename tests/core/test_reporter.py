@@ -260,7 +260,7 @@ def test_bad_construction(kwargs):
 
 
 def test_full_slot_outside_the_mapping_is_a_fault_not_a_count(caplog):
-    """Case 7: a live token whose FULL slot lies beyond the mapping makes the sample invalid: no
+    """A live token whose FULL slot lies beyond the mapping makes the sample invalid: no
     record with plausible numbers, the fault counted, the device never reading out of bounds."""
     got = []
     reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
@@ -339,7 +339,7 @@ NO_FAULTS = {name: 0 for name in FAULTS}
 
 @pytest.mark.parametrize("host_lens", [True, False])
 def test_bad_rows_and_lengths_are_faults_and_never_read_out_of_bounds(host_lens):
-    """Case 7: a row index outside req_to_token and a length beyond max_context_len give no record
+    """A row index outside req_to_token and a length beyond max_context_len give no record
     (their clamped counts would look normal: divergence 1, out-of-window 1 here), each fault counted."""
     req_to_token = [[0, 0, 0], [1, 2, 3], [3, 3, 3]]
     mapping = [0, 1, 7, 0]
@@ -366,7 +366,7 @@ def test_negative_seq_len_is_a_fault(host_lens):
 
 
 def test_host_lengths_differing_from_the_device_lengths_is_a_fault():
-    """Case 7: seq_lens_cpu disagreeing with seq_lens (here the live gather would count divergence 1
+    """seq_lens_cpu disagreeing with seq_lens (here the live gather would count divergence 1
     where the device lengths give 0) is counted, not reported as a measurement."""
     req_to_token = [[0, 0, 0], [1, 2, 3]]
     mapping = [0, 1, 7, 0]

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from otel_swa.device import STAGE_WIDTH, Workspace, read_sample, stage_sample
+from otel_swa.device import DENSE_FILL_RATIO, STAGE_WIDTH, Workspace, read_sample, stage_sample
 from otel_swa.reporter import KVPool, SwaDivergenceReporter
 from otel_swa.views import SwaAuditInputs, SwaBatch
 
@@ -52,7 +52,7 @@ def test_both_gathers_equal_the_recount(seed, path, host_rows, r2t_dtype, map_dt
         out, torch.tensor([11, 5]), torch.tensor(req_to_token, dtype=r2t_dtype), torch.tensor(mapping, dtype=map_dtype),
         torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), None if path == "no host lengths" else lens,
         req_pool_indices_cpu=rows if host_rows else None, workspace=SHARED,
-        dense_fill_ratio={"live": float("inf"), "dense": 0.0}.get(path, 0.75),
+        dense_fill_ratio={"live": float("inf"), "dense": 0.0}.get(path, DENSE_FILL_RATIO),
     )
     reading = read_sample(out.tolist(), meta)
     assert reading.faults == ()
@@ -67,7 +67,7 @@ def test_the_fill_ratio_chooses_the_gather():
     mapping = torch.arange(41)
     out = torch.zeros(STAGE_WIDTH, dtype=torch.int64)
     paths = []
-    for lens in ([1, 1, 1], [10, 10, 4], [10, 10, 10]):  # fill 0.1, 0.8, 1.0 of 3 x 10
+    for lens in ([1, 1, 1], [10, 10, 6], [10, 10, 10]):  # fill 0.1, 0.87, 1.0 of 3 x 10
         meta = stage_sample(out, torch.zeros(2, dtype=torch.int64), req_to_token, mapping, torch.tensor([1, 2, 3]),
                             torch.tensor(lens), lens)
         paths.append(meta.path)
@@ -121,7 +121,7 @@ def batch(host_lengths=True, host_rows=False, fill=0.1, audit=False):
 # The contract. Live gather, rows and lengths known on the host: 12 operations compute the sample
 # (the flat index: fill_, scatter_add_, cumsum; the two gathers, the int32 -> int64 copy and the clamp
 # that keeps the second in bounds; sub, mul_ and two count_nonzero; one cat into the staged slot),
-# 3 give the evidence of a bad view (issue 10, case 7: the FULL slots' range, and sub +
+# 3 give the evidence of a bad view (the FULL slots' range, and sub +
 # count_nonzero for the entries whose seq_lens differs from seq_lens_cpu), and 1 copies the staged
 # slot to the host ring. On CUDA one more: the upload of the host offsets. Without host rows, 4 more:
 # their range, their clamp, and the two operations that turn them into index jumps.
