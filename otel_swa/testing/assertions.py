@@ -12,6 +12,7 @@ This module does not import pytest.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -81,7 +82,10 @@ def wait_for_observation(
     is a final one: an unterminated last line counts too. A missing log file is waited for like a
     late record; if it still does not exist at the end, :attr:`SwaObservation.problem` says so.
     The wait ends at the first read that passes: a fault logged later is not seen then (judge the
-    finished log again for that).
+    finished log again for that). When the source already holds records as the wait begins (a log
+    appended to by run after run), a pass counts only once records were added during the wait, so
+    a finished earlier run never passes for the one being written; if nothing is added by the end,
+    what the log held is judged, with a note saying so.
 
     Args:
         min_divergence, min_out_of_window, require_verify_lag, require_clean_audit, runs, ranks,
@@ -111,12 +115,25 @@ def wait_for_observation(
         timeout_s = 0.0  # a fixed source cannot change: one read, whatever timeout was asked
     start = time.monotonic()
     deadline = start + timeout_s
+    already = None  # records in the source when the wait began
     while True:
         now = time.monotonic()
         final = now >= deadline
         waited = round(now - start, 3) if timeout_s else 0.0
-        observation = judge_snapshot(src.read(final=final), src.describe, waited, **rules)
-        if observation.ok or final:
+        snapshot = src.read(final=final)
+        if already is None:
+            already = len(snapshot.records)
+        observation = judge_snapshot(snapshot, src.describe, waited, **rules)
+        # Waiting on a log that already holds runs (an appended log) is waiting for the run being
+        # written: a pass counts only once records were added during the wait; the runs that were
+        # there before are judged only when nothing was added by the end.
+        grew = len(snapshot.records) > already
+        if final:
+            if timeout_s and already and not grew:
+                note = (f"no record was added during the {timeout_s:g} s wait: judged what the log already held")
+                observation = dataclasses.replace(observation, notes=observation.notes + (note,))
+            return observation
+        if observation.ok and (grew or not timeout_s or not already):
             return observation
         time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
 

@@ -1,0 +1,61 @@
+"""Waiting on a log that already holds finished runs (``--log-file`` appends): the run being
+written is judged, never a finished earlier one."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from otel_swa.record import SwaDivergenceRecord
+from otel_swa.testing.assertions import wait_for_observation
+
+
+def _run_lines(pid: int, good: bool) -> str:
+    out = [f'[2026-01-01 00:00:00 TP0] otel_swa[verify=attention] otel_swa_run_start={{"pid":{pid}}}']
+    for ct in (20, 40, 60):
+        record = SwaDivergenceRecord(ct, 100 * ct, (50 if good else 100) * ct, 7 if good else 0, 30 if good else 0,
+                                     verify_source="attention")
+        out.append(f"[2026-01-01 00:00:00 TP0] {record.line()}")
+    return "\n".join(out) + "\n"
+
+
+def test_a_finished_good_run_does_not_pass_for_the_failing_one_being_written(tmp_path):
+    log = tmp_path / "app.log"
+    log.write_text(_run_lines(1, True) + _run_lines(2, True))  # two finished, good runs
+
+    def write_a_bad_run():
+        time.sleep(0.5)
+        with open(log, "a") as f:
+            f.write(_run_lines(3, False))
+
+    writer = threading.Thread(target=write_a_bad_run)
+    writer.start()
+    observation = wait_for_observation(log, timeout_s=3.0, poll_s=0.1)
+    writer.join()
+    assert not observation.ok  # the third run, written during the wait, fails
+    assert observation.last.forward_ct == 60 and observation.last.swa_full_idx_divergence == 0
+    assert observation.waited_s >= 0.5
+
+
+def test_a_good_run_written_during_the_wait_passes_as_soon_as_it_shows(tmp_path):
+    log = tmp_path / "app.log"
+    log.write_text(_run_lines(1, False))  # a finished run that failed
+
+    def write_a_good_run():
+        time.sleep(0.3)
+        with open(log, "a") as f:
+            f.write(_run_lines(2, True))
+
+    writer = threading.Thread(target=write_a_good_run)
+    writer.start()
+    observation = wait_for_observation(log, timeout_s=10.0, poll_s=0.1)
+    writer.join()
+    assert observation.ok and observation.waited_s < 10.0
+
+
+def test_when_nothing_is_written_during_the_wait_the_log_is_judged_with_a_note(tmp_path):
+    log = tmp_path / "app.log"
+    log.write_text(_run_lines(1, True))
+    observation = wait_for_observation(log, timeout_s=0.4, poll_s=0.1)
+    assert observation.ok
+    assert any("no record was added during the 0.4 s wait" in note for note in observation.notes)
