@@ -517,6 +517,20 @@ def _tag_before(text: str, line_start: int, start: int) -> str | None:
     return tag.group(1)
 
 
+_TAG_RE = re.compile(r"otel_swa\[verify=([a-z_]+)\] ?")
+
+
+def _glued_tag(text: str, line_start: int, start: int) -> str | None:
+    """The tag of the record that ``start`` is glued to: the last tag on the line before ``start``,
+    when ``start`` directly follows a JSON object (``}``) and a record prefix stands after that tag."""
+    if start <= line_start or text[start - 1] != "}":
+        return None
+    tags = list(_TAG_RE.finditer(text, line_start, start))
+    if not tags or text.find(LINE_PREFIX, tags[-1].end(), start) < 0:
+        return None
+    return tags[-1].group(1) if tags[-1].group(1) in VERIFY_SOURCES else None
+
+
 def _with_tag(record: SwaDivergenceRecord, text: str, start: int) -> SwaDivergenceRecord:
     """``record`` with the ``verify_source`` of an otel-swa tag just before ``start`` on its line."""
     source = _tag_before(text, text.rfind("\n", 0, start) + 1, start)
@@ -595,6 +609,10 @@ def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefi
     if line_start is None:
         line_start = text.rfind("\n", 0, match.start()) + 1
     source = _tag_before(text, line_start, match.start()) if "]" in text[line_start:match.start()] else None
+    if source is None and kind != LINE_PREFIX:
+        # an audit line or run start glued right after a record on one line belongs with that
+        # record: it takes the tag the record had
+        source = _glued_tag(text, line_start, match.start())
 
     def fail(reason: str) -> MalformedRecordError:
         return MalformedRecordError(shown, reason, line_no, kind)

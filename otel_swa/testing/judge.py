@@ -45,7 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from otel_swa.record import LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord
+from otel_swa.record import AUDIT_PREFIX, LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord
 from otel_swa.testing.runs import OTEL_SWA_LINES, SGLANG_LINES, RunRecord, split_runs
 
 __all__ = [
@@ -518,6 +518,15 @@ def judge(
     if not groups:
         groups.append(_evaluate([], writer=lines if lines in (OTEL_SWA_LINES, SGLANG_LINES) else OTEL_SWA_LINES,
                                 run=None, rank=None, part=None, missing_from=(), **rules))
+    if require_clean_audit:
+        # an audit line otel-swa wrote but that cannot be read or attached to its record may carry
+        # the very fault the audit exists to report: it never passes for a clean audit
+        unread = [e for e in errors if getattr(e, "prefix", None) == AUDIT_PREFIX]
+        if unread:
+            first = unread[0]
+            where = f"line {first.line_no}" if first.line_no is not None else "one"
+            failures.append(Failure("audit", f"{len(unread)} SWA slot audit line(s) could not be read or attached to "
+                                             f"their record ({where}: {first.reason}); their faults cannot be ruled out"))
 
     judged = [item for group in groups for item in _group_items(items, group)]
     judged.sort(key=lambda item: (item.line_no is None, item.line_no or 0))
