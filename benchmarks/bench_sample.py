@@ -1,0 +1,255 @@
+"""The sample's cost side by side: audit, live vs dense, against SGLang's gather, per live token, ops.
+
+Prints four tables (each figure the median over interleaved rounds, spread min - max; torch on one
+thread):
+
+1. **audit / no audit**: one sampling ``reporter.step`` with the SWA slot audit over its inputs
+   against the same step without, 56K live tokens (56 requests x 1000) that are also the holders,
+   a healthy SWA pool of 8192 slots (8000 of the holders in the window, each on its own SWA slot;
+   the rest freed), FULL pools of 65K, 1M and 4M slots. The audit reads the holders and the free
+   list only, so the ratio should not grow with the pool;
+2. **gather vs dense** at 100 % fill: the sample as chosen per sample (auto), and the live gather
+   forced, each over the project's own dense (whole-row) gather of the same batch;
+3. **vs SGLang**: the dense gather SGLang's reporter does (``req_to_token[req_pool_indices]``, then
+   the mapping, masked, once for the divergence and once more for the out-of-window count, a fresh
+   host buffer and a blocking read) over otel-swa's sample, batch 256 x 32K at 10 % fill;
+4. **per live token**: ns per live token of one sample at 1M live tokens (and, with ``--large``, 7M
+   and 30M), batch 256, fill 1/8, FULL slots drawn at random from a pool twice the live tokens, and
+   the device operations per sample (the contract of ``tests/core/test_sample.py``).
+
+Run: ``python benchmarks/bench_sample.py [--rounds 7] [--device cpu] [--large] [--quick]``
+(``--quick``: small shapes and 3 rounds, to check that it runs.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt, interleaved, machine_line, one_thread, print_table, ratios, timed  # noqa: E402
+
+from otel_swa.device import DENSE_FILL_RATIO, STAGE_WIDTH, Workspace, stage_sample  # noqa: E402
+from otel_swa.reporter import SwaDivergenceReporter  # noqa: E402
+from otel_swa.views import SwaAuditInputs, SwaBatch  # noqa: E402
+
+
+def make_batch(batch: int, width: int, live_per_request: int, pool: int, device, seed: int = 0, swa_slots: int | None = None):
+    """``req_to_token`` int32 ``[batch + 1, width]`` whose live positions hold distinct FULL slots drawn
+    from ``1 .. pool - 1``, a mapping int64 ``[pool + 2]`` (a third 0, a third identity, a third
+    remapped into ``1 .. swa_slots``), rows ``1 .. batch`` and their lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    live = batch * live_per_request
+    slots = torch.randperm(pool - 1, generator=gen)[:live].to(torch.int32) + 1
+    req_to_token = torch.zeros(batch + 1, width, dtype=torch.int32)
+    req_to_token[1:, :live_per_request] = slots.view(batch, live_per_request)
+    swa_slots = swa_slots or pool
+    kind = torch.randint(0, 3, (pool + 2,), generator=gen)
+    mapping = torch.where(kind == 0, 0, torch.where(kind == 1, torch.arange(pool + 2), torch.randint(1, swa_slots, (pool + 2,), generator=gen)))
+    mapping[0] = 0
+    if swa_slots < pool:
+        mapping = mapping.clamp(max=swa_slots - 1)
+    rows = list(range(1, batch + 1))
+    lens = [live_per_request] * batch
+    return (req_to_token.to(device), mapping.to(device), rows, lens, slots.long().to(device))
+
+
+def healthy_swa_pool(mapping, holders, swa_pages: int, in_window: int, seed: int = 1):
+    """Make ``mapping`` (in place) a healthy SWA state for the audit: ``in_window`` of the holders
+    map to distinct SWA slots ``1 .. swa_pages`` (page size 1), every other FULL slot to 0 (out of the
+    window). Returns the SWA free list (the slots no holder maps to), ``int64`` on the device."""
+    gen = torch.Generator().manual_seed(seed)
+    mapping.zero_()
+    chosen = holders[torch.randperm(holders.numel(), generator=gen)[:in_window].to(holders.device)]
+    slots = torch.randperm(swa_pages, generator=gen)[:in_window] + 1
+    mapping[chosen] = slots.to(mapping.device)
+    free = torch.ones(swa_pages + 1, dtype=torch.bool)
+    free[0] = False
+    free[slots] = False
+    return torch.nonzero(free).reshape(-1).to(mapping.device)
+
+
+def view_of(req_to_token, mapping, rows, lens, device, audit=None, host=True) -> SwaBatch:
+    return SwaBatch(
+        req_to_token, mapping, torch.tensor(rows, device=device), torch.tensor(lens, device=device),
+        lens if host else None, swa_audit=audit, req_pool_indices_cpu=rows if host else None,
+    )
+
+
+def sglang_two_pass(req_to_token, mapping, rows, seq_lens, totals):
+    """SGLang's per-sample work, written the way its reporter gathers: the dense rows and their
+    mapping once per count, then a fresh host tensor and a blocking read."""
+    def gathered():
+        dense = req_to_token[rows]
+        positions = torch.arange(dense.shape[1], device=dense.device)
+        mask = positions[None, :] < seq_lens[:, None]
+        return dense, mapping[dense], mask
+
+    dense, swa, mask = gathered()
+    out_of_window = ((swa == 0) & mask).sum()
+    dense, swa, mask = gathered()
+    divergence = ((swa != dense) & mask & (swa != 0)).sum()
+    staged = torch.stack([totals[0], totals[1], divergence, out_of_window])
+    pinned = staged.device.type == "cuda"
+    host = torch.empty(4, dtype=torch.int64, pin_memory=pinned)
+    host.copy_(staged, non_blocking=pinned)
+    if pinned:
+        torch.cuda.synchronize()
+    return host.tolist()
+
+
+def kernel_ops(fn) -> int:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    views = {"slice", "select", "view", "unsqueeze", "alias", "as_strided", "lift_fresh", "detach", "_reshape_alias", "expand"}
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in views:
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--large", action="store_true", help="also 7M and 30M live tokens, and batch 256 x 131K")
+    parser.add_argument("--quick", action="store_true", help="small shapes, 3 rounds (a dry run)")
+    parser.add_argument("--sections", default="1,2,3,4", help="which tables to print (default all: 1,2,3,4)")
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    one_thread()
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    rounds = 3 if args.quick else args.rounds
+    print(machine_line())
+    print(f"device {device}, {rounds} rounds, interleaved; median (min - max)\n")
+
+    ws = Workspace(device)
+    out = torch.zeros(STAGE_WIDTH, dtype=torch.int64, device=device)
+    totals = torch.zeros(2, dtype=torch.int64, device=device)
+
+    if "1" in sections:
+        # 1. audit / no audit, FULL pool sizes
+        rows_out = []
+        pools = (65536, 1 << 16, 1 << 18) if args.quick else (65536, 1 << 20, 1 << 22)
+        for pool in pools:
+            per_request = 100 if args.quick else 1000
+            r2t, mapping, rows, lens, holders = make_batch(56, 4096, per_request, pool, device)
+            free = healthy_swa_pool(mapping, holders, 8192, min(8000, holders.numel()))
+            audit = SwaAuditInputs(free, 8192, 1, holders)
+            with_audit = SwaDivergenceReporter(1, device=device, ring_size=8)
+            without = SwaDivergenceReporter(1, device=device, ring_size=8)
+            v_audit = view_of(r2t, mapping, rows, lens, device, audit)
+            v_plain = view_of(r2t, mapping, rows, lens, device)
+
+            def step(reporter, view):
+                reporter.step(view)
+                reporter.flush()
+
+            got = interleaved({
+                "audit": timed(lambda: step(with_audit, v_audit), 5, sync),
+                "plain": timed(lambda: step(without, v_plain), 5, sync),
+            }, rounds, warmup=3)  # the first shape of a process runs slow for a few rounds (allocator, caches)
+            rows_out.append((f"{sum(lens) // 1000}K live, FULL pool {pool:,}", fmt(got["audit"], 1e3, 3), fmt(got["plain"], 1e3, 3),
+                             fmt(ratios(got["audit"], got["plain"]), 1, 2, "x")))
+        print_table("1. SWA slot audit / no audit (one sampling step, ms)", ("shape", "with audit", "without", "audit / no audit"), rows_out)
+
+    if "2" in sections:
+        # 2. gather vs dense at 100 % fill
+        shapes = [(1, 32768), (256, 32768)] + ([(256, 131072)] if args.large else [])
+        if args.quick:
+            shapes = [(1, 4096), (64, 4096)]
+        rows_out = []
+        for batch, width in shapes:
+            r2t, mapping, rows, lens, _ = make_batch(batch, width, width, batch * width + 2, device)
+            seq_lens = torch.tensor(lens, device=device)
+            req_rows = torch.tensor(rows, device=device)
+
+            def sample(ratio):
+                return lambda: stage_sample(out, totals, r2t, mapping, req_rows, seq_lens, lens, req_pool_indices_cpu=rows,
+                                            workspace=ws, dense_fill_ratio=ratio)
+
+            got = interleaved({
+                "auto": timed(sample(DENSE_FILL_RATIO), 1, sync), "live": timed(sample(float("inf")), 1, sync), "dense": timed(sample(0.0), 1, sync),
+            }, rounds)
+            rows_out.append((f"B{batch} x {width // 1024}K", fmt(got["dense"], 1e3, 2), fmt(ratios(got["dense"], got["auto"]), 1, 2, "x"),
+                             fmt(ratios(got["dense"], got["live"]), 1, 2, "x")))
+            del r2t, mapping
+        print_table("2. at 100 % fill: the project's dense gather over the sample as chosen, and over the live gather forced",
+                    ("shape", "dense ms", "dense / chosen", "dense / live forced"), rows_out)
+
+        # 2b. where the two cross: dense over live by fill ratio, and which one the sample takes
+        rows_out = []
+        for batch, width in ([(16, 2048)] if args.quick else [(256, 8192), (16, 32768)]):
+            for fill in (0.5, 0.75, 0.85, 0.95):
+                live = int(width * fill)
+                r2t, mapping, rows, lens, _ = make_batch(batch, width, live, batch * width + 2, device)
+                seq_lens, req_rows = torch.tensor(lens, device=device), torch.tensor(rows, device=device)
+
+                def forced(ratio):
+                    return lambda: stage_sample(out, totals, r2t, mapping, req_rows, seq_lens, lens, req_pool_indices_cpu=rows,
+                                                workspace=ws, dense_fill_ratio=ratio)
+
+                got = interleaved({"live": timed(forced(float("inf")), 1, sync), "dense": timed(forced(0.0), 1, sync)}, rounds)
+                chosen = "dense" if live >= DENSE_FILL_RATIO * width else "live"
+                rows_out.append((f"B{batch} x {width // 1024}K", f"{fill:.2f}", fmt(ratios(got["dense"], got["live"]), 1, 2, "x"), chosen))
+                del r2t, mapping
+        print_table(f"2b. dense / live by fill ratio (the sample gathers the whole rows from {DENSE_FILL_RATIO:.2f} on)",
+                    ("shape", "fill", "dense / live", "chosen"), rows_out)
+
+    if "3" in sections:
+        # 3. against SGLang's two-pass dense gather, B256 x 32K, 10 % fill
+        batch, width = (64, 4096) if args.quick else (256, 32768)
+        r2t, mapping, rows, lens, _ = make_batch(batch, width, width // 10, batch * width // 10 * 2, device)
+        seq_lens, req_rows = torch.tensor(lens, device=device), torch.tensor(rows, device=device)
+        reporter = SwaDivergenceReporter(1, device=device, ring_size=8)
+        view = view_of(r2t, mapping, rows, lens, device)
+
+        def ours():
+            reporter.step(view)
+            reporter.flush()
+
+        got = interleaved({"ours": timed(ours, 3, sync), "sglang": timed(lambda: sglang_two_pass(r2t, mapping, req_rows, seq_lens, totals), 1, sync)}, rounds)
+        print_table(f"3. SGLang's two-pass dense gather over otel-swa's sample (B{batch} x {width // 1024}K, 10 % fill; ms)",
+                    ("SGLang", "otel-swa", "SGLang / otel-swa"),
+                    [(fmt(got["sglang"], 1e3, 2), fmt(got["ours"], 1e3, 3), fmt(ratios(got["sglang"], got["ours"]), 1, 1, "x"))])
+        del r2t, mapping
+
+    if "4" in sections:
+        # 4. per live token, and device operations per sample
+        sizes = [1 << 20] + ([7 << 20, 30 << 20] if args.large else [])
+        if args.quick:
+            sizes = [1 << 16]
+        rows_out = []
+        for live in sizes:
+            batch = 256
+            per_request = live // batch
+            r2t, mapping, rows, lens, _ = make_batch(batch, per_request * 8, per_request, 2 * live, device)
+            view_host = view_of(r2t, mapping, rows, lens, device)
+            reporter = SwaDivergenceReporter(1, device=device, ring_size=8)
+
+            def one():
+                reporter.step(view_host)
+                reporter.flush()
+
+            got = interleaved({"sample": timed(one, 1, sync)}, rounds)
+            ops = kernel_ops(one)
+            rows_out.append((f"{live / (1 << 20):.0f}M", fmt(got["sample"], 1e3, 2), fmt(got["sample"], 1e9 / (batch * per_request), 1), str(ops)))
+            del r2t, mapping, view_host
+        print_table("4. one sample per live token (batch 256, fill 1/8, rows and lengths on the host)",
+                    ("live tokens", "ms", "ns / live token", "device ops"), rows_out)
+
+
+if __name__ == "__main__":
+    main()
