@@ -157,8 +157,9 @@ def _samples(stats: Any, interval: int, forward_steps: int, verdict: ReplayVerdi
         return "reporter off (interval 0)"
     text = f"{stats.samples_delivered} / {stats.samples_taken} taken (every {interval} forward steps)"
     if verdict.no_sample:
-        text += (f": NONE in {forward_steps} forward step(s), the run ended before the first sampling step "
-                 "(lower --interval)")
+        why = ("no request ran (all were skipped)" if forward_steps == 0
+               else "the run ended before the first sampling step (lower --interval)")
+        text += f": NONE in {forward_steps} forward step(s), {why}"
     return text
 
 

@@ -48,7 +48,7 @@ from opentelemetry._logs import get_logger_provider, set_logger_provider
 from opentelemetry.environment_variables import OTEL_LOGS_EXPORTER, OTEL_METRICS_EXPORTER, OTEL_TRACES_EXPORTER
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor
-from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_SERVICE_NAME
+from opentelemetry.sdk.environment_variables import OTEL_EXPORTER_OTLP_PROTOCOL, OTEL_SDK_DISABLED, OTEL_SERVICE_NAME
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import OTEL_RESOURCE_ATTRIBUTES, PROCESS_PID, SERVICE_NAME, Resource
@@ -428,7 +428,11 @@ def configure(
             a failure while building the providers shuts down what was built and installs nothing.
     """
     env = os.environ if environ is None else environ
+    config.sigterm_flush(env)  # an unusable OTEL_SWA_SIGTERM_FLUSH is an error here, not later
     names = resolve_exporters(exporters, env)
+    if env.get(OTEL_SDK_DISABLED, "").strip().lower() == "true":
+        # the specification's switch: the SDK's providers are no-ops then; build no exporter either
+        names = {signal: [] for signal in SIGNALS}
     ranks = process_ranks(env)
     for dim, value in (("tp", tp_rank), ("dp", dp_rank), ("pp", pp_rank)):
         if value is not None:
@@ -529,6 +533,9 @@ def configure(
                     logger_provider.add_log_record_processor(BatchLogRecordProcessor(exporter))
                 _remove(loose, exporter)
             owned.append("logs")
+    except ValueError as exc:  # the SDK refused one of its own variables (an export interval of -1...)
+        _shutdown_quietly(built + loose)
+        raise ConfigError(f"the OpenTelemetry SDK refused its settings: {exc}") from exc
     except BaseException:
         _shutdown_quietly(built + loose)
         raise

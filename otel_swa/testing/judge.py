@@ -281,7 +281,9 @@ def _label(group: GroupVerdict, obs: SwaObservation) -> str:
         parts.append(f"run {group.run}")
     if group.rank is not None:
         parts.append(group.rank)
-    return ", ".join(parts)
+    elif any(n.startswith("ranks:") for n in obs.notes):
+        parts.append("no rank")  # records without a rank prefix, judged beside ranked ones
+    return ", ".join(parts) or "records"
 
 
 def _lines_of(group: GroupVerdict) -> str:

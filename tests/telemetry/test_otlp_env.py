@@ -70,3 +70,24 @@ def test_configure_logs_the_tls_warning_once(monkeypatch, caplog):
     telemetry.shutdown(timeout_s=0.1)
     tls = [r for r in caplog.records if "will connect with TLS" in r.getMessage()]
     assert len(tls) == 1
+
+
+@pytest.mark.parametrize("variable, value, message", [
+    ("OTEL_METRIC_EXPORT_INTERVAL", "-1", "the OpenTelemetry SDK refused its settings: interval value -1"),
+    ("OTEL_BSP_SCHEDULE_DELAY", "-1", "the OpenTelemetry SDK refused its settings: schedule_delay_millis"),
+    ("OTEL_METRICS_EXEMPLAR_FILTER", "bogus", "the OpenTelemetry SDK refused its settings: Unknown exemplar filter"),
+    ("OTEL_SWA_SIGTERM_FLUSH", "yes", "OTEL_SWA_SIGTERM_FLUSH='yes' is not an integer"),
+])
+def test_settings_the_sdk_or_otel_swa_refuse_are_config_errors(monkeypatch, variable, value, message):
+    monkeypatch.setenv(variable, value)
+    with pytest.raises(ConfigError, match=message):
+        configure(exporters="console", use_global=False, set_global=False)
+
+
+def test_a_disabled_sdk_builds_no_exporter(monkeypatch):
+    monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
+    telemetry = configure(exporters="otlp,console", use_global=False, set_global=False)
+    try:
+        assert telemetry.exporters == {"traces": [], "metrics": [], "logs": []} and telemetry.accounted == []
+    finally:
+        telemetry.shutdown()
