@@ -13,7 +13,6 @@ from typing import Any
 __all__ = [
     "check_plot",
     "check_log_file",
-    "otel_hint",
     "available_memory",
     "check_pool_memory",
     "is_allocation_error",
@@ -51,21 +50,6 @@ def check_log_file(path: str) -> None:
             pass
     except OSError as exc:
         raise ValueError(f"--log-file {path!r} cannot be opened for appending: {exc.strerror or exc}") from None
-
-
-#: Standard OpenTelemetry variables the SDK validates when the providers are built: a word in the
-#: SDK's error -> the variable and the values it accepts (OpenTelemetry SDK environment variables).
-_OTEL_HINTS = {
-    "exemplar filter": "OTEL_METRICS_EXEMPLAR_FILTER expects always_on, always_off or trace_based",
-}
-
-
-def otel_hint(exc: Exception) -> str:
-    text = str(exc).lower()
-    for word, hint in _OTEL_HINTS.items():
-        if word in text:
-            return f" ({hint})"
-    return " (check the OTEL_* environment variables)"
 
 
 #: Host bytes per slot of the reference engine's pools, besides the KV entries: a free-list entry

@@ -42,7 +42,6 @@ from otel_swa.commands._replay_checks import (
     check_plot,
     check_pool_memory,
     is_allocation_error,
-    otel_hint,
     pool_too_large,
 )
 from otel_swa.commands._replay_summary import Progress, export_row, print_summary, summary_rows, verdict_of
@@ -58,6 +57,9 @@ _SIGNAL_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS
 
 def _exporter_list(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{text!r} names no exporter; expected one or more of {', '.join(EXPORTERS)} "
+                                         "(none: nothing but the summary)")
     for name in names:
         if name not in EXPORTERS:
             raise argparse.ArgumentTypeError(f"unknown exporter {name!r}; expected one of {', '.join(EXPORTERS)}")
@@ -226,11 +228,6 @@ def run(args: argparse.Namespace) -> int:
         except ConfigError as exc:
             _shutdown_quietly(console)
             print(f"otel-swa replay: {exc}", file=sys.stderr)
-            return 2
-        except ValueError as exc:  # the SDK refused one of the standard OTEL_* variables
-            _shutdown_quietly(console)
-            print(f"otel-swa replay: OpenTelemetry cannot be set up from the environment: {exc}{otel_hint(exc)}",
-                  file=sys.stderr)
             return 2
         if reporter is not None:
             telemetry.attach(reporter)

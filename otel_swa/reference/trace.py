@@ -158,8 +158,9 @@ def load_trace(source: "str | os.PathLike[str]", limit: int | None = None) -> li
         The requests in file order, ``arrival_s`` relative to the first request.
 
     Raises:
-        TraceFormatError: empty file, bad header, a bad TIMESTAMP or count, or times going
-            backwards; the message names the file, the line number and the bad value.
+        TraceFormatError: empty file, bad header, a bad TIMESTAMP or count, times going
+            backwards, or a file that is not UTF-8 text; the message names the file, the line
+            number and the bad value.
         FileNotFoundError: ``source`` is neither a packaged name nor an existing file.
         ValueError: ``limit`` is not ``None`` or an integer >= 1.
     """
@@ -176,7 +177,11 @@ def load_trace(source: "str | os.PathLike[str]", limit: int | None = None) -> li
             f"trace {path!r} is not a file; expected a CSV path or one of {', '.join(sorted(PACKAGED_TRACES))}"
         )
     with open(path, "r", encoding="utf-8", newline="") as stream:
-        return _read(stream, path, limit)
+        try:
+            return _read(stream, path, limit)
+        except UnicodeDecodeError as exc:
+            raise TraceFormatError(path, 0, f"the file is not UTF-8 text ({exc.reason} at byte {exc.start}); "
+                                            "write the CSV in UTF-8") from None
 
 
 def scale_contexts(requests: "list[TraceRequest]", longest: int) -> list[TraceRequest]:

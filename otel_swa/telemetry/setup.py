@@ -108,6 +108,9 @@ def resolve_exporters(exporters: "str | Iterable[str] | None" = None, environ: M
     env = os.environ if environ is None else environ
     chosen: dict[str, list[str]] = {signal: [] for signal in SIGNALS}
     if exporters is not None:
+        if not _split(exporters):
+            raise ConfigError(f"exporters={exporters!r} names no exporter; expected one or more of "
+                              f"{', '.join(EXPORTER_CHOICES)} (none: export nothing)")
         for name in _split(exporters):
             if name not in EXPORTER_CHOICES:
                 raise ConfigError(f"exporter {name!r} is unknown; expected one or more of {', '.join(EXPORTER_CHOICES)}")
@@ -369,6 +372,23 @@ def _shutdown_budget_s() -> float:
     return budget if math.isfinite(budget) and budget >= 0 else SHUTDOWN_MAX_S
 
 
+#: Standard variables the SDK validates when the providers are built: a word in the SDK's error ->
+#: the variable and the values it accepts (OpenTelemetry SDK environment variables).
+_SDK_HINTS = {
+    "exemplar filter": "OTEL_METRICS_EXEMPLAR_FILTER expects always_on, always_off or trace_based",
+    "interval value": "OTEL_METRIC_EXPORT_INTERVAL expects milliseconds > 0",
+    "schedule_delay_millis": "OTEL_BSP_SCHEDULE_DELAY / OTEL_BLRP_SCHEDULE_DELAY expect milliseconds > 0",
+}
+
+
+def _sdk_hint(exc: Exception) -> str:
+    text = str(exc).lower()
+    for word, hint in _SDK_HINTS.items():
+        if word in text:
+            return f" ({hint})"
+    return " (check the OTEL_* environment variables)"
+
+
 def _shutdown_provider(signal: str, provider: Any) -> None:
     try:
         provider.shutdown()
@@ -535,7 +555,7 @@ def configure(
             owned.append("logs")
     except ValueError as exc:  # the SDK refused one of its own variables (an export interval of -1...)
         _shutdown_quietly(built + loose)
-        raise ConfigError(f"the OpenTelemetry SDK refused its settings: {exc}") from exc
+        raise ConfigError(f"OpenTelemetry cannot be set up from the environment: {exc}{_sdk_hint(exc)}") from exc
     except BaseException:
         _shutdown_quietly(built + loose)
         raise

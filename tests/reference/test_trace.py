@@ -94,3 +94,12 @@ def test_bad_file_names_file_line_and_value(tmp_path, text, line_no, value):
 def test_missing_file_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.csv"):
         load_trace(tmp_path / "nope.csv")
+
+
+def test_a_trace_that_is_not_utf8_names_the_file(tmp_path):
+    from otel_swa.reference.trace import TraceFormatError, load_trace
+
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n\xe9\n")
+    with pytest.raises(TraceFormatError, match=r"latin1.csv:0: the file is not UTF-8 text"):
+        load_trace(path)

@@ -73,9 +73,9 @@ def test_configure_logs_the_tls_warning_once(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("variable, value, message", [
-    ("OTEL_METRIC_EXPORT_INTERVAL", "-1", "the OpenTelemetry SDK refused its settings: interval value -1"),
-    ("OTEL_BSP_SCHEDULE_DELAY", "-1", "the OpenTelemetry SDK refused its settings: schedule_delay_millis"),
-    ("OTEL_METRICS_EXEMPLAR_FILTER", "bogus", "the OpenTelemetry SDK refused its settings: Unknown exemplar filter"),
+    ("OTEL_METRIC_EXPORT_INTERVAL", "-1", r"from the environment: interval value -1.*OTEL_METRIC_EXPORT_INTERVAL expects"),
+    ("OTEL_BSP_SCHEDULE_DELAY", "-1", r"from the environment: schedule_delay_millis.*OTEL_BSP_SCHEDULE_DELAY"),
+    ("OTEL_METRICS_EXEMPLAR_FILTER", "bogus", r"from the environment: Unknown exemplar filter 'bogus'.*always_on"),
     ("OTEL_SWA_SIGTERM_FLUSH", "yes", "OTEL_SWA_SIGTERM_FLUSH='yes' is not an integer"),
 ])
 def test_settings_the_sdk_or_otel_swa_refuse_are_config_errors(monkeypatch, variable, value, message):
@@ -91,3 +91,8 @@ def test_a_disabled_sdk_builds_no_exporter(monkeypatch):
         assert telemetry.exporters == {"traces": [], "metrics": [], "logs": []} and telemetry.accounted == []
     finally:
         telemetry.shutdown()
+
+
+def test_an_empty_exporter_list_is_refused():
+    with pytest.raises(ConfigError, match="exporters=' , ' names no exporter"):
+        configure(exporters=" , ", use_global=False, set_global=False)
