@@ -329,9 +329,18 @@ class SwaDivergenceReporter:
     @property
     def totals(self) -> torch.Tensor:
         """The totals so far, ``int64 [2]`` (FULL, SWA) on the reporter's device: the device part
-        plus the host ints (a new tensor). Reading it on the host synchronises; meant for tests and
-        debugging."""
+        plus the host ints. While no Python int was observed this is the device accumulator itself
+        (no copy: safe to read inside CUDA graph capture, as SGLang's canary manager reads its
+        reporter's counter), else a new tensor. Reading it on the host synchronises."""
+        if self._accumulator.host == [0, 0]:
+            return self._accumulator.totals
         return self._accumulator.combined()
+
+    @property
+    def device_totals(self) -> torch.Tensor:
+        """The device part of the totals, ``int64 [2]`` (FULL, SWA): the counts given as device
+        tensors, in place, the same tensor for the reporter's life (what a CUDA graph may read)."""
+        return self._accumulator.totals
 
     @property
     def stats(self) -> ReporterStats:

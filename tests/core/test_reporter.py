@@ -460,3 +460,13 @@ def test_a_failed_sample_does_not_take_a_slot_still_in_flight():
     reporter.flush()
     assert (got[0].swa_full_idx_divergence, got[0].swa_out_of_window_tokens) == recount(*first)
     assert (got[-1].swa_full_idx_divergence, got[-1].swa_out_of_window_tokens) == recount(*third)
+
+
+def test_totals_is_the_device_accumulator_until_an_int_is_observed():
+    """What SGLang's canary manager reads inside its graph must stay one device tensor."""
+    reporter = SwaDivergenceReporter(1)
+    first = reporter.totals
+    reporter.observe("full", torch.tensor(4))
+    assert reporter.totals is first is reporter.device_totals and first.tolist() == [4, 0]
+    reporter.observe("swa", 3)  # a host int: totals now adds the host part
+    assert reporter.totals.tolist() == [4, 3] and reporter.device_totals.tolist() == [4, 0]
