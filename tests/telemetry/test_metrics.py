@@ -181,6 +181,8 @@ def test_two_sinks_built_apart_on_one_meter_both_export_their_reporters_health(p
     for _ in range(4):
         a.step(view)
         b.step(view)
+    a.close()
+    b.close()  # their records are delivered before the pipeline shuts down
     points = pipeline.metrics()["kv_cache.swa.reporter.samples.taken"]["points"]
     by_rank = {dict(p.attributes).get("otel_swa.tp_rank"): p.value for p in points}
     assert by_rank == {None: 4, 1: 2}  # reporter a: every step; reporter b (rank 1): every 2nd
