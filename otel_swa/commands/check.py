@@ -57,6 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "pass); auto (default): otel-swa's when present, else SGLang's")
     parser.add_argument("--wait", type=seconds, default=0.0, metavar="SECONDS",
                         help="keep reading a growing file until observed or SECONDS have passed (default 0: read once)")
+    parser.add_argument("--new", action="store_true",
+                        help="judge only the records written after check starts: with --wait on a log that already "
+                             "holds finished runs (--log-file appends), the run being written, never an earlier one")
     parser.add_argument("--poll", type=positive_seconds, default=DEFAULT_POLL_S, metavar="SECONDS",
                         help=f"pause between reads while waiting (default {DEFAULT_POLL_S})")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -81,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
             return error(str(exc))
         observation = judge(split_runs(entries), errors=errors, source="standard input", **rules)
     else:
-        observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, **rules)
+        observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, new_only=args.new,
+                                           **rules)
         if observation.problem is not None:
             return error(observation.problem)
     if not (observation.ok and args.quiet):

@@ -72,6 +72,7 @@ def wait_for_observation(
     lines: str = "auto",
     timeout_s: float | None = None,
     poll_s: float = DEFAULT_POLL_S,
+    new_only: bool = False,
 ) -> SwaObservation:
     """Read ``source`` until the verdict is a pass or ``timeout_s`` has passed; never raises for
     what the source holds.
@@ -82,10 +83,11 @@ def wait_for_observation(
     is a final one: an unterminated last line counts too. A missing log file is waited for like a
     late record; if it still does not exist at the end, :attr:`SwaObservation.problem` says so.
     The wait ends at the first read that passes: a fault logged later is not seen then (judge the
-    finished log again for that). When the source already holds records as the wait begins (a log
-    appended to by run after run), a pass counts only once records were added during the wait, so
-    a finished earlier run never passes for the one being written; if nothing is added by the end,
-    what the log held is judged, with a note saying so.
+    finished log again for that).
+
+    ``new_only``: judge only the records added after the first read, i.e. the run being written
+    into a log that already holds finished runs (``--log-file`` appends): a finished earlier run
+    that passes then never passes for the one being written.
 
     Args:
         min_divergence, min_out_of_window, require_verify_lag, require_clean_audit, runs, ranks,
@@ -115,25 +117,23 @@ def wait_for_observation(
         timeout_s = 0.0  # a fixed source cannot change: one read, whatever timeout was asked
     start = time.monotonic()
     deadline = start + timeout_s
-    already = None  # records in the source when the wait began
+    already = None  # with new_only: records in the source when the wait began (not judged)
     while True:
         now = time.monotonic()
         final = now >= deadline
         waited = round(now - start, 3) if timeout_s else 0.0
         snapshot = src.read(final=final)
-        if already is None:
-            already = len(snapshot.records)
+        if new_only:
+            if already is None:
+                already = len(snapshot.records)
+                if already:
+                    notes = (f"new only: {already} record(s) already in the source when the wait began were "
+                             "not judged",)
+            snapshot = dataclasses.replace(snapshot, records=snapshot.records[already:])
         observation = judge_snapshot(snapshot, src.describe, waited, **rules)
-        # Waiting on a log that already holds runs (an appended log) is waiting for the run being
-        # written: a pass counts only once records were added during the wait; the runs that were
-        # there before are judged only when nothing was added by the end.
-        grew = len(snapshot.records) > already
-        if final:
-            if timeout_s and already and not grew:
-                note = (f"no record was added during the {timeout_s:g} s wait: judged what the log already held")
-                observation = dataclasses.replace(observation, notes=observation.notes + (note,))
-            return observation
-        if observation.ok and (grew or not timeout_s or not already):
+        if new_only and already:
+            observation = dataclasses.replace(observation, notes=observation.notes + notes)
+        if observation.ok or final:
             return observation
         time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
 
@@ -150,6 +150,7 @@ def assert_swa_divergence_observed(
     lines: str = "auto",
     timeout_s: float | None = None,
     poll_s: float = DEFAULT_POLL_S,
+    new_only: bool = False,
 ) -> SwaObservation:
     """Assert that a run shows the SWA path working; wait for it while the log is being written.
 
@@ -159,7 +160,7 @@ def assert_swa_divergence_observed(
     ``verify_swa < verify_full`` (when ``require_verify_lag``), the SWA slot audit, where present,
     found no leaked slot, stale token or shared slot (when ``require_clean_audit``), and no rank's
     runs are interleaved. ``source`` is any of :func:`open_source`'s kinds; waiting follows
-    :func:`wait_for_observation`.
+    :func:`wait_for_observation` (``new_only=True``: only what is written while it waits).
 
     Returns:
         the :class:`~otel_swa.testing.judge.SwaObservation` (groups, peaks, last record) for
@@ -182,6 +183,7 @@ def assert_swa_divergence_observed(
         lines=lines,
         timeout_s=timeout_s,
         poll_s=poll_s,
+        new_only=new_only,
     )
     if not observation.ok:
         raise SwaDivergenceNotObserved(observation)

@@ -1,5 +1,5 @@
-"""Waiting on a log that already holds finished runs (``--log-file`` appends): the run being
-written is judged, never a finished earlier one."""
+"""Waiting on a log that already holds finished runs (``--log-file`` appends) with ``new_only``
+(``otel-swa check --wait N --new``): the run being written is judged, never a finished earlier one."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def test_a_finished_good_run_does_not_pass_for_the_failing_one_being_written(tmp
 
     writer = threading.Thread(target=write_a_bad_run)
     writer.start()
-    observation = wait_for_observation(log, timeout_s=3.0, poll_s=0.1)
+    observation = wait_for_observation(log, timeout_s=3.0, poll_s=0.1, new_only=True)
     writer.join()
     assert not observation.ok  # the third run, written during the wait, fails
     assert observation.last.forward_ct == 60 and observation.last.swa_full_idx_divergence == 0
@@ -48,14 +48,25 @@ def test_a_good_run_written_during_the_wait_passes_as_soon_as_it_shows(tmp_path)
 
     writer = threading.Thread(target=write_a_good_run)
     writer.start()
-    observation = wait_for_observation(log, timeout_s=10.0, poll_s=0.1)
+    observation = wait_for_observation(log, timeout_s=10.0, poll_s=0.1, new_only=True)
     writer.join()
     assert observation.ok and observation.waited_s < 10.0
 
 
-def test_when_nothing_is_written_during_the_wait_the_log_is_judged_with_a_note(tmp_path):
+def test_without_new_only_a_finished_good_run_passes_at_once(tmp_path):
     log = tmp_path / "app.log"
     log.write_text(_run_lines(1, True))
-    observation = wait_for_observation(log, timeout_s=0.4, poll_s=0.1)
-    assert observation.ok
-    assert any("no record was added during the 0.4 s wait" in note for note in observation.notes)
+    observation = wait_for_observation(log, timeout_s=30.0, poll_s=0.1)
+    assert observation.ok and observation.waited_s < 1.0  # a finished log is judged at the first read
+
+
+def test_new_only_with_nothing_written_fails_saying_what_was_left_out(tmp_path, capsys):
+    from otel_swa.cli import main
+
+    log = tmp_path / "app.log"
+    log.write_text(_run_lines(1, True))
+    observation = wait_for_observation(log, timeout_s=0.3, poll_s=0.1, new_only=True)
+    assert not observation.ok
+    assert any("3 record(s) already in the source when the wait began were not judged" in n for n in observation.notes)
+    assert main(["check", str(log), "--wait", "0.3", "--new"]) == 1
+    assert "not judged" in capsys.readouterr().out
