@@ -8,13 +8,15 @@ Metrics (namespace ``kv_cache.swa.``; see :data:`otel_swa.telemetry.metrics.INST
 ==========================================  ==============  ===========  ===================
 name                                        kind            unit         from
 ==========================================  ==============  ===========  ===================
-kv_cache.swa.entries.verified               Counter         {entry}      verify_full (pool=full), verify_swa (pool=swa)
-kv_cache.swa.forward_steps                  Counter         {forward}    forward_ct
-kv_cache.swa.tokens.divergent               Gauge           {token}      swa_full_idx_divergence
-kv_cache.swa.tokens.out_of_window           Gauge           {token}      swa_out_of_window_tokens
-kv_cache.swa.slots.leaked                   Gauge           {slot}       swa_leaked_slots (audited samples)
-kv_cache.swa.tokens.stale                   Gauge           {token}      swa_stale_tokens (audited samples)
-kv_cache.swa.slots.shared                   Gauge           {slot}       swa_shared_slots (audited samples)
+kv_cache.swa.entries.verified               ObservableCtr   {entry}      verify_full (pool=full), verify_swa (pool=swa), kv_cache.swa.verify_source
+kv_cache.swa.forward_steps                  ObservableCtr   {forward}    forward_ct
+kv_cache.swa.tokens.divergent               ObservableGauge {token}      swa_full_idx_divergence
+kv_cache.swa.tokens.out_of_window           ObservableGauge {token}      swa_out_of_window_tokens
+kv_cache.swa.slots.leaked                   ObservableGauge {slot}       swa_leaked_slots (audited samples)
+kv_cache.swa.tokens.stale                   ObservableGauge {token}      swa_stale_tokens (audited samples)
+kv_cache.swa.slots.shared                   ObservableGauge {slot}       swa_shared_slots (audited samples)
+kv_cache.swa.pages.in_use                   ObservableGauge {page}       swa_pages_in_use (audited samples)
+kv_cache.swa.pages.referenced               ObservableGauge {page}       swa_pages_referenced (audited samples)
 kv_cache.swa.reporter.delivery.delay        Histogram       {forward}    reporter.forward_ct - forward_ct at delivery
 kv_cache.swa.reporter.resets                Counter         {reset}      totals that went backwards
 kv_cache.swa.reporter.samples.taken         ObservableCtr   {sample}     reporter.stats.samples_taken
@@ -22,8 +24,10 @@ kv_cache.swa.reporter.samples.delivered     ObservableCtr   {sample}     reporte
 kv_cache.swa.reporter.ring_full.waits       ObservableCtr   {wait}       reporter.stats.ring_full_waits
 kv_cache.swa.reporter.sink.errors           ObservableCtr   {error}      reporter.stats.sink_errors
 kv_cache.swa.reporter.samples.invalid       ObservableCtr   {sample}     reporter.stats.invalid_samples
-kv_cache.swa.reporter.samples.skipped       ObservableCtr   {sample}     reporter.stats.skipped_captures
+kv_cache.swa.reporter.samples.skipped       ObservableCtr   {sample}     step() calls ignored during CUDA graph capture
+kv_cache.swa.reporter.view_faults           ObservableCtr   {sample}     reporter.stats.view_faults (kv_cache.swa.fault=...)
 kv_cache.swa.reporter.samples.pending       ObservableGauge {sample}     reporter.stats.pending
+kv_cache.swa.telemetry.records.dropped      ObservableCtr   {record}     records the full delivery queue dropped
 kv_cache.swa.memory.saved                   ObservableGauge By           swa_out_of_window_tokens x SWA KV bytes per token
 kv_cache.pool.tokens.used                   ObservableGauge {token}      the engine's pool (pool=full|swa), at collection
 kv_cache.pool.tokens.available              ObservableGauge {token}      idem

@@ -51,7 +51,7 @@ _log = logging.getLogger(__name__)
 
 #: Attribute of ``kv_cache.swa.reporter.view_faults``: which fault of the view
 #: (:data:`otel_swa.device.FAULTS`, e.g. ``seq_lens_cpu_mismatch``). Bounded: five values.
-ATTR_FAULT = sc.NAMESPACE + "fault"
+ATTR_FAULT = sc.ATTR_FAULT
 
 Attributes = Mapping[str, Any]
 _FULL = {sc.ATTR_POOL: sc.POOL_FULL}

@@ -54,6 +54,9 @@ ATTR_DIVERGENCE_APPLICABLE = NAMESPACE + "divergence_applicable"
 #: :data:`otel_swa.record.VERIFY_SOURCES`. On ``kv_cache.swa.entries.verified`` beside ``pool``.
 ATTR_VERIFY_SOURCE = NAMESPACE + "verify_source"
 
+#: Metric attribute of ``kv_cache.swa.reporter.view_faults``: which fault a bad view showed.
+ATTR_FAULT = NAMESPACE + "fault"
+
 # Attributes of the forward-step span (all bounded: counts, never request ids).
 ATTR_FORWARD_CT = "forward_step.forward_ct"
 ATTR_BATCH_SIZE = "forward_step.batch_size"

@@ -244,6 +244,8 @@ class SwaTelemetry:
         sink = self.sink if not self.sink.attached else self.sink.for_another_reporter()
         sink.attach(reporter)
         self.sinks.append(sink)
+        if self.forward_spans.interval is None:  # "sampled" spans follow this reporter's samples
+            self.forward_spans.interval = reporter.interval
         lifecycle.track(reporter, (self.tracer_provider, self.meter_provider, self.logger_provider))
         return reporter
 

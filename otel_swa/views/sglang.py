@@ -244,9 +244,11 @@ class KvCanaryHooks:
     def verify_total_count_device(self) -> torch.Tensor:
         """Running totals of verified entries, ``int64 [2]`` (FULL, SWA) on the reporter's device.
 
-        SGLang's own counter is ``int32 [2]``; the values are the same until ``2**31``.
+        SGLang's own counter is ``int32 [2]``; the values are the same until ``2**31``. This is the
+        reporter's device accumulator itself (``device_totals``), which SGLang's canary manager may
+        read inside its CUDA graph.
         """
-        return self.reporter.totals
+        return self.reporter.device_totals
 
     def observe_after_invoke_plan(self, *, group: Any, verify_plan: Any) -> None:
         """After each canary plan: add ``verify_plan.verify_num_valid`` to ``group``'s pool."""
