@@ -118,7 +118,8 @@ class SwaDivergenceReporter:
             attention read) or ``"kv_canary"`` (the entries SGLang's KV canary verified).
 
     Raises:
-        ValueError: ``interval`` or ``ring_size`` below 1 or not an int; an unknown ``verify_source``.
+        ValueError: ``interval`` or ``ring_size`` below 1 or not an int; an unknown ``verify_source``;
+            a CUDA ``device`` where torch has no CUDA device (a CPU build, no GPU visible).
 
     CUDA graphs. Every entry point may be called while the current stream captures a graph:
     ``observe`` with a device tensor is captured (each replay adds), ``step`` is ignored and counted
@@ -155,6 +156,11 @@ class SwaDivergenceReporter:
         self.interval = interval
         self.verify_source = verify_source
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"device {str(device)!r}: no CUDA device here (torch {torch.__version__}, "
+                "torch.cuda.is_available() is False); give the KV cache's device, e.g. device='cpu'"
+            )
         self._cuda = self.device.type == "cuda"
         self._accumulator = PoolAccumulator(self.device)
         self._ring = DeviceToHostRing(ring_size, STAGE_WIDTH, self.device)

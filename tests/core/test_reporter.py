@@ -470,3 +470,9 @@ def test_totals_is_the_device_accumulator_until_an_int_is_observed():
     assert reporter.totals is first is reporter.device_totals and first.tolist() == [4, 0]
     reporter.observe("swa", 3)  # a host int: totals now adds the host part
     assert reporter.totals.tolist() == [4, 3] and reporter.device_totals.tolist() == [4, 0]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_cuda_device_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"device 'cuda:0': no CUDA device here \(torch .*is_available\(\) is False"):
+        SwaDivergenceReporter(1, device="cuda:0")
