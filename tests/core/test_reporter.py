@@ -476,3 +476,29 @@ def test_totals_is_the_device_accumulator_until_an_int_is_observed():
 def test_a_cuda_device_without_cuda_is_a_clear_error():
     with pytest.raises(ValueError, match=r"device 'cuda:0': no CUDA device here \(torch .*is_available\(\) is False"):
         SwaDivergenceReporter(1, device="cuda:0")
+
+
+def test_every_entry_point_leaves_state_alone_while_a_graph_is_being_captured(monkeypatch):
+    """The host side of CUDA graph capture, on the CPU: while the current stream captures (as
+    torch.cuda.is_current_stream_capturing() reports it), step() counts no forward step and takes
+    no sample (counted as skipped), flush() and close() deliver nothing and keep the reporter open;
+    once capture ends the reporter goes on where it was. The capture itself: tests/core/test_gpu_capture.py."""
+    got = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r.forward_ct)])
+    state = random_state(random.Random(3))
+    reporter.step(make_view(*state, host_lens=True))
+    assert got == [1]
+    capturing = {"now": True}
+    monkeypatch.setattr(reporter, "_cuda", True)  # the reporter's device is CUDA ...
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing["now"])  # ... capturing
+    for _ in range(3):
+        reporter.step(make_view(*state, host_lens=True))
+    reporter.flush()
+    reporter.close()
+    assert reporter.forward_ct == 1 and got == [1] and not reporter.closed
+    assert reporter.stats.skipped_captures == 3
+    capturing["now"] = False
+    monkeypatch.setattr(reporter, "_cuda", False)
+    reporter.step(make_view(*state, host_lens=True))
+    reporter.close()
+    assert got == [1, 2] and reporter.closed
