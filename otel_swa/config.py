@@ -21,6 +21,8 @@ __all__ = [
     "sigterm_flush",
     "forward_spans",
     "FORWARD_SPANS_CHOICES",
+    "micro_batches",
+    "MICRO_BATCH_MODES",
 ]
 
 DEFAULT_RING_SIZE = 4
@@ -154,6 +156,29 @@ def forward_spans(environ: Mapping[str, str] | None = None) -> str:
     if value not in FORWARD_SPANS_CHOICES:
         raise ConfigError(
             f"{ev.OTEL_SWA_FORWARD_SPANS}={raw!r}; expected one of {', '.join(FORWARD_SPANS_CHOICES)}"
+        )
+    return value
+
+
+#: Values of ``OTEL_SWA_MICRO_BATCHES``, the default first.
+MICRO_BATCH_MODES = ("one", "every")
+
+
+def micro_batches(environ: Mapping[str, str] | None = None) -> str:
+    """``OTEL_SWA_MICRO_BATCHES``: which micro-batches a sampling step samples under pipeline
+    parallelism, one of :data:`MICRO_BATCH_MODES` (default ``one``; case and blanks ignored).
+
+    Raises:
+        ConfigError: any other value (the message names the variable, the value and the choices).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ev.OTEL_SWA_MICRO_BATCHES)
+    if raw is None or raw.strip() == "":
+        return MICRO_BATCH_MODES[0]
+    value = raw.strip().lower()
+    if value not in MICRO_BATCH_MODES:
+        raise ConfigError(
+            f"{ev.OTEL_SWA_MICRO_BATCHES}={raw!r}; expected one of {', '.join(MICRO_BATCH_MODES)}"
         )
     return value
 

@@ -73,6 +73,16 @@ OTEL_SWA_SIGTERM_FLUSH = "OTEL_SWA_SIGTERM_FLUSH"
 holds before SIGTERM ends the process (see :mod:`otel_swa.lifecycle`). ``0``: SIGTERM is left alone.
 """
 
+OTEL_SWA_MICRO_BATCHES = "OTEL_SWA_MICRO_BATCHES"
+"""
+.. envvar:: OTEL_SWA_MICRO_BATCHES
+
+Under pipeline parallelism, which micro-batches a sampling step samples: ``one`` (default) the
+micro-batch whose forward step hit the interval, as SGLang's reporter does; ``every``: that one and
+each other micro-batch of the pipeline's round, at their own forward steps (the engine passes the
+micro-batch index to ``reporter.step``). Without micro-batch indices both are the same.
+"""
+
 OTEL_SWA_FORWARD_SPANS = "OTEL_SWA_FORWARD_SPANS"
 """
 .. envvar:: OTEL_SWA_FORWARD_SPANS

@@ -59,8 +59,9 @@ __all__ = [
 
 #: Columns of a record as data (``otel-swa records``): where it was found, the run it belongs to,
 #: what wrote it (``verify_source``: otel-swa's tag; empty for SGLang's own lines), the five
-#: fields, then the audit fields (empty when the record was not audited).
-ROW_FIELDS = ("line_no", "timestamp", "rank", "run", "verify_source") + FIELDS + AUDIT_FIELDS
+#: fields, the audit fields (empty when the record was not audited), then ``micro_batch`` (empty
+#: without pipeline parallelism).
+ROW_FIELDS = ("line_no", "timestamp", "rank", "run", "verify_source") + FIELDS + AUDIT_FIELDS + ("micro_batch",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,7 @@ class LoggedRecord:
         }
         row.update(self.record.to_dict())
         row.update({name: getattr(self.record, name) for name in AUDIT_FIELDS})
+        row["micro_batch"] = self.record.micro_batch
         return row
 
 

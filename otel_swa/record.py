@@ -38,8 +38,10 @@ its own prefixes, which SGLang's parser never matches (neither prefix contains S
 
       otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,"swa_stale_tokens":0,"swa_shared_slots":0,"swa_pages_in_use":12,"swa_pages_referenced":12}
 
-  compact JSON of ``forward_ct`` and the audit fields (:data:`AUDIT_FIELDS`) present; keys this
-  version does not know are ignored, so fields can be added later. It is attached back to the
+  compact JSON of ``forward_ct``, the record's micro-batch when known (``"micro_batch":1``, under
+  pipeline parallelism; a record with a micro-batch and no audit has an audit line of the two) and
+  the audit fields (:data:`AUDIT_FIELDS`) present; keys this version does not know are ignored, so
+  fields can be added later. It is attached back to the
   latest record of the same tag and log rank when that record has the same ``forward_ct``;
 * a **run start** marker, before the first record a line sink writes (:func:`run_start_line`)::
 
@@ -68,6 +70,7 @@ __all__ = [
     "LINE_TAG",
     "FIELDS",
     "AUDIT_FIELDS",
+    "MICRO_BATCH_MAX",
     "VERIFY_SOURCES",
     "INT64_MAX",
     "INT64_MIN",
@@ -113,6 +116,10 @@ AUDIT_FIELDS = (
     "swa_pages_in_use",
     "swa_pages_referenced",
 )
+
+#: The largest micro-batch index a record takes (micro-batches are a pipeline's few in-flight batches,
+#: SGLang's ``mb_id`` in ``range(pp_loop_size)``; the bound keeps the metric attribute bounded).
+MICRO_BATCH_MAX = 1023
 
 #: What ``verify_full`` / ``verify_swa`` count, as carried by :attr:`SwaDivergenceRecord.verify_source`:
 #: ``kv_canary``: the KV entries SGLang's KV canary verified (its verify plans, SGLang's meaning of the
@@ -228,12 +235,16 @@ class SwaDivergenceRecord:
         verify_source: what ``verify_full`` / ``verify_swa`` count, one of :data:`VERIFY_SOURCES`,
             or ``None`` when unknown (a line SGLang itself wrote, which counts what its canary
             verified). Written as the line's tag by :meth:`line`, never into the JSON.
+        micro_batch: under pipeline parallelism, the index of the micro-batch the sampled forward
+            step ran (``0 .. MICRO_BATCH_MAX``; SGLang's ``mb_id``), or ``None`` when the engine
+            gave none. On the audit line, never in SGLang's line.
 
     Raises:
         TypeError: a field is not an ``int`` (or is a ``bool``); an audit field is neither
             ``None`` nor an ``int``; ``divergence_applicable`` is not a ``bool``.
         ValueError: a field is negative or above :data:`INT64_MAX` (the message names the field
-            and the value); ``verify_source`` is not ``None`` nor one of :data:`VERIFY_SOURCES`.
+            and the value); ``verify_source`` is not ``None`` nor one of :data:`VERIFY_SOURCES`;
+            ``micro_batch`` is outside ``0 .. MICRO_BATCH_MAX``.
     """
 
     forward_ct: int
@@ -248,6 +259,7 @@ class SwaDivergenceRecord:
     swa_pages_in_use: "int | None" = field(default=None, kw_only=True)
     swa_pages_referenced: "int | None" = field(default=None, kw_only=True)
     verify_source: "str | None" = field(default=None, kw_only=True)
+    micro_batch: "int | None" = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         for name in FIELDS + AUDIT_FIELDS:
@@ -262,12 +274,19 @@ class SwaDivergenceRecord:
                 f"SwaDivergenceRecord.verify_source must be None or one of {', '.join(VERIFY_SOURCES)}, "
                 f"got {self.verify_source!r}"
             )
+        if self.micro_batch is not None:
+            _check_int("SwaDivergenceRecord", "micro_batch", self.micro_batch, 0)
+            if self.micro_batch > MICRO_BATCH_MAX:
+                raise ValueError(
+                    f"SwaDivergenceRecord.micro_batch must be from 0 to {MICRO_BATCH_MAX}, got {self.micro_batch}"
+                )
 
     @classmethod
     def _as_logged(cls, values: dict[str, int], verify_source: str | None, audit: dict[str, int] | None = None,
                    divergence_applicable: bool = True) -> "SwaDivergenceRecord":
         """A record as a log line holds it: the five fields already checked to be int64 (negative
-        ones included, as SGLang's parser takes them), audit fields already checked >= 0."""
+        ones included, as SGLang's parser takes them), audit-line fields (the audit fields and
+        ``micro_batch``) already checked >= 0."""
         record = object.__new__(cls)
         for name in FIELDS:
             object.__setattr__(record, name, values[name])
@@ -275,6 +294,7 @@ class SwaDivergenceRecord:
         for name in AUDIT_FIELDS:
             object.__setattr__(record, name, None if audit is None else audit.get(name))
         object.__setattr__(record, "verify_source", verify_source)
+        object.__setattr__(record, "micro_batch", None if audit is None else audit.get("micro_batch"))
         return record
 
     @property
@@ -285,6 +305,11 @@ class SwaDivergenceRecord:
     def audit_dict(self) -> dict[str, int]:
         """The audit fields that are present (empty when not audited)."""
         return {name: getattr(self, name) for name in AUDIT_FIELDS if getattr(self, name) is not None}
+
+    def _audit_line_fields(self) -> dict[str, int]:
+        """What the audit line carries besides ``forward_ct``: the micro-batch, then the audit."""
+        audit = self.audit_dict()
+        return audit if self.micro_batch is None else {"micro_batch": self.micro_batch, **audit}
 
     # ------------------------------------------------------------------ conversions
     def to_dict(self) -> dict[str, int]:
@@ -332,13 +357,15 @@ class SwaDivergenceRecord:
         return self._tagged(self.format())
 
     def audit_line(self) -> str | None:
-        """The audit line of an audited record, written right after :meth:`line`, or ``None`` when
-        the record carries no audit field: the same tag, then :data:`AUDIT_PREFIX` and compact JSON
-        of ``forward_ct`` and the audit fields present, in :data:`AUDIT_FIELDS` order::
+        """The audit line of a record, written right after :meth:`line`, or ``None`` when the
+        record carries neither an audit field nor a micro-batch: the same tag, then
+        :data:`AUDIT_PREFIX` and compact JSON of ``forward_ct``, ``micro_batch`` when known and the
+        audit fields present, in :data:`AUDIT_FIELDS` order::
 
             otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,...}
+            otel_swa[verify=attention] otel_swa_audit={"forward_ct":41,"micro_batch":1}
         """
-        audit = self.audit_dict()
+        audit = self._audit_line_fields()
         if not audit:
             return None
         body = AUDIT_PREFIX + json.dumps({"forward_ct": self.forward_ct, **audit}, separators=(",", ":"))
@@ -468,7 +495,8 @@ class AuditMatch(NamedTuple):
 
     Attributes:
         forward_ct: the ``forward_ct`` of the record it belongs to.
-        audit: the audit fields it holds (names of :data:`AUDIT_FIELDS`; unknown keys left out).
+        audit: the fields it holds besides ``forward_ct`` (``micro_batch`` and names of
+            :data:`AUDIT_FIELDS`; unknown keys left out).
         text, line_no, rank, timestamp: as in :class:`RecordMatch`.
         verify_source: from the tag before it, ``None`` without one.
     """
@@ -536,12 +564,12 @@ def _with_tag(record: SwaDivergenceRecord, text: str, start: int) -> SwaDivergen
     source = _tag_before(text, text.rfind("\n", 0, start) + 1, start)
     if source is None:
         return record
-    return SwaDivergenceRecord._as_logged(record.to_dict(), source, record.audit_dict() or None,
+    return SwaDivergenceRecord._as_logged(record.to_dict(), source, record._audit_line_fields() or None,
                                           record.divergence_applicable)
 
 
 _FIELD_SET = frozenset(FIELDS)
-_AUDIT_KEYS = ("forward_ct",) + AUDIT_FIELDS
+_AUDIT_KEYS = ("forward_ct", "micro_batch") + AUDIT_FIELDS
 
 
 def _logged_int(name: str, value: Any, minimum: int) -> str | None:
@@ -639,6 +667,8 @@ def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefi
         for name in _AUDIT_KEYS:
             if name in data:
                 reason = _logged_int(name, data[name], 0)
+                if reason is None and name == "micro_batch" and data[name] > MICRO_BATCH_MAX:
+                    reason = f"micro_batch={data[name]} is above {MICRO_BATCH_MAX}"
                 if reason is not None:
                     raise fail(reason)
                 if name != "forward_ct":

@@ -38,7 +38,7 @@ from otel_swa.device import (
     read_sample,
     stage_sample,
 )
-from otel_swa.record import VERIFY_SOURCES, SwaDivergenceRecord
+from otel_swa.record import MICRO_BATCH_MAX, VERIFY_SOURCES, SwaDivergenceRecord
 from otel_swa.views.base import SwaBatchView, validate_view
 
 try:  # opentelemetry-api is a dependency; the reporter itself only needs its context object.
@@ -100,6 +100,7 @@ class _Pending(NamedTuple):
     audit_page_size: int  # 0 when the sample carries no audit
     meta: SampleMeta
     host_totals: tuple[int, int]  # the accumulator's host part when the sample was taken
+    micro_batch: "int | None"
 
 
 class SwaDivergenceReporter:
@@ -116,10 +117,18 @@ class SwaDivergenceReporter:
         verify_source: what the counts given to :meth:`observe` are, carried by every record
             (:data:`otel_swa.record.VERIFY_SOURCES`): ``"attention"`` (default: the KV entries
             attention read) or ``"kv_canary"`` (the entries SGLang's KV canary verified).
+        micro_batches: under pipeline parallelism (``step(view, micro_batch=i)``), which
+            micro-batches a sampling step samples (:data:`otel_swa.config.MICRO_BATCH_MODES`):
+            ``"one"`` (default, SGLang's behaviour): the forward step whose ``forward_ct`` is a
+            multiple of ``interval``, whichever micro-batch it ran; ``"every"``: that step, then
+            each following forward step whose micro-batch has not been sampled since, until a
+            micro-batch comes round again (the pipeline's whole round: one record per micro-batch,
+            each at its own ``forward_ct``). A step without a micro-batch index ends the round.
 
     Raises:
-        ValueError: ``interval`` or ``ring_size`` below 1 or not an int; an unknown ``verify_source``;
-            a CUDA ``device`` where torch has no CUDA device (a CPU build, no GPU visible).
+        ValueError: ``interval`` or ``ring_size`` below 1 or not an int; an unknown ``verify_source``
+            or ``micro_batches``; a CUDA ``device`` where torch has no CUDA device (a CPU build, no
+            GPU visible).
 
     CUDA graphs. Every entry point may be called while the current stream captures a graph:
     ``observe`` with a device tensor is captured (each replay adds), ``step`` is ignored and counted
@@ -148,13 +157,19 @@ class SwaDivergenceReporter:
         ring_size: int = config.DEFAULT_RING_SIZE,
         sinks: Iterable[Sink] = (),
         verify_source: str = "attention",
+        micro_batches: str = config.MICRO_BATCH_MODES[0],
     ) -> None:
         if type(interval) is not int or interval < 1:
             raise ValueError(f"interval must be an int >= 1 (forward steps between samples), got {interval!r}")
         if verify_source not in VERIFY_SOURCES:
             raise ValueError(f"verify_source must be one of {', '.join(VERIFY_SOURCES)}, got {verify_source!r}")
+        if micro_batches not in config.MICRO_BATCH_MODES:
+            raise ValueError(
+                f"micro_batches must be one of {', '.join(config.MICRO_BATCH_MODES)}, got {micro_batches!r}"
+            )
         self.interval = interval
         self.verify_source = verify_source
+        self.micro_batches = micro_batches
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
@@ -181,6 +196,8 @@ class SwaDivergenceReporter:
         self._invalid_samples = 0
         self._view_faults = {name: 0 for name in FAULTS}
         self._capture_warned = False
+        # micro-batches sampled since the last interval step (micro_batches="every"), or None
+        self._round: "set[int] | None" = None
         # Held while the ring and the pending queue change (sampling, delivery, flush), so that a
         # close() from another thread (an uninstrument, a finaliser) cannot race the engine's step().
         # Plain steps with nothing pending never take it.
@@ -198,8 +215,9 @@ class SwaDivergenceReporter:
     ) -> "SwaDivergenceReporter | None":
         """A reporter configured from the environment, or ``None`` when the gate is off.
 
-        Reads ``OTEL_SWA_DIVERGENCE_INTERVAL`` (fallback ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``)
-        and ``OTEL_SWA_RING_SIZE``. ``None`` (interval 0) means the engine does no reporter work at all.
+        Reads ``OTEL_SWA_DIVERGENCE_INTERVAL`` (fallback ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``),
+        ``OTEL_SWA_RING_SIZE`` and ``OTEL_SWA_MICRO_BATCHES``. ``None`` (interval 0) means the engine
+        does no reporter work at all.
 
         Raises:
             otel_swa.config.ConfigError: a variable holds an unusable value.
@@ -207,7 +225,10 @@ class SwaDivergenceReporter:
         interval = config.divergence_interval(environ)
         if interval == 0:
             return None
-        return cls(interval, device=device, ring_size=config.ring_size(environ), sinks=sinks, verify_source=verify_source)
+        return cls(
+            interval, device=device, ring_size=config.ring_size(environ), sinks=sinks, verify_source=verify_source,
+            micro_batches=config.micro_batches(environ),
+        )
 
     # ------------------------------------------------------------------ engine-facing calls
     def observe(self, pool: "KVPool | int | str", count: "int | torch.Tensor") -> None:
@@ -223,8 +244,9 @@ class SwaDivergenceReporter:
         """
         self._accumulator.add(pool, count)
 
-    def step(self, view: Any, context: Any = None) -> None:
-        """Count one forward step; at non-zero multiples of ``interval``, sample ``view``.
+    def step(self, view: Any, context: Any = None, *, micro_batch: "int | None" = None) -> None:
+        """Count one forward step; at non-zero multiples of ``interval``, sample ``view`` (and, with
+        ``micro_batches="every"``, the rest of the pipeline's round: class docstring).
 
         Also delivers, without blocking, every sample whose copy has finished, the one just taken
         included: on CPU the copy is done when the sample is staged, so a record reaches the sinks
@@ -238,9 +260,13 @@ class SwaDivergenceReporter:
                 engine pays nothing to build it on the other steps). Only read at sampling steps.
             context: the OpenTelemetry context of this forward step, handed to the sinks with the
                 record; default: the current context at this call.
+            micro_batch: under pipeline parallelism, the index of the micro-batch this forward step
+                ran (``0 .. MICRO_BATCH_MAX``, SGLang's ``mb_id``), carried by its record
+                (``record.micro_batch``); ``None`` (default): no pipeline.
 
         Raises:
-            TypeError, ValueError: at a sampling step, ``view`` does not satisfy the protocol (see
+            TypeError, ValueError: ``micro_batch`` is not ``None`` nor an int in ``0 ..
+                MICRO_BATCH_MAX`` (any step); at a sampling step, ``view`` does not satisfy the protocol (see
                 :func:`otel_swa.views.validate_view`): an integration error, raised so it is seen
                 at the first sample. Errors of the view factory or of the device work (out of
                 memory, a CUDA fault) also propagate; sink errors never do, and invalid sample
@@ -251,14 +277,28 @@ class SwaDivergenceReporter:
         if self._cuda and torch.cuda.is_current_stream_capturing():
             self._skipped_captures += 1
             return
+        if micro_batch is not None and (type(micro_batch) is not int or not 0 <= micro_batch <= MICRO_BATCH_MAX):
+            raise ValueError(f"micro_batch must be None or an int from 0 to {MICRO_BATCH_MAX}, got {micro_batch!r}")
         self._forward_ct += 1
         if self._pending:
             with self._lock:
                 self._deliver_ready()
         if self._forward_ct % self.interval == 0:
+            due = True
+            if self.micro_batches == "every":
+                self._round = None if micro_batch is None else {micro_batch}
+        elif self._round is not None:  # micro_batches="every", inside a sampled round
+            due = micro_batch is not None and micro_batch not in self._round
+            if due:
+                self._round.add(micro_batch)
+            else:
+                self._round = None
+        else:
+            return
+        if due:
             with self._lock:
                 if not self._closed:
-                    self._sample(view, context)
+                    self._sample(view, context, micro_batch)
                     self._deliver_ready()
 
     def add_sink(self, sink: Sink) -> None:
@@ -371,7 +411,7 @@ class SwaDivergenceReporter:
         return True
 
     # ------------------------------------------------------------------ device side
-    def _sample(self, view: Any, context: Any) -> None:
+    def _sample(self, view: Any, context: Any, micro_batch: "int | None" = None) -> None:
         if callable(view) and not isinstance(view, SwaBatchView):
             view = view()
         validate_view(view, self.device)
@@ -403,6 +443,7 @@ class SwaDivergenceReporter:
         host = self._accumulator.host
         self._pending.append(_Pending(
             slot, self._forward_ct, context, applicable, audit.page_size if audit else 0, meta, (host[0], host[1]),
+            micro_batch,
         ))
         # Advanced only now: a sample that failed above leaves its slot free for the next one.
         self._next_slot = (slot + 1) % self._ring.slots
@@ -444,6 +485,7 @@ class SwaDivergenceReporter:
                 swa_pages_in_use=audit[0] if audit else None,
                 swa_pages_referenced=audit[1] if audit else None,
                 verify_source=self.verify_source,
+                micro_batch=pending.micro_batch,
             )
         except (TypeError, ValueError) as exc:  # never let a bad value escape into the engine
             self._invalid_samples += 1

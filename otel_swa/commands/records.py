@@ -4,8 +4,8 @@ Columns, in order: ``line_no`` (1-based line of the log), ``timestamp`` (the log
 written there, empty/null when absent), ``rank`` (SGLang's rank tokens such as ``DP1 TP0``, empty/null
 when absent), ``run`` (1-based run of the log, counted per writer: see
 :mod:`otel_swa.testing.runs`), ``verify_source`` (otel-swa's tag; empty/null for SGLang's own lines),
-the five record fields in SGLang's order, then the SWA slot audit fields (empty/null when the record
-has no audit line). Malformed lines are skipped and counted on stderr with the first reason (every
+the five record fields in SGLang's order, the SWA slot audit fields (empty/null when the record
+has no audit line), then ``micro_batch`` (the pipeline micro-batch sampled; empty/null without one). Malformed lines are skipped and counted on stderr with the first reason (every
 one with ``--verbose``).
 
 Numbers are written exactly, as decimal integers (up to 2**63 - 1). Some readers round integers

@@ -39,7 +39,8 @@ __all__ = ["record_attributes", "record_from_attributes", "SampleEvents"]
 def record_attributes(record: SwaDivergenceRecord) -> dict[str, int | bool | str]:
     """The event attributes of ``record``: ``{"kv_cache.swa.<field>": value}`` in SGLang's order,
     then the SWA slot audit fields when present, ``kv_cache.swa.divergence_applicable=False``
-    for engines without a FULL-to-SWA mapping, and ``kv_cache.swa.verify_source`` when known."""
+    for engines without a FULL-to-SWA mapping, ``kv_cache.swa.verify_source`` and
+    ``kv_cache.swa.micro_batch`` when known."""
     attributes: dict[str, int | bool] = {sc.RECORD_ATTRIBUTES[name]: getattr(record, name) for name in FIELDS}
     for name, value in record.audit_dict().items():
         attributes[sc.AUDIT_ATTRIBUTES[name]] = value
@@ -47,6 +48,8 @@ def record_attributes(record: SwaDivergenceRecord) -> dict[str, int | bool | str
         attributes[sc.ATTR_DIVERGENCE_APPLICABLE] = False
     if record.verify_source is not None:
         attributes[sc.ATTR_VERIFY_SOURCE] = record.verify_source
+    if record.micro_batch is not None:
+        attributes[sc.ATTR_MICRO_BATCH] = record.micro_batch
     return attributes
 
 
@@ -66,7 +69,10 @@ def record_from_attributes(attributes) -> SwaDivergenceRecord:
     extras = {name: attributes[key] for name, key in sc.AUDIT_ATTRIBUTES.items() if key in attributes}
     applicable = attributes.get(sc.ATTR_DIVERGENCE_APPLICABLE, True)
     source = attributes.get(sc.ATTR_VERIFY_SOURCE)
-    return SwaDivergenceRecord(**values, **extras, divergence_applicable=applicable, verify_source=source)
+    micro_batch = attributes.get(sc.ATTR_MICRO_BATCH)
+    return SwaDivergenceRecord(
+        **values, **extras, divergence_applicable=applicable, verify_source=source, micro_batch=micro_batch,
+    )
 
 
 class SampleEvents:

@@ -71,6 +71,20 @@ def _pool(pool: str, record: SwaDivergenceRecord) -> Attributes:
     return _POOL_SOURCE[pool, record.verify_source]
 
 
+_MICRO_BATCH_BASES: dict[tuple[int, int], tuple[Attributes, Attributes]] = {}
+
+
+def _with_micro_batch(base: Attributes, micro_batch: int) -> Attributes:
+    """``base`` with ``kv_cache.swa.micro_batch``: one constant dict per (base, micro-batch), so that
+    :meth:`RecordStore.key` keeps caching by identity (the bases are the table's module constants
+    and micro-batches are bounded by :data:`otel_swa.record.MICRO_BATCH_MAX`)."""
+    cached = _MICRO_BATCH_BASES.get((id(base), micro_batch))
+    if cached is None or cached[0] is not base:
+        cached = (base, {**base, sc.ATTR_MICRO_BATCH: micro_batch})
+        _MICRO_BATCH_BASES[(id(base), micro_batch)] = cached
+    return cached[1]
+
+
 def _field(name: str) -> Callable[[SwaDivergenceRecord], tuple]:
     """Reader of an optional record field: one point when it is present, none when ``None``."""
 
@@ -433,8 +447,11 @@ class SwaMetrics:
                         went_back.append((spec.name, attributes, last, total))
                     store.totals[key] = total
                     store.latest[key] = (total, attributes, context, sequence)
+            micro_batch = record.micro_batch
             for spec in self._gauge_specs:
                 for value, base in spec.read(record):
+                    if micro_batch is not None:
+                        base = _with_micro_batch(base, micro_batch)
                     key, attributes = store.key(spec.name, base)
                     store.latest[key] = (value, attributes, context, sequence)
         extra = store.attributes or None

@@ -54,6 +54,12 @@ ATTR_DIVERGENCE_APPLICABLE = NAMESPACE + "divergence_applicable"
 #: :data:`otel_swa.record.VERIFY_SOURCES`. On ``kv_cache.swa.entries.verified`` beside ``pool``.
 ATTR_VERIFY_SOURCE = NAMESPACE + "verify_source"
 
+#: Event and metric attribute: under pipeline parallelism, the micro-batch the sampled forward step
+#: ran (``record.micro_batch``, SGLang's ``mb_id``; bounded by the pipeline's micro-batches). On the
+#: per-sample gauges (not the cumulative counters: their totals span every micro-batch), so that a
+#: dashboard takes the max over micro-batches instead of one that a sample happened to catch idle.
+ATTR_MICRO_BATCH = NAMESPACE + "micro_batch"
+
 #: Metric attribute of ``kv_cache.swa.reporter.view_faults``: which fault a bad view showed.
 ATTR_FAULT = NAMESPACE + "fault"
 

@@ -50,6 +50,7 @@ __all__ = [
     "audit_swa_slots",
     "audit_sglang_swa_slots",
     "scheduler_holder_full_slots",
+    "scheduler_micro_batch",
     "scheduler_pool_usage",
     "swa_kv_bytes_per_token",
 ]
@@ -254,17 +255,20 @@ class KvCanaryHooks:
         """After each canary plan: add ``verify_plan.verify_num_valid`` to ``group``'s pool."""
         observe_verified(self.reporter, group, verify_plan.verify_num_valid)
 
-    def step(self, *, outer_step_counter: int, maybe_inaccurate_forward_batch: Any = None, context: Any = None) -> None:
+    def step(self, *, outer_step_counter: int, maybe_inaccurate_forward_batch: Any = None, context: Any = None,
+             micro_batch: int | None = None) -> None:
         """Once per outer step, after the forward: count it and, at sampling steps, sample the batch.
 
         ``outer_step_counter`` is accepted for signature compatibility (see the class docstring).
+        ``micro_batch``: the pipeline micro-batch of this forward step (:func:`scheduler_micro_batch`),
+        handed to ``reporter.step``.
         SGLang's canary manager calls this inside its forward, so nothing raised while building the
         view or sampling it reaches the engine: the error is counted in :attr:`step_errors` and
         logged with its traceback once per exception type.
         """
         try:
             # The reporter calls the factory only at sampling steps: the other steps cost one increment.
-            self.reporter.step(lambda: self._view(maybe_inaccurate_forward_batch), context)
+            self.reporter.step(lambda: self._view(maybe_inaccurate_forward_batch), context, micro_batch=micro_batch)
         except Exception as exc:  # telemetry never breaks the forward
             self.step_errors += 1
             kind = type(exc).__name__
@@ -390,6 +394,24 @@ def audit_sglang_swa_slots(
     if held_full_slots is not None:
         live = torch.cat([live, held_full_slots.to(device=live.device, dtype=torch.int64).reshape(-1)])
     return audit_swa_slots(allocator.full_to_swa_index_mapping, free, num_pages, int(allocator.page_size), live)
+
+
+def scheduler_micro_batch(scheduler: Any, batch: Any) -> int | None:
+    """The micro-batch ``batch`` is, under pipeline parallelism, or ``None``.
+
+    sglang 0.5.23's pipeline event loop (``scheduler_pp_mixin.py``) keeps one batch per micro-batch
+    in ``scheduler.mbs`` (a list of ``pp_loop_size`` entries) and runs ``self.mbs[mb_id]`` through
+    ``Scheduler.run_batch``; the micro-batch is therefore the position of ``batch`` in that list
+    (found by identity). ``None`` without a pipeline (no ``mbs`` list, or ``batch`` not in it).
+    Host work: at most ``pp_loop_size`` identity comparisons.
+    """
+    micro_batches = getattr(scheduler, "mbs", None)
+    if batch is None or not isinstance(micro_batches, list):
+        return None
+    for index, candidate in enumerate(micro_batches):
+        if candidate is batch:
+            return index
+    return None
 
 
 def scheduler_holder_full_slots(scheduler: Any, batch: Any = None) -> torch.Tensor | None:

@@ -299,3 +299,34 @@ def test_an_audit_line_without_its_record_is_an_error_with_the_reason():
     assert not found[0].audited
     assert [(e.line_no, e.reason) for e in found.errors] == [
         (2, "no record with forward_ct=40 just before this audit line")]
+
+
+def test_micro_batch_rides_the_audit_line_and_is_read_back():
+    plain = B.replace(verify_source="attention", micro_batch=2)
+    # no audit: the audit line holds forward_ct and the micro-batch only
+    assert plain.lines() == [plain.line(), 'otel_swa[verify=attention] otel_swa_audit={"forward_ct":%d,"micro_batch":2}' % B.forward_ct]
+    assert plain.line() == B.replace(verify_source="attention").line()  # SGLang's line unchanged
+    audited = AUDITED.replace(micro_batch=0)
+    assert audited.audit_line() == (
+        'otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"micro_batch":0,"swa_leaked_slots":4,'
+        '"swa_stale_tokens":0,"swa_shared_slots":1,"swa_pages_in_use":10,"swa_pages_referenced":6}'
+    )
+    found = find_all("\n".join(plain.lines() + audited.lines()) + "\n")
+    assert list(found) == [plain, audited] and found.malformed == 0
+    assert found[0].micro_batch == 2 and not found[0].audited
+
+
+@pytest.mark.parametrize("value, reason", [(-1, "micro_batch=-1 is negative"), (1024, "micro_batch=1024 is above 1023"),
+                                           ("1", 'micro_batch="1" is not an integer')])
+def test_a_bad_micro_batch_on_the_audit_line_is_malformed_with_the_reason(value, reason):
+    text = (B.replace(verify_source="attention").line() + "\n"
+            + 'otel_swa[verify=attention] otel_swa_audit={"forward_ct":%d,"micro_batch":%s}\n' % (B.forward_ct, json.dumps(value)))
+    found = find_all(text)
+    assert found[0].micro_batch is None
+    assert [(e.line_no, e.reason) for e in found.errors] == [(2, reason)]
+
+
+@pytest.mark.parametrize("value", [-1, 1024, True, 1.0])
+def test_a_record_refuses_a_micro_batch_outside_its_range(value):
+    with pytest.raises((TypeError, ValueError), match="micro_batch"):
+        B.replace(micro_batch=value)

@@ -331,3 +331,46 @@ def test_unsupported_version_under_the_loaders_call_warns_once_and_wraps_nothing
     ours = [r.getMessage() for r in caplog.records if r.name == "opentelemetry.instrumentation.swa_sglang"]
     assert ours == ["swa_sglang: installed sglang 0.4.9 is outside the supported sglang >= 0.5.23, < 0.6; "
                     "SGLang is not instrumented"]
+
+
+def test_pipeline_micro_batch_of_each_record_from_the_scheduler(sglang_standin, instrumentor, pipeline, monkeypatch, tmp_path):
+    """Under pipeline parallelism SGLang's event loop runs ``scheduler.mbs[mb_id]`` through
+    ``Scheduler.run_batch``: each record carries the micro-batch it sampled, every micro-batch of a
+    sampled round with OTEL_SWA_MICRO_BATCHES=every."""
+    ModelRunner, CanaryManager = standin_classes()
+
+    class Scheduler:  # stands in for sglang.srt.managers.scheduler.Scheduler: run_batch and the PP loop's mbs
+        def __init__(self, runner, pp_size):
+            self.model_runner, self.mbs = runner, [None] * pp_size
+
+        def run_batch(self, batch):
+            return self.model_runner.forward(batch.forward_batch)
+
+    install_standin(monkeypatch, tmp_path, "sglang", "0.5.23", {
+        "sglang.srt.model_executor.model_runner": {"ModelRunner": ModelRunner},
+        "sglang.srt.kv_canary.runner.canary_manager": {"CanaryManager": CanaryManager},
+        "sglang.srt.managers.scheduler": {"Scheduler": Scheduler},
+    })
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "4")
+    monkeypatch.setenv("OTEL_SWA_MICRO_BATCHES", "every")
+    instrumentor.instrument(**pipeline.providers())
+    # the stand-in scheduler keeps no request queues or prefix cache: no SWA slot audit here
+    monkeypatch.setattr(instrumentor, "_holder_full_slots", lambda: None)
+    state = CacheState(3)
+    scheduler = Scheduler(ModelRunner(state.allocator, state.pool), pp_size=3)
+    expected, records = {}, []
+    for step in range(1, 25):
+        mb_id = (step - 1) % 3  # SGLang: for mb_id in range(pp_loop_size)
+        scheduler.mbs[mb_id] = SimpleNamespace(forward_batch=state.next_batch(), reqs=[])
+        scheduler.run_batch(scheduler.mbs[mb_id])
+        if step == 1:
+            scheduler.model_runner.__dict__[RUNNER_ATTRIBUTE].reporter.add_sink(lambda r, c: records.append(r))
+        expected[step] = (mb_id, state.recount(scheduler.mbs[mb_id].forward_batch))
+    # interval 4 with 3 micro-batches: forward 4 is micro-batch 0, then 5 (1) and 6 (2) finish the
+    # round; forward 8 is micro-batch 1, then 9 (2) and 10 (0)...
+    sampled = [4, 5, 6, 8, 9, 10, 12, 13, 14, 16, 17, 18, 20, 21, 22, 24]
+    scheduler.model_runner.__dict__[RUNNER_ATTRIBUTE].reporter.flush()  # the events' delivery thread too
+    got = {r.forward_ct: (r.micro_batch, (r.swa_full_idx_divergence, r.swa_out_of_window_tokens)) for r in records}
+    assert got == {ct: expected[ct] for ct in sampled}
+    events = {e.attributes["kv_cache.swa.forward_ct"]: e.attributes["kv_cache.swa.micro_batch"] for e in pipeline.events()}
+    assert events == {ct: expected[ct][0] for ct in sampled}

@@ -46,7 +46,10 @@ def test_sglangs_find_all_reads_our_log_with_audit_lines_and_run_starts_line_for
                 for n, (rank, sink) in enumerate(sinks.items()):
                     audit = dict(swa_leaked_slots=n, swa_stale_tokens=0, swa_shared_slots=0,
                                  swa_pages_in_use=30 + ct, swa_pages_referenced=30 + ct - n)
-                    sink(R(ct, 90 * ct, 30 * ct + run, 5 + n, 40, verify_source="kv_canary", **audit), None)
+                    # pipeline parallelism in the second run: each record says which micro-batch it sampled
+                    micro_batch = (ct // 20) % 2 if run else None
+                    sink(R(ct, 90 * ct, 30 * ct + run, 5 + n, 40, verify_source="kv_canary", micro_batch=micro_batch,
+                           **audit), None)
                     # SGLang's own reporter logs its line of the same step through the same handler
                     loggers[rank][0].info(SwaDivergenceLog(forward_ct=ct, verify_full=90 * ct, verify_swa=30 * ct,
                                                            swa_full_idx_divergence=5, swa_out_of_window_tokens=40).format())
@@ -72,6 +75,8 @@ def test_sglangs_find_all_reads_our_log_with_audit_lines_and_run_starts_line_for
     # ours keeps what SGLang's does not: the audit on its record, the tag, the rank
     audited = [(m.rank, m.record.swa_leaked_slots) for m in ours.matches if m.record.verify_source]
     assert audited == [("TP0", 0), ("TP1", 1)] * 6
+    micro_batches = [m.record.micro_batch for m in ours.matches if m.record.verify_source]
+    assert micro_batches == [None] * 6 + [1, 1, 0, 0, 1, 1]
 
 
 COMPACT = '{"forward_ct":20,"verify_full":9,"verify_swa":4,"swa_full_idx_divergence":1,"swa_out_of_window_tokens":2}'

@@ -322,8 +322,17 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             return None
         return scheduler_holder_full_slots(scheduler, getattr(self._running, "batch", None))
 
-    @staticmethod
-    def _after_forward(wiring: Any, forward_batch: Any) -> None:
+    def _micro_batch(self) -> int | None:
+        """The pipeline micro-batch of the batch being run on this thread (``None`` without a
+        pipeline; see :func:`otel_swa.views.sglang.scheduler_micro_batch`)."""
+        scheduler = getattr(self._running, "scheduler", None)
+        if scheduler is None:
+            return None
+        from otel_swa.views.sglang import scheduler_micro_batch
+
+        return scheduler_micro_batch(scheduler, getattr(self._running, "batch", None))
+
+    def _after_forward(self, wiring: Any, forward_batch: Any) -> None:
         reporter = wiring.reporter
         if not wiring.counts_from_canary:
             seq_lens = getattr(forward_batch, "seq_lens_cpu", None)
@@ -334,7 +343,10 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             else:
                 reporter.observe("full", int(seq_lens.sum()))
                 reporter.observe("swa", int(seq_lens.clamp(max=wiring.window).sum()))
-        wiring.hooks.step(outer_step_counter=reporter.forward_ct + 1, maybe_inaccurate_forward_batch=forward_batch)
+        wiring.hooks.step(
+            outer_step_counter=reporter.forward_ct + 1, maybe_inaccurate_forward_batch=forward_batch,
+            micro_batch=self._micro_batch(),
+        )
 
     def _wrap_canary_init(self, original: Callable) -> Callable:
         instrumentor = self
