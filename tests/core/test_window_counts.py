@@ -2,6 +2,7 @@
 Python recount over random views, on every gather path, and hand-computed cases."""
 
 import random
+import re
 
 import pytest
 import torch
@@ -131,3 +132,58 @@ def test_the_allowance_defaults_to_the_audit_page_size():
     reading = stage(req_to_token, mapping, [1], [seq_len], "live", window, None, audit=audit)
     assert reading.late_held == seq_len - window - page_size
     assert stage(req_to_token, mapping, [1], [seq_len], "live", window, None).late_held == seq_len - window
+
+
+# ------------------------------------------------------------------ through the reporter, and bad windows
+from otel_swa.record import find_all  # noqa: E402
+from otel_swa.reporter import SwaDivergenceReporter  # noqa: E402
+from otel_swa.views import SwaBatch, validate_view  # noqa: E402
+
+
+def view_of(window=None, allowance=None, freed=()):
+    """Row 1: 12 tokens at FULL slots 1..12, identity mapping except the ``freed`` slots (0)."""
+    req_to_token = torch.zeros((2, 16), dtype=torch.int32)
+    req_to_token[1, :12] = torch.arange(1, 13)
+    mapping = torch.arange(14)
+    mapping[list(freed)] = 0
+    return SwaBatch(req_to_token, mapping, torch.tensor([1]), torch.tensor([12]), seq_lens_cpu=[12],
+                    sliding_window=window, swa_eviction_allowance=allowance)
+
+
+def test_the_reporter_puts_both_counts_on_the_record_and_its_audit_line():
+    records = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda record, context: records.append(record)])
+    # window 4: positions 8..11 read; slot 10 (position 9) freed -> 1 premature; positions 0..5
+    # (below 12 - 4 - 2) still hold slots 1..6 -> 6 late-held; position 6, 7 within the allowance
+    reporter.step(view_of(4, 2, freed=[10]))
+    reporter.step(view_of())
+    reporter.close()
+    assert (records[0].swa_premature_evictions, records[0].swa_late_held_slots) == (1, 6)
+    assert (records[1].swa_premature_evictions, records[1].swa_late_held_slots) == (None, None)
+    assert records[0].audit_line() == ('otel_swa[verify=attention] otel_swa_audit={"forward_ct":1,'
+                                       '"swa_premature_evictions":1,"swa_late_held_slots":6}')
+    assert records[1].audit_line() is None
+    (back,) = find_all("\n".join(records[0].lines()))
+    assert (back.swa_premature_evictions, back.swa_late_held_slots, back.swa_leaked_slots) == (1, 6, None)
+
+
+@pytest.mark.parametrize("window, allowance, error, message", [
+    (0, None, ValueError, "view.sliding_window must be None or an int >= 1 (tokens attention reads, the current one included), got 0"),
+    (True, None, ValueError, "got True"),
+    (4.0, None, ValueError, "got 4.0"),
+    (4, -1, ValueError, "view.swa_eviction_allowance must be an int >= 0 (tokens), got -1"),
+    (4, [1, 2], ValueError, "view.swa_eviction_allowance has 2 entries but view.req_pool_indices has 1"),
+    (4, [-3], ValueError, "got -3 among its entries"),
+    (4, "3", TypeError, "view.swa_eviction_allowance must be an int >= 0 or one int >= 0 per batch entry on the host, got str"),
+    (4, torch.tensor([1.5]), ValueError, "got a torch.float32 tensor of shape (1,) on cpu"),
+])
+def test_a_bad_window_is_refused_naming_the_value(window, allowance, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        validate_view(view_of(window, allowance))
+
+
+def test_a_per_request_allowance_may_be_a_host_tensor():
+    validate_view(view_of(4, torch.tensor([3])))
+    reading = stage([[0] * 16, list(range(1, 13)) + [0] * 4], list(range(14)), [1], [12], "live", 4,
+                    torch.tensor([3]))
+    assert (reading.premature, reading.late_held) == (0, 12 - 4 - 3)
