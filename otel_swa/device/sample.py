@@ -47,6 +47,8 @@ import torch
 from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
 from otel_swa.device.window import (
     WINDOW_WIDTH,
+    _device_columns,
+    dense_columns,
     host_allowance,
     stage_window_dense,
     stage_window_empty,
@@ -500,13 +502,12 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
     if lens is not None:
         rows_at = 2 if host_rows is not None else None
         windows_at = (3 if host_rows is not None else 2) if window is not None else None
-        host = np.empty((2 + (rows_at is not None) + 2 * (window is not None), batch), dtype=np.int64)
+        host = np.empty((2 + (rows_at is not None) + 6 * (window is not None), batch), dtype=np.int64)
         host[0], host[1] = lens, given
         if rows_at is not None:
             host[rows_at] = host_rows
         if windows_at is not None:
-            host[windows_at] = lens - window
-            host[windows_at + 1] = host[windows_at] - allowance
+            host[windows_at:] = dense_columns(lens, window, allowance)
         up = _upload(upload, host, out.device)
     elif window is not None and per_request:
         up_allowance = _upload(upload, np.ascontiguousarray(allowance), out.device)
@@ -530,13 +531,12 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
     if window is None:
         return
     if up is not None:
-        lower, older, window_tokens = up[windows_at], up[windows_at + 1], None
+        columns, weights, window_tokens = up[windows_at:windows_at + 3].t(), up[windows_at + 3:windows_at + 6].t(), None
     else:
         lens64 = device_lens.long()
-        lower = torch.sub(lens64, window)
-        older = torch.sub(lower, up_allowance if per_request else allowance)
+        columns, weights = _device_columns(lens64, window, up_allowance if per_request else allowance)
         window_tokens = torch.clamp(lens64, max=window).sum()
-    stage_window_dense(cells, swa, beyond, lower, older, window_tokens, ws)
+    stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws)
 
 
 def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:

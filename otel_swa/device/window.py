@@ -30,8 +30,13 @@ How they are computed:
   1``): the inclusive ``cumsum`` ``C`` of ``swa != 0`` with a leading 0, one gather of ``C`` at
   host-computed offsets ``end_i``, ``end_i - w_i``, ``start_i + o_i``, ``start_i``, one sum per
   offset kind and one subtraction: five device operations, work proportional to the live tokens.
-* **dense** (``[batch, max_context_len]`` rows): the column index compared with per-row thresholds
-  ``len_i - window`` and ``len_i - window - a_i`` (positions at or beyond ``len_i`` already masked).
+* **dense** (``[batch, max_context_len]`` rows): the row-wise inclusive ``cumsum`` ``R`` of ``swa !=
+  0``, gathered at three columns per row, ``len_i - 1``, ``len_i - w_i - 1`` and ``o_i - 1``
+  (a column below 0 stands for 0: its weight is 0), weighted, summed per column, the first two
+  subtracted: two passes
+  over the rows (positions at or beyond ``len_i`` are never read, so the masked ones need no care);
+  the columns and weights come from the host with the sample's one upload, or from ``seq_lens`` on
+  the device.
 """
 
 from __future__ import annotations
@@ -43,7 +48,14 @@ import torch
 
 from otel_swa.device.workspace import Workspace
 
-__all__ = ["WINDOW_WIDTH", "window_spans", "stage_window_live", "stage_window_dense", "stage_window_empty"]
+__all__ = [
+    "WINDOW_WIDTH",
+    "window_spans",
+    "dense_columns",
+    "stage_window_live",
+    "stage_window_dense",
+    "stage_window_empty",
+]
 
 #: int64 cells a windowed sample stages: in-window tokens with an SWA slot, late-held tokens,
 #: in-window tokens (dense path without host lengths only).
@@ -57,6 +69,27 @@ def window_spans(lens: np.ndarray, window: int, allowance: "np.ndarray | int") -
     w = np.minimum(lens, window)
     o = np.maximum(lens - window - allowance, 0)
     return w, o
+
+
+def dense_columns(lens: np.ndarray, window: int, allowance: "np.ndarray | int") -> np.ndarray:
+    """Host ``int64 [6, batch]``: the three cumsum columns of each row (clamped to >= 0) and their
+    weights (1, or 0 where the column is below 0: a count of nothing) for :func:`stage_window_dense`."""
+    w, o = window_spans(lens, window, allowance)
+    columns = np.stack([lens - 1, lens - w - 1, o - 1])
+    out = np.empty((6, lens.shape[0]), dtype=np.int64)
+    np.maximum(columns, 0, out=out[:3])
+    out[3:] = columns >= 0
+    return out
+
+
+def _device_columns(lens: torch.Tensor, window: int, allowance: "torch.Tensor | int") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dense_columns` on the device from ``lens`` (``int64 [batch]``, clamped to ``[0,
+    width]``): ``(columns [batch, 3], weights [batch, 3])``."""
+    in_window = torch.clamp(lens, max=window)
+    older = torch.clamp(lens - window - allowance, min=0)
+    columns = torch.stack([lens, lens - in_window, older], 1).sub_(1)
+    weights = columns.ge(0)
+    return columns.clamp_(min=0), weights
 
 
 def stage_window_live(out: torch.Tensor, swa: torch.Tensor, offsets: torch.Tensor, live: int, ws: Workspace) -> None:
@@ -82,9 +115,9 @@ def stage_window_live(out: torch.Tensor, swa: torch.Tensor, offsets: torch.Tenso
 def stage_window_dense(
     out: torch.Tensor,
     swa: torch.Tensor,
-    beyond: torch.Tensor,
-    lower: torch.Tensor,
-    older: torch.Tensor,
+    shape: tuple[int, int],
+    columns: torch.Tensor,
+    weights: torch.Tensor,
     window_tokens: "torch.Tensor | None",
     ws: Workspace,
 ) -> None:
@@ -92,24 +125,21 @@ def stage_window_dense(
 
     Args:
         out: the slot's window cells (``int64 [WINDOW_WIDTH]``).
-        swa: ``[batch * width]`` SWA slots of the gathered rows.
-        beyond: ``bool [batch, width]``, the positions at or beyond each ``seq_len`` (not counted).
-        lower: ``[batch]`` first in-window position of each row (``len_i - window``, may be < 0).
-        older: ``[batch]`` end of each row's late-held range (``len_i - window - a_i``, may be < 0).
+        swa: ``[batch * width]`` SWA slots of the gathered rows (any value beyond a row's length).
+        shape: ``(batch, width)``.
+        columns: ``int64 [batch, 3]`` (strided views allowed), see :func:`dense_columns`.
+        weights: ``[batch, 3]`` 0/1 (``int64`` or ``bool``), the same.
         window_tokens: 0-dim ``sum(w_i)`` when the host does not know it, else ``None``.
         ws: the workspace.
     """
-    batch, width = beyond.shape
-    columns = ws.arange(width, lower.dtype)
+    batch, width = shape
     held = torch.ne(swa, 0, out=ws.get("window.held", batch * width, torch.bool)).view(batch, width)
-    held.masked_fill_(beyond, False)
-    in_window = torch.ge(columns, lower.unsqueeze(1), out=ws.get("window.in", batch * width, torch.bool).view(batch, width))
-    in_window.logical_and_(held)
-    late = torch.lt(columns, older.unsqueeze(1), out=ws.get("window.late", batch * width, torch.bool).view(batch, width))
-    late.logical_and_(held)
-    parts = [torch.count_nonzero(in_window), torch.count_nonzero(late)]
-    parts.append(window_tokens if window_tokens is not None else ws.zeros(1).reshape(()))
-    torch.stack(parts, out=out)
+    csum = torch.cumsum(held, 1, out=ws.get("window.rows", batch * width, torch.int64).view(batch, width))
+    picked = torch.gather(csum, 1, columns, out=ws.get("window.picked", batch * 3, torch.int64).view(batch, 3))
+    sums = picked.mul_(weights).sum(0)
+    torch.sub(sums[0:1], sums[1:2], out=out[0:1])
+    out[1:2].copy_(sums[2:3])
+    out[2:3].copy_(window_tokens.reshape(1) if window_tokens is not None else ws.zeros(1))
 
 
 def stage_window_empty(out: torch.Tensor) -> None:
