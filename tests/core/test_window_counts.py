@@ -187,3 +187,26 @@ def test_a_per_request_allowance_may_be_a_host_tensor():
     reading = stage([[0] * 16, list(range(1, 13)) + [0] * 4], list(range(14)), [1], [12], "live", 4,
                     torch.tensor([3]))
     assert (reading.premature, reading.late_held) == (0, 12 - 4 - 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_lengths", [True, False])
+@pytest.mark.parametrize("fill", [0.1, 0.95])  # the live and the dense gather
+def test_on_cuda_the_window_counts_equal_the_recount(host_lengths, fill):
+    rng = random.Random(5)
+    width, full_size, window = 64, 400, 9
+    req_to_token = [[rng.randrange(1, full_size) for _ in range(width)] for _ in range(6)]
+    mapping = [0] + [rng.choice([0, slot, rng.randrange(1, full_size)]) for slot in range(1, full_size)]
+    rows = [1, 2, 3, 5]
+    lens = [max(1, int(width * fill) - i) for i in range(len(rows))]
+    allowance = [0, 3, 7, 1]
+    records = []
+    reporter = SwaDivergenceReporter(1, device="cuda", sinks=[lambda record, context: records.append(record)])
+    view = SwaBatch(torch.tensor(req_to_token, dtype=torch.int32, device="cuda"), torch.tensor(mapping, device="cuda"),
+                    torch.tensor(rows, device="cuda"), torch.tensor(lens, device="cuda"),
+                    lens if host_lengths else None, sliding_window=window, swa_eviction_allowance=allowance)
+    for _ in range(3):  # ring slots reused: each upload stays its sample's
+        reporter.step(view)
+    reporter.close()
+    expected = recount(req_to_token, mapping, rows, lens, window, allowance)
+    assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r in records] == [expected] * 3
