@@ -123,13 +123,3 @@ def test_never_evicting_counts_every_position_past_the_window_and_allowance(sgla
     # positions 0 .. seq_len - WINDOW - allowance - 1 all still hold their SWA slot
     assert sample(sim, req, allowance) == (0, max(0, seq_len - WINDOW - allowance))
     assert sample(sim, req, 0) == (0, seq_len - WINDOW)
-
-
-def test_the_allowance_covers_the_eviction_interval():
-    # SGLANG_SWA_EVICTION_INTERVAL=128 (sglang 0.5.23's default): up to 127 tokens wait past the window
-    assert adapter.sglang_window(SWS, 1, 128) == (WINDOW, 127)
-    # page 64: ceil_align(200, 64) = 256 kept before pre_len, 56 past the window, + 63 of page rounding
-    assert adapter.sglang_window(SWS, 64) == (WINDOW, 56 + 63)
-    assert adapter.sglang_window(SWS, 256) == (WINDOW, 56 + 255)
-    with pytest.raises(ValueError, match="page_size must be an int >= 1, got 0"):
-        adapter.sglang_window(SWS, 0)
