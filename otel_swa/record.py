@@ -38,8 +38,10 @@ its own prefixes, which SGLang's parser never matches (neither prefix contains S
 
       otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,"swa_stale_tokens":0,"swa_shared_slots":0,"swa_pages_in_use":12,"swa_pages_referenced":12}
 
-  compact JSON of ``forward_ct`` and the audit fields (:data:`AUDIT_FIELDS`) present; keys this
-  version does not know are ignored, so fields can be added later. It is attached back to the
+  compact JSON of ``forward_ct`` and the audit fields (:data:`AUDIT_FIELDS`) present: the SWA slot
+  audit's and the sliding-window check's (``swa_premature_evictions``, ``swa_late_held_slots``), each
+  only when measured; a record with either writes the line. Keys this version does not know are
+  ignored, so fields can be added later, and lines without the window fields read as before. It is attached back to the
   latest record of the same tag and log rank when that record has the same ``forward_ct``;
 * a **run start** marker, before the first record a line sink writes (:func:`run_start_line`)::
 

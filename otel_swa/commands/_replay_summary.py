@@ -61,9 +61,13 @@ class ReplayVerdict:
     def reasons(self, interval: int, forward_steps: int) -> list[str]:
         """One line per reason for a non-zero exit status (for stderr)."""
         out = []
-        if self.audit_faults:
-            found = ", ".join(f"{name}={peak}" for name, peak in self.audit_faults.items())
+        slots = {name: peak for name, peak in self.audit_faults.items() if name != "swa_premature_evictions"}
+        if slots:
+            found = ", ".join(f"{name}={peak}" for name, peak in slots.items())
             out.append(f"the SWA slot audit found faults (peak {found}); exit status 1")
+        if "swa_premature_evictions" in self.audit_faults:
+            out.append(f"the window check found live tokens inside the sliding window without an SWA slot (peak "
+                       f"swa_premature_evictions={self.audit_faults['swa_premature_evictions']}); exit status 1")
         if self.no_sample:
             out.append(f"the reporter took no sample in {forward_steps} forward step(s) (interval {interval}); "
                        "exit status 1")

@@ -23,7 +23,9 @@ How one sample is computed (:func:`stage_sample`):
   ways are measured side by side in ``benchmarks/bench_sample.py``, which sets the ratio).
 
 The choice is made on the host, per sample, from what the host already knows; both give the same
-counts. Every temporary is written with ``out=`` into a :class:`~otel_swa.device.workspace.Workspace`
+counts. When the view gives its ``sliding_window``, either path also stages the window check
+(premature evictions, late-held SWA slots: :mod:`otel_swa.device.window`) from the SWA slots it
+gathered, in the same slot, its host offsets in the same one upload. Every temporary is written with ``out=`` into a :class:`~otel_swa.device.workspace.Workspace`
 (kept on the CPU, the caching allocator on CUDA), and the results reach the staged slot through one
 ``cat``.
 
@@ -47,8 +49,8 @@ import torch
 from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
 from otel_swa.device.window import (
     WINDOW_WIDTH,
-    _device_columns,
     dense_columns,
+    device_columns,
     host_allowance,
     stage_window_dense,
     stage_window_empty,
@@ -534,7 +536,7 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
         columns, weights, window_tokens = up[windows_at:windows_at + 3].t(), up[windows_at + 3:windows_at + 6].t(), None
     else:
         lens64 = device_lens.long()
-        columns, weights = _device_columns(lens64, window, up_allowance if per_request else allowance)
+        columns, weights = device_columns(lens64, window, up_allowance if per_request else allowance)
         window_tokens = torch.clamp(lens64, max=window).sum()
     stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws)
 

@@ -52,9 +52,11 @@ __all__ = [
     "WINDOW_WIDTH",
     "window_spans",
     "dense_columns",
+    "device_columns",
     "stage_window_live",
     "stage_window_dense",
     "stage_window_empty",
+    "host_allowance",
 ]
 
 #: int64 cells a windowed sample stages: in-window tokens with an SWA slot, late-held tokens,
@@ -82,7 +84,7 @@ def dense_columns(lens: np.ndarray, window: int, allowance: "np.ndarray | int") 
     return out
 
 
-def _device_columns(lens: torch.Tensor, window: int, allowance: "torch.Tensor | int") -> tuple[torch.Tensor, torch.Tensor]:
+def device_columns(lens: torch.Tensor, window: int, allowance: "torch.Tensor | int") -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`dense_columns` on the device from ``lens`` (``int64 [batch]``, clamped to ``[0,
     width]``): ``(columns [batch, 3], weights [batch, 3])``."""
     in_window = torch.clamp(lens, max=window)

@@ -73,7 +73,8 @@ def test_a_replay_with_premature_eviction_fails_check_on_every_front(monkeypatch
                         summary["window check"]).group(1))
     assert peak >= 1
     assert captured.err.splitlines() == [
-        f"otel-swa replay: the SWA slot audit found faults (peak swa_premature_evictions={peak}); exit status 1"]
+        "otel-swa replay: the window check found live tokens inside the sliding window without an SWA slot "
+        f"(peak swa_premature_evictions={peak}); exit status 1"]
     assert main(["check", str(log)]) == 1
     out = capsys.readouterr().out
     reason = (f"{peak} live token(s) inside the sliding window had no SWA slot (premature eviction: attention read "
