@@ -15,7 +15,11 @@ thread):
    host buffer and a blocking read) over otel-swa's sample, batch 256 x 32K at 10 % fill;
 4. **per live token**: ns per live token of one sample at 1M live tokens (and, with ``--large``, 7M
    and 30M), batch 256, fill 1/8, FULL slots drawn at random from a pool twice the live tokens, and
-   the device operations per sample (the contract of ``tests/core/test_sample.py``).
+   the device operations per sample (the contract of ``tests/core/test_sample.py``);
+5. **window check / none**: one sampling ``reporter.step`` whose view gives its ``sliding_window``
+   (premature evictions and late-held SWA slots counted, :mod:`otel_swa.device.window`) against
+   the same view without one, on the live gather (1M live tokens, batch 256, fill 1/8), the dense
+   gather (fill 0.9) and the dense gather without host lengths, with the device operations of each.
 
 Run: ``python benchmarks/bench_sample.py [--rounds 7] [--device cpu] [--large] [--quick]``
 (``--quick``: small shapes and 3 rounds, to check that it runs.)
@@ -125,7 +129,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--large", action="store_true", help="also 7M and 30M live tokens, and batch 256 x 131K")
     parser.add_argument("--quick", action="store_true", help="small shapes, 3 rounds (a dry run)")
-    parser.add_argument("--sections", default="1,2,3,4", help="which tables to print (default all: 1,2,3,4)")
+    parser.add_argument("--sections", default="1,2,3,4,5", help="which tables to print (default all: 1,2,3,4,5)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     one_thread()
@@ -249,6 +253,36 @@ def main() -> None:
             del r2t, mapping, view_host
         print_table("4. one sample per live token (batch 256, fill 1/8, rows and lengths on the host)",
                     ("live tokens", "ms", "ns / live token", "device ops"), rows_out)
+
+    if "5" in sections:
+        # 5. the window check against none, same batch, same reporter kind
+        batch = 256
+        live = (1 << 16) if args.quick else (1 << 20)
+        per_request = live // batch
+        rows_out = []
+        for label, width, host in (("live, fill 1/8", per_request * 8, True), ("dense, fill 0.9", int(per_request / 0.9), True),
+                                   ("dense, no host lengths", int(per_request / 0.9), False)):
+            r2t, mapping, rows, lens, _ = make_batch(batch, width, per_request, 2 * live, device)
+            plain = view_of(r2t, mapping, rows, lens, device, host=host)
+            windowed = SwaBatch(plain.req_to_token, plain.full_to_swa_index_mapping, plain.req_pool_indices, plain.seq_lens,
+                                plain.seq_lens_cpu, req_pool_indices_cpu=plain.req_pool_indices_cpu,
+                                sliding_window=per_request // 4, swa_eviction_allowance=16)
+            reporters = {name: SwaDivergenceReporter(1, device=device, ring_size=8) for name in ("window", "none")}
+
+            def step(name, view):
+                def run():
+                    reporters[name].step(view)
+                    reporters[name].flush()
+                return run
+
+            got = interleaved({"window": timed(step("window", windowed), 1, sync), "none": timed(step("none", plain), 1, sync)},
+                              rounds, warmup=2)
+            ops = (kernel_ops(step("window", windowed)), kernel_ops(step("none", plain)))
+            rows_out.append((label, fmt(got["window"], 1e3, 2), fmt(got["none"], 1e3, 2),
+                             fmt(ratios(got["window"], got["none"]), 1, 2, "x"), f"{ops[0]} / {ops[1]}"))
+            del r2t, mapping, plain, windowed
+        print_table(f"5. window check / none (one sampling step, batch {batch}, {live / (1 << 20):.2f}M live tokens; ms)",
+                    ("gather", "with window", "without", "window / none", "device ops"), rows_out)
 
 
 if __name__ == "__main__":

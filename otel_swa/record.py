@@ -39,9 +39,11 @@ its own prefixes, which SGLang's parser never matches (neither prefix contains S
       otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,"swa_stale_tokens":0,"swa_shared_slots":0,"swa_pages_in_use":12,"swa_pages_referenced":12}
 
   compact JSON of ``forward_ct``, the record's micro-batch when known (``"micro_batch":1``, under
-  pipeline parallelism; a record with a micro-batch and no audit has an audit line of the two) and
-  the audit fields (:data:`AUDIT_FIELDS`) present; keys this version does not know are ignored, so
-  fields can be added later. It is attached back to the
+  pipeline parallelism) and the audit fields (:data:`AUDIT_FIELDS`) present: the SWA slot audit's
+  and the sliding-window check's (``swa_premature_evictions``, ``swa_late_held_slots``), each only
+  when measured; a record with any of them (or with a micro-batch) writes the line. Keys this
+  version does not know are ignored, so fields can be added later, and lines without the window
+  fields read as before. It is attached back to the
   latest record of the same tag and log rank when that record has the same ``forward_ct``;
 * a **run start** marker, before the first record a line sink writes (:func:`run_start_line`)::
 
@@ -107,14 +109,16 @@ FIELDS = (
     "swa_out_of_window_tokens",
 )
 
-#: Fields beyond SGLang's (never in SGLang's line; on the audit line): the SWA slot audit, ``None``
-#: when not audited.
+#: Fields beyond SGLang's (never in SGLang's line; on the audit line): the SWA slot audit, then
+#: the sliding-window check; each ``None`` when not measured.
 AUDIT_FIELDS = (
     "swa_leaked_slots",
     "swa_stale_tokens",
     "swa_shared_slots",
     "swa_pages_in_use",
     "swa_pages_referenced",
+    "swa_premature_evictions",
+    "swa_late_held_slots",
 )
 
 #: The largest micro-batch index a record takes (micro-batches are a pipeline's few in-flight batches,
@@ -232,6 +236,13 @@ class SwaDivergenceRecord:
         swa_pages_in_use: SWA pages allocated (not on the free list), unit ``{page}``, or ``None``.
         swa_pages_referenced: SWA pages in use that at least one live token maps into, unit
             ``{page}``, or ``None`` (``swa_pages_in_use - swa_pages_referenced`` pages are leaked).
+        swa_premature_evictions: live tokens of the sampled batch inside the sliding window
+            (positions ``>= seq_len - window``) whose SWA mapping is 0: attention reads KV that
+            was freed (sgl-project/sglang#29860), unit ``{token}``, or ``None`` when the engine gave
+            no window (:mod:`otel_swa.device.window`).
+        swa_late_held_slots: live tokens of the sampled batch older than the window plus the
+            engine's eviction allowance that still hold an SWA slot (late eviction, runaway SWA
+            usage), unit ``{slot}``, or ``None`` when the engine gave no window.
         verify_source: what ``verify_full`` / ``verify_swa`` count, one of :data:`VERIFY_SOURCES`,
             or ``None`` when unknown (a line SGLang itself wrote, which counts what its canary
             verified). Written as the line's tag by :meth:`line`, never into the JSON.
@@ -258,6 +269,8 @@ class SwaDivergenceRecord:
     swa_shared_slots: "int | None" = field(default=None, kw_only=True)
     swa_pages_in_use: "int | None" = field(default=None, kw_only=True)
     swa_pages_referenced: "int | None" = field(default=None, kw_only=True)
+    swa_premature_evictions: "int | None" = field(default=None, kw_only=True)
+    swa_late_held_slots: "int | None" = field(default=None, kw_only=True)
     verify_source: "str | None" = field(default=None, kw_only=True)
     micro_batch: "int | None" = field(default=None, kw_only=True)
 
@@ -301,6 +314,11 @@ class SwaDivergenceRecord:
     def audited(self) -> bool:
         """Whether the SWA slot audit fields are present."""
         return self.swa_leaked_slots is not None
+
+    @property
+    def window_checked(self) -> bool:
+        """Whether the sliding-window check fields are present (the engine gave its window)."""
+        return self.swa_premature_evictions is not None
 
     def audit_dict(self) -> dict[str, int]:
         """The audit fields that are present (empty when not audited)."""
@@ -358,9 +376,10 @@ class SwaDivergenceRecord:
 
     def audit_line(self) -> str | None:
         """The audit line of a record, written right after :meth:`line`, or ``None`` when the
-        record carries neither an audit field nor a micro-batch: the same tag, then
-        :data:`AUDIT_PREFIX` and compact JSON of ``forward_ct``, ``micro_batch`` when known and the
-        audit fields present, in :data:`AUDIT_FIELDS` order::
+        record carries neither an :data:`AUDIT_FIELDS` field (the slot audit, the window check or
+        both) nor a micro-batch: the same tag, then :data:`AUDIT_PREFIX` and compact JSON of
+        ``forward_ct``, ``micro_batch`` when known and the audit fields present, in
+        :data:`AUDIT_FIELDS` order::
 
             otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,...}
             otel_swa[verify=attention] otel_swa_audit={"forward_ct":41,"micro_batch":1}

@@ -437,6 +437,8 @@ class SwaDivergenceReporter:
             functools.partial(self._ring.upload, slot),
             req_pool_indices_cpu=getattr(view, "req_pool_indices_cpu", None),
             workspace=self._workspace,
+            sliding_window=getattr(view, "sliding_window", None),
+            swa_eviction_allowance=getattr(view, "swa_eviction_allowance", None),
         )
         self._ring.start_copy(slot)
         applicable = getattr(view, "divergence_applicable", True) is not False
@@ -484,6 +486,8 @@ class SwaDivergenceReporter:
                 swa_shared_slots=audit[4] if audit else None,
                 swa_pages_in_use=audit[0] if audit else None,
                 swa_pages_referenced=audit[1] if audit else None,
+                swa_premature_evictions=reading.premature,
+                swa_late_held_slots=reading.late_held,
                 verify_source=self.verify_source,
                 micro_batch=pending.micro_batch,
             )

@@ -61,9 +61,13 @@ class ReplayVerdict:
     def reasons(self, interval: int, forward_steps: int) -> list[str]:
         """One line per reason for a non-zero exit status (for stderr)."""
         out = []
-        if self.audit_faults:
-            found = ", ".join(f"{name}={peak}" for name, peak in self.audit_faults.items())
+        slots = {name: peak for name, peak in self.audit_faults.items() if name != "swa_premature_evictions"}
+        if slots:
+            found = ", ".join(f"{name}={peak}" for name, peak in slots.items())
             out.append(f"the SWA slot audit found faults (peak {found}); exit status 1")
+        if "swa_premature_evictions" in self.audit_faults:
+            out.append(f"the window check found live tokens inside the sliding window without an SWA slot (peak "
+                       f"swa_premature_evictions={self.audit_faults['swa_premature_evictions']}); exit status 1")
         if self.no_sample:
             out.append(f"the reporter took no sample in {forward_steps} forward step(s) (interval {interval}); "
                        "exit status 1")
@@ -75,10 +79,9 @@ class ReplayVerdict:
 
 def verdict_of(records: Sequence[SwaDivergenceRecord], stats: Any, interrupted: bool) -> ReplayVerdict:
     """The run's verdict from its records and the reporter's stats (``None``: reporter off)."""
-    audited = [r for r in records if r.audited]
     faults = {}
     for rule in AUDIT_RULES:
-        values = [getattr(r, rule.field) for r in audited if getattr(r, rule.field) is not None]
+        values = [getattr(r, rule.field) for r in records if getattr(r, rule.field) is not None]
         if values and max(values) > 0:
             faults[rule.field] = max(values)
     no_sample = stats is not None and stats.samples_taken == 0 and not interrupted
@@ -112,6 +115,7 @@ def summary_rows(
         ("last verify_full", f"{last.verify_full} entries" if last else "n/a"),
         ("last verify_swa", f"{last.verify_swa} entries" if last else "n/a"),
         ("SWA slot audit", _audit_summary(records)),
+        *([("window check", _window_summary(records))] if any(r.window_checked for r in records) else []),
     ]
     if complete:
         rows.append(("peak slots in use", f"FULL {summary.peak_full_slots} / {summary.full_pool_size}, "
@@ -175,3 +179,11 @@ def _audit_summary(records: Sequence[SwaDivergenceRecord]) -> str:
     verdict = "clean" if not any(peaks.values()) else "FAULTS"
     return (f"{verdict}: peak leaked {peaks['swa_leaked_slots']} slots, stale {peaks['swa_stale_tokens']} tokens, "
             f"shared {peaks['swa_shared_slots']} slots ({len(audited)} samples)")
+
+
+def _window_summary(records: Sequence[SwaDivergenceRecord]) -> str:
+    checked = [r for r in records if r.window_checked]
+    premature = max(r.swa_premature_evictions for r in checked)
+    late = max(r.swa_late_held_slots for r in checked)
+    verdict = "clean" if not premature else "PREMATURE EVICTION"
+    return f"{verdict}: peak premature evictions {premature} tokens, late-held {late} slots ({len(checked)} samples)"

@@ -23,7 +23,9 @@ How one sample is computed (:func:`stage_sample`):
   ways are measured side by side in ``benchmarks/bench_sample.py``, which sets the ratio).
 
 The choice is made on the host, per sample, from what the host already knows; both give the same
-counts. Every temporary is written with ``out=`` into a :class:`~otel_swa.device.workspace.Workspace`
+counts. When the view gives its ``sliding_window``, either path also stages the window check
+(premature evictions, late-held SWA slots: :mod:`otel_swa.device.window`) from the SWA slots it
+gathered, in the same slot, its host offsets in the same one upload. Every temporary is written with ``out=`` into a :class:`~otel_swa.device.workspace.Workspace`
 (kept on the CPU, the caching allocator on CUDA), and the results reach the staged slot through one
 ``cat``.
 
@@ -45,6 +47,16 @@ import numpy as np
 import torch
 
 from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
+from otel_swa.device.window import (
+    WINDOW_WIDTH,
+    dense_columns,
+    device_columns,
+    host_allowance,
+    stage_window_dense,
+    stage_window_empty,
+    stage_window_live,
+    window_spans,
+)
 from otel_swa.device.workspace import Workspace
 
 __all__ = [
@@ -75,11 +87,14 @@ _SLOTS = 7  # 7, 8: min and max of the live tokens' FULL slots
 _LENS = 9  # 9, 10: entries whose seq_lens != seq_lens_cpu (host lengths) | min, max of seq_lens
 _FILLER_SWA = 11  # dense: mapping[_FILLER], the SWA slot of the filler the masked positions got
 _AUDIT = 12
+_WINDOW = _AUDIT + AUDIT_WIDTH  # the window cells of otel_swa.device.window (windowed samples only)
 _FILLER = 1  # FULL slot given to masked positions of the dense path
 #: int64 values per staged sample: the counts, the fault evidence, then the audit counts of
 #: :func:`otel_swa.device.audit.audit_counts` (pages in use, pages referenced, leaked pages,
-#: stale tokens, shared SWA slots).
-STAGE_WIDTH = _AUDIT + AUDIT_WIDTH
+#: stale tokens, shared SWA slots), then the sliding-window cells of :mod:`otel_swa.device.window`
+#: (in-window tokens with an SWA slot, late-held tokens, in-window tokens). The audit and window
+#: cells are written only when the view asks for them (else left as they are, never read).
+STAGE_WIDTH = _WINDOW + WINDOW_WIDTH
 
 #: The faults :func:`read_sample` can report, in this order.
 FAULTS = (
@@ -106,6 +121,8 @@ class SampleMeta:
         host_lengths: whether ``seq_lens_cpu`` was given.
         audited: whether the audit counts were staged.
         host_rows: whether the rows were known on the host (then checked there).
+        window: the sliding window the window cells were staged for, ``None`` when not staged.
+        window_tokens: ``sum(min(len_i, window))`` when the host knows it, else ``None`` (staged).
     """
 
     @property
@@ -123,6 +140,8 @@ class SampleMeta:
     host_lengths: bool = True
     audited: bool = False
     host_rows: bool = False
+    window: "int | None" = None
+    window_tokens: "int | None" = None
 
 
 @dataclass(frozen=True)
@@ -134,6 +153,10 @@ class SampleReading:
         divergence, out_of_window: the counts (meaningful only when ``faults`` is empty).
         faults: the :data:`FAULTS` shown, in that order.
         audit: the five audit counts, or ``None`` when not audited.
+        premature: live tokens inside the sliding window whose SWA mapping is 0, ``None`` when the
+            view gave no window (see :mod:`otel_swa.device.window`).
+        late_held: live tokens older than the window plus the allowance that still hold an SWA
+            slot, ``None`` when the view gave no window.
     """
 
     verify_full: int
@@ -142,6 +165,8 @@ class SampleReading:
     out_of_window: int
     faults: tuple[str, ...]
     audit: "tuple[int, int, int, int, int] | None"
+    premature: "int | None" = None
+    late_held: "int | None" = None
 
 
 def host_lengths(seq_lens_cpu: "torch.Tensor | Sequence[int]") -> np.ndarray:
@@ -190,6 +215,8 @@ def stage_sample(
     req_pool_indices_cpu: "torch.Tensor | Sequence[int] | None" = None,
     workspace: Workspace | None = None,
     dense_fill_ratio: float = DENSE_FILL_RATIO,
+    sliding_window: "int | None" = None,
+    swa_eviction_allowance: "int | Sequence[int] | torch.Tensor | None" = None,
 ) -> SampleMeta:
     """Write one sample into ``out`` (``int64 [STAGE_WIDTH]`` on the device), in stream order.
 
@@ -205,6 +232,11 @@ def stage_sample(
             then ``.to(device)`` (on CUDA the reporter passes its ring's pinned, non-blocking copy).
         workspace: where the temporaries go (default: a new one, allocating as it goes).
         dense_fill_ratio: see the module docstring.
+        sliding_window: the view's window (tokens attention reads, current one included; int >=
+            1), or ``None``: then the window cells are not staged. See :mod:`otel_swa.device.window`.
+        swa_eviction_allowance: tokens older than the window an SWA slot may still be held for
+            without counting as late-held: an int >= 0 or one per batch entry (host); default the
+            audit's page size when ``swa_audit`` is given, else 0.
 
     Returns:
         The :class:`SampleMeta` to give :func:`read_sample` with the staged values.
@@ -222,9 +254,18 @@ def stage_sample(
     rows = req_pool_indices
     batch = rows.shape[0]
     audited = swa_audit is not None
+    window = sliding_window
+    if window is not None:
+        if swa_eviction_allowance is None:
+            allowance: "np.ndarray | int" = swa_audit.page_size if audited else 0
+        else:
+            allowance = host_allowance(swa_eviction_allowance, batch)
+    else:
+        allowance = 0
+    cells = out[_WINDOW:_WINDOW + WINDOW_WIDTH] if window is not None else None
     if audited:
         audit_counts(
-            out[_AUDIT:], mapping, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
+            out[_AUDIT:_WINDOW], mapping, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
             swa_audit.page_size, swa_audit.holder_full_slots, ws,
         )
     if seq_lens_cpu is not None:
@@ -245,21 +286,32 @@ def stage_sample(
             faults = row_fault + faults
         live = int(lens.sum())
         rows_known = host_rows is not None
+        spans = window_spans(lens, window, allowance) if window is not None else None
+        window_tokens = int(spans[0].sum()) if spans is not None else None
         if batch == 0 or live == 0 or width == 0 or num_rows == 0:
             _stage_empty(out, totals, rows, seq_lens, given, upload, ws, rows_known)
+            if window is not None:
+                stage_window_empty(cells)
             path = "empty"
         elif live < dense_fill_ratio * batch * width:
-            _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live, upload, ws)
+            _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live, upload, ws,
+                        spans, cells)
             path = "live"
         else:
-            _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload, ws)
+            _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload, ws,
+                         window, allowance, cells)
             path = "dense"
-        return SampleMeta(path, live, batch, num_rows, width, size, faults, True, audited, rows_known)
+        return SampleMeta(path, live, batch, num_rows, width, size, faults, True, audited, rows_known,
+                          window, window_tokens)
     if batch == 0 or width == 0 or num_rows == 0:
         _stage_empty(out, totals, rows, seq_lens, None, upload, ws)
-        return SampleMeta("empty", 0, batch, num_rows, width, size, (), False, audited)
-    _stage_dense(out, totals, req_to_token, mapping, rows, None, seq_lens, None, None, upload, ws)
-    return SampleMeta("dense", None, batch, num_rows, width, size, (), False, audited)
+        if window is not None:
+            stage_window_empty(cells)
+        return SampleMeta("empty", 0, batch, num_rows, width, size, (), False, audited, False,
+                          window, 0 if window is not None else None)
+    _stage_dense(out, totals, req_to_token, mapping, rows, None, seq_lens, None, None, upload, ws,
+                 window, allowance, cells)
+    return SampleMeta("dense", None, batch, num_rows, width, size, (), False, audited, False, window, None)
 
 
 def live_full_slots(
@@ -367,8 +419,10 @@ def _stage_empty(out, totals, rows, seq_lens, lens, upload, ws, rows_known=False
     _commit(out, totals, fields, ws)
 
 
-def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live, upload, ws) -> None:
-    """The live path (module docstring): work proportional to the ``live`` tokens."""
+def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live, upload, ws,
+                spans=None, cells=None) -> None:
+    """The live path (module docstring): work proportional to the ``live`` tokens; with ``spans``
+    (the window's ``(w, o)`` per request) the window cells too, from the same one upload."""
     batch = lens.shape[0]
     num_rows = req_to_token.shape[0]
     flat, row_stride = _flat_rows(req_to_token)
@@ -378,9 +432,14 @@ def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, l
     # start with the next one: their jumps add up (accumulate) to the right one, and the jumps of
     # trailing empty requests land in a spare last cell.
     ends = np.cumsum(lens)
-    host = np.empty((3, batch), dtype=np.int64)
+    host = np.empty((3 if spans is None else 7, batch), dtype=np.int64)
     host[0, 0] = 0
     host[0, 1:] = ends[:-1]
+    if spans is not None:  # offsets into the window's cumsum (a leading 0): see otel_swa.device.window
+        host[3] = ends
+        host[4] = ends - spans[0]
+        host[5] = host[0] + spans[1]
+        host[6] = host[0]
     host[1, 0] = -1
     host[1, 1:] = -lens[:-1]
     if host_rows is not None:  # the whole jump on the host
@@ -401,12 +460,14 @@ def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, l
     steps.scatter_add_(0, up[0], jumps)
     index = ws.get("live.index", live, torch.int64)
     torch.cumsum(steps[:live], 0, out=index)
-    _count(out, totals, flat, mapping, index, live, ws, fields)
+    swa = _count(out, totals, flat, mapping, index, live, ws, fields)
+    if spans is not None:
+        stage_window_live(cells, swa, up[3:7], live, ws)
 
 
-def _count(out, totals, flat, mapping, index, live, ws, fields) -> None:
+def _count(out, totals, flat, mapping, index, live, ws, fields) -> torch.Tensor:
     """Gather the FULL slots at ``index`` (``int64 [live]`` into ``flat``), then their SWA slots,
-    count, and commit with ``fields``."""
+    count, and commit with ``fields``; return the SWA slots gathered."""
     size = mapping.shape[0]
     if index is None:  # dense: the gathered rows themselves
         raw = flat
@@ -426,22 +487,32 @@ def _count(out, totals, flat, mapping, index, live, ws, fields) -> None:
     fields[_DIVERGENT] = torch.count_nonzero(differs)
     fields[_NONZERO] = torch.count_nonzero(swa)
     _commit(out, totals, fields, ws)
+    return swa
 
 
-def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload, ws) -> None:
+def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload, ws,
+                 window=None, allowance=0, cells=None) -> None:
     """The dense path: whole rows of ``req_to_token``; positions at or beyond ``seq_len`` are set
     to FULL slot 1 (a valid index) and their contribution, known from ``mapping[1]`` and their
-    number, is taken off on the host (:func:`read_sample`)."""
+    number, is taken off on the host (:func:`read_sample`). With a ``window``, the window cells
+    too (per-row thresholds from the same one upload, or from ``seq_lens`` on the device)."""
     num_rows, width = req_to_token.shape
     batch = rows.shape[0]
     fields: dict[int, torch.Tensor] = {}
     up = None
+    per_request = not isinstance(allowance, int)
     if lens is not None:
-        host = np.empty((3 if host_rows is not None else 2, batch), dtype=np.int64)
+        rows_at = 2 if host_rows is not None else None
+        windows_at = (3 if host_rows is not None else 2) if window is not None else None
+        host = np.empty((2 + (rows_at is not None) + 6 * (window is not None), batch), dtype=np.int64)
         host[0], host[1] = lens, given
-        if host_rows is not None:
-            host[2] = host_rows
+        if rows_at is not None:
+            host[rows_at] = host_rows
+        if windows_at is not None:
+            host[windows_at:] = dense_columns(lens, window, allowance)
         up = _upload(upload, host, out.device)
+    elif window is not None and per_request:
+        up_allowance = _upload(upload, np.ascontiguousarray(allowance), out.device)
     if host_rows is None:
         fields[_ROWS], fields[_ROWS + 1] = torch.aminmax(rows)
         rows_c = torch.clamp(rows, 0, num_rows - 1, out=ws.get("dense.rows", batch, rows.dtype))
@@ -458,7 +529,16 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
     beyond = torch.ge(ws.arange(width, device_lens.dtype), device_lens.unsqueeze(1), out=ws.get("dense.mask", batch * width, torch.bool).view(batch, width))
     block.masked_fill_(beyond, _FILLER if mapping.shape[0] > _FILLER else 0)
     fields[_FILLER_SWA] = mapping[min(_FILLER, mapping.shape[0] - 1)]
-    _count(out, totals, block.view(-1), mapping, None, batch * width, ws, fields)
+    swa = _count(out, totals, block.view(-1), mapping, None, batch * width, ws, fields)
+    if window is None:
+        return
+    if up is not None:
+        columns, weights, window_tokens = up[windows_at:windows_at + 3].t(), up[windows_at + 3:windows_at + 6].t(), None
+    else:
+        lens64 = device_lens.long()
+        columns, weights = device_columns(lens64, window, up_allowance if per_request else allowance)
+        window_tokens = torch.clamp(lens64, max=window).sum()
+    stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws)
 
 
 def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
@@ -495,6 +575,11 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
             divergence -= masked * (filler_swa != 0 and filler_swa != _FILLER)
         out_of_window = live - nonzero
     audit = tuple(values[_AUDIT:_AUDIT + AUDIT_WIDTH]) if meta.audited else None
+    premature = late_held = None
+    if meta.window is not None:
+        window_tokens = meta.window_tokens if meta.window_tokens is not None else values[_WINDOW + 2]
+        premature = window_tokens - values[_WINDOW]
+        late_held = values[_WINDOW + 1]
     return SampleReading(
         verify_full=values[_VERIFY],
         verify_swa=values[_VERIFY + 1],
@@ -502,4 +587,6 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
         out_of_window=out_of_window,
         faults=tuple(name for name in FAULTS if name in faults),
         audit=audit,
+        premature=premature,
+        late_held=late_held,
     )

@@ -337,6 +337,15 @@ class ReferenceEngine:
         FULL slots of every request holding KV (not only the batch's), so the reporter also audits
         the SWA pool for leaked slots, stale tokens and shared slots.
 
+        ``sliding_window`` is ``config.window`` (the reference attention reads the last ``window``
+        positions, the current one included: :mod:`otel_swa.reference.model`), so each sample also
+        counts premature evictions and late-held SWA slots. ``swa_eviction_allowance`` is, per
+        request, ``page_size + extend_len - 1``: the view is read inside the step, before this
+        step's eviction; the previous one (:meth:`HybridKVPools.evict_out_of_window`, at ``seq_len
+        - extend_len``) frees whole pages below ``seq_len - extend_len - window``, so a healthy
+        engine holds SWA slots down to ``seq_len - window - extend_len - page_size + 1`` and counts
+        0 late-held.
+
         Raises:
             RuntimeError: no forward step has run yet.
         """
@@ -344,6 +353,7 @@ class ReferenceEngine:
             raise RuntimeError("no forward step has run yet")
         rows = [it.req.slots.row for it in self._last_items]
         seq_lens = [it.seq_len for it in self._last_items]
+        page_size = self.pools.page_size
         return SwaBatch(
             req_to_token=self.pools.req_to_token,
             full_to_swa_index_mapping=self.pools.full_to_swa_index_mapping,
@@ -352,6 +362,8 @@ class ReferenceEngine:
             seq_lens_cpu=seq_lens,
             req_pool_indices_cpu=rows,
             swa_audit=self._swa_audit_inputs(),
+            sliding_window=self.config.window,
+            swa_eviction_allowance=[page_size + it.extend_len - 1 for it in self._last_items],
         )
 
     def _swa_audit_inputs(self) -> SwaAuditInputs:

@@ -17,6 +17,8 @@ kv_cache.swa.tokens.stale                   ObservableGauge {token}      swa_sta
 kv_cache.swa.slots.shared                   ObservableGauge {slot}       swa_shared_slots (audited samples)
 kv_cache.swa.pages.in_use                   ObservableGauge {page}       swa_pages_in_use (audited samples)
 kv_cache.swa.pages.referenced               ObservableGauge {page}       swa_pages_referenced (audited samples)
+kv_cache.swa.tokens.evicted_in_window       ObservableGauge {token}      swa_premature_evictions (samples with a window)
+kv_cache.swa.slots.held_out_of_window       ObservableGauge {slot}       swa_late_held_slots (samples with a window)
 kv_cache.swa.reporter.delivery.delay        Histogram       {forward}    reporter.forward_ct - forward_ct at delivery
 kv_cache.swa.reporter.resets                Counter         {reset}      totals that went backwards
 kv_cache.swa.reporter.samples.taken         ObservableCtr   {sample}     reporter.stats.samples_taken

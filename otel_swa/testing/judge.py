@@ -14,9 +14,12 @@ The signals, as SGLang's CI helper ``assert_swa_divergence_observed`` defines th
 * ``out-of-window``: the **peak** ``swa_out_of_window_tokens`` is at least ``min_out_of_window``;
 * ``verify lag``: the **last** record has ``verify_swa < verify_full`` (both counters are
   cumulative; a negative value, from a wrapped 32-bit counter, cannot show it);
-* ``audit``: when the group's records carry the SWA slot audit (otel-swa's audit lines), the peak
-  of each field of :data:`AUDIT_RULES` is 0: no leaked SWA slots, no stale tokens, no shared SWA
-  slots (``require_clean_audit``, default on);
+* ``audit``: when the group's records carry the SWA slot audit or the sliding-window check
+  (otel-swa's audit lines), the peak of each field of :data:`AUDIT_RULES` present is 0: no leaked
+  SWA slots, no stale tokens, no shared SWA slots, no premature evictions (live tokens inside the
+  window without an SWA slot) (``require_clean_audit``, default on). The late-held SWA slots
+  (:data:`REPORTED_RULES`) are shown with their peak, never judged: an engine may keep a few by
+  design, and more show as SWA pool usage first;
 * ``runs``: no rank shows runs interleaved in one log (``forward_ct`` going back and forth: two
   runs writing the same log at once, or every line logged twice), which no rule can split.
 
@@ -56,6 +59,7 @@ __all__ = [
     "ALL_RANKS",
     "AuditRule",
     "AUDIT_RULES",
+    "REPORTED_RULES",
     "Failure",
     "AuditPeak",
     "GroupVerdict",
@@ -84,11 +88,13 @@ class AuditRule:
         field: the record field (one of :data:`otel_swa.record.AUDIT_FIELDS`).
         label: what a non-zero value is, in words.
         meaning: what the field counts.
+        explain: how a failure reads, a format with ``{peak}``, or ``None`` for ``label``.
     """
 
     field: str
     label: str
     meaning: str
+    explain: str | None = None
 
 
 #: The audit fields judged, one rule each: their peak over a group's audited records must be 0.
@@ -96,6 +102,16 @@ AUDIT_RULES = (
     AuditRule("swa_leaked_slots", "leaked SWA slots", "SWA slots of pages in use that no live token maps into"),
     AuditRule("swa_stale_tokens", "stale tokens", "live tokens whose SWA page is on the free list"),
     AuditRule("swa_shared_slots", "shared SWA slots", "SWA slots that two distinct live FULL slots map to"),
+    AuditRule("swa_premature_evictions", "premature evictions",
+              "live tokens inside the sliding window whose SWA mapping is 0",
+              "{peak} live token(s) inside the sliding window had no SWA slot (premature eviction: attention "
+              "read freed KV)"),
+)
+
+#: Audit fields shown with their peak but never judged.
+REPORTED_RULES = (
+    AuditRule("swa_late_held_slots", "late-held SWA slots",
+              "SWA slots still held by tokens older than the sliding window plus the engine's eviction allowance"),
 )
 
 
@@ -147,8 +163,9 @@ class GroupVerdict:
         peak_out_of_window, peak_out_of_window_at: the same for ``swa_out_of_window_tokens``.
         last: the last record, or ``None``.
         last_line_no: its line, or ``None``.
-        audited: how many of its records carry the SWA slot audit.
+        audited: how many of its records carry the SWA slot audit or the window check.
         audit_peaks: one :class:`AuditPeak` per :data:`AUDIT_RULES` field present.
+        reported_peaks: one :class:`AuditPeak` per :data:`REPORTED_RULES` field present.
         failures: the failed signals with their reasons, in :data:`SIGNALS` order.
         missing_from: for a rank without records in this run, the runs where it has some.
     """
@@ -169,6 +186,7 @@ class GroupVerdict:
     audit_peaks: tuple[AuditPeak, ...]
     failures: tuple[Failure, ...]
     missing_from: tuple[int, ...] = ()
+    reported_peaks: tuple[AuditPeak, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -325,6 +343,9 @@ def _group_lines(group: GroupVerdict, obs: SwaObservation) -> list[str]:
         else:
             fields = ", ".join(f"{p.rule.field}=0" for p in group.audit_peaks)
             out.append(f"ok     SWA slot audit: clean in {group.audited} audited record(s) ({fields} throughout)")
+    for peak in group.reported_peaks:
+        out.append(f"info   {peak.rule.label}: peak {peak.rule.field}={peak.peak}{at(peak.peak_at)} "
+                   f"({peak.rule.meaning}; reported, not judged)")
     if group.last is not None:
         line_no = group.last_line_no if group.last_line_no is not None or len(obs.groups) > 1 else obs.last_line_no
         where = f" (line {line_no})" if line_no is not None else ""
@@ -396,18 +417,8 @@ def _evaluate(
                 "--no-verify-lag")))
         elif not last.verify_swa < last.verify_full:
             failures.append(Failure("verify lag", _lag_text(last)))
-    audited = [item for item in items if item.record.audited]
-    peaks: list[AuditPeak] = []
-    for rule in AUDIT_RULES:
-        present = [item for item in audited if getattr(item.record, rule.field) is not None]
-        if not present:
-            continue
-        peak_item = max(present, key=lambda item: getattr(item.record, rule.field))  # first of the largest
-        first = next((item for item in present if getattr(item.record, rule.field) > 0), None)
-        peaks.append(AuditPeak(
-            rule, getattr(peak_item.record, rule.field), peak_item.record.forward_ct, peak_item.line_no,
-            first.record.forward_ct if first else None, first.line_no if first else None,
-        ))
+    audited = [item for item in items if item.record.audited or item.record.window_checked]
+    peaks = _peaks(audited, AUDIT_RULES)
     if require_clean_audit:
         faults = [p for p in peaks if p.peak > 0]
         if faults:
@@ -420,13 +431,29 @@ def _evaluate(
         peak_divergence=peak_div, peak_divergence_at=peak_div_at,
         peak_out_of_window=peak_oow, peak_out_of_window_at=peak_oow_at,
         last=last, audited=len(audited), audit_peaks=tuple(peaks),
-        failures=tuple(failures), missing_from=missing_from,
+        failures=tuple(failures), missing_from=missing_from, reported_peaks=tuple(_peaks(audited, REPORTED_RULES)),
     )
+
+
+def _peaks(items: Sequence[RunRecord], rules: Sequence[AuditRule]) -> list[AuditPeak]:
+    peaks: list[AuditPeak] = []
+    for rule in rules:
+        present = [item for item in items if getattr(item.record, rule.field) is not None]
+        if not present:
+            continue
+        peak_item = max(present, key=lambda item: getattr(item.record, rule.field))  # first of the largest
+        first = next((item for item in present if getattr(item.record, rule.field) > 0), None)
+        peaks.append(AuditPeak(
+            rule, getattr(peak_item.record, rule.field), peak_item.record.forward_ct, peak_item.line_no,
+            first.record.forward_ct if first else None, first.line_no if first else None,
+        ))
+    return peaks
 
 
 def _audit_reason(peak: AuditPeak) -> str:
     line = lambda n: "" if n is None else f" (line {n})"  # noqa: E731
-    text = f"{peak.rule.label}: peak {peak.rule.field}={peak.peak} at forward_ct={peak.peak_at}{line(peak.peak_line_no)}"
+    head = peak.rule.explain.format(peak=peak.peak) if peak.rule.explain else peak.rule.label
+    text = f"{head}: peak {peak.rule.field}={peak.peak} at forward_ct={peak.peak_at}{line(peak.peak_line_no)}"
     if peak.first_at is not None and peak.first_at != peak.peak_at:
         text += f", first non-zero at forward_ct={peak.first_at}{line(peak.first_line_no)}"
     return text

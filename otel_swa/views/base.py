@@ -36,6 +36,27 @@ and, optionally:
     (see :mod:`otel_swa.device.audit`).
 ``divergence_applicable``
     ``False`` for engines without a FULL-to-SWA mapping (vLLM); default ``True``.
+``sliding_window``
+    an ``int >= 1``: the number of most recent positions the SWA layers' attention reads, the
+    current token included (a request of ``seq_len`` tokens reads positions ``seq_len - window ..
+    seq_len - 1``). With it each sample also counts the live tokens inside the window whose SWA
+    mapping is 0 (premature eviction: attention reads freed KV) and the SWA slots still held by
+    tokens older than the window plus the allowance (see :mod:`otel_swa.device.window`). ``None``
+    (default): not known, nothing counted, the record's window fields absent. Each engine's
+    convention differs: SGLang's ``ModelRunner.sliding_window_size`` is one less (its attention
+    masks ``q_pos - sliding_window_size <= k_pos <= q_pos``, sglang 0.5.23
+    ``srt/layers/attention/torch_native_backend.py``; models return ``config.sliding_window - 1``,
+    ``srt/models/gpt_oss.py``); vLLM's ``SlidingWindowSpec.sliding_window`` is the count itself
+    (``get_num_skipped_tokens = max(0, num_computed_tokens - sliding_window + 1)`` keeps the last
+    ``sliding_window - 1`` computed tokens for the next one, vllm 0.33.0
+    ``v1/core/single_type_kv_cache_manager.py``); the reference engine's ``EngineConfig.window``
+    is the count itself.
+``swa_eviction_allowance``
+    tokens older than the window that may still hold an SWA slot without counting as late-held:
+    an ``int >= 0``, or one per batch entry (a host sequence or CPU tensor of ints >= 0, e.g. a
+    prefill chunk's ``extend_len - 1``: its first queries read that much further back). Default
+    (``None``): the ``swa_audit`` page size when the view has one (eviction frees whole pages),
+    else 0.
 
 Engines adapt their own objects to this protocol (see ``otel_swa.views`` for the adapters).
 """
@@ -86,6 +107,7 @@ class SwaBatch:
     ``seq_lens_cpu`` is optional host knowledge of ``seq_lens`` (a CPU tensor or a sequence of
     ints); give it when the engine has it, so the reporter gathers only the live tokens.
     ``req_pool_indices_cpu`` is the same for ``req_pool_indices`` (read only with ``seq_lens_cpu``).
+    ``sliding_window`` and ``swa_eviction_allowance``: the window check (module docstring).
     """
 
     req_to_token: torch.Tensor
@@ -96,6 +118,8 @@ class SwaBatch:
     swa_audit: SwaAuditInputs | None = None
     divergence_applicable: bool = True
     req_pool_indices_cpu: "torch.Tensor | Sequence[int] | None" = None
+    sliding_window: "int | None" = None
+    swa_eviction_allowance: "int | torch.Tensor | Sequence[int] | None" = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -122,7 +146,8 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
         TypeError: an attribute is missing, is not a tensor, or has the wrong dtype.
         ValueError: a tensor has the wrong number of dimensions or is on another device, or
             ``req_pool_indices``, ``seq_lens``, ``seq_lens_cpu`` and ``req_pool_indices_cpu`` differ
-            in length.
+            in length; ``sliding_window`` is not an int >= 1, or ``swa_eviction_allowance`` not an
+            int >= 0 nor one such int per batch entry on the host.
     """
     for name in ("req_to_token", "full_to_swa_index_mapping", "req_pool_indices", "seq_lens"):
         if not hasattr(view, name):
@@ -162,8 +187,44 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
             value = getattr(audit, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"view.swa_audit.{name} must be an int >= 1, got {value!r}")
+    _check_window(view)
     if view.req_pool_indices.shape[0] != view.seq_lens.shape[0]:
         raise ValueError(
             f"view.req_pool_indices has {view.req_pool_indices.shape[0]} entries but view.seq_lens has "
             f"{view.seq_lens.shape[0]}; they must describe the same batch"
+        )
+
+
+def _check_window(view: Any) -> None:
+    window = getattr(view, "sliding_window", None)
+    allowance = getattr(view, "swa_eviction_allowance", None)
+    if window is not None and (type(window) is not int or window < 1):  # noqa: E721 - bool refused
+        raise ValueError(
+            f"view.sliding_window must be None or an int >= 1 (tokens attention reads, the current one "
+            f"included), got {window!r}"
+        )
+    if allowance is None:
+        return
+    if type(allowance) is int:  # noqa: E721
+        if allowance < 0:
+            raise ValueError(f"view.swa_eviction_allowance must be an int >= 0 (tokens), got {allowance}")
+        return
+    expected = "an int >= 0 or one int >= 0 per batch entry on the host"
+    if isinstance(allowance, torch.Tensor):
+        if allowance.device.type != "cpu" or allowance.dim() != 1 or allowance.dtype.is_floating_point \
+                or allowance.dtype == torch.bool:
+            raise ValueError(f"view.swa_eviction_allowance must be {expected}, got a {allowance.dtype} tensor of "
+                             f"shape {tuple(allowance.shape)} on {allowance.device}")
+        values = allowance.tolist()
+    elif isinstance(allowance, (list, tuple, range)):
+        values = list(allowance)
+    else:
+        raise TypeError(f"view.swa_eviction_allowance must be {expected}, got {type(allowance).__name__}")
+    bad = [v for v in values if type(v) is not int or v < 0]  # noqa: E721
+    if bad:
+        raise ValueError(f"view.swa_eviction_allowance must be {expected}, got {bad[0]!r} among its entries")
+    if len(values) != view.req_pool_indices.shape[0]:
+        raise ValueError(
+            f"view.swa_eviction_allowance has {len(values)} entries but view.req_pool_indices has "
+            f"{view.req_pool_indices.shape[0]}; give one per batch entry (or one int for all)"
         )

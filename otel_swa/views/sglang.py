@@ -42,6 +42,7 @@ from otel_swa.views.base import SwaAuditInputs, SwaBatch
 __all__ = [
     "SUPPORTED_SGLANG",
     "batch_view",
+    "sglang_window",
     "KvCanaryHooks",
     "log_line_sink",
     "observe_verified",
@@ -74,6 +75,48 @@ def _attr(obj: Any, name: str, what: str) -> Any:
         ) from None
 
 
+def sglang_window(sliding_window_size: int, page_size: int, eviction_interval: int = 1) -> tuple[int, int]:
+    """The view's ``(sliding_window, swa_eviction_allowance)`` for an SGLang model runner.
+
+    Args:
+        sliding_window_size: ``ModelRunner.sliding_window_size`` (int >= 1), SGLang's exclusive
+            window: its attention reads keys ``q_pos - sliding_window_size .. q_pos``
+            (``srt/layers/attention/torch_native_backend.py``; models return
+            ``config.sliding_window - 1``, e.g. ``srt/models/gpt_oss.py``). The view's window, the
+            number of positions read, is one more.
+        page_size: the allocator's page size (int >= 1).
+        eviction_interval: ``SGLANG_SWA_EVICTION_INTERVAL`` (int >= 1; SGLang's default 1).
+
+    Returns:
+        ``(sliding_window_size + 1, allowance)``. The allowance is what SGLang keeps by design at a
+        decode step (sglang 0.5.23 ``srt/mem_cache/common.py`` ``free_swa_out_of_window_slots``,
+        called by ``ScheduleBatch.maybe_evict_swa`` with ``pre_len = seqlen - 1``): with a
+        prefix-sharing tree cache it frees below ``pre_len - ceil_align(max(sliding_window_size,
+        page_size), page_size)`` rounded down to a page, so up to ``ceil_align(...) -
+        sliding_window_size + page_size - 1`` tokens older than the window keep their SWA slot (without
+        prefix sharing, up to ``page_size - 1``); it evicts only once ``eviction_interval`` tokens
+        have left the window, which keeps up to ``eviction_interval - 1``. The larger of the two.
+
+    Raises:
+        ValueError: a value is not an int >= 1.
+    """
+    for name, value in (("sliding_window_size", sliding_window_size), ("page_size", page_size),
+                        ("eviction_interval", eviction_interval)):
+        if type(value) is not int or value < 1:  # noqa: E721
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    kept = -(-max(sliding_window_size, page_size) // page_size) * page_size
+    return sliding_window_size + 1, max(kept - sliding_window_size + page_size - 1, eviction_interval - 1)
+
+
+def _is_extend(forward_batch: Any) -> bool:
+    mode = getattr(forward_batch, "forward_mode", None)
+    is_extend = getattr(mode, "is_extend", None)
+    try:
+        return bool(is_extend()) if callable(is_extend) else False
+    except Exception:  # an unusual mode object: treat the batch as a decode batch
+        return False
+
+
 def batch_view(
     allocator: Any,
     req_to_token_pool: Any,
@@ -83,6 +126,8 @@ def batch_view(
     seq_lens: torch.Tensor | None = None,
     seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
     holder_full_slots: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    swa_eviction_allowance: int | None = None,
 ) -> SwaBatch:
     """The reporter's view (:class:`otel_swa.views.SwaBatch`) of one SGLang forward step.
 
@@ -102,6 +147,13 @@ def batch_view(
             batch). When given, the view also carries the SWA slot audit inputs (the allocator's
             SWA free lists, see :func:`swa_free_pages`) and each record gets leaked / stale /
             shared SWA slot counts.
+        sliding_window, swa_eviction_allowance: the window check (see
+            :class:`otel_swa.views.SwaBatchView`), e.g. from :func:`sglang_window`; ``None``: no
+            window check. In an extend (prefill) batch (``forward_batch.forward_mode.is_extend()``)
+            no token is counted as late-held: SGLang frees a request's out-of-window SWA slots from
+            its second decode step on (``ScheduleBatch.maybe_evict_swa``: ``decode_batch_idx >=
+            1``; with a prefix-sharing tree cache never during a prefill), so a prompt keeps its SWA
+            slots until then; the first decode step after a long prompt counts them as late-held.
 
     Returns:
         A :class:`~otel_swa.views.SwaBatch`. With neither a batch nor indices, an empty batch (the
@@ -126,6 +178,9 @@ def batch_view(
         req_pool_indices = torch.zeros(0, dtype=torch.int64, device=device)
         seq_lens = torch.zeros(0, dtype=torch.int64, device=device)
         seq_lens_cpu = ()
+    if sliding_window is not None and swa_eviction_allowance is not None and forward_batch is not None \
+            and _is_extend(forward_batch):
+        swa_eviction_allowance = int(req_to_token.shape[1])  # nothing is older than that: no late-held count
     return SwaBatch(
         req_to_token=req_to_token,
         full_to_swa_index_mapping=mapping,
@@ -133,6 +188,8 @@ def batch_view(
         seq_lens=seq_lens,
         seq_lens_cpu=seq_lens_cpu,
         swa_audit=_audit_inputs(allocator, holder_full_slots) if holder_full_slots is not None else None,
+        sliding_window=sliding_window,
+        swa_eviction_allowance=swa_eviction_allowance,
     )
 
 
@@ -218,6 +275,8 @@ class KvCanaryHooks:
             had at that moment; called at sampling steps only. With it, samples carry the SWA slot
             audit; a sample whose holders are ``None`` (or while a free group is open) is not
             audited, never audited against an incomplete list (that would report false leaks).
+        sliding_window, swa_eviction_allowance: the window check of every view (see
+            :func:`batch_view` and :func:`sglang_window`), or ``None``.
 
     Raises:
         ValueError: an allocator without a ``req_to_token_pool``.
@@ -230,6 +289,8 @@ class KvCanaryHooks:
         swa_allocator: Any = None,
         req_to_token_pool: Any = None,
         holder_full_slots: "Callable[[], torch.Tensor | None] | None" = None,
+        sliding_window: int | None = None,
+        swa_eviction_allowance: int | None = None,
     ) -> None:
         if swa_allocator is not None and req_to_token_pool is None:
             raise ValueError("KvCanaryHooks: swa_allocator given without req_to_token_pool")
@@ -237,6 +298,7 @@ class KvCanaryHooks:
         self._swa_allocator = swa_allocator
         self._req_to_token_pool = req_to_token_pool
         self._holders = holder_full_slots
+        self._window = {"sliding_window": sliding_window, "swa_eviction_allowance": swa_eviction_allowance}
         #: Errors caught in :meth:`step` (building or sampling the view), never raised to SGLang.
         self.step_errors = 0
         self._logged_error_kinds: set[str] = set()
@@ -286,10 +348,11 @@ class KvCanaryHooks:
         holders = self._holders() if self._holders is not None else None
         if holders is not None:
             try:
-                return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch, holder_full_slots=holders)
+                return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch, holder_full_slots=holders,
+                                  **self._window)
             except RuntimeError as exc:  # no consistent SWA free list right now: this sample is not audited
                 _log.debug("SWA slot audit skipped at forward step %d: %s", self.reporter.forward_ct, exc)
-        return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch)
+        return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch, **self._window)
 
     def close(self) -> None:
         """Deliver every pending sample (SGLang's reporter loses the last one at shutdown)."""

@@ -56,6 +56,7 @@ __all__ = [
     "WindowCounts",
     "WindowTable",
     "num_skipped_tokens",
+    "window_allowance",
     "read_window_table",
     "block_table_from_manager",
     "window_counts",
@@ -95,6 +96,30 @@ def num_skipped_tokens(num_computed_tokens: int, sliding_window: int, extra_reta
     if extra_retained_tokens < 0:
         raise ValueError(f"extra_retained_tokens must be >= 0, got {extra_retained_tokens}")
     return max(0, num_computed_tokens - sliding_window + 1 - extra_retained_tokens)
+
+
+def window_allowance(num_scheduled_tokens: Sequence[int], block_size: int) -> list[int]:
+    """Per request, how many tokens older than the window vLLM 0.33 keeps in real SWA blocks by
+    design, read right after ``Scheduler.schedule()`` (the view's ``swa_eviction_allowance``).
+
+    After ``schedule()`` a request's ``num_computed_tokens`` ``n`` already counts the ``s`` tokens
+    scheduled in this step (``Scheduler._update_after_schedule``), while its table was trimmed in
+    ``allocate_slots`` on the tokens processed before it (``n - s``): ``remove_skipped_blocks``
+    frees whole blocks below ``num_skipped_tokens(n - s)`` = ``n - s - sliding_window + 1``, so up
+    to ``s + block_size - 2`` tokens below ``n - sliding_window`` keep a real block. With async
+    scheduling the tokens still in flight add to that (not counted here).
+
+    Raises:
+        ValueError: ``block_size`` below 1, or a scheduled count below 1.
+    """
+    if type(block_size) is not int or block_size < 1:  # noqa: E721
+        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    out = []
+    for s in num_scheduled_tokens:
+        if type(s) is not int or s < 1:  # noqa: E721
+            raise ValueError(f"every scheduled token count must be an int >= 1, got {s!r}")
+        out.append(max(0, s + block_size - 2))
+    return out
 
 
 @dataclass(frozen=True)
@@ -185,7 +210,13 @@ class WindowTable:
     other_nulls: tuple[tuple[int, int], ...]
     counts: WindowCounts
 
-    def view(self, device: "str | torch.device" = "cpu") -> SwaBatch:
+    def view(
+        self,
+        device: "str | torch.device" = "cpu",
+        *,
+        sliding_window: int | None = None,
+        swa_eviction_allowance: "int | Sequence[int] | None" = None,
+    ) -> SwaBatch:
         """The reporter's view (:class:`otel_swa.views.SwaBatch`) of this read, on ``device``.
 
         Built from what was read, with no second pass over the blocks: ``req_to_token`` is
@@ -197,6 +228,14 @@ class WindowTable:
         lengths are skewed: ``seq_lens_cpu`` (the live-token gather) is given only when the table
         has more than twice as many cells as live tokens. Allocates ``batch x max_blocks x
         block_size`` int64 on ``device``; no host sync.
+
+        ``sliding_window`` (the group's ``SlidingWindowSpec.sliding_window``: the next query reads
+        its own position and the ``sliding_window - 1`` before it, ``get_num_skipped_tokens``) and
+        ``swa_eviction_allowance`` (e.g. :func:`window_allowance`) switch on the window check: a
+        null-block token among the last ``sliding_window`` of a request (read after ``schedule()``,
+        where ``num_computed_tokens`` counts the step's own tokens) is a premature eviction; a real
+        block held further back than the allowance is late-held. Block granularity is the view's:
+        every token of a block counts.
         """
         device = torch.device(device)
         batch = len(self.num_tokens)
@@ -215,6 +254,9 @@ class WindowTable:
             seq_lens=torch.tensor(self.num_tokens, dtype=torch.int64).to(device),
             seq_lens_cpu=self.num_tokens if batch * width * bs > 2 * self.counts.live_tokens else None,
             divergence_applicable=False,
+            sliding_window=sliding_window,
+            swa_eviction_allowance=list(swa_eviction_allowance) if isinstance(swa_eviction_allowance, tuple)
+            else swa_eviction_allowance,
         )
 
 

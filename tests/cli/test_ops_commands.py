@@ -101,7 +101,8 @@ def test_records_jsonl(tmp_path, capsys):
                        "verify_source": None, "forward_ct": 20, "verify_full": 1000, "verify_swa": 400,
                        "swa_full_idx_divergence": 0, "swa_out_of_window_tokens": 0, "swa_leaked_slots": None,
                        "swa_stale_tokens": None, "swa_shared_slots": None, "swa_pages_in_use": None,
-                       "swa_pages_referenced": None, "micro_batch": None}
+                       "swa_pages_referenced": None, "swa_premature_evictions": None,
+                       "swa_late_held_slots": None, "micro_batch": None}
     assert [(r["line_no"], r["rank"], r["forward_ct"], r["swa_out_of_window_tokens"]) for r in rows] == [
         (1, "DP0 TP0", 20, 0), (2, "DP1 TP0", 20, 12), (4, "DP0 TP0", 40, 30), (5, "DP1 TP0", 40, 25)]
 
@@ -116,9 +117,10 @@ def test_records_csv_from_stdin_plain_logging(monkeypatch, capsys):
     assert list(csv.reader(io.StringIO(captured.out))) == [
         ["line_no", "timestamp", "rank", "run", "verify_source", "forward_ct", "verify_full", "verify_swa",
          "swa_full_idx_divergence", "swa_out_of_window_tokens", "swa_leaked_slots", "swa_stale_tokens",
-         "swa_shared_slots", "swa_pages_in_use", "swa_pages_referenced", "micro_batch"],
-        ["1", "2025-06-01 12:34:56,789", "", "1", "", "20", "10", "4", "1", "2", "", "", "", "", "", ""],
-        ["3", "", "", "1", "", "40", "20", "8", "3", "4", "", "", "", "", "", ""],
+         "swa_shared_slots", "swa_pages_in_use", "swa_pages_referenced", "swa_premature_evictions",
+         "swa_late_held_slots", "micro_batch"],
+        ["1", "2025-06-01 12:34:56,789", "", "1", "", "20", "10", "4", "1", "2", "", "", "", "", "", "", "", ""],
+        ["3", "", "", "1", "", "40", "20", "8", "3", "4", "", "", "", "", "", "", "", ""],
     ]
     assert captured.err.splitlines() == [
         "otel-swa: 1 malformed line(s) skipped",

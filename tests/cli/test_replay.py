@@ -66,7 +66,8 @@ def test_replay_lines_follow_sglang_rule_and_show_the_swa_path(replay_run):
         forward_ct = records[number]["forward_ct"]
         match = re.fullmatch(stamp + r'otel_swa_audit=\{"forward_ct":' + str(forward_ct)
                              + r',"swa_leaked_slots":0,"swa_stale_tokens":0,"swa_shared_slots":0'
-                             + r'(?:,"swa_pages_in_use":(\d+),"swa_pages_referenced":(\d+))?\}', audit)
+                             + r'(?:,"swa_pages_in_use":(\d+),"swa_pages_referenced":(\d+))?'
+                             + r',"swa_premature_evictions":0,"swa_late_held_slots":0\}', audit)
         assert match, audit
         if match.group(1) is not None:  # nothing leaked: every SWA page in use is referenced
             assert int(match.group(1)) == int(match.group(2)) > 0

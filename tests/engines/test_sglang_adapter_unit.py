@@ -201,3 +201,55 @@ def test_hooks_skip_the_audit_when_holders_are_unknown_and_audit_otherwise():
     hooks.step(outer_step_counter=2, maybe_inaccurate_forward_batch=batch)
     assert [r.audited for r in records] == [False, True]
     assert (records[1].swa_leaked_slots, records[1].swa_stale_tokens) == (0, 0)
+
+
+# ------------------------------------------------------------------ the sliding-window check
+SWS = 200  # SGLang's sliding_window_size: its attention reads q_pos - 200 .. q_pos
+
+
+def test_the_window_is_one_more_than_sglangs_and_the_allowance_what_it_keeps():
+    # page 1, interval 1: SGLang frees below seqlen - 1 - 200: nothing past the window is kept
+    assert adapter.sglang_window(SWS, 1) == (201, 0)
+    # SGLANG_SWA_EVICTION_INTERVAL=128 (sglang 0.5.23's default): up to 127 tokens wait past the window
+    assert adapter.sglang_window(SWS, 1, 128) == (201, 127)
+    # page 64: ceil_align(200, 64) = 256 kept before pre_len, 56 past the window, + 63 of page rounding
+    assert adapter.sglang_window(SWS, 64) == (201, 56 + 63)
+    assert adapter.sglang_window(SWS, 256) == (201, 56 + 255)
+    assert adapter.sglang_window(SWS, 256, 512) == (201, 511)
+    with pytest.raises(ValueError, match="page_size must be an int >= 1, got 0"):
+        adapter.sglang_window(SWS, 0)
+
+
+def _pool():
+    req_to_token = torch.zeros((2, 32), dtype=torch.int32)
+    req_to_token[1, :20] = torch.arange(1, 21)
+    return SimpleNamespace(full_to_swa_index_mapping=torch.arange(40)), SimpleNamespace(req_to_token=req_to_token)
+
+
+@pytest.mark.parametrize("extend", [False, True])
+def test_an_extend_batch_counts_no_late_held_slot(extend):
+    allocator, pool = _pool()
+    mode = SimpleNamespace(is_extend=lambda: extend)
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([20]), seq_lens_cpu=[20],
+                            forward_mode=mode)
+    records = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda record, context: records.append(record)])
+    reporter.step(adapter.batch_view(allocator, pool, batch, sliding_window=5, swa_eviction_allowance=2))
+    reporter.close()
+    # every position holds its slot: 20 - 5 - 2 = 13 are older than the window and the allowance,
+    # which a prefill holds by design (SGLang evicts from the second decode step on)
+    assert (records[0].swa_premature_evictions, records[0].swa_late_held_slots) == (0, 0 if extend else 13)
+
+
+def test_hooks_carry_the_window_into_every_view():
+    allocator, pool = _pool()
+    records = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda record, context: records.append(record)])
+    allocator.full_to_swa_index_mapping[18] = 0  # position 17, inside the window of 5 (15 .. 19)
+    hooks = adapter.KvCanaryHooks(reporter, swa_allocator=allocator, req_to_token_pool=pool,
+                                  sliding_window=5, swa_eviction_allowance=0)
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([20]), seq_lens_cpu=[20])
+    hooks.step(outer_step_counter=1, maybe_inaccurate_forward_batch=batch)
+    hooks.close()
+    assert hooks.step_errors == 0
+    assert (records[0].swa_premature_evictions, records[0].swa_late_held_slots) == (1, 15)

@@ -265,6 +265,20 @@ def test_the_audit_is_clean_while_the_radix_cache_holds_swa_slots(traced):
             assert _int(event["attributes"][f"kv_cache.swa.{name}"]) == 0, (name, event["attributes"])
 
 
+def test_healthy_runs_count_no_premature_eviction_at_any_sample(instrumented):
+    # the window check is on every audit line, equal to the recount in the scheduler (window:
+    # sliding_window_size 7 + 1), and 0: SGLang never frees an SWA slot its attention still reads
+    audits = [line for line in instrumented.log.splitlines() if "otel_swa_audit=" in line]
+    assert len(audits) == len(instrumented.ours) and all('"swa_premature_evictions":' in a for a in audits)
+    for record in instrumented.ours:
+        assert record.swa_premature_evictions == instrumented.recount(record.forward_ct)["premature"] == 0, record
+        # SGLang keeps up to SGLANG_SWA_EVICTION_INTERVAL - 1 = 127 tokens past the window by design
+        # (the allowance), longer than any request here: nothing is late-held
+        assert record.swa_late_held_slots == 0, record
+    # the runs do hold SWA slots past the window between evictions: the allowance is what hides them
+    assert max(instrumented.recount(r.forward_ct)["held_past_window"] for r in instrumented.ours) >= 1
+
+
 def test_a_page_taken_off_the_free_list_is_reported_as_leaked(paged):
     leaked_at = [line for line in paged.probe if "leaked_page" in line]
     assert [line["step"] for line in leaked_at] == [LEAK_AT_STEP]

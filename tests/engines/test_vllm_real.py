@@ -203,6 +203,23 @@ def trace_requests(v):
     return made
 
 
+def window_recount(manager, request_ids, num_tokens, scheduled):
+    """``(premature, late_held, held_past_window)`` position by position over ``manager.req_to_blocks``: a null block
+    among the last WINDOW positions; a real block below ``n - WINDOW - (s + block_size - 2)``, where
+    ``s`` is the step's scheduled tokens (the table was trimmed on ``n - s`` tokens; see
+    ``otel_swa.views.vllm.window_allowance``); and every real block below ``n - WINDOW``."""
+    premature = late = held = 0
+    bs = manager.block_size
+    for rid, n, s in zip(request_ids, num_tokens, scheduled):
+        blocks = manager.req_to_blocks[rid]
+        for position in range(n):
+            null = blocks[position // bs].is_null
+            premature += position >= n - WINDOW and null
+            late += position < n - WINDOW - (s + bs - 2) and not null
+            held += position < n - WINDOW and not null
+    return premature, late, held
+
+
 def test_scheduler_on_the_trace_gives_records_equal_to_the_real_tables(vllm_classes, tmp_path, pipeline, monkeypatch):
     """The instrumentor wraps the real ``Scheduler.schedule``; over a run with chunked prefill,
     prefix hits and preemption, every record, event and metric equals the recount."""
@@ -220,7 +237,7 @@ def test_scheduler_on_the_trace_gives_records_equal_to_the_real_tables(vllm_clas
         requests = trace_requests(v)
         for r in requests:
             scheduler.add_request(r)
-        forward, totals, expected = 0, [0, 0], {}
+        forward, totals, expected, window_expected, held_past_window = 0, [0, 0], {}, {}, 0
         old_rule = 0  # what the SWA count was before: min(n, window) per request
         preempted, chunked, hits = set(), 0, 0
         for _ in range(2000):
@@ -242,6 +259,9 @@ def test_scheduler_on_the_trace_gives_records_equal_to_the_real_tables(vllm_clas
                 old_rule += sum(min(n, WINDOW) for n in lens)
                 if forward % INTERVAL == 0:
                     expected[forward] = (totals[0], totals[1], 0, out)
+                    scheduled = [output.num_scheduled_tokens[rid] for rid in ids]
+                    *window_expected[forward], held = window_recount(swa, ids, lens, scheduled)
+                    held_past_window += held
             sampled_ids = [[sampled(v, scheduler.requests[rid])]
                            if scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_tokens
                            else [] for rid in ids]
@@ -263,6 +283,11 @@ def test_scheduler_on_the_trace_gives_records_equal_to_the_real_tables(vllm_clas
            for r in records}
     assert got == expected
     assert all(r.divergence_applicable is False for r in records)
+    # the window check: equal to the tables position by position; a healthy vLLM frees no block
+    # the next query reads, and keeps none past its by-design lag
+    assert {r.forward_ct: [r.swa_premature_evictions, r.swa_late_held_slots] for r in records} == window_expected
+    assert {tuple(counts) for counts in window_expected.values()} == {(0, 0)}
+    assert held_past_window >= 1  # the tables do lag: without the allowance these would count
     events = pipeline.events()
     fields = ("forward_ct", "verify_full", "verify_swa", "swa_full_idx_divergence", "swa_out_of_window_tokens")
     assert {e.attributes["kv_cache.swa.forward_ct"]: tuple(e.attributes[f"kv_cache.swa.{f}"] for f in fields[1:])

@@ -238,3 +238,26 @@ def test_both_paths_through_the_reporter_match_a_recount(block_size):
         assert got == expected, name
         assert all(r.divergence_applicable is False for r in records)
     assert max(out for *_, out in expected.values()) >= 1
+
+
+# ------------------------------------------------------------------ the sliding-window check
+def test_window_allowance_is_the_steps_tokens_and_block_rounding():
+    assert vllm.window_allowance([1, 40], 16) == [15, 54]
+    assert vllm.window_allowance([1], 1) == [0]
+    with pytest.raises(ValueError, match="every scheduled token count must be an int >= 1, got 0"):
+        vllm.window_allowance([0], 16)
+    with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
+        vllm.window_allowance([1], 0)
+
+
+def test_the_view_counts_null_blocks_in_the_window_and_real_blocks_past_it():
+    # block 4: request "a" has 40 tokens in blocks [null, real, null(!), real, real, real, real, real, real, real]
+    # (the null at block 2, positions 8..11, is inside the window of 32: positions 8..39)
+    blocks = [NULL, Block(1), NULL, Block(3), Block(4), Block(5), Block(6), Block(7), Block(8), Block(9)]
+    # request "b": 30 tokens, nothing freed: positions 0..29 real, window 32 covers all
+    table = vllm.read_window_table(manager(4, {"a": blocks, "b": [Block(10 + i) for i in range(8)]}), ["a", "b"], [40, 30])
+    record = sample(table.view(sliding_window=32, swa_eviction_allowance=[2, 0]))
+    # premature: positions 8..11 of "a"; late-held: "a" below 40 - 32 - 2 = 6 with a real block:
+    # positions 4, 5 (block 1); "b": none (30 < 32)
+    assert (record.swa_premature_evictions, record.swa_late_held_slots) == (4, 2)
+    assert sample(table.view()).swa_premature_evictions is None

@@ -33,25 +33,33 @@ class RecountingReporter:
         self.forward_ct += 1
         seq_lens = [int(x) for x in view.seq_lens.tolist()]
         rids = [item.req.rid for item in self.engine.last_batch]
+        extends = []
         for rid, seq_len in zip(rids, seq_lens):
             extend = seq_len - self.seq_len_by_rid.get(rid, 0)
+            extends.append(extend)
             self.seq_len_by_rid[rid] = seq_len
             self.verify_full += seq_len  # the FULL layer read every cached position
             self.verify_swa += min(seq_len, self.window + extend - 1)  # union of the queries' windows
         if self.forward_ct % INTERVAL == 0:
             mapping = view.full_to_swa_index_mapping.tolist()
-            divergent = out = 0
-            for row, seq_len in zip(view.req_pool_indices.tolist(), seq_lens):
-                for full in view.req_to_token[row, :seq_len].tolist():
+            divergent = out = premature = late = 0
+            ps = self.engine.pools.page_size
+            for row, seq_len, extend in zip(view.req_pool_indices.tolist(), seq_lens, extends):
+                for pos, full in enumerate(view.req_to_token[row, :seq_len].tolist()):
                     swa = mapping[full]
                     out += swa == 0
                     divergent += swa != 0 and swa != full
+                    # in the window the last query reads, and no slot: premature; held further back
+                    # than this step's queries and the page rounding of the last eviction: late
+                    premature += pos >= seq_len - self.window and swa == 0
+                    late += pos < seq_len - self.window - (ps + extend - 1) and swa != 0
             leaked, stale, shared, in_use, referenced = self.audit(mapping)
             self.expected.append(
                 SwaDivergenceRecord(
                     self.forward_ct, self.verify_full, self.verify_swa, divergent, out,
                     swa_leaked_slots=leaked, swa_stale_tokens=stale, swa_shared_slots=shared,
                     swa_pages_in_use=in_use, swa_pages_referenced=referenced,
+                    swa_premature_evictions=premature, swa_late_held_slots=late,
                     verify_source="attention",  # the reference engine counts the entries attention reads
                 )
             )
@@ -103,6 +111,8 @@ def test_records_match_a_plain_recount_of_the_engine_state(page_size):
     assert max(r.swa_out_of_window_tokens for r in delivered) >= 1
     assert delivered[-1].verify_swa < delivered[-1].verify_full
     assert reporter.stats.sink_errors == 0
+    # a healthy engine: nothing the window reads was freed, nothing past it held
+    assert {(r.swa_premature_evictions, r.swa_late_held_slots) for r in delivered} == {(0, 0)}
 
 
 def test_sinks_get_the_context_of_the_forward_span():

@@ -76,3 +76,28 @@ def test_invalid_samples_are_visible_in_the_health_metrics(pipeline):
     assert single(m["kv_cache.swa.reporter.samples.invalid"]["points"]) == 3
     assert single(m["kv_cache.swa.reporter.samples.taken"]["points"]) == 3
     assert single(m["kv_cache.swa.reporter.samples.delivered"]["points"]) == 0
+
+
+def test_window_check_gauges_and_attributes_are_recorded_when_present(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    sink(R(20, 100, 40, 3, 9, swa_premature_evictions=5, swa_late_held_slots=12), None)
+    m = pipeline.metrics()
+    assert single(m["kv_cache.swa.tokens.evicted_in_window"]["points"]) == 5
+    assert m["kv_cache.swa.tokens.evicted_in_window"]["unit"] == "{token}"
+    assert single(m["kv_cache.swa.slots.held_out_of_window"]["points"]) == 12
+    assert m["kv_cache.swa.slots.held_out_of_window"]["unit"] == "{slot}"
+    assert "kv_cache.swa.slots.leaked" not in m  # no slot audit in this record
+    attributes = dict(pipeline.logs.get_finished_logs()[-1].log_record.attributes)
+    assert attributes["kv_cache.swa.swa_premature_evictions"] == 5
+    assert attributes["kv_cache.swa.swa_late_held_slots"] == 12
+
+
+def test_no_window_means_no_window_series():
+    from otel_swa.telemetry.metrics import INSTRUMENTS
+
+    plain = R(20, 100, 40, 3, 9)
+    readers = {spec.name: spec.read for spec in INSTRUMENTS}
+    assert readers["kv_cache.swa.tokens.evicted_in_window"](plain) == ()
+    assert readers["kv_cache.swa.slots.held_out_of_window"](plain) == ()
+    record = R(40, 9, 8, 7, 6, swa_premature_evictions=0, swa_late_held_slots=3)
+    assert record_from_attributes(record_attributes(record)) == record

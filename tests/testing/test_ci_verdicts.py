@@ -207,6 +207,51 @@ def test_the_fixture_sink_judges_the_audit_of_records_it_is_handed():
     assert capture.assert_observed(require_clean_audit=False).ok
 
 
+# ------------------------------------------------------------------ the sliding-window check
+WINDOW_OK = {"swa_premature_evictions": 0, "swa_late_held_slots": 0}
+
+
+def test_a_premature_eviction_fails_with_the_reason_in_words(tmp_path, capsys):
+    # window check only (no slot audit on these lines): line 1 marker, then record and audit line
+    records = [good(20, **WINDOW_OK), good(40, swa_premature_evictions=7, swa_late_held_slots=0),
+               good(60, **WINDOW_OK)]
+    text = log_of(records)
+    assert text.count("otel_swa_audit=") == 3  # a window-checked record writes its audit line
+    out = assert_all_fail(tmp_path, capsys, text,
+                          "7 live token(s) inside the sliding window had no SWA slot (premature eviction: attention "
+                          "read freed KV): peak swa_premature_evictions=7 at forward_ct=40 (line 4)")
+    assert "FAILED SWA slot audit:" in out
+    assert assert_all_pass(tmp_path, capsys, text, require_clean_audit=False)
+
+
+def test_late_held_slots_are_reported_and_never_fail(tmp_path, capsys):
+    records = [good(20, **CLEAN, **WINDOW_OK), good(40, **CLEAN, swa_premature_evictions=0, swa_late_held_slots=90),
+               good(60, **CLEAN, swa_premature_evictions=0, swa_late_held_slots=12)]
+    out = assert_all_pass(tmp_path, capsys, log_of(records))
+    assert ("info   late-held SWA slots: peak swa_late_held_slots=90 at forward_ct=40 (SWA slots still held by "
+            "tokens older than the sliding window plus the engine's eviction allowance; reported, not judged)") in out
+    assert "swa_premature_evictions=0 throughout" in out
+    observation = judge(records)
+    (group,) = observation.groups
+    assert [(p.rule.field, p.peak, p.peak_at) for p in group.reported_peaks] == [("swa_late_held_slots", 90, 40)]
+    assert group.audited == 3
+
+
+def test_audit_lines_without_the_window_fields_still_judge_as_before(tmp_path, capsys):
+    old = "\n".join([
+        "[2026-01-01 00:00:01 TP0] " + good(20).line(),
+        '[2026-01-01 00:00:01 TP0] otel_swa[verify=attention] otel_swa_audit={"forward_ct":20,"swa_leaked_slots":0,'
+        '"swa_stale_tokens":0,"swa_shared_slots":0}',
+        "[2026-01-01 00:00:02 TP0] " + good(40).line(),
+        '[2026-01-01 00:00:02 TP0] otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,'
+        '"swa_stale_tokens":0,"swa_shared_slots":0}',
+    ]) + "\n"
+    out = assert_all_pass(tmp_path, capsys, old)
+    assert ("ok     SWA slot audit: clean in 2 audited record(s) (swa_leaked_slots=0, swa_stale_tokens=0, "
+            "swa_shared_slots=0 throughout)") in out
+    assert "late-held" not in out
+
+
 # ------------------------------------------------------------------ otel-swa's lines beside SGLang's own
 def test_otel_swa_lines_are_judged_when_sglangs_own_are_there_too(tmp_path, capsys):
     # SGLang's own reporter sees nothing (its lines show no divergence); otel-swa's lines do

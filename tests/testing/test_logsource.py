@@ -53,7 +53,8 @@ def test_logged_records_keep_line_timestamp_rank():
         "line_no": 3, "timestamp": "2025-06-01 12:00:20", "rank": "DP1 TP0", "run": 1, "verify_source": None,
         "forward_ct": 20, "verify_full": 300, "verify_swa": 150, "swa_full_idx_divergence": 2,
         "swa_out_of_window_tokens": 9, "swa_leaked_slots": None, "swa_stale_tokens": None, "swa_shared_slots": None,
-        "swa_pages_in_use": None, "swa_pages_referenced": None, "micro_batch": None,
+        "swa_pages_in_use": None, "swa_pages_referenced": None, "swa_premature_evictions": None,
+        "swa_late_held_slots": None, "micro_batch": None,
     }
     groups = group_by_rank(found)
     assert list(groups) == ["DP0 TP0", "DP1 TP0", None]

@@ -54,6 +54,14 @@ host when SGLang has it, else from ``seq_lens`` on the device (two small reducti
 A model runner whose allocator has no ``full_to_swa_index_mapping`` (not a hybrid SWA model) and
 no canary gets no reporter.
 
+The sliding-window check: every view carries the window attention reads,
+``ModelRunner.sliding_window_size + 1`` (SGLang's value excludes the current token), and SGLang's
+eviction allowance (:func:`otel_swa.views.sglang.sglang_window`: the page rounding, the
+prefix-sharing margin and ``SGLANG_SWA_EVICTION_INTERVAL``), so each record counts the in-window
+tokens without an SWA slot (premature eviction, must be 0) and the SWA slots held past the window
+plus that allowance (late-held; a prefill's are counted at the request's first decode step, before
+SGLang's first eviction).
+
 Switch: ``OTEL_SWA_DIVERGENCE_INTERVAL`` (or SGLang's
 ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``), read when ``instrument()`` runs. Unset or 0:
 nothing is wrapped, the engine runs its own code unchanged. An unusable value is logged and
@@ -236,6 +244,7 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                         swa_allocator=allocator if is_swa else None,
                         req_to_token_pool=runner.req_to_token_pool if is_swa else None,
                         holder_full_slots=self._holder_full_slots if is_swa else None,
+                        **(_window_check(window, allocator) if is_swa and window > 0 else {}),
                     )
                     wiring = SimpleNamespace(
                         reporter=reporter, hooks=hooks, window=window, counts_from_canary=counts_from_canary,
@@ -498,3 +507,24 @@ def _flush_schedulers(engine: Any, timeout_s: float) -> None:
         _log.warning("otel-swa flush in SGLang's schedulers failed: %s", getattr(reply, "message", reply))
     else:
         _log.debug("SGLang's schedulers flushed otel-swa's telemetry in %.3f s", time.monotonic() - start)
+
+
+def _window_check(sliding_window_size: int, allocator: Any) -> dict:
+    """The window check's arguments of :class:`~otel_swa.views.sglang.KvCanaryHooks` for a model
+    runner (:func:`otel_swa.views.sglang.sglang_window`), from its ``sliding_window_size``, the
+    allocator's page size and SGLang's ``SGLANG_SWA_EVICTION_INTERVAL`` (read through SGLang's own
+    ``envs``, default 128 in sglang 0.5.23); ``{}`` (no window check) when they cannot be had."""
+    from otel_swa.views.sglang import sglang_window
+
+    try:
+        try:
+            from sglang.srt.environ import envs
+
+            interval = max(1, int(envs.SGLANG_SWA_EVICTION_INTERVAL.get()))
+        except Exception:  # an SGLang without the variable evicts at every step
+            interval = 1
+        window, allowance = sglang_window(sliding_window_size, int(getattr(allocator, "page_size", 1)), interval)
+    except Exception:
+        _log.exception("the sliding-window check is off for this model runner")
+        return {}
+    return {"sliding_window": window, "swa_eviction_allowance": allowance}

@@ -215,8 +215,20 @@ class SwaVllmInstrumentor(EngineInstrumentor):
         heads = read(every_entry=False)
         if heads is not None:
             view.observe_counts(reporter, heads.counts)
-        # Sampling steps only (the reporter calls the factory then): every entry read and checked.
-        reporter.step(lambda: (read(every_entry=True) or view.read_window_table(wiring.manager, (), ())).view())
+        # Sampling steps only (the reporter calls the factory then): every entry read and checked,
+        # with the window check (the group's sliding window, vLLM's by-design lag as the allowance).
+        def sample() -> Any:
+            table = read(every_entry=True)
+            if table is None:
+                return view.read_window_table(wiring.manager, (), ()).view()
+            window = getattr(wiring.manager, "sliding_window", None)
+            if type(window) is not int or window < 1:  # noqa: E721
+                return table.view()
+            scheduled = [int(output.num_scheduled_tokens[rid]) for rid in request_ids]
+            return table.view(sliding_window=window,
+                              swa_eviction_allowance=view.window_allowance(scheduled, table.block_size))
+
+        reporter.step(sample)
 
     # ------------------------------------------------------------------ worker side
     def _wrap_execute_model(self, original: Callable) -> Callable:

@@ -9,7 +9,10 @@ process per rank. This module is imported there (through the shims' ``.pth`` fil
   ``full_to_swa_index_mapping`` and ``req_to_token`` rows of the forward batch, the tokens whose SWA
   slot differs from their FULL slot and those whose SWA slot is 0, and appends
   ``{"pid", "step", "divergence", "out_of_window", "live_tokens"}`` to ``probe-<pid>.jsonl``: the
-  independent value the reporter's records are compared with;
+  independent value the reporter's records are compared with; with the model's window
+  (``ModelRunner.sliding_window_size``, which SGLang's attention reads one more than), also
+  ``"premature"``: the live tokens at positions ``>= seq_len - (sliding_window_size + 1)`` whose
+  SWA slot is 0, and ``"held_past_window"``: those before that with an SWA slot;
 * **leak** (``OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP=N``): after forward step ``N``, takes the first page
   off the SWA allocator's free list, a leak made on purpose (the page is neither free nor mapped by
   any token); the line gets ``"leaked_page"``;
@@ -51,6 +54,19 @@ def recount(mapping: list[int], req_to_token, rows: list[int], seq_lens: list[in
     return divergent, out_of_window, live
 
 
+def window_recount(mapping: list[int], req_to_token, rows: list[int], seq_lens: list[int], window: int) -> tuple[int, int]:
+    """``(premature, held_past_window)`` over the live tokens of the batch, in plain Python: in the
+    last ``window`` positions without an SWA slot, before them with one."""
+    premature = held = 0
+    for row, length in zip(rows, seq_lens):
+        for pos, full in enumerate(req_to_token[row][:length]):
+            if pos >= length - window:
+                premature += mapping[full] == 0
+            else:
+                held += mapping[full] != 0
+    return premature, held
+
+
 def _patch_model_runner(module) -> None:
     out_dir = os.environ["OTEL_SWA_TEST_SGLANG_PROBE"]
     leak_at = int(os.environ.get("OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP", "0") or 0)
@@ -72,6 +88,11 @@ def _patch_model_runner(module) -> None:
             table = self.req_to_token_pool.req_to_token[rows].tolist() if rows else []
             divergent, out_of_window, live = recount(mapping.tolist(), {r: t for r, t in zip(rows, table)}, rows, lengths)
             line.update(divergence=divergent, out_of_window=out_of_window, live_tokens=live)
+            sliding_window_size = int(getattr(self, "sliding_window_size", None) or 0)
+            if sliding_window_size > 0:
+                tables = {r: t for r, t in zip(rows, table)}
+                premature, held = window_recount(mapping.tolist(), tables, rows, lengths, sliding_window_size + 1)
+                line.update(premature=premature, held_past_window=held)
         if leak_at and state["step"] == leak_at:
             swa = allocator.swa_attn_allocator
             line["leaked_page"] = int(swa.free_pages[0])

@@ -1,0 +1,104 @@
+"""Both window faults made on purpose on the reference engine (window_faults.py): the records count
+exactly what the pools' host bookkeeping says, and a replay with premature eviction fails
+`otel-swa check`, the pytest assertion and the fixture, with the reason in words."""
+
+import re
+
+import pytest
+
+import window_faults
+from otel_swa.cli import main
+from otel_swa.reference.engine import EngineConfig, ReferenceEngine
+from otel_swa.reference.trace import load_trace
+from otel_swa.reporter import SwaDivergenceReporter
+from otel_swa.testing import SwaDivergenceNotObserved, SwaRecordCapture, assert_swa_divergence_observed
+
+WINDOW = 32
+
+
+def run_engine(page_size):
+    """Run 30 requests, sampling every step; for each record, the counts the pools' host state
+    gives at that moment (the sink runs inside the step, before the step's own eviction)."""
+    config = EngineConfig(window=WINDOW, full_pool_size=32768, swa_pool_size=32768, page_size=page_size,
+                          max_running=8, token_budget=256, max_context_len=8192, run_model=False)
+    pairs = []
+    engine = None
+
+    def sink(record, context):
+        premature = late = 0
+        for item in engine.last_batch:
+            length, evicted = item.seq_len, item.req.slots.swa_evicted_len  # positions < evicted: no SWA slot
+            premature += max(0, min(evicted, length) - max(0, length - WINDOW))
+            late += max(0, length - WINDOW - (page_size + item.extend_len - 1) - evicted)
+        pairs.append((record, premature, late))
+
+    reporter = SwaDivergenceReporter(1, device="cpu", sinks=[sink])
+    engine = ReferenceEngine(config, reporter=reporter)
+    for request in load_trace("conv", limit=30):
+        engine.submit(request, arrival_s=0.0)
+    engine.run_until_done()
+    reporter.close()
+    return pairs
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_premature_eviction_counts_the_freed_in_window_tokens(monkeypatch, page_size):
+    window_faults.install_premature(monkeypatch)
+    pairs = run_engine(page_size)
+    assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, _, _ in pairs] == [(p, 0) for _, p, _ in pairs]
+    assert max(p for _, p, _ in pairs) >= page_size  # the fault was made: at least a page per request
+    assert {r.swa_leaked_slots + r.swa_stale_tokens + r.swa_shared_slots for r, _, _ in pairs} == {0}  # only the window check sees it
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_never_evicting_counts_every_slot_held_past_the_window(monkeypatch, page_size):
+    window_faults.install_never_evict(monkeypatch)
+    pairs = run_engine(page_size)
+    assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, _, _ in pairs] == [(0, late) for _, _, late in pairs]
+    assert max(late for _, _, late in pairs) > 1000
+
+
+def summary_of(out):
+    return dict((m.group(1), m.group(2)) for m in re.finditer(r"^  ([a-zA-Z_ -]+?)\s{2,}(.+)$", out, re.MULTILINE))
+
+
+def test_a_replay_with_premature_eviction_fails_check_on_every_front(monkeypatch, capsys, tmp_path):
+    window_faults.install_premature(monkeypatch)
+    log = tmp_path / "run.log"
+    assert main(["replay", "--no-model", "--no-progress", "--requests", "60", "--log-file", str(log)]) == 1
+    captured = capsys.readouterr()
+    summary = summary_of(captured.out)
+    assert summary["SWA slot audit"].startswith("clean:")  # the pool's bookkeeping is consistent
+    peak = int(re.match(r"PREMATURE EVICTION: peak premature evictions (\d+) tokens, late-held 0 slots",
+                        summary["window check"]).group(1))
+    assert peak >= 1
+    assert captured.err.splitlines() == [
+        "otel-swa replay: the window check found live tokens inside the sliding window without an SWA slot "
+        f"(peak swa_premature_evictions={peak}); exit status 1"]
+    assert main(["check", str(log)]) == 1
+    out = capsys.readouterr().out
+    reason = (f"{peak} live token(s) inside the sliding window had no SWA slot (premature eviction: attention read "
+              f"freed KV): peak swa_premature_evictions={peak}")
+    assert f"FAILED SWA slot audit: {reason}" in out
+    with pytest.raises(SwaDivergenceNotObserved, match=re.escape(reason)):
+        assert_swa_divergence_observed(log, timeout_s=0)
+    capture = SwaRecordCapture()
+    capture.follow(log)
+    with pytest.raises(SwaDivergenceNotObserved, match="premature eviction"):
+        capture.assert_observed(timeout_s=0)
+    assert main(["check", str(log), "--no-audit"]) == 0
+
+
+def test_a_replay_that_never_evicts_reports_late_held_slots_and_passes(monkeypatch, capsys, tmp_path):
+    window_faults.install_never_evict(monkeypatch)
+    log = tmp_path / "run.log"
+    assert main(["replay", "--no-model", "--no-progress", "--requests", "20", "--swa-pool", "65536",
+                 "--log-file", str(log)]) == 0
+    late = int(re.match(r"clean: peak premature evictions 0 tokens, late-held (\d+) slots",
+                        summary_of(capsys.readouterr().out)["window check"]).group(1))
+    assert late > 0
+    # nothing left the window, so there is no divergence and no out-of-window token to require
+    assert main(["check", str(log), "--min-divergence", "0", "--min-out-of-window", "0"]) == 0
+    out = capsys.readouterr().out
+    assert f"info   late-held SWA slots: peak swa_late_held_slots={late}" in out
+    assert "reported, not judged" in out
