@@ -189,7 +189,7 @@ def test_driven_steps_give_recounted_records_spans_and_metrics(sglang_standin, i
         batch = state.next_batch()
         lens = batch.seq_lens.tolist()
         full_total += sum(lens)
-        swa_total += sum(min(n, WINDOW) for n in lens)
+        swa_total += sum(min(n, WINDOW + 1) for n in lens)  # sliding_window_size excludes the current token
         assert runner.forward(batch) == ("output", step)
         if step == 1:
             runner.__dict__[RUNNER_ATTRIBUTE].reporter.add_sink(lambda r, c: records.append(r))
@@ -243,7 +243,7 @@ def test_counts_come_from_the_canary_plans_when_the_canary_is_installed(sglang_s
 
 def test_canary_built_before_instrument_still_gets_read_entry_counts(sglang_standin, instrumentor, pipeline, monkeypatch):
     # The canary carries no reporter, so its pre_ops hook counts nothing: the runner's own
-    # reporter must count the entries attention reads (seq_len in FULL, min(seq_len, window) in SWA).
+    # reporter must count the entries attention reads (seq_len in FULL, min(seq_len, window + 1) in SWA).
     s = sglang_standin()
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "2")
     state = CacheState(11)
@@ -258,7 +258,7 @@ def test_canary_built_before_instrument_still_gets_read_entry_counts(sglang_stan
         batch = state.next_batch()
         lens = batch.seq_lens.tolist()
         full_total += sum(lens)
-        swa_total += sum(min(n, WINDOW) for n in lens)
+        swa_total += sum(min(n, WINDOW + 1) for n in lens)  # sliding_window_size excludes the current token
         runner.forward(batch)
         if step == 1:
             runner.__dict__[RUNNER_ATTRIBUTE].reporter.add_sink(lambda r, c: records.append(r))
@@ -374,3 +374,33 @@ def test_pipeline_micro_batch_of_each_record_from_the_scheduler(sglang_standin, 
     assert got == {ct: expected[ct] for ct in sampled}
     events = {e.attributes["kv_cache.swa.forward_ct"]: e.attributes["kv_cache.swa.micro_batch"] for e in pipeline.events()}
     assert events == {ct: expected[ct][0] for ct in sampled}
+
+
+def test_swa_entries_read_in_an_extend_batch_are_the_union_of_the_new_tokens_windows(
+        sglang_standin, instrumentor, pipeline, monkeypatch):
+    """A prefill chunk's queries each read sliding_window_size + 1 keys, their own included: the
+    union over the chunk is min(seq_len, sliding_window_size + extend_len) per request."""
+    s = sglang_standin()
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
+    instrumentor.instrument(**pipeline.providers())
+    state = CacheState(5)
+    runner = s.ModelRunner(state.allocator, state.pool)
+    batch = state.next_batch()
+    lens = [16, 3, 10]  # with WINDOW 6: the windows of 4 new tokens of 16, of all 3 of 3, of 2 new of 10
+    extend = [4, 3, 2]
+    batch.req_pool_indices = torch.tensor([1, 2, 3])
+    batch.seq_lens = batch.seq_lens_cpu = torch.tensor(lens, dtype=torch.int32)
+    batch.batch_size = 3
+    batch.extend_seq_lens_cpu = extend
+    batch.forward_mode = SimpleNamespace(is_decode=lambda: False, is_extend=lambda: True, is_mixed=lambda: False)
+    records = []
+    runner.forward(batch)
+    reporter = runner.__dict__[RUNNER_ATTRIBUTE].reporter
+    reporter.add_sink(lambda r, c: records.append(r))
+    decode = state.next_batch()
+    runner.forward(decode)
+    reporter.flush()
+    # by hand: min(16, 6 + 4) + min(3, 6 + 3) + min(10, 6 + 2) = 10 + 3 + 8 = 21, then the decode
+    # batch min(n, 7) per request
+    assert records[-1].verify_swa == 21 + sum(min(n, WINDOW + 1) for n in decode.seq_lens.tolist())
+    assert records[-1].verify_full == 29 + sum(decode.seq_lens.tolist())

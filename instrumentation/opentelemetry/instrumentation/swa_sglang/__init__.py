@@ -48,9 +48,12 @@ built before SGLang knows the rank. Counts from the canary's plans are tagged
 ``verify_source=kv_canary``; read-entry counts (below) ``verify_source=attention``.
 
 Without the KV canary there are no verify plans; the reporter then counts the entries attention
-reads at each forward step: ``seq_len`` per request in the FULL pool and ``min(seq_len, window)``
-in the SWA pool (``ModelRunner.sliding_window_size``), from ``forward_batch.seq_lens_cpu`` on the
-host when SGLang has it, else from ``seq_lens`` on the device (two small reductions, no sync).
+reads at each forward step: ``seq_len`` per request in the FULL pool and, in the SWA pool, the
+union of the windows of the request's new tokens, ``min(seq_len, window + extend_len - 1)`` with
+``window = ModelRunner.sliding_window_size + 1`` (the keys one query reads: SGLang's value
+excludes the current token) and ``extend_len`` from ``forward_batch.extend_seq_lens_cpu`` (1 in a
+decode batch), from ``forward_batch.seq_lens_cpu`` on the host when SGLang has it, else from
+``seq_lens`` on the device (two small reductions, no sync; one new token per request assumed).
 A model runner whose allocator has no ``full_to_swa_index_mapping`` (not a hybrid SWA model) and
 no canary gets no reporter.
 
@@ -344,14 +347,15 @@ class SwaSglangInstrumentor(EngineInstrumentor):
     def _after_forward(self, wiring: Any, forward_batch: Any) -> None:
         reporter = wiring.reporter
         if not wiring.counts_from_canary:
+            window = wiring.window + 1  # the keys one query reads (sliding_window_size excludes itself)
             seq_lens = getattr(forward_batch, "seq_lens_cpu", None)
             if seq_lens is None:
                 seq_lens = forward_batch.seq_lens  # device tensor: the sums stay on the device
                 reporter.observe("full", seq_lens.sum())
-                reporter.observe("swa", seq_lens.clamp(max=wiring.window).sum())
+                reporter.observe("swa", seq_lens.clamp(max=window).sum())
             else:
                 reporter.observe("full", int(seq_lens.sum()))
-                reporter.observe("swa", int(seq_lens.clamp(max=wiring.window).sum()))
+                reporter.observe("swa", _swa_entries_read(seq_lens, forward_batch, window))
         wiring.hooks.step(
             outer_step_counter=reporter.forward_ct + 1, maybe_inaccurate_forward_batch=forward_batch,
             micro_batch=self._micro_batch(),
@@ -422,6 +426,23 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             return original(engine, *args, **kwargs)
 
         return shutdown
+
+
+def _swa_entries_read(seq_lens_cpu: Any, forward_batch: Any, window: int) -> int:
+    """SWA KV entries attention reads in this forward step: per request the union of its new
+    tokens' windows, ``min(seq_len, window + extend_len - 1)``; ``extend_len`` from
+    ``forward_batch.extend_seq_lens_cpu`` when it has one entry per request (extend and mixed
+    batches), else 1 (decode)."""
+    import torch  # loaded by the engine already; not at module import (every process imports this)
+
+    lens = torch.as_tensor(seq_lens_cpu).long()
+    extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
+    is_decode = getattr(getattr(forward_batch, "forward_mode", None), "is_decode", None)
+    if extend is not None and not (callable(is_decode) and is_decode()):
+        extend = torch.as_tensor(extend).long().reshape(-1)
+        if extend.shape == lens.shape:
+            return int(torch.minimum(lens, extend.clamp(min=1) + (window - 1)).sum())
+    return int(lens.clamp(max=window).sum())
 
 
 def _ranks() -> dict[str, int]:
