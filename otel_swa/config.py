@@ -141,6 +141,22 @@ def sigterm_flush(environ: Mapping[str, str] | None = None) -> bool:
 FORWARD_SPANS_CHOICES = ("sampled", "all", "off")
 
 
+def _choice(name: str, choices: tuple[str, ...], environ: Mapping[str, str] | None) -> str:
+    """Variable ``name`` as one of ``choices`` (case and blanks ignored; unset or blank: the first).
+
+    Raises:
+        ConfigError: any other value (the message names the variable, the value and the choices).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return choices[0]
+    value = raw.strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{name}={raw!r}; expected one of {', '.join(choices)}")
+    return value
+
+
 def forward_spans(environ: Mapping[str, str] | None = None) -> str:
     """``OTEL_SWA_FORWARD_SPANS``: which forward steps get a span, one of
     :data:`FORWARD_SPANS_CHOICES` (default ``sampled``; case and blanks ignored).
@@ -148,16 +164,7 @@ def forward_spans(environ: Mapping[str, str] | None = None) -> str:
     Raises:
         ConfigError: any other value (the message names the variable, the value and the choices).
     """
-    env = os.environ if environ is None else environ
-    raw = env.get(ev.OTEL_SWA_FORWARD_SPANS)
-    if raw is None or raw.strip() == "":
-        return FORWARD_SPANS_CHOICES[0]
-    value = raw.strip().lower()
-    if value not in FORWARD_SPANS_CHOICES:
-        raise ConfigError(
-            f"{ev.OTEL_SWA_FORWARD_SPANS}={raw!r}; expected one of {', '.join(FORWARD_SPANS_CHOICES)}"
-        )
-    return value
+    return _choice(ev.OTEL_SWA_FORWARD_SPANS, FORWARD_SPANS_CHOICES, environ)
 
 
 #: Values of ``OTEL_SWA_MICRO_BATCHES``, the default first.
@@ -171,16 +178,7 @@ def micro_batches(environ: Mapping[str, str] | None = None) -> str:
     Raises:
         ConfigError: any other value (the message names the variable, the value and the choices).
     """
-    env = os.environ if environ is None else environ
-    raw = env.get(ev.OTEL_SWA_MICRO_BATCHES)
-    if raw is None or raw.strip() == "":
-        return MICRO_BATCH_MODES[0]
-    value = raw.strip().lower()
-    if value not in MICRO_BATCH_MODES:
-        raise ConfigError(
-            f"{ev.OTEL_SWA_MICRO_BATCHES}={raw!r}; expected one of {', '.join(MICRO_BATCH_MODES)}"
-        )
-    return value
+    return _choice(ev.OTEL_SWA_MICRO_BATCHES, MICRO_BATCH_MODES, environ)
 
 
 def warn_once(name: str, environ: "MutableMapping[str, str] | None" = None) -> bool:

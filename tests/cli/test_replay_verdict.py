@@ -10,14 +10,10 @@ import sys
 import pytest
 
 import leaky_swa_pool
+from verdict_fronts import assert_fails_on_every_front, summary_of
 from otel_swa.cli import main
-from otel_swa.testing import SwaDivergenceNotObserved, SwaRecordCapture, assert_swa_divergence_observed
 
 RUN = ["replay", "--no-model", "--no-progress"]
-
-
-def summary_of(out):
-    return dict((m.group(1), m.group(2)) for m in re.finditer(r"^  ([a-zA-Z_ -]+?)\s{2,}(.+)$", out, re.MULTILINE))
 
 
 def test_a_replay_that_leaks_swa_pages_exits_1_and_its_log_fails_check(monkeypatch, capsys, tmp_path):
@@ -31,16 +27,8 @@ def test_a_replay_that_leaks_swa_pages_exits_1_and_its_log_fails_check(monkeypat
     assert captured.err.splitlines() == [
         f"otel-swa replay: the SWA slot audit found faults (peak swa_leaked_slots={counts['leaked']}); exit status 1"]
     # the audit reached the log: check, the assertion and the fixture fail on it
-    assert main(["check", str(log)]) == 1
-    out = capsys.readouterr().out
-    assert f"FAILED SWA slot audit: leaked SWA slots: peak swa_leaked_slots={counts['leaked']}" in out
-    with pytest.raises(SwaDivergenceNotObserved, match="leaked SWA slots"):
-        assert_swa_divergence_observed(log, timeout_s=0)
-    capture = SwaRecordCapture()
-    capture.follow(log)
-    with pytest.raises(SwaDivergenceNotObserved, match="leaked SWA slots"):
-        capture.assert_observed(timeout_s=0)
-    assert main(["check", str(log), "--no-audit"]) == 0
+    assert_fails_on_every_front(
+        log, capsys, f"FAILED SWA slot audit: leaked SWA slots: peak swa_leaked_slots={counts['leaked']}", "leaked SWA slots")
 
 
 def test_a_healthy_replay_exits_0_and_its_log_passes(capsys, tmp_path):

@@ -7,11 +7,11 @@ import re
 import pytest
 
 import window_faults
+from verdict_fronts import assert_fails_on_every_front, summary_of
 from otel_swa.cli import main
 from otel_swa.reference.engine import EngineConfig, ReferenceEngine
 from otel_swa.reference.trace import load_trace
 from otel_swa.reporter import SwaDivergenceReporter
-from otel_swa.testing import SwaDivergenceNotObserved, SwaRecordCapture, assert_swa_divergence_observed
 
 WINDOW = 32
 
@@ -58,10 +58,6 @@ def test_never_evicting_counts_every_slot_held_past_the_window(monkeypatch, page
     assert max(late for _, _, late in pairs) > 1000
 
 
-def summary_of(out):
-    return dict((m.group(1), m.group(2)) for m in re.finditer(r"^  ([a-zA-Z_ -]+?)\s{2,}(.+)$", out, re.MULTILINE))
-
-
 def test_a_replay_with_premature_eviction_fails_check_on_every_front(monkeypatch, capsys, tmp_path):
     window_faults.install_premature(monkeypatch)
     log = tmp_path / "run.log"
@@ -75,18 +71,9 @@ def test_a_replay_with_premature_eviction_fails_check_on_every_front(monkeypatch
     assert captured.err.splitlines() == [
         "otel-swa replay: the window check found live tokens inside the sliding window without an SWA slot "
         f"(peak swa_premature_evictions={peak}); exit status 1"]
-    assert main(["check", str(log)]) == 1
-    out = capsys.readouterr().out
     reason = (f"{peak} live token(s) inside the sliding window had no SWA slot (premature eviction: attention read "
               f"freed KV): peak swa_premature_evictions={peak}")
-    assert f"FAILED SWA slot audit: {reason}" in out
-    with pytest.raises(SwaDivergenceNotObserved, match=re.escape(reason)):
-        assert_swa_divergence_observed(log, timeout_s=0)
-    capture = SwaRecordCapture()
-    capture.follow(log)
-    with pytest.raises(SwaDivergenceNotObserved, match="premature eviction"):
-        capture.assert_observed(timeout_s=0)
-    assert main(["check", str(log), "--no-audit"]) == 0
+    assert_fails_on_every_front(log, capsys, f"FAILED SWA slot audit: {reason}", re.escape(reason))
 
 
 def test_a_replay_that_never_evicts_reports_late_held_slots_and_passes(monkeypatch, capsys, tmp_path):
