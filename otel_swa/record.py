@@ -39,7 +39,9 @@ its own prefixes, which SGLang's parser never matches (neither prefix contains S
       otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,"swa_stale_tokens":0,"swa_shared_slots":0,"swa_pages_in_use":12,"swa_pages_referenced":12}
 
   compact JSON of ``forward_ct``, the record's micro-batch when known (``"micro_batch":1``, under
-  pipeline parallelism) and the audit fields (:data:`AUDIT_FIELDS`) present: the SWA slot audit's
+  pipeline parallelism), ``"divergence_applicable":false`` for an engine without a FULL-to-SWA
+  mapping (vLLM: the line's divergence is a placeholder 0, which the CI judge then does not judge)
+  and the audit fields (:data:`AUDIT_FIELDS`) present: the SWA slot audit's
   and the sliding-window check's (``swa_premature_evictions``, ``swa_late_held_slots``), each only
   when measured; a record with any of them (or with a micro-batch) writes the line. Keys this
   version does not know are ignored, so fields can be added later, and lines without the window
@@ -303,6 +305,8 @@ class SwaDivergenceRecord:
         record = object.__new__(cls)
         for name in FIELDS:
             object.__setattr__(record, name, values[name])
+        if audit is not None and audit.get("divergence_applicable") is False:
+            divergence_applicable = False
         object.__setattr__(record, "divergence_applicable", divergence_applicable)
         for name in AUDIT_FIELDS:
             object.__setattr__(record, name, None if audit is None else audit.get(name))
@@ -324,10 +328,16 @@ class SwaDivergenceRecord:
         """The audit fields that are present (empty when not audited)."""
         return {name: getattr(self, name) for name in AUDIT_FIELDS if getattr(self, name) is not None}
 
-    def _audit_line_fields(self) -> dict[str, int]:
-        """What the audit line carries besides ``forward_ct``: the micro-batch, then the audit."""
-        audit = self.audit_dict()
-        return audit if self.micro_batch is None else {"micro_batch": self.micro_batch, **audit}
+    def _audit_line_fields(self) -> dict[str, "int | bool"]:
+        """What the audit line carries besides ``forward_ct``: the micro-batch,
+        ``divergence_applicable`` when false, then the audit."""
+        fields: dict[str, int | bool] = {}
+        if self.micro_batch is not None:
+            fields["micro_batch"] = self.micro_batch
+        if not self.divergence_applicable:
+            fields["divergence_applicable"] = False
+        fields.update(self.audit_dict())
+        return fields
 
     # ------------------------------------------------------------------ conversions
     def to_dict(self) -> dict[str, int]:
@@ -376,13 +386,14 @@ class SwaDivergenceRecord:
 
     def audit_line(self) -> str | None:
         """The audit line of a record, written right after :meth:`line`, or ``None`` when the
-        record carries neither an :data:`AUDIT_FIELDS` field (the slot audit, the window check or
-        both) nor a micro-batch: the same tag, then :data:`AUDIT_PREFIX` and compact JSON of
-        ``forward_ct``, ``micro_batch`` when known and the audit fields present, in
-        :data:`AUDIT_FIELDS` order::
+        record carries no :data:`AUDIT_FIELDS` field (the slot audit, the window check or both), no
+        micro-batch and an applicable divergence: the same tag, then :data:`AUDIT_PREFIX` and
+        compact JSON of ``forward_ct``, ``micro_batch`` when known, ``"divergence_applicable":false``
+        when so, and the audit fields present, in :data:`AUDIT_FIELDS` order::
 
             otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,...}
             otel_swa[verify=attention] otel_swa_audit={"forward_ct":41,"micro_batch":1}
+            otel_swa[verify=attention] otel_swa_audit={"forward_ct":42,"divergence_applicable":false,...}
         """
         audit = self._audit_line_fields()
         if not audit:
@@ -514,8 +525,8 @@ class AuditMatch(NamedTuple):
 
     Attributes:
         forward_ct: the ``forward_ct`` of the record it belongs to.
-        audit: the fields it holds besides ``forward_ct`` (``micro_batch`` and names of
-            :data:`AUDIT_FIELDS`; unknown keys left out).
+        audit: the fields it holds besides ``forward_ct`` (``micro_batch``,
+            ``divergence_applicable`` and names of :data:`AUDIT_FIELDS`; unknown keys left out).
         text, line_no, rank, timestamp: as in :class:`RecordMatch`.
         verify_source: from the tag before it, ``None`` without one.
     """
@@ -692,6 +703,10 @@ def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefi
                     raise fail(reason)
                 if name != "forward_ct":
                     audit[name] = data[name]
+        if "divergence_applicable" in data:
+            if type(data["divergence_applicable"]) is not bool:  # noqa: E721 - a JSON true/false only
+                raise fail(f"divergence_applicable={json.dumps(data['divergence_applicable'])} is not true or false")
+            audit["divergence_applicable"] = data["divergence_applicable"]
         return AuditMatch(data["forward_ct"], audit, shown, line_no, prefix.rank, prefix.timestamp, source)
     return RunStartMatch(data, shown, line_no, prefix.rank, prefix.timestamp, source)
 

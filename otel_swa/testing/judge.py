@@ -10,7 +10,9 @@ The signals, as SGLang's CI helper ``assert_swa_divergence_observed`` defines th
 (sgl-project/sglang PR #26820):
 
 * ``divergence``: the **peak** ``swa_full_idx_divergence`` over the group's records is at least
-  ``min_divergence`` (default 1);
+  ``min_divergence`` (default 1); not judged for a group whose records all say
+  ``divergence_applicable=false`` (an engine without a FULL-to-SWA mapping, vLLM: the line's 0 is
+  a placeholder), and records that say so are left out of the peak;
 * ``out-of-window``: the **peak** ``swa_out_of_window_tokens`` is at least ``min_out_of_window``;
 * ``verify lag``: the **last** record has ``verify_swa < verify_full`` (both counters are
   cumulative; a negative value, from a wrapped 32-bit counter, cannot show it);
@@ -168,6 +170,9 @@ class GroupVerdict:
         reported_peaks: one :class:`AuditPeak` per :data:`REPORTED_RULES` field present.
         failures: the failed signals with their reasons, in :data:`SIGNALS` order.
         missing_from: for a rank without records in this run, the runs where it has some.
+        divergence_applicable: ``False`` when every record of the group says its engine has no
+            FULL-to-SWA mapping (vLLM: ``"divergence_applicable":false`` on the audit line): the
+            divergence rule is then not judged (its 0 is a placeholder, not a measurement).
     """
 
     writer: str
@@ -187,6 +192,7 @@ class GroupVerdict:
     failures: tuple[Failure, ...]
     missing_from: tuple[int, ...] = ()
     reported_peaks: tuple[AuditPeak, ...] = ()
+    divergence_applicable: bool = True
 
     @property
     def ok(self) -> bool:
@@ -323,10 +329,14 @@ def _group_lines(group: GroupVerdict, obs: SwaObservation) -> list[str]:
     if group.missing_from:
         runs = ", ".join(map(str, group.missing_from))
         out.append(f"no record from {group.rank} in this run (it wrote records in run {runs}): a dead rank?")
-    out.append(
-        f"{verdict('divergence')} divergence: peak swa_full_idx_divergence={group.peak_divergence}"
-        f"{at(group.peak_divergence_at)} (need >= {obs.min_divergence})"
-    )
+    if group.divergence_applicable:
+        out.append(
+            f"{verdict('divergence')} divergence: peak swa_full_idx_divergence={group.peak_divergence}"
+            f"{at(group.peak_divergence_at)} (need >= {obs.min_divergence})"
+        )
+    else:
+        out.append("n/a    divergence: not judged: the engine has no FULL-to-SWA mapping (vLLM), its records "
+                   "say divergence_applicable=false")
     out.append(
         f"{verdict('out-of-window')} out-of-window: peak swa_out_of_window_tokens={group.peak_out_of_window}"
         f"{at(group.peak_out_of_window_at)} (need >= {obs.min_out_of_window})"
@@ -391,9 +401,10 @@ def _evaluate(
     require_clean_audit: bool,
 ) -> GroupVerdict:
     peak_div, peak_div_at, peak_oow, peak_oow_at = 0, None, 0, None
+    applicable = not items or any(item.record.divergence_applicable for item in items)
     for item in items:
         record = item.record
-        if peak_div_at is None or record.swa_full_idx_divergence > peak_div:
+        if record.divergence_applicable and (peak_div_at is None or record.swa_full_idx_divergence > peak_div):
             peak_div, peak_div_at = record.swa_full_idx_divergence, record.forward_ct
         if peak_oow_at is None or record.swa_out_of_window_tokens > peak_oow:
             peak_oow, peak_oow_at = record.swa_out_of_window_tokens, record.forward_ct
@@ -401,7 +412,7 @@ def _evaluate(
     last = last_item.record if last_item is not None else None
     where = "" if rank is None or rank == ALL_RANKS else f" from {rank}"
     failures: list[Failure] = []
-    if peak_div_at is None or peak_div < min_divergence:
+    if applicable and (peak_div_at is None or peak_div < min_divergence):
         failures.append(Failure("divergence", f"peak swa_full_idx_divergence={peak_div}{where}, need >= {min_divergence}"
                                 if items else f"no record{where}"))
     if peak_oow_at is None or peak_oow < min_out_of_window:
@@ -432,6 +443,7 @@ def _evaluate(
         peak_out_of_window=peak_oow, peak_out_of_window_at=peak_oow_at,
         last=last, audited=len(audited), audit_peaks=tuple(peaks),
         failures=tuple(failures), missing_from=missing_from, reported_peaks=tuple(_peaks(audited, REPORTED_RULES)),
+        divergence_applicable=applicable,
     )
 
 

@@ -330,3 +330,16 @@ def test_a_bad_micro_batch_on_the_audit_line_is_malformed_with_the_reason(value,
 def test_a_record_refuses_a_micro_batch_outside_its_range(value):
     with pytest.raises((TypeError, ValueError), match="micro_batch"):
         B.replace(micro_batch=value)
+
+
+def test_divergence_not_applicable_rides_the_audit_line():
+    vllm = B.replace(verify_source="attention", divergence_applicable=False)
+    assert vllm.audit_line() == (
+        'otel_swa[verify=attention] otel_swa_audit={"forward_ct":%d,"divergence_applicable":false}' % B.forward_ct)
+    found = find_all("\n".join(vllm.lines()) + "\n")
+    assert found[0].divergence_applicable is False and found.malformed == 0
+    assert found[0] == vllm
+    bad = find_all(vllm.line() + "\n" + 'otel_swa[verify=attention] otel_swa_audit={"forward_ct":%d,"divergence_applicable":0}\n'
+                   % B.forward_ct)
+    assert bad[0].divergence_applicable is True
+    assert [(e.line_no, e.reason) for e in bad.errors] == [(2, "divergence_applicable=0 is not true or false")]

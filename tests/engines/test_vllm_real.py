@@ -31,6 +31,7 @@ import torch
 from opentelemetry.instrumentation.swa_vllm import SCHEDULER_ATTRIBUTE, SwaVllmInstrumentor
 from otel_swa.reference.trace import load_trace
 from otel_swa.reporter import SwaDivergenceReporter
+from otel_swa.testing import assert_swa_divergence_observed
 from otel_swa.views import vllm as vllm_view
 from vllm_support import hybrid_kv_cache_config, recount, swa_manager, vllm_classes, write_tiny_llama  # noqa: F401
 
@@ -299,6 +300,13 @@ def test_scheduler_on_the_trace_gives_records_equal_to_the_real_tables(vllm_clas
     assert [p.value for p in pipeline.points("kv_cache.swa.tokens.out_of_window")] == [expected[last][3]]
     assert [p.value for p in pipeline.points("kv_cache.swa.forward_steps")] == [last]
     assert pipeline.points("kv_cache.swa.tokens.divergent") == []
+    # the CI verdict on this healthy run's lines, as a line sink writes them: it passes, the
+    # divergence placeholder (0) not judged
+    log = tmp_path / "vllm.log"
+    log.write_text("".join(line + "\n" for r in records for line in r.lines()))
+    assert '"divergence_applicable":false' in log.read_text()
+    observation = assert_swa_divergence_observed(str(log))
+    assert not observation.groups[0].divergence_applicable
 
 
 # ---------------------------------------------------------------------------------- model runners

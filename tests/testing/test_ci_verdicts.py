@@ -321,3 +321,31 @@ def test_modes_are_checked_with_their_choices():
         assert_swa_divergence_observed([good(20)], runs="first")
     with pytest.raises(ValueError, match="ranks='some'; expected one of each, all"):
         judge([good(20)], ranks="some")
+
+
+# ------------------------------------------------------------------ an engine without a FULL-to-SWA mapping
+def vllm_sample(ct, out_of_window=40):
+    """A healthy vLLM sample: out-of-window tokens, SWA read less than FULL; divergence is a
+    placeholder 0 (vLLM keeps no FULL-to-SWA mapping)."""
+    return R(ct, 100 * ct, 30 * ct, 0, out_of_window, verify_source="attention", divergence_applicable=False)
+
+
+def test_a_healthy_vllm_run_passes_its_divergence_not_judged(tmp_path, capsys):
+    text = log_of([vllm_sample(20), vllm_sample(40)])
+    assert '"divergence_applicable":false' in text  # the flag reaches the log, on the audit line
+    out = assert_all_pass(tmp_path, capsys, text)
+    assert "n/a    divergence: not judged: the engine has no FULL-to-SWA mapping (vLLM)" in out
+
+
+def test_a_vllm_run_without_out_of_window_tokens_still_fails(tmp_path, capsys):
+    out = assert_all_fail(tmp_path, capsys, log_of([vllm_sample(20, 0), vllm_sample(40, 0)]),
+                          "out-of-window")
+    assert "FAILED divergence" not in out
+
+
+def test_sglangs_lines_beside_a_vllm_flagged_record_keep_the_divergence_rule():
+    # records of one group, some flagged, some not: the peak is taken over the applicable ones only
+    records = [vllm_sample(20), R(40, 4000, 1200, 0, 10, verify_source="attention")]
+    obs = judge(records)
+    assert not obs.ok and obs.groups[0].failed == ("divergence",)
+    assert obs.groups[0].peak_divergence_at == 40
