@@ -249,15 +249,17 @@ class LogFollower:
         if not complete:
             return []
         if self._after_cr and complete.startswith(b"\n"):
-            # the CR that ended the previous read was the first half of a CRLF: one line end
+            # the CR that ended the previous read was the first half of a CRLF: one line end,
+            # counted here (line numbers count LF line ends, as grep -n does)
             complete = complete[1:]
+            self._next_line_no += 1
         self._after_cr = complete.endswith(b"\r")
         if not complete:
             return []
         text = complete.decode("utf-8", errors="replace")
         new = logged_entries(text, first_line_no=self._next_line_no, errors=self.errors,
                              pairing=self._pairing, into=self.entries)
-        self._next_line_no += _clean(text).count("\n")
+        self._next_line_no += text.count("\n")  # LF line ends: a bare CR does not start a numbered line
         return [entry for entry in new if isinstance(entry, LoggedRecord)]
 
 

@@ -54,12 +54,15 @@ its own prefixes, which SGLang's parser never matches (neither prefix contains S
   so that a log appended to by several runs shows where each began (unknown keys ignored).
 
 Text is read after removing ANSI colour codes and reading CRLF or bare CR as line ends, so that
-coloured, CRLF and progress-bar-interleaved logs parse too. The log prefix before a line (time,
+coloured, CRLF and progress-bar-interleaved logs parse too. Line numbers count LF line ends only,
+as ``grep -n`` and editors do: a record after a bare CR (a progress bar's redraw) has the number of
+the line the CR stands on. The log prefix before a line (time,
 SGLang's rank tokens) is read by :func:`parse_log_prefix`.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import json
 import os
@@ -183,14 +186,25 @@ class MalformedRecordError(ValueError):
         super().__init__(f"{where}malformed {prefix!r} {_KIND_WORDS.get(prefix, 'record')}: {reason}; in {shown!r}")
 
 
+def _clean_marked(text: str) -> tuple[str, list[int]]:
+    """:func:`_clean`, and where its bare CRs were (sorted indices into the cleaned text, each now
+    a LF): they end a line for the parser but not for line numbers, which count LF line ends as
+    ``grep -n`` and editors do."""
+    if "\x1b" in text:
+        text = _ANSI_RE.sub("", text)
+    marks: list[int] = []
+    if "\r" in text:
+        text = text.replace("\r\n", "\n")
+        if "\r" in text:
+            marks = [m.start() for m in re.finditer("\r", text)]
+            text = text.replace("\r", "\n")
+    return text, marks
+
+
 def _clean(text: str) -> str:
     """Remove ANSI escape sequences; CRLF and bare CR (progress-bar redraws, old Mac files) end
     lines like LF."""
-    if "\x1b" in text:
-        text = _ANSI_RE.sub("", text)
-    if "\r" in text:
-        text = text.replace("\r\n", "\n").replace("\r", "\n")
-    return text
+    return _clean_marked(text)[0]
 
 
 def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
@@ -721,7 +735,7 @@ def iter_entries(
     reason) are appended to it. ``first_line_no`` is the number of the first line of ``text`` in
     the whole log (a later chunk of a file being followed).
     """
-    cleaned = _clean(text)
+    cleaned, bare_crs = _clean_marked(text)
     line_no = first_line_no
     last_pos = 0
     consumed = 0  # end of the last object decoded: a prefix inside it is not a new entry
@@ -729,6 +743,8 @@ def iter_entries(
         if match.start() < consumed:
             continue
         line_no += cleaned.count("\n", last_pos, match.start())
+        if bare_crs:  # a bare CR ends a line for the parser, not for the line numbers
+            line_no -= bisect.bisect_left(bare_crs, match.start()) - bisect.bisect_left(bare_crs, last_pos)
         last_pos = match.start()
         line_start = cleaned.rfind("\n", 0, match.start()) + 1
         try:

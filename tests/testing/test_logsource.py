@@ -95,25 +95,28 @@ def test_follower_reports_unreadable_path(tmp_path):
 
 
 def test_bare_carriage_returns_end_lines_for_numbers_and_prefixes():
-    # a progress bar redrawn with bare CR, then a record: CR ends a line, as for the record finder
+    # a progress bar redrawn with bare CR, then a record: CR ends a line for the record finder (the
+    # prefix after it is the record's), not for the numbers, which are grep -n's (LF line ends)
     text = "p 10%\rp 20%\n[2025-06-01 12:34:56 TP3] " + LINE % (20, 10, 5, 1, 1) + "\n"
     text += "\x1b[32m[2025-06-01 12:35:10 TP3]\x1b[0m x\r\n" + "[2025-06-01 12:35:11 TP1] " + LINE % (40, 20, 9, 2, 3)
     found = logged_records(text)
     assert [(f.line_no, f.timestamp, f.rank, f.record.forward_ct) for f in found] == [
-        (3, "2025-06-01 12:34:56", "TP3", 20),
-        (5, "2025-06-01 12:35:11", "TP1", 40),
+        (2, "2025-06-01 12:34:56", "TP3", 20),
+        (4, "2025-06-01 12:35:11", "TP1", 40),
     ]
+    lf_lines = text.split("\n")  # what grep -n and an editor number
+    assert LINE % (20, 10, 5, 1, 1) in lf_lines[2 - 1] and LINE % (40, 20, 9, 2, 3) in lf_lines[4 - 1]
 
 
-def test_follower_counts_bare_carriage_returns_as_line_ends(tmp_path):
+def test_follower_numbers_lines_as_grep_does_across_bare_carriage_returns(tmp_path):
     path = tmp_path / "server.log"
     follower = LogFollower(path)
     with open(path, "w", newline="") as f:
-        f.write("load 1/3\rload 2/3\rload 3/3\nready\r\n")
+        f.write("load 1/3\rload 2/3\rload 3/3\nready\r\n")  # two LF line ends: lines 1 and 2
     assert follower.poll() == []
     with open(path, "a", newline="") as f:
         f.write("[2025-06-01 12:00:20 TP0] " + LINE % (20, 10, 5, 1, 1) + "\n")
-    assert [(n.line_no, n.rank) for n in follower.poll()] == [(5, "TP0")]
+    assert [(n.line_no, n.rank) for n in follower.poll()] == [(3, "TP0")]
 
 
 def test_follower_final_read_ending_in_cr_then_lf(tmp_path):
