@@ -59,8 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wait", type=seconds, default=0.0, metavar="SECONDS",
                         help="keep reading a growing file until observed or SECONDS have passed (default 0: read once)")
     parser.add_argument("--new", action="store_true",
-                        help="judge only the records written after check starts: with --wait on a log that already "
-                             "holds finished runs (--log-file appends), the run being written, never an earlier one")
+                        help="judge only the run being written: with --wait on a log that already holds finished "
+                             "runs (--log-file appends), the records written after check starts and the earlier "
+                             "records of their run, never an earlier, finished run")
     parser.add_argument("--poll", type=positive_seconds, default=DEFAULT_POLL_S, metavar="SECONDS",
                         help=f"pause between reads while waiting (default {DEFAULT_POLL_S})")
     parser.add_argument("-v", "--verbose", action="store_true",

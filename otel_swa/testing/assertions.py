@@ -18,6 +18,7 @@ import time
 
 from otel_swa.testing.judge import SIGNALS, SwaObservation, check_modes, judge
 from otel_swa.testing.sources import Snapshot, Source, SourceLike, open_source
+from otel_swa.testing.runs import RunRecords
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -60,6 +61,23 @@ def judge_snapshot(snapshot: Snapshot, describe: str, waited_s: float = 0.0, **r
                  problem=snapshot.problem, empty=snapshot.empty, **rules)
 
 
+def _run_being_written(snapshot: Snapshot, already: int) -> tuple[Snapshot, tuple[str, ...]]:
+    """The records added after the first ``already`` ones, with the earlier records of their runs
+    (same part, writer and run), and the note saying what was left out."""
+    if not already:
+        return snapshot, ()
+    records = snapshot.records
+    new = records[already:]
+    writing = {(item.part, item.writer, item.run) for item in new}
+    earlier = [item for item in records[:already] if (item.part, item.writer, item.run) in writing]
+    left_out = already - len(earlier)
+    note = f"new only: {left_out} record(s) of finished runs already in the source when the wait began were not judged"
+    if earlier:
+        note += f"; {len(earlier)} earlier record(s) of the run being written were"
+    kept = RunRecords(earlier + list(new), getattr(records, "started", ()))
+    return dataclasses.replace(snapshot, records=kept), (note,)
+
+
 def wait_for_observation(
     source: SourceLike,
     *,
@@ -85,9 +103,10 @@ def wait_for_observation(
     The wait ends at the first read that passes: a fault logged later is not seen then (judge the
     finished log again for that).
 
-    ``new_only``: judge only the records added after the first read, i.e. the run being written
-    into a log that already holds finished runs (``--log-file`` appends): a finished earlier run
-    that passes then never passes for the one being written.
+    ``new_only``: judge only the run being written, into a log that already holds finished runs
+    (``--log-file`` appends): the records added after the first read and the earlier records of
+    the same runs (a fault the current run logged before the wait began still fails it); a
+    finished earlier run that passes then never passes for the one being written.
 
     Args:
         min_divergence, min_out_of_window, require_verify_lag, require_clean_audit, runs, ranks,
@@ -117,21 +136,19 @@ def wait_for_observation(
         timeout_s = 0.0  # a fixed source cannot change: one read, whatever timeout was asked
     start = time.monotonic()
     deadline = start + timeout_s
-    already = None  # with new_only: records in the source when the wait began (not judged)
+    already = None  # with new_only: records in the source when the wait began
     while True:
         now = time.monotonic()
         final = now >= deadline
         waited = round(now - start, 3) if timeout_s else 0.0
         snapshot = src.read(final=final)
+        notes: tuple[str, ...] = ()
         if new_only:
             if already is None:
                 already = len(snapshot.records)
-                if already:
-                    notes = (f"new only: {already} record(s) already in the source when the wait began were "
-                             "not judged",)
-            snapshot = dataclasses.replace(snapshot, records=snapshot.records[already:])
+            snapshot, notes = _run_being_written(snapshot, already)
         observation = judge_snapshot(snapshot, src.describe, waited, **rules)
-        if new_only and already:
+        if notes:
             observation = dataclasses.replace(observation, notes=observation.notes + notes)
         if observation.ok or final:
             return observation

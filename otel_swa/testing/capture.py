@@ -22,7 +22,7 @@ from otel_swa.record import (
     iter_entries,
 )
 from otel_swa.testing.assertions import DEFAULT_POLL_S, SwaObservation, assert_swa_divergence_observed
-from otel_swa.testing.runs import RunRecord, split_runs
+from otel_swa.testing.runs import RunRecord, RunRecords, split_runs
 from otel_swa.testing.sources import Snapshot, Source, follower_problem, text_of
 
 __all__ = ["SwaRecordCapture"]
@@ -175,7 +175,8 @@ class SwaRecordCapture:
             records = [dataclasses.replace(item, part=None) for item in nonempty[0]]
         else:
             records = [item for part in nonempty for item in part]
-        return Snapshot(records, errors, "; ".join(problems) or None)
+        started = frozenset().union(*(getattr(part, "started", frozenset()) for _, part in parts))
+        return Snapshot(RunRecords(records, started), errors, "; ".join(problems) or None)
 
     def _as_source(self) -> Source:
         capture = self

@@ -523,9 +523,11 @@ def judge(
     _check_threshold("min_divergence", min_divergence)
     _check_threshold("min_out_of_window", min_out_of_window)
     check_modes(runs, ranks, lines)
+    started = getattr(records, "started", frozenset())
     items = list(records)
     if not all(isinstance(item, RunRecord) for item in items):
         items = split_runs(items)
+        started = items.started
     rules = dict(min_divergence=min_divergence, min_out_of_window=min_out_of_window,
                  require_verify_lag=bool(require_verify_lag), require_clean_audit=bool(require_clean_audit))
 
@@ -540,6 +542,10 @@ def judge(
         present = [w for w in (OTEL_SWA_LINES, SGLANG_LINES) if (part, w) in streams]
         if lines == "auto":
             chosen = present[:1]
+            if present == [SGLANG_LINES] and OTEL_SWA_LINES in started:
+                notes.append("lines: otel-swa's line sink started (a run start marker) but wrote no record: its "
+                             "reporter took no sample (interval, run length?); judged SGLang's own lines, without "
+                             "otel-swa's SWA slot audit and window check")
             if len(present) == 2:
                 counts = (len(streams[(part, OTEL_SWA_LINES)]), len(streams[(part, SGLANG_LINES)]))
                 notes.append(f"lines: otel-swa's tagged lines ({counts[0]} records) and SGLang's own untagged lines "

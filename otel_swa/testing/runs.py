@@ -33,7 +33,7 @@ from typing import Any, Iterable
 
 from otel_swa.record import SwaDivergenceRecord
 
-__all__ = ["OTEL_SWA_LINES", "SGLANG_LINES", "WRITERS", "RunRecord", "writer_of", "split_runs"]
+__all__ = ["OTEL_SWA_LINES", "SGLANG_LINES", "WRITERS", "RunRecord", "RunRecords", "writer_of", "split_runs"]
 
 #: Writer of the lines otel-swa tagged (``otel_swa[verify=...]``).
 OTEL_SWA_LINES = "otel-swa"
@@ -92,7 +92,17 @@ class _WriterState:
         self.ranks: dict[str | None, _RankState] = {}
 
 
-def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers: bool = True) -> list[RunRecord]:
+class RunRecords(list):
+    """The :class:`RunRecord` items of :func:`split_runs` (a ``list``), and which writers wrote a
+    run start marker (:attr:`started`: a writer may have started and written no record, e.g. an
+    otel-swa reporter that took no sample, beside SGLang's own lines)."""
+
+    def __init__(self, items: Iterable[RunRecord] = (), started: Iterable[str] = ()) -> None:
+        super().__init__(items)
+        self.started = frozenset(started)
+
+
+def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers: bool = True) -> RunRecords:
     """Give each record of ``entries`` its writer, rank and run (rules in the module docstring).
 
     Args:
@@ -106,13 +116,15 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
             such as logging messages captured one by one).
 
     Returns:
-        one :class:`RunRecord` per record, in the order given.
+        one :class:`RunRecord` per record, in the order given, as :class:`RunRecords` (with the
+        writers that wrote a run start marker).
 
     Raises:
         TypeError: an entry is none of these.
     """
     writers: dict[str, _WriterState] = {}
-    out: list[RunRecord] = []
+    out = RunRecords()
+    started: set[str] = set()
     for entry in entries:
         if isinstance(entry, SwaDivergenceRecord):
             record, rank, line_no = entry, None, None
@@ -124,6 +136,7 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
                 if hasattr(entry, "pid") and hasattr(entry, "verify_source"):  # a run start marker
                     state = writers.setdefault(writer_of(entry.verify_source), _WriterState())
                     state.ranks.setdefault(rank, _RankState()).marker = True
+                    started.add(writer_of(entry.verify_source))
                     continue
                 if hasattr(entry, "audit") and hasattr(entry, "forward_ct"):  # an audit line, already attached
                     continue
@@ -156,4 +169,5 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
         rs.marker = False
         rs.before_last_ct, rs.last_ct = rs.last_ct, ct
         out.append(RunRecord(record, rs.run, rank, writer, line_no, part, back_and_forth))
+    out.started = frozenset(started)
     return out

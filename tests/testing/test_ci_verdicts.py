@@ -349,3 +349,16 @@ def test_sglangs_lines_beside_a_vllm_flagged_record_keep_the_divergence_rule():
     obs = judge(records)
     assert not obs.ok and obs.groups[0].failed == ("divergence",)
     assert obs.groups[0].peak_divergence_at == 40
+
+
+def test_an_otel_swa_sink_that_started_and_wrote_nothing_is_said_beside_sglangs_lines(tmp_path, capsys):
+    text = f"[2026-01-01 00:00:00 TP0] {run_start_line('kv_canary', pid=7)}\n" + "".join(
+        f"[2026-01-01 00:00:01 TP0] {R(ct, 100 * ct, 30 * ct, 5, 40).format()}\n" for ct in (20, 40))
+    out = assert_all_pass(tmp_path, capsys, text)  # SGLang's own lines show the SWA path
+    note = "otel-swa's line sink started (a run start marker) but wrote no record"
+    assert note in out
+    assert note in assert_swa_divergence_observed(text).explain()
+    capture = SwaRecordCapture()
+    path = tmp_path / "server.log"
+    capture.follow(path)
+    assert note in capture.assert_observed(timeout_s=0).explain()

@@ -67,6 +67,32 @@ def test_new_only_with_nothing_written_fails_saying_what_was_left_out(tmp_path, 
     log.write_text(_run_lines(1, True))
     observation = wait_for_observation(log, timeout_s=0.3, poll_s=0.1, new_only=True)
     assert not observation.ok
-    assert any("3 record(s) already in the source when the wait began were not judged" in n for n in observation.notes)
+    assert any("3 record(s) of finished runs already in the source when the wait began were not judged" in n
+               for n in observation.notes)
     assert main(["check", str(log), "--wait", "0.3", "--new"]) == 1
     assert "not judged" in capsys.readouterr().out
+
+
+def test_a_fault_the_run_being_written_logged_before_the_wait_still_fails_it(tmp_path):
+    log = tmp_path / "app.log"
+    audit = dict(swa_leaked_slots=0, swa_stale_tokens=0, swa_shared_slots=0)
+    early = SwaDivergenceRecord(20, 2000, 1000, 7, 30, verify_source="attention", swa_premature_evictions=9, **audit)
+    log.write_text(_run_lines(1, True) + '[2026-01-01 00:00:00 TP0] otel_swa[verify=attention] otel_swa_run_start={"pid":2}\n'
+                   + "".join(f"[2026-01-01 00:00:00 TP0] {line}\n" for line in early.lines()))
+
+    def write_the_rest_of_the_run():
+        time.sleep(0.3)
+        with open(log, "a") as f:
+            for ct in (40, 60):
+                record = SwaDivergenceRecord(ct, 100 * ct, 50 * ct, 7, 30, verify_source="attention",
+                                             swa_premature_evictions=0, **audit)
+                f.write("".join(f"[2026-01-01 00:00:00 TP0] {line}\n" for line in record.lines()))
+
+    writer = threading.Thread(target=write_the_rest_of_the_run)
+    writer.start()
+    observation = wait_for_observation(log, timeout_s=2.0, poll_s=0.1, new_only=True)
+    writer.join()
+    assert not observation.ok and observation.groups[0].failed == ("audit",)
+    assert observation.groups[0].records == 3  # run 2 whole: its record from before the wait and the two after
+    assert any("3 record(s) of finished runs already in the source when the wait began were not judged; "
+               "1 earlier record(s) of the run being written were" in n for n in observation.notes)
