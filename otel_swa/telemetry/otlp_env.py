@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from typing import Mapping
+from urllib.parse import urlsplit
 
 from otel_swa.config import ConfigError
 
@@ -42,6 +43,18 @@ def _true(value: str | None) -> bool:
     return (value or "").strip().lower() == "true"
 
 
+def _check_port(name: str, value: str, url: str) -> None:
+    """A port in ``url`` (a URL, or ``//host:port``) that is not a number from 1 to 65535 is an error
+    (the gRPC exporter otherwise takes a port above 65535 modulo 65536: ``127.0.0.1:99999`` dials
+    port 34463)."""
+    try:
+        port = urlsplit(url).port
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} has no usable port; expected a port from 1 to 65535") from None
+    if port == 0:
+        raise ConfigError(f"{name}={value!r} has port 0; expected a port from 1 to 65535")
+
+
 def check_otlp_environment(protocols: Mapping[str, str], environ: Mapping[str, str]) -> list[str]:
     """Check the OTLP variables of the signals in ``protocols`` (signal -> ``grpc`` or
     ``http/protobuf``).
@@ -51,7 +64,7 @@ def check_otlp_environment(protocols: Mapping[str, str], environ: Mapping[str, s
 
     Raises:
         ConfigError: an empty endpoint, an endpoint whose scheme is not ``http`` / ``https`` (or, over
-            HTTP, one without a scheme), a timeout that is not a number or is negative; the message
+            HTTP, one without a scheme) or whose port is not a number from 1 to 65535, a timeout that is not a number or is negative; the message
             names the variable, its value and what is expected.
     """
     warnings: list[str] = []
@@ -77,6 +90,7 @@ def check_otlp_environment(protocols: Mapping[str, str], environ: Mapping[str, s
                     )
             elif scheme.lower() not in ("http", "https"):
                 raise ConfigError(f"{name}={value!r} has the scheme {scheme!r}; expected http:// or https://")
+            _check_port(name, value, endpoint if sep else "//" + endpoint)
         name, value = _pick(environ, signal, "TIMEOUT")
         if value is not None and value.strip():
             try:

@@ -24,11 +24,22 @@ GRPC = {"traces": "grpc", "metrics": "grpc", "logs": "grpc"}
         ({"OTEL_EXPORTER_OTLP_LOGS_TIMEOUT": "soon"}, r"OTEL_EXPORTER_OTLP_LOGS_TIMEOUT='soon' is not a number"),
         ({"OTEL_EXPORTER_OTLP_TIMEOUT": "inf"}, r"OTEL_EXPORTER_OTLP_TIMEOUT='inf' is not a finite number"),
         ({"OTEL_EXPORTER_OTLP_TIMEOUT": "nan"}, r"OTEL_EXPORTER_OTLP_TIMEOUT='nan' is not a finite number"),
+        # the gRPC exporter would dial 127.0.0.1:34463 (99999 - 65536) without a word
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:99999"},
+         r"OTEL_EXPORTER_OTLP_ENDPOINT='http://127.0.0.1:99999' has no usable port; expected a port from 1 to 65535"),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "127.0.0.1:70000"}, r"'127.0.0.1:70000' has no usable port"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:port"}, r"'http://c:port' has no usable port"),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:0"}, r"'http://c:0' has port 0"),
     ],
 )
 def test_unusable_values_are_errors_naming_the_variable(environ, message):
     with pytest.raises(ConfigError, match=message):
         check_otlp_environment(GRPC, environ)
+
+
+def test_usable_ports_and_no_port_are_fine():
+    for endpoint in ("http://c", "http://c:1", "https://[::1]:65535", "http://10.0.0.1:4317/"):
+        assert check_otlp_environment(GRPC, {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint}) == []
 
 
 def test_http_needs_a_scheme_grpc_without_one_warns_about_tls():
