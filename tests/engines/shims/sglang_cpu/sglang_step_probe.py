@@ -14,7 +14,8 @@ process per rank. This module is imported there (through the shims' ``.pth`` fil
   ``"premature"``: the live tokens some query of the step reads (a query at ``q`` reads ``q -
   sliding_window_size .. q``; the step's queries are the last ``extend_seq_lens_cpu[i]`` positions
   in an extend or mixed batch, the last one in a decode batch) whose SWA slot is 0, and
-  ``"held_past_window"``: those before them with an SWA slot;
+  ``"held_past_window"``: those before them with an SWA slot, and ``"queries"`` and ``"seq_lens"``:
+  each request's queries in the step and its length;
 * **leak** (``OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP=N``): after forward step ``N``, takes the first page
   off the SWA allocator's free list, a leak made on purpose (the page is neither free nor mapped by
   any token); the line gets ``"leaked_page"``;
@@ -107,9 +108,9 @@ def _patch_model_runner(module) -> None:
             sliding_window_size = int(getattr(self, "sliding_window_size", None) or 0)
             if sliding_window_size > 0:
                 tables = {r: t for r, t in zip(rows, table)}
-                premature, held = window_recount(mapping.tolist(), tables, rows, lengths, sliding_window_size,
-                                                 step_queries(forward_batch, len(rows)))
-                line.update(premature=premature, held_past_window=held)
+                queries = step_queries(forward_batch, len(rows))
+                premature, held = window_recount(mapping.tolist(), tables, rows, lengths, sliding_window_size, queries)
+                line.update(premature=premature, held_past_window=held, queries=queries, seq_lens=lengths)
         if leak_at and state["step"] == leak_at:
             swa = allocator.swa_attn_allocator
             line["leaked_page"] = int(swa.free_pages[0])
