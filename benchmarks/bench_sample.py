@@ -17,7 +17,7 @@ thread):
    and 30M), batch 256, fill 1/8, FULL slots drawn at random from a pool twice the live tokens, and
    the device operations per sample (the contract of ``tests/core/test_sample.py``);
 5. **window check / none**: one sampling ``reporter.step`` whose view gives its ``sliding_window``
-   (premature evictions and late-held SWA slots counted, :mod:`otel_swa.device.window`) against
+   and per-request ``extend_lens_cpu`` (premature evictions and late-held SWA slots counted, :mod:`otel_swa.device.window`) against
    the same view without one, on the live gather (1M live tokens, batch 256, fill 1/8), the dense
    gather (fill 0.9) and the dense gather without host lengths, with the device operations of each.
 
