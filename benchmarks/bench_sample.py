@@ -17,7 +17,7 @@ thread):
    and 30M), batch 256, fill 1/8, FULL slots drawn at random from a pool twice the live tokens, and
    the device operations per sample (the contract of ``tests/core/test_sample.py``);
 5. **window check / none**: one sampling ``reporter.step`` whose view gives its ``sliding_window``
-   (premature evictions and late-held SWA slots counted, :mod:`otel_swa.device.window`) against
+   and per-request ``extend_lens_cpu`` (premature evictions and late-held SWA slots counted, :mod:`otel_swa.device.window`) against
    the same view without one, on the live gather (1M live tokens, batch 256, fill 1/8), the dense
    gather (fill 0.9) and the dense gather without host lengths, with the device operations of each.
 
@@ -266,7 +266,9 @@ def main() -> None:
             plain = view_of(r2t, mapping, rows, lens, device, host=host)
             windowed = SwaBatch(plain.req_to_token, plain.full_to_swa_index_mapping, plain.req_pool_indices, plain.seq_lens,
                                 plain.seq_lens_cpu, req_pool_indices_cpu=plain.req_pool_indices_cpu,
-                                sliding_window=per_request // 4, swa_eviction_allowance=16)
+                                sliding_window=per_request // 4, swa_eviction_allowance=16,
+                                # per request, as the engines give it: decodes and a prefill chunk in eight
+                                extend_lens_cpu=[1 if i % 8 else 512 for i in range(batch)])
             reporters = {name: SwaDivergenceReporter(1, device=device, ring_size=8) for name in ("window", "none")}
 
             def step(name, view):

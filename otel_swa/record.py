@@ -253,12 +253,13 @@ class SwaDivergenceRecord:
         swa_pages_referenced: SWA pages in use that at least one live token maps into, unit
             ``{page}``, or ``None`` (``swa_pages_in_use - swa_pages_referenced`` pages are leaked).
         swa_premature_evictions: live tokens of the sampled batch inside the sliding window
-            (positions ``>= seq_len - window``) whose SWA mapping is 0: attention reads KV that
-            was freed (sgl-project/sglang#29860), unit ``{token}``, or ``None`` when the engine gave
-            no window (:mod:`otel_swa.device.window`).
-        swa_late_held_slots: live tokens of the sampled batch older than the window plus the
-            engine's eviction allowance that still hold an SWA slot (late eviction, runaway SWA
-            usage), unit ``{slot}``, or ``None`` when the engine gave no window.
+            (the positions the step's queries read: the last ``window + extend_len - 1``) whose
+            SWA mapping is 0: attention reads KV that was freed (sgl-project/sglang#29860), unit
+            ``{token}``, or ``None`` when the engine gave no window (:mod:`otel_swa.device.window`).
+        swa_late_held_slots: live tokens of the sampled batch older than the oldest position the
+            step reads plus the engine's eviction allowance that still hold an SWA slot (late
+            eviction, runaway SWA usage), unit ``{slot}``, or ``None`` when the engine gave no
+            window.
         verify_source: what ``verify_full`` / ``verify_swa`` count, one of :data:`VERIFY_SOURCES`,
             or ``None`` when unknown (a line SGLang itself wrote, which counts what its canary
             verified). Written as the line's tag by :meth:`line`, never into the JSON.

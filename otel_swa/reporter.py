@@ -439,6 +439,7 @@ class SwaDivergenceReporter:
             workspace=self._workspace,
             sliding_window=getattr(view, "sliding_window", None),
             swa_eviction_allowance=getattr(view, "swa_eviction_allowance", None),
+            extend_lens_cpu=getattr(view, "extend_lens_cpu", None),
         )
         self._ring.start_copy(slot)
         applicable = getattr(view, "divergence_applicable", True) is not False

@@ -52,6 +52,7 @@ from otel_swa.device.window import (
     dense_columns,
     device_columns,
     host_allowance,
+    host_reach,
     stage_window_dense,
     stage_window_empty,
     stage_window_live,
@@ -122,7 +123,8 @@ class SampleMeta:
         audited: whether the audit counts were staged.
         host_rows: whether the rows were known on the host (then checked there).
         window: the sliding window the window cells were staged for, ``None`` when not staged.
-        window_tokens: ``sum(min(len_i, window))`` when the host knows it, else ``None`` (staged).
+        window_tokens: ``sum(min(len_i, window + extend_len_i - 1))`` when the host knows it, else
+            ``None`` (staged).
     """
 
     @property
@@ -217,6 +219,7 @@ def stage_sample(
     dense_fill_ratio: float = DENSE_FILL_RATIO,
     sliding_window: "int | None" = None,
     swa_eviction_allowance: "int | Sequence[int] | torch.Tensor | None" = None,
+    extend_lens_cpu: "int | Sequence[int] | torch.Tensor | None" = None,
 ) -> SampleMeta:
     """Write one sample into ``out`` (``int64 [STAGE_WIDTH]`` on the device), in stream order.
 
@@ -236,7 +239,12 @@ def stage_sample(
             1), or ``None``: then the window cells are not staged. See :mod:`otel_swa.device.window`.
         swa_eviction_allowance: tokens older than the window an SWA slot may still be held for
             without counting as late-held: an int >= 0 or one per batch entry (host); default the
-            audit's page size when ``swa_audit`` is given, else 0.
+            audit's page size when ``swa_audit`` is given, else 0. Counted from the oldest position
+            this step reads (see :mod:`otel_swa.device.window`).
+        extend_lens_cpu: the new tokens (queries) of each request in this forward step, an int >= 1
+            or one per batch entry on the host; ``None``: 1 each (a decode step). The window check
+            counts the positions the step's first query reads onwards, ``window + extend_len - 1``
+            of them; read only with ``sliding_window``.
 
     Returns:
         The :class:`SampleMeta` to give :func:`read_sample` with the staged values.
@@ -255,11 +263,13 @@ def stage_sample(
     batch = rows.shape[0]
     audited = swa_audit is not None
     window = sliding_window
+    reach: "np.ndarray | int" = 0
     if window is not None:
         if swa_eviction_allowance is None:
             allowance: "np.ndarray | int" = swa_audit.page_size if audited else 0
         else:
             allowance = host_allowance(swa_eviction_allowance, batch)
+        reach = host_reach(window, extend_lens_cpu, batch)
     else:
         allowance = 0
     cells = out[_WINDOW:_WINDOW + WINDOW_WIDTH] if window is not None else None
@@ -286,7 +296,7 @@ def stage_sample(
             faults = row_fault + faults
         live = int(lens.sum())
         rows_known = host_rows is not None
-        spans = window_spans(lens, window, allowance) if window is not None else None
+        spans = window_spans(lens, reach, allowance) if window is not None else None
         window_tokens = int(spans[0].sum()) if spans is not None else None
         if batch == 0 or live == 0 or width == 0 or num_rows == 0:
             _stage_empty(out, totals, rows, seq_lens, given, upload, ws, rows_known)
@@ -299,7 +309,7 @@ def stage_sample(
             path = "live"
         else:
             _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload, ws,
-                         window, allowance, cells)
+                         window, allowance, cells, reach)
             path = "dense"
         return SampleMeta(path, live, batch, num_rows, width, size, faults, True, audited, rows_known,
                           window, window_tokens)
@@ -310,7 +320,7 @@ def stage_sample(
         return SampleMeta("empty", 0, batch, num_rows, width, size, (), False, audited, False,
                           window, 0 if window is not None else None)
     _stage_dense(out, totals, req_to_token, mapping, rows, None, seq_lens, None, None, upload, ws,
-                 window, allowance, cells)
+                 window, allowance, cells, reach)
     return SampleMeta("dense", None, batch, num_rows, width, size, (), False, audited, False, window, None)
 
 
@@ -491,16 +501,17 @@ def _count(out, totals, flat, mapping, index, live, ws, fields) -> torch.Tensor:
 
 
 def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload, ws,
-                 window=None, allowance=0, cells=None) -> None:
+                 window=None, allowance=0, cells=None, reach=0) -> None:
     """The dense path: whole rows of ``req_to_token``; positions at or beyond ``seq_len`` are set
     to FULL slot 1 (a valid index) and their contribution, known from ``mapping[1]`` and their
     number, is taken off on the host (:func:`read_sample`). With a ``window``, the window cells
-    too (per-row thresholds from the same one upload, or from ``seq_lens`` on the device)."""
+    too (per-row thresholds from the same one upload, or from ``seq_lens`` on the device with the
+    per-request reaches and allowances, when not ints, in the one upload)."""
     num_rows, width = req_to_token.shape
     batch = rows.shape[0]
     fields: dict[int, torch.Tensor] = {}
     up = None
-    per_request = not isinstance(allowance, int)
+    per_request = [value for value in (reach, allowance) if not isinstance(value, int)]
     if lens is not None:
         rows_at = 2 if host_rows is not None else None
         windows_at = (3 if host_rows is not None else 2) if window is not None else None
@@ -509,10 +520,10 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
         if rows_at is not None:
             host[rows_at] = host_rows
         if windows_at is not None:
-            host[windows_at:] = dense_columns(lens, window, allowance)
+            host[windows_at:] = dense_columns(lens, reach, allowance)
         up = _upload(upload, host, out.device)
     elif window is not None and per_request:
-        up_allowance = _upload(upload, np.ascontiguousarray(allowance), out.device)
+        up_window = _upload(upload, np.stack(np.broadcast_arrays(np.asarray(reach, np.int64), np.asarray(allowance, np.int64))), out.device)
     if host_rows is None:
         fields[_ROWS], fields[_ROWS + 1] = torch.aminmax(rows)
         rows_c = torch.clamp(rows, 0, num_rows - 1, out=ws.get("dense.rows", batch, rows.dtype))
@@ -536,8 +547,10 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
         columns, weights, window_tokens = up[windows_at:windows_at + 3].t(), up[windows_at + 3:windows_at + 6].t(), None
     else:
         lens64 = device_lens.long()
-        columns, weights = device_columns(lens64, window, up_allowance if per_request else allowance)
-        window_tokens = torch.clamp(lens64, max=window).sum()
+        if per_request:
+            reach = up_window[0] if not isinstance(reach, int) else reach
+            allowance = up_window[1] if not isinstance(allowance, int) else allowance
+        columns, weights, window_tokens = device_columns(lens64, reach, allowance)
     stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws)
 
 

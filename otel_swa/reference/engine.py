@@ -338,13 +338,15 @@ class ReferenceEngine:
         the SWA pool for leaked slots, stale tokens and shared slots.
 
         ``sliding_window`` is ``config.window`` (the reference attention reads the last ``window``
-        positions, the current one included: :mod:`otel_swa.reference.model`), so each sample also
-        counts premature evictions and late-held SWA slots. ``swa_eviction_allowance`` is, per
-        request, ``page_size + extend_len - 1``: the view is read inside the step, before this
+        positions, the current one included: :mod:`otel_swa.reference.model`) and
+        ``extend_lens_cpu`` each request's ``ForwardItem.extend_len`` (1 for a decode, the chunk for
+        a prefill), so each sample also counts premature evictions among the positions the step's
+        queries read (the last ``window + extend_len - 1``) and late-held SWA slots.
+        ``swa_eviction_allowance`` is ``page_size``: the view is read inside the step, before this
         step's eviction; the previous one (:meth:`HybridKVPools.evict_out_of_window`, at ``seq_len
         - extend_len``) frees whole pages below ``seq_len - extend_len - window``, so a healthy
-        engine holds SWA slots down to ``seq_len - window - extend_len - page_size + 1`` and counts
-        0 late-held.
+        engine holds SWA slots down to ``seq_len - window - extend_len - page_size + 1``, at most
+        ``page_size`` positions older than the first query reads, and counts 0 late-held.
 
         Raises:
             RuntimeError: no forward step has run yet.
@@ -363,7 +365,8 @@ class ReferenceEngine:
             req_pool_indices_cpu=rows,
             swa_audit=self._swa_audit_inputs(),
             sliding_window=self.config.window,
-            swa_eviction_allowance=[page_size + it.extend_len - 1 for it in self._last_items],
+            swa_eviction_allowance=page_size,
+            extend_lens_cpu=[it.extend_len for it in self._last_items],
         )
 
     def _swa_audit_inputs(self) -> SwaAuditInputs:

@@ -193,15 +193,16 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     ),
     InstrumentSpec(
         sc.NAMESPACE + "tokens.evicted_in_window", GAUGE, "{token}",
-        "Live tokens of the sampled batch inside the sliding window whose SWA slot was freed (mapping 0): "
-        "attention reads KV that is gone (premature eviction); must be 0",
+        "Live tokens of the sampled batch inside the sliding window (the positions the forward step's "
+        "queries read) whose SWA slot was freed (mapping 0): attention reads KV that is gone (premature "
+        "eviction); must be 0",
         "swa_premature_evictions (when the engine gives its sliding window)",
         _field("swa_premature_evictions"),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "slots.held_out_of_window", GAUGE, "{slot}",
-        "SWA slots still held by live tokens older than the sliding window plus the engine's eviction "
-        "allowance (late eviction; growing: runaway SWA usage)",
+        "SWA slots still held by live tokens older than the positions the forward step reads plus the "
+        "engine's eviction allowance (late eviction; growing: runaway SWA usage)",
         "swa_late_held_slots (when the engine gives its sliding window)",
         _field("swa_late_held_slots"),
     ),

@@ -113,7 +113,7 @@ AUDIT_RULES = (
 #: Audit fields shown with their peak but never judged.
 REPORTED_RULES = (
     AuditRule("swa_late_held_slots", "late-held SWA slots",
-              "SWA slots still held by tokens older than the sliding window plus the engine's eviction allowance"),
+              "SWA slots still held by tokens older than the step's sliding windows plus the engine's eviction allowance"),
 )
 
 

@@ -51,12 +51,23 @@ and, optionally:
     ``sliding_window - 1`` computed tokens for the next one, vllm 0.33.0
     ``v1/core/single_type_kv_cache_manager.py``); the reference engine's ``EngineConfig.window``
     is the count itself.
+``extend_lens_cpu``
+    the new tokens (queries) each request computes in this forward step, on the host: one ``int
+    >= 1`` for every request, or one per batch entry (a sequence or a 1-dimensional CPU tensor of
+    ints >= 1, ``[batch]``). 1 in a decode step, the chunk's length in an extend (prefill,
+    chunked-prefill) step. Read with ``sliding_window`` only: the step's first query, at ``seq_len
+    - extend_len``, reads from ``seq_len - extend_len - window + 1``, so the window check covers
+    the last ``window + extend_len - 1`` positions (sgl-project/sglang#8649: a chunk at least as
+    long as the window would otherwise hide a freed tail of the previous chunk). ``None``
+    (default): 1 for every request. Each engine's source: the reference engine's
+    ``ForwardItem.extend_len``; SGLang's ``ForwardBatch.extend_seq_lens_cpu`` in extend and mixed
+    batches; vLLM's ``SchedulerOutput.num_scheduled_tokens``. Without ``seq_lens_cpu`` the
+    per-request values reach the device with the sample's one upload.
 ``swa_eviction_allowance``
-    tokens older than the window that may still hold an SWA slot without counting as late-held:
-    an ``int >= 0``, or one per batch entry (a host sequence or CPU tensor of ints >= 0, e.g. a
-    prefill chunk's ``extend_len - 1``: its first queries read that much further back). Default
-    (``None``): the ``swa_audit`` page size when the view has one (eviction frees whole pages),
-    else 0.
+    tokens older than the positions this step reads (the last ``window + extend_len - 1``) that
+    may still hold an SWA slot without counting as late-held: an ``int >= 0``, or one per batch
+    entry (a host sequence or CPU tensor of ints >= 0, ``[batch]``). Default (``None``): the
+    ``swa_audit`` page size when the view has one (eviction frees whole pages), else 0.
 
 Engines adapt their own objects to this protocol (see ``otel_swa.views`` for the adapters).
 """
@@ -107,7 +118,8 @@ class SwaBatch:
     ``seq_lens_cpu`` is optional host knowledge of ``seq_lens`` (a CPU tensor or a sequence of
     ints); give it when the engine has it, so the reporter gathers only the live tokens.
     ``req_pool_indices_cpu`` is the same for ``req_pool_indices`` (read only with ``seq_lens_cpu``).
-    ``sliding_window`` and ``swa_eviction_allowance``: the window check (module docstring).
+    ``sliding_window``, ``extend_lens_cpu`` and ``swa_eviction_allowance``: the window check (module
+    docstring).
     """
 
     req_to_token: torch.Tensor
@@ -120,6 +132,7 @@ class SwaBatch:
     req_pool_indices_cpu: "torch.Tensor | Sequence[int] | None" = None
     sliding_window: "int | None" = None
     swa_eviction_allowance: "int | torch.Tensor | Sequence[int] | None" = None
+    extend_lens_cpu: "int | torch.Tensor | Sequence[int] | None" = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -146,8 +159,9 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
         TypeError: an attribute is missing, is not a tensor, or has the wrong dtype.
         ValueError: a tensor has the wrong number of dimensions or is on another device, or
             ``req_pool_indices``, ``seq_lens``, ``seq_lens_cpu`` and ``req_pool_indices_cpu`` differ
-            in length; ``sliding_window`` is not an int >= 1, or ``swa_eviction_allowance`` not an
-            int >= 0 nor one such int per batch entry on the host.
+            in length; ``sliding_window`` is not an int >= 1, ``swa_eviction_allowance`` not an
+            int >= 0 nor one such int per batch entry on the host, or ``extend_lens_cpu`` not an int
+            >= 1 nor one such int per batch entry on the host.
     """
     for name in ("req_to_token", "full_to_swa_index_mapping", "req_pool_indices", "seq_lens"):
         if not hasattr(view, name):
@@ -197,34 +211,41 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
 
 def _check_window(view: Any) -> None:
     window = getattr(view, "sliding_window", None)
-    allowance = getattr(view, "swa_eviction_allowance", None)
     if window is not None and (type(window) is not int or window < 1):  # noqa: E721 - bool refused
         raise ValueError(
             f"view.sliding_window must be None or an int >= 1 (tokens attention reads, the current one "
             f"included), got {window!r}"
         )
-    if allowance is None:
+    batch = view.req_pool_indices.shape[0]
+    _check_per_request("swa_eviction_allowance", getattr(view, "swa_eviction_allowance", None), 0, "tokens", batch)
+    _check_per_request("extend_lens_cpu", getattr(view, "extend_lens_cpu", None), 1,
+                       "new tokens of the request in this forward step", batch)
+
+
+def _check_per_request(name: str, value: Any, minimum: int, unit: str, batch: int) -> None:
+    """``value`` is ``None``, an int >= ``minimum``, or one per batch entry on the host."""
+    if value is None:
         return
-    if type(allowance) is int:  # noqa: E721
-        if allowance < 0:
-            raise ValueError(f"view.swa_eviction_allowance must be an int >= 0 (tokens), got {allowance}")
+    if type(value) is int:  # noqa: E721
+        if value < minimum:
+            raise ValueError(f"view.{name} must be an int >= {minimum} ({unit}), got {value}")
         return
-    expected = "an int >= 0 or one int >= 0 per batch entry on the host"
-    if isinstance(allowance, torch.Tensor):
-        if allowance.device.type != "cpu" or allowance.dim() != 1 or allowance.dtype.is_floating_point \
-                or allowance.dtype == torch.bool:
-            raise ValueError(f"view.swa_eviction_allowance must be {expected}, got a {allowance.dtype} tensor of "
-                             f"shape {tuple(allowance.shape)} on {allowance.device}")
-        values = allowance.tolist()
-    elif isinstance(allowance, (list, tuple, range)):
-        values = list(allowance)
+    expected = f"an int >= {minimum} or one int >= {minimum} per batch entry on the host"
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu" or value.dim() != 1 or value.dtype.is_floating_point \
+                or value.dtype in (torch.bool, torch.complex64, torch.complex128):
+            raise ValueError(f"view.{name} must be {expected}, got a {value.dtype} tensor of "
+                             f"shape {tuple(value.shape)} on {value.device}")
+        values = value.tolist()
+    elif isinstance(value, (list, tuple, range)):
+        values = list(value)
     else:
-        raise TypeError(f"view.swa_eviction_allowance must be {expected}, got {type(allowance).__name__}")
-    bad = [v for v in values if type(v) is not int or v < 0]  # noqa: E721
+        raise TypeError(f"view.{name} must be {expected}, got {type(value).__name__}")
+    bad = [v for v in values if type(v) is not int or v < minimum]  # noqa: E721
     if bad:
-        raise ValueError(f"view.swa_eviction_allowance must be {expected}, got {bad[0]!r} among its entries")
-    if len(values) != view.req_pool_indices.shape[0]:
+        raise ValueError(f"view.{name} must be {expected}, got {bad[0]!r} among its entries")
+    if len(values) != batch:
         raise ValueError(
-            f"view.swa_eviction_allowance has {len(values)} entries but view.req_pool_indices has "
-            f"{view.req_pool_indices.shape[0]}; give one per batch entry (or one int for all)"
+            f"view.{name} has {len(values)} entries but view.req_pool_indices has "
+            f"{batch}; give one per batch entry (or one int for all)"
         )

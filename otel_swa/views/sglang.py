@@ -14,7 +14,9 @@ layouts from sglang 0.5.23, ``python/sglang/srt/mem_cache/``):
     FULL slot of each position of the request in row ``r``.
 ``ForwardBatch`` (or ``ScheduleBatch``)
     ``req_pool_indices`` (``int64 [batch]``), ``seq_lens`` (``int32``/``int64 [batch]``) on the KV
-    device, and ``seq_lens_cpu`` (host copy, optional).
+    device, and ``seq_lens_cpu`` (host copy, optional); in extend and mixed batches
+    (``forward_mode.is_extend()``) ``extend_seq_lens_cpu`` (``ForwardBatch``; ``extend_lens`` on a
+    ``ScheduleBatch``): each request's new tokens in this step, a host list of ints ``[batch]``.
 
 Switching it on inside SGLang's KV canary (the reporter SGLang builds in
 ``sglang/srt/kv_canary/runner/canary_manager.py`` when
@@ -128,6 +130,7 @@ def batch_view(
     holder_full_slots: torch.Tensor | None = None,
     sliding_window: int | None = None,
     swa_eviction_allowance: int | None = None,
+    extend_lens_cpu: "Sequence[int] | torch.Tensor | None" = None,
 ) -> SwaBatch:
     """The reporter's view (:class:`otel_swa.views.SwaBatch`) of one SGLang forward step.
 
@@ -150,10 +153,21 @@ def batch_view(
         sliding_window, swa_eviction_allowance: the window check (see
             :class:`otel_swa.views.SwaBatchView`), e.g. from :func:`sglang_window`; ``None``: no
             window check. In an extend (prefill) batch (``forward_batch.forward_mode.is_extend()``)
-            no token is counted as late-held: SGLang frees a request's out-of-window SWA slots from
-            its second decode step on (``ScheduleBatch.maybe_evict_swa``: ``decode_batch_idx >=
-            1``; with a prefix-sharing tree cache never during a prefill), so a prompt keeps its SWA
-            slots until then; the first decode step after a long prompt counts them as late-held.
+            the window covers the positions the chunk's first query reads onwards: the view's
+            ``extend_lens_cpu`` is ``forward_batch.extend_seq_lens_cpu`` (``extend_lens`` on a
+            ``ScheduleBatch``; 1 per request where it is below 1); an extend batch without one
+            entry per request gets no window check (its reach is not known). No token is counted as
+            late-held there: SGLang frees a request's out-of-window SWA slots from its second
+            decode step on (``ScheduleBatch.maybe_evict_swa``: ``decode_batch_idx >= 1``; with a
+            prefix-sharing tree cache never during a prefill), so a prompt keeps its SWA slots
+            until then; the first decode step after a long prompt counts them as late-held.
+            An allocator in SGLang's per-request SWA ring mode (``allocator.swa_req_ring`` true,
+            sglang 0.5.23 ``srt/mem_cache/allocator/swa.py``) never writes
+            ``full_to_swa_index_mapping``: its views get no window check (every in-window token
+            would read as evicted).
+        extend_lens_cpu: each request's new tokens in this step, given directly (overrides the
+            batch's; a host sequence or CPU tensor of ints >= 1, ``[batch]``); read only with a
+            window.
 
     Returns:
         A :class:`~otel_swa.views.SwaBatch`. With neither a batch nor indices, an empty batch (the
@@ -178,9 +192,15 @@ def batch_view(
         req_pool_indices = torch.zeros(0, dtype=torch.int64, device=device)
         seq_lens = torch.zeros(0, dtype=torch.int64, device=device)
         seq_lens_cpu = ()
-    if sliding_window is not None and swa_eviction_allowance is not None and forward_batch is not None \
-            and _is_extend(forward_batch):
-        swa_eviction_allowance = int(req_to_token.shape[1])  # nothing is older than that: no late-held count
+    if sliding_window is not None and getattr(allocator, "swa_req_ring", False) is True:
+        sliding_window = swa_eviction_allowance = extend_lens_cpu = None  # the mapping is not maintained
+    if sliding_window is not None and forward_batch is not None and _is_extend(forward_batch):
+        if swa_eviction_allowance is not None:
+            swa_eviction_allowance = int(req_to_token.shape[1])  # nothing is older than that: no late-held count
+        if extend_lens_cpu is None:
+            extend_lens_cpu = _extend_lens(forward_batch, int(req_pool_indices.shape[0]))
+            if extend_lens_cpu is None:
+                sliding_window = swa_eviction_allowance = None  # the reach of its queries is not known
     return SwaBatch(
         req_to_token=req_to_token,
         full_to_swa_index_mapping=mapping,
@@ -190,7 +210,25 @@ def batch_view(
         swa_audit=_audit_inputs(allocator, holder_full_slots) if holder_full_slots is not None else None,
         sliding_window=sliding_window,
         swa_eviction_allowance=swa_eviction_allowance,
+        extend_lens_cpu=extend_lens_cpu if sliding_window is not None else None,
     )
+
+
+def _extend_lens(forward_batch: Any, batch: int) -> "list[int] | None":
+    """Each request's new tokens in an extend or mixed batch, from ``extend_seq_lens_cpu``
+    (``ForwardBatch``) or ``extend_lens`` (``ScheduleBatch``), as host ints >= 1; ``None`` when
+    neither has one entry per request."""
+    for name in ("extend_seq_lens_cpu", "extend_lens"):
+        values = getattr(forward_batch, name, None)
+        if values is None:
+            continue
+        try:
+            values = values.tolist() if isinstance(values, torch.Tensor) else list(values)
+            if len(values) == batch:
+                return [max(1, int(value)) for value in values]
+        except (TypeError, ValueError):
+            continue
+    return None
 
 
 def _audit_inputs(allocator: Any, holder_full_slots: torch.Tensor) -> SwaAuditInputs:

@@ -99,15 +99,17 @@ def num_skipped_tokens(num_computed_tokens: int, sliding_window: int, extra_reta
 
 
 def window_allowance(num_scheduled_tokens: Sequence[int], block_size: int) -> list[int]:
-    """Per request, how many tokens older than the window vLLM 0.33 keeps in real SWA blocks by
-    design, read right after ``Scheduler.schedule()`` (the view's ``swa_eviction_allowance``).
+    """Per request, how many tokens older than the positions this step reads vLLM 0.33 keeps in
+    real SWA blocks by design, read right after ``Scheduler.schedule()`` (the view's
+    ``swa_eviction_allowance``, with ``extend_lens_cpu`` = ``num_scheduled_tokens``).
 
     After ``schedule()`` a request's ``num_computed_tokens`` ``n`` already counts the ``s`` tokens
-    scheduled in this step (``Scheduler._update_after_schedule``), while its table was trimmed in
-    ``allocate_slots`` on the tokens processed before it (``n - s``): ``remove_skipped_blocks``
-    frees whole blocks below ``num_skipped_tokens(n - s)`` = ``n - s - sliding_window + 1``, so up
-    to ``s + block_size - 2`` tokens below ``n - sliding_window`` keep a real block. With async
-    scheduling the tokens still in flight add to that (not counted here).
+    scheduled in this step (``Scheduler._update_after_schedule``); the step's first query, at ``n -
+    s``, reads from ``n - s - sliding_window + 1``. Its table was trimmed in ``allocate_slots`` on
+    the tokens processed before it (``n - s``): ``remove_skipped_blocks`` frees whole blocks below
+    ``num_skipped_tokens(n - s)`` = ``n - s - sliding_window + 1``, exactly where the step reads
+    from, so up to ``block_size - 1`` tokens older than that keep a real block (a partly skipped
+    block). With async scheduling the tokens still in flight add to that (not counted here).
 
     Raises:
         ValueError: ``block_size`` below 1, or a scheduled count below 1.
@@ -118,7 +120,7 @@ def window_allowance(num_scheduled_tokens: Sequence[int], block_size: int) -> li
     for s in num_scheduled_tokens:
         if type(s) is not int or s < 1:  # noqa: E721
             raise ValueError(f"every scheduled token count must be an int >= 1, got {s!r}")
-        out.append(max(0, s + block_size - 2))
+        out.append(block_size - 1)
     return out
 
 
@@ -216,6 +218,7 @@ class WindowTable:
         *,
         sliding_window: int | None = None,
         swa_eviction_allowance: "int | Sequence[int] | None" = None,
+        extend_lens_cpu: "Sequence[int] | None" = None,
     ) -> SwaBatch:
         """The reporter's view (:class:`otel_swa.views.SwaBatch`) of this read, on ``device``.
 
@@ -231,11 +234,13 @@ class WindowTable:
 
         ``sliding_window`` (the group's ``SlidingWindowSpec.sliding_window``: the next query reads
         its own position and the ``sliding_window - 1`` before it, ``get_num_skipped_tokens``) and
-        ``swa_eviction_allowance`` (e.g. :func:`window_allowance`) switch on the window check: a
-        null-block token among the last ``sliding_window`` of a request (read after ``schedule()``,
-        where ``num_computed_tokens`` counts the step's own tokens) is a premature eviction; a real
-        block held further back than the allowance is late-held. Block granularity is the view's:
-        every token of a block counts.
+        ``swa_eviction_allowance`` (e.g. :func:`window_allowance`) switch on the window check, with
+        ``extend_lens_cpu`` the step's scheduled tokens per request
+        (``SchedulerOutput.num_scheduled_tokens``, host ints ``[batch]``; ``None``: 1 each): read
+        after ``schedule()``, where ``num_computed_tokens`` ``n`` counts the step's own ``s``
+        tokens, the step's queries read the last ``sliding_window + s - 1`` positions; a null-block
+        token among them is a premature eviction; a real block held further back than the
+        allowance is late-held. Block granularity is the view's: every token of a block counts.
         """
         device = torch.device(device)
         batch = len(self.num_tokens)
@@ -257,6 +262,7 @@ class WindowTable:
             sliding_window=sliding_window,
             swa_eviction_allowance=list(swa_eviction_allowance) if isinstance(swa_eviction_allowance, tuple)
             else swa_eviction_allowance,
+            extend_lens_cpu=list(extend_lens_cpu) if isinstance(extend_lens_cpu, tuple) else extend_lens_cpu,
         )
 
 

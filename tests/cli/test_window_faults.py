@@ -18,19 +18,24 @@ WINDOW = 32
 
 def run_engine(page_size):
     """Run 30 requests, sampling every step; for each record, the counts the pools' host state
-    gives at that moment (the sink runs inside the step, before the step's own eviction)."""
+    gives at that moment (the sink runs inside the step, before the step's own eviction): a
+    request's positions below ``swa_evicted_len`` have no SWA slot; its queries (the last
+    ``extend_len`` positions) read the last ``WINDOW + extend_len - 1``. Also the premature count a
+    check of the last ``WINDOW`` positions only would give."""
     config = EngineConfig(window=WINDOW, full_pool_size=32768, swa_pool_size=32768, page_size=page_size,
                           max_running=8, token_budget=256, max_context_len=8192, run_model=False)
     pairs = []
     engine = None
 
     def sink(record, context):
-        premature = late = 0
+        premature = late = last_window_only = 0
         for item in engine.last_batch:
             length, evicted = item.seq_len, item.req.slots.swa_evicted_len  # positions < evicted: no SWA slot
-            premature += max(0, min(evicted, length) - max(0, length - WINDOW))
-            late += max(0, length - WINDOW - (page_size + item.extend_len - 1) - evicted)
-        pairs.append((record, premature, late))
+            oldest_read = max(0, length - (WINDOW + item.extend_len - 1))
+            premature += max(0, min(evicted, length) - oldest_read)
+            late += max(0, oldest_read - page_size - evicted)
+            last_window_only += max(0, min(evicted, length) - max(0, length - WINDOW))
+        pairs.append((record, premature, late, last_window_only))
 
     reporter = SwaDivergenceReporter(1, device="cpu", sinks=[sink])
     engine = ReferenceEngine(config, reporter=reporter)
@@ -45,17 +50,29 @@ def run_engine(page_size):
 def test_premature_eviction_counts_the_freed_in_window_tokens(monkeypatch, page_size):
     window_faults.install_premature(monkeypatch)
     pairs = run_engine(page_size)
-    assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, _, _ in pairs] == [(p, 0) for _, p, _ in pairs]
-    assert max(p for _, p, _ in pairs) >= page_size  # the fault was made: at least a page per request
-    assert {r.swa_leaked_slots + r.swa_stale_tokens + r.swa_shared_slots for r, _, _ in pairs} == {0}  # only the window check sees it
+    assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, *_ in pairs] == [(p, 0) for _, p, *_ in pairs]
+    assert max(p for _, p, *_ in pairs) >= page_size  # the fault was made: at least a page per request
+    assert {r.swa_leaked_slots + r.swa_stale_tokens + r.swa_shared_slots for r, *_ in pairs} == {0}  # only the window check sees it
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_never_evicting_counts_every_slot_held_past_the_window(monkeypatch, page_size):
     window_faults.install_never_evict(monkeypatch)
     pairs = run_engine(page_size)
-    assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, _, _ in pairs] == [(0, late) for _, _, late in pairs]
-    assert max(late for _, _, late in pairs) > 1000
+    assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, *_ in pairs] == [(0, late) for _, _, late, _ in pairs]
+    assert max(late for _, _, late, _ in pairs) > 1000
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+def test_a_freed_tail_of_the_previous_chunk_counts_as_premature(monkeypatch, page_size):
+    counts = window_faults.install_chunk_tail_freed(monkeypatch)
+    pairs = run_engine(page_size)
+    assert counts["calls"] > 0  # chunked prefills ran (prompts longer than the token budget)
+    assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, *_ in pairs] == [(p, 0) for _, p, *_ in pairs]
+    # the chunks (up to the 256-token budget) are longer than the window: the last WINDOW
+    # positions alone miss the freed tail, the step's reach sees it
+    assert [r for r, p, _, only in pairs if only == 0 and p > 0]
+    assert {r.swa_leaked_slots + r.swa_stale_tokens + r.swa_shared_slots for r, *_ in pairs} == {0}
 
 
 def test_a_replay_with_premature_eviction_fails_check_on_every_front(monkeypatch, capsys, tmp_path):

@@ -231,7 +231,7 @@ def test_an_extend_batch_counts_no_late_held_slot(extend):
     allocator, pool = _pool()
     mode = SimpleNamespace(is_extend=lambda: extend)
     batch = SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([20]), seq_lens_cpu=[20],
-                            forward_mode=mode)
+                            forward_mode=mode, extend_seq_lens_cpu=[4] if extend else None)
     records = []
     reporter = SwaDivergenceReporter(1, sinks=[lambda record, context: records.append(record)])
     reporter.step(adapter.batch_view(allocator, pool, batch, sliding_window=5, swa_eviction_allowance=2))
@@ -239,6 +239,74 @@ def test_an_extend_batch_counts_no_late_held_slot(extend):
     # every position holds its slot: 20 - 5 - 2 = 13 are older than the window and the allowance,
     # which a prefill holds by design (SGLang evicts from the second decode step on)
     assert (records[0].swa_premature_evictions, records[0].swa_late_held_slots) == (0, 0 if extend else 13)
+
+
+def _window_record(allocator, pool, batch, **kwargs):
+    records = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda record, context: records.append(record)])
+    reporter.step(adapter.batch_view(allocator, pool, batch, sliding_window=5, swa_eviction_allowance=2, **kwargs))
+    reporter.close()
+    return records[0].swa_premature_evictions, records[0].swa_late_held_slots
+
+
+@pytest.mark.parametrize("lengths_from", ["ForwardBatch", "ScheduleBatch", "given"])
+def test_an_extend_batch_reads_from_its_first_querys_window(lengths_from):
+    """A ForwardBatch (stand-in: SGLang's ``ForwardBatch`` fields the view reads) extending row 1 by
+    its second chunk, positions 12..19 (``extend_seq_lens_cpu`` [8]), window 5 (sliding_window_size
+    4): query 12 reads 8..12, so positions 8..19 are read. Position 10 (FULL slot 11), the first
+    chunk's tail, freed: 1 premature eviction; a decode reading 15..19 would not see it."""
+    allocator, pool = _pool()
+    allocator.full_to_swa_index_mapping[11] = 0
+    fields = {"ForwardBatch": {"extend_seq_lens_cpu": [8]}, "ScheduleBatch": {"extend_lens": [8]}, "given": {}}
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([20]), seq_lens_cpu=[20],
+                            forward_mode=SimpleNamespace(is_extend=lambda: True), **fields[lengths_from])
+    given = {"extend_lens_cpu": [8]} if lengths_from == "given" else {}
+    assert _window_record(allocator, pool, batch, **given) == (1, 0)
+    decode = SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([20]), seq_lens_cpu=[20],
+                             forward_mode=SimpleNamespace(is_extend=lambda: False))
+    assert _window_record(allocator, pool, decode) == (0, 20 - 5 - 2 - 1)  # position 10 freed: not held
+
+
+def test_a_mixed_batch_takes_each_requests_extend_length():
+    """SGLang's MIXED mode (``is_extend()`` true): row 1 extends by 8 (reads 8..19 with window 5),
+    row 2 decodes (``extend_seq_lens_cpu`` 1: reads 15..19). Both rows have FULL slots 1..20 here;
+    slot 11 (position 10) freed: premature in row 1 only."""
+    allocator, pool = _pool()
+    pool.req_to_token = torch.cat([pool.req_to_token, pool.req_to_token[1:2]])
+    allocator.full_to_swa_index_mapping[11] = 0
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1, 2]), seq_lens=torch.tensor([20, 20]),
+                            seq_lens_cpu=[20, 20], forward_mode=SimpleNamespace(is_extend=lambda: True),
+                            extend_seq_lens_cpu=[8, 1])
+    assert _window_record(allocator, pool, batch) == (1, 0)
+
+
+def test_an_extend_batch_without_its_extend_lengths_gets_no_window_check():
+    allocator, pool = _pool()
+    allocator.full_to_swa_index_mapping[11] = 0
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([20]), seq_lens_cpu=[20],
+                            forward_mode=SimpleNamespace(is_extend=lambda: True), extend_seq_lens_cpu=[8, 8])
+    view = adapter.batch_view(allocator, pool, batch, sliding_window=5, swa_eviction_allowance=2)
+    assert (view.sliding_window, view.swa_eviction_allowance, view.extend_lens_cpu) == (None, None, None)
+    assert _window_record(allocator, pool, batch) == (None, None)
+
+
+@pytest.mark.parametrize("extend", [False, True])
+def test_the_per_request_swa_ring_gets_no_window_check(extend):
+    """Stand-in for SGLang's ``SWATokenToKVPoolAllocator`` in per-request SWA ring mode
+    (``swa_req_ring`` true, sglang 0.5.23 ``srt/mem_cache/allocator/swa.py``): ring mode never
+    writes ``full_to_swa_index_mapping``, so every mapping entry is 0. With a window every
+    in-window token would count as premature; the view carries none."""
+    _, pool = _pool()
+    ring = SimpleNamespace(full_to_swa_index_mapping=torch.zeros(40, dtype=torch.int64), swa_req_ring=True)
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([20]), seq_lens_cpu=[20],
+                            forward_mode=SimpleNamespace(is_extend=lambda: extend), extend_seq_lens_cpu=[8])
+    view = adapter.batch_view(ring, pool, batch, sliding_window=5, swa_eviction_allowance=2)
+    assert (view.sliding_window, view.swa_eviction_allowance, view.extend_lens_cpu) == (None, None, None)
+    assert _window_record(ring, pool, batch) == (None, None)
+    # the paged mode of the same allocator (swa_req_ring false) keeps the check: 5 (decode) or
+    # 5 + 8 - 1 = 12 (extend) in-window tokens without a slot
+    paged = SimpleNamespace(full_to_swa_index_mapping=torch.zeros(40, dtype=torch.int64), swa_req_ring=False)
+    assert _window_record(paged, pool, batch)[0] == (12 if extend else 5)
 
 
 def test_hooks_carry_the_window_into_every_view():

@@ -24,6 +24,9 @@ The runs, each shared by the tests below it:
   its OTLP traces to the same collector);
 * ``paged``: page size 4, overlap scheduler off, and one SWA page taken off the free list after
   forward step :data:`LEAK_AT_STEP` (a leak made on purpose);
+* ``chunked``: page size 1, chunked prefill of 8 tokens (as long as the window: SGLang's
+  ``sliding_window_size`` 7 + 1), the radix cache off (SGLang then evicts before each extend
+  forward, below ``prefix_len - sliding_window_size``), every forward step sampled;
 * ``by_hand``: no instrumentor (``OTEL_SWA_DIVERGENCE_INTERVAL=0``: nothing is wrapped), SGLang's
   reporter replaced by otel-swa's ``KvCanaryHooks``, the substitution docs/engines.md describes.
 """
@@ -93,6 +96,13 @@ def paged(tmp_path_factory, model, agent_binary):
                        # SGLang's own idle check sees the leak too; warn instead of stopping the engine
                        env={"OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP": str(LEAK_AT_STEP),
                             "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false"})
+
+
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory, model, agent_binary):
+    return _engine_run(tmp_path_factory, model, agent_binary, "chunked",
+                       engine={"page_size": 1, "chunked_prefill_size": 8, "disable_radix_cache": True},
+                       env={"OTEL_SWA_DIVERGENCE_INTERVAL": "1", "SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -277,6 +287,19 @@ def test_healthy_runs_count_no_premature_eviction_at_any_sample(instrumented):
         assert record.swa_late_held_slots == 0, record
     # the runs do hold SWA slots past the window between evictions: the allowance is what hides them
     assert max(instrumented.recount(r.forward_ct)["held_past_window"] for r in instrumented.ours) >= 1
+
+
+def test_chunked_prefill_counts_no_premature_eviction_where_a_chunk_reads_the_previous_one(chunked):
+    # every forward step sampled; a chunk's first query reads the previous chunk's last 7 positions:
+    # the recount (query by query, with SGLang's extend_seq_lens_cpu) and each record agree, and 0
+    chunk_steps = [line["step"] for line in chunked.probe
+                   if any(q >= 8 and n > q for q, n in zip(line.get("queries", ()), line.get("seq_lens", ())))]
+    assert chunk_steps, "no chunk after a prefix ran"
+    by_ct = {record.forward_ct: record for record in chunked.ours}
+    assert set(chunk_steps) <= set(by_ct)
+    for record in chunked.ours:
+        assert record.swa_premature_evictions == chunked.recount(record.forward_ct)["premature"] == 0, record
+    assert max(r.swa_out_of_window_tokens for r in chunked.ours) >= 1  # SGLang did evict from the window
 
 
 def test_a_page_taken_off_the_free_list_is_reported_as_leaked(paged):

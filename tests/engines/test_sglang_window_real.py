@@ -4,11 +4,15 @@ SGLang's own ``SWATokenToKVPoolAllocator`` and ``ReqToTokenPool`` hold one reque
 ``free_swa_out_of_window_slots`` evicts it as ``ScheduleBatch.maybe_evict_swa`` does at a decode
 step (``pre_len = seqlen - 1``), with and without a prefix-sharing tree cache; ``free_swa_segment``
 (what that eviction calls) frees one in-window page on purpose. Page sizes 1, 64, 128 and 256, with
-the window boundary inside a page and on a page edge. Every expected count is worked out by hand
-from the positions (the comments say how).
+the window boundary inside a page and on a page edge. An extend (chunked prefill) batch too: its
+next chunk allocated by SGLang's ``alloc``/``alloc_extend``, evicted as ``maybe_evict_swa`` does
+before an extend forward (``pre_len = prefix_lens[i]``), the previous chunk's tail page freed on
+purpose. Every expected count is worked out by hand from the positions (the comments say how).
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -123,3 +127,100 @@ def test_never_evicting_counts_every_position_past_the_window_and_allowance(sgla
     # positions 0 .. seq_len - WINDOW - allowance - 1 all still hold their SWA slot
     assert sample(sim, req, allowance) == (0, max(0, seq_len - WINDOW - allowance))
     assert sample(sim, req, 0) == (0, seq_len - WINDOW)
+
+
+# ------------------------------------------------------------------ an extend (chunked prefill) batch
+def chunked_request(sglang_modules, page_size, prefix_len, extend_len):
+    """A request whose first chunk (``prefix_len`` prompt tokens) is in SGLang's real pools and
+    whose next chunk (``extend_len`` more) has just been allocated, as ``ScheduleBatch`` does before
+    the extend forward; nothing evicted yet. Returns ``(sim, req)``, ``req.seq_len = prefix_len +
+    extend_len``."""
+    s = sglang_modules
+
+    class ByHand(s.SglangSim):
+        def evict(self, sim_req):  # the test evicts, as SGLang's scheduler would
+            pass
+
+    sim = ByHand(page_size=page_size, window=SWS, size=4096, size_swa=4096, max_reqs=2, max_context_len=2048)
+    req = sim.admit(prefix_len, prefix_len + extend_len + 10)
+    assert req is not None
+    slots = sim._alloc_tokens(req, req.row, prefix_len, extend_len)  # SGLang's alloc / alloc_extend
+    assert slots is not None
+    sim.req_to_token_pool.req_to_token[req.row, prefix_len:prefix_len + extend_len] = slots.to(torch.int32)
+    req.seq_len = prefix_len + extend_len
+    req.req.kv.kv_allocated_len = req.seq_len
+    return sim, req
+
+
+def evict_for_extend(sim, req, prefix_len, prefix_sharing):
+    """SGLang's eviction before an extend forward (``ScheduleBatch.maybe_evict_swa``: ``pre_len =
+    prefix_lens[i]``, without overlap scheduling)."""
+    from sglang.srt.mem_cache.common import free_swa_out_of_window_slots
+
+    free_swa_out_of_window_slots(
+        req.req, prefix_len, sliding_window_size=SWS, page_size=sim.page_size,
+        req_to_token_pool=sim.req_to_token_pool, token_to_kv_pool_allocator=sim.allocator,
+        supports_prefix_sharing=prefix_sharing,
+    )
+
+
+def sample_extend(sim, req, extend_len):
+    """The window counts of the extend batch as the instrumentor samples it: the ``ForwardBatch``
+    fields SGLang sets for an extend forward (``forward_mode.is_extend()``, ``extend_seq_lens_cpu``),
+    the window and allowance of :func:`sglang_window`."""
+    records = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda record, context: records.append(record)])
+    window, allowance = adapter.sglang_window(SWS, sim.page_size)
+    batch = SimpleNamespace(
+        req_pool_indices=torch.tensor([req.row]), seq_lens=torch.tensor([req.seq_len]), seq_lens_cpu=[req.seq_len],
+        forward_mode=SimpleNamespace(is_extend=lambda: True), extend_seq_lens_cpu=[extend_len],
+    )
+    reporter.step(adapter.batch_view(sim.allocator, sim.req_to_token_pool, batch, sliding_window=window,
+                                     swa_eviction_allowance=allowance))
+    reporter.close()
+    (record,) = records
+    return record.swa_premature_evictions, record.swa_late_held_slots
+
+
+# (page size, prefix_len, extend_len): the previous chunk ends on a page edge or inside a page; every
+# chunk at least as long as the window (WINDOW = 201), as SGLang's chunked_prefill_size usually is
+EXTEND_CASES = [
+    (1, 300, 256), (1, 257, 512),
+    (64, 640, 256), (64, 640 + 17, 256),
+    (128, 512, 512), (128, 512 + 100, 256),
+    (256, 768, 256), (256, 768 + 255, 512),
+]
+
+
+@pytest.mark.parametrize("page_size, prefix_len, extend_len", EXTEND_CASES)
+@pytest.mark.parametrize("prefix_sharing", [True, False], ids=["prefix-sharing", "no-prefix-sharing"])
+def test_an_extend_batch_after_sglangs_own_eviction_counts_no_premature_eviction(
+        sglang_modules, page_size, prefix_len, extend_len, prefix_sharing):
+    sim, req = chunked_request(sglang_modules, page_size, prefix_len, extend_len)
+    evict_for_extend(sim, req, prefix_len, prefix_sharing)
+    # SGLang frees below prefix_len - kept (kept = SWS without prefix sharing), rounded down to a
+    # page; the chunk's first query, at prefix_len, reads from prefix_len - SWS on
+    kept = ceil_to(max(SWS, page_size), page_size) if prefix_sharing else SWS
+    evicted = (prefix_len - kept) // page_size * page_size
+    assert first_held(sim, req) == evicted > 0
+    assert evicted <= prefix_len - SWS  # nothing the chunk reads was freed
+    assert sample_extend(sim, req, extend_len) == (0, 0)
+
+
+@pytest.mark.parametrize("page_size, prefix_len, extend_len", EXTEND_CASES)
+def test_the_previous_chunks_tail_freed_on_purpose_is_counted_exactly(sglang_modules, page_size, prefix_len,
+                                                                       extend_len):
+    """The sgl-project/sglang#8649 / #23982 class: the page holding the previous chunk's last
+    position freed before the extend forward. The chunk's first query (at ``prefix_len``) reads
+    ``prefix_len - SWS .. prefix_len``; a check of the last WINDOW positions only (``seq_len -
+    WINDOW`` on, past ``prefix_len`` since the chunk is at least WINDOW long) would count none."""
+    sim, req = chunked_request(sglang_modules, page_size, prefix_len, extend_len)
+    evict_for_extend(sim, req, prefix_len, False)
+    lo = (prefix_len - 1) // page_size * page_size
+    hi = min(lo + page_size, req.seq_len)
+    row = sim.req_to_token_pool.req_to_token[req.row, lo:hi].long()
+    sim.allocator.free_swa_segment(row, start_pos=lo)  # SGLang's own per-segment SWA free
+    oldest_read = prefix_len - SWS
+    expected = hi - max(lo, oldest_read)  # the page's positions the chunk's queries read
+    assert expected >= 1 and req.seq_len - WINDOW >= hi  # invisible to the last WINDOW positions
+    assert sample_extend(sim, req, extend_len) == (expected, 0)

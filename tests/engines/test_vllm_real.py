@@ -206,8 +206,9 @@ def trace_requests(v):
 
 def window_recount(manager, request_ids, num_tokens, scheduled):
     """``(premature, late_held, held_past_window)`` position by position over ``manager.req_to_blocks``: a null block
-    among the last WINDOW positions; a real block below ``n - WINDOW - (s + block_size - 2)``, where
-    ``s`` is the step's scheduled tokens (the table was trimmed on ``n - s`` tokens; see
+    among the positions the step's queries read (``s`` scheduled tokens, the last at ``n - 1``, each
+    reading WINDOW positions: ``n - s - WINDOW + 1`` on); a real block more than ``block_size - 1``
+    below that (the table was trimmed on ``n - s`` tokens; see
     ``otel_swa.views.vllm.window_allowance``); and every real block below ``n - WINDOW``."""
     premature = late = held = 0
     bs = manager.block_size
@@ -215,8 +216,9 @@ def window_recount(manager, request_ids, num_tokens, scheduled):
         blocks = manager.req_to_blocks[rid]
         for position in range(n):
             null = blocks[position // bs].is_null
-            premature += position >= n - WINDOW and null
-            late += position < n - WINDOW - (s + bs - 2) and not null
+            oldest_read = n - s - WINDOW + 1
+            premature += position >= oldest_read and null
+            late += position < oldest_read - (bs - 1) and not null
             held += position < n - WINDOW and not null
     return premature, late, held
 

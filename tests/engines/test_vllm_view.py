@@ -241,8 +241,9 @@ def test_both_paths_through_the_reporter_match_a_recount(block_size):
 
 
 # ------------------------------------------------------------------ the sliding-window check
-def test_window_allowance_is_the_steps_tokens_and_block_rounding():
-    assert vllm.window_allowance([1, 40], 16) == [15, 54]
+def test_window_allowance_is_the_block_rounding():
+    # the table is trimmed exactly where the step's first query reads from, in whole blocks
+    assert vllm.window_allowance([1, 40], 16) == [15, 15]
     assert vllm.window_allowance([1], 1) == [0]
     with pytest.raises(ValueError, match="every scheduled token count must be an int >= 1, got 0"):
         vllm.window_allowance([0], 16)
@@ -261,3 +262,18 @@ def test_the_view_counts_null_blocks_in_the_window_and_real_blocks_past_it():
     # positions 4, 5 (block 1); "b": none (30 < 32)
     assert (record.swa_premature_evictions, record.swa_late_held_slots) == (4, 2)
     assert sample(table.view()).swa_premature_evictions is None
+
+
+def test_the_view_counts_the_window_of_a_chunk():
+    # block 4, window 8: request "a" has 24 tokens, the last 12 (positions 12..23) scheduled in this
+    # step (a prefill chunk); its first query, at 12, reads 5..12, so positions 5..23 are read.
+    # Block 1 (positions 4..7) is null: positions 5, 6, 7 are premature; as one query (decode,
+    # positions 16..23 read) none. Block 0 (positions 0..3) is real: with the allowance 3
+    # (block_size - 1) the positions below 5 - 3 = 2, i.e. 0 and 1, are late-held.
+    blocks = [Block(1), NULL, Block(3), Block(4), Block(5), Block(6)]
+    table = vllm.read_window_table(manager(4, {"a": blocks}), ["a"], [24])
+    record = sample(table.view(sliding_window=8, swa_eviction_allowance=[3], extend_lens_cpu=(12,)))
+    assert (record.swa_premature_evictions, record.swa_late_held_slots) == (3, 2)
+    decode = sample(table.view(sliding_window=8, swa_eviction_allowance=[3]))
+    # below 16 - 3 = 13 with a real block: positions 0..3 and 8..12
+    assert (decode.swa_premature_evictions, decode.swa_late_held_slots) == (0, 4 + 5)

@@ -229,7 +229,7 @@ def test_late_held_slots_are_reported_and_never_fail(tmp_path, capsys):
                good(60, **CLEAN, swa_premature_evictions=0, swa_late_held_slots=12)]
     out = assert_all_pass(tmp_path, capsys, log_of(records))
     assert ("info   late-held SWA slots: peak swa_late_held_slots=90 at forward_ct=40 (SWA slots still held by "
-            "tokens older than the sliding window plus the engine's eviction allowance; reported, not judged)") in out
+            "tokens older than the step's sliding windows plus the engine's eviction allowance; reported, not judged)") in out
     assert "swa_premature_evictions=0 throughout" in out
     observation = judge(records)
     (group,) = observation.groups

@@ -63,7 +63,10 @@ eviction allowance (:func:`otel_swa.views.sglang.sglang_window`: the page roundi
 prefix-sharing margin and ``SGLANG_SWA_EVICTION_INTERVAL``), so each record counts the in-window
 tokens without an SWA slot (premature eviction, must be 0) and the SWA slots held past the window
 plus that allowance (late-held; a prefill's are counted at the request's first decode step, before
-SGLang's first eviction).
+SGLang's first eviction). In an extend batch the window starts where the chunk's first query reads
+(``forward_batch.extend_seq_lens_cpu``: the last ``sliding_window_size + extend_len`` positions).
+A model runner whose allocator uses the per-request SWA ring (``swa_req_ring``) gets no window
+check: that mode never writes ``full_to_swa_index_mapping``.
 
 Switch: ``OTEL_SWA_DIVERGENCE_INTERVAL`` (or SGLang's
 ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``), read when ``instrument()`` runs. Unset or 0:

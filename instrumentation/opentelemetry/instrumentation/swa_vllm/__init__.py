@@ -225,7 +225,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
             if type(window) is not int or window < 1:  # noqa: E721
                 return table.view()
             scheduled = [int(output.num_scheduled_tokens[rid]) for rid in request_ids]
-            return table.view(sliding_window=window,
+            return table.view(sliding_window=window, extend_lens_cpu=scheduled,
                               swa_eviction_allowance=view.window_allowance(scheduled, table.block_size))
 
         reporter.step(sample)

@@ -11,8 +11,11 @@ process per rank. This module is imported there (through the shims' ``.pth`` fil
   ``{"pid", "step", "divergence", "out_of_window", "live_tokens"}`` to ``probe-<pid>.jsonl``: the
   independent value the reporter's records are compared with; with the model's window
   (``ModelRunner.sliding_window_size``, which SGLang's attention reads one more than), also
-  ``"premature"``: the live tokens at positions ``>= seq_len - (sliding_window_size + 1)`` whose
-  SWA slot is 0, and ``"held_past_window"``: those before that with an SWA slot;
+  ``"premature"``: the live tokens some query of the step reads (a query at ``q`` reads ``q -
+  sliding_window_size .. q``; the step's queries are the last ``extend_seq_lens_cpu[i]`` positions
+  in an extend or mixed batch, the last one in a decode batch) whose SWA slot is 0, and
+  ``"held_past_window"``: those before them with an SWA slot, and ``"queries"`` and ``"seq_lens"``:
+  each request's queries in the step and its length;
 * **leak** (``OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP=N``): after forward step ``N``, takes the first page
   off the SWA allocator's free list, a leak made on purpose (the page is neither free nor mapped by
   any token); the line gets ``"leaked_page"``;
@@ -54,17 +57,31 @@ def recount(mapping: list[int], req_to_token, rows: list[int], seq_lens: list[in
     return divergent, out_of_window, live
 
 
-def window_recount(mapping: list[int], req_to_token, rows: list[int], seq_lens: list[int], window: int) -> tuple[int, int]:
-    """``(premature, held_past_window)`` over the live tokens of the batch, in plain Python: in the
-    last ``window`` positions without an SWA slot, before them with one."""
+def window_recount(mapping: list[int], req_to_token, rows: list[int], seq_lens: list[int], sliding_window_size: int,
+                   queries: list[int]) -> tuple[int, int]:
+    """``(premature, held_past_window)`` over the live tokens of the batch, in plain Python: the
+    positions the step's queries read (the last ``queries[i]`` positions, each reading itself and
+    the ``sliding_window_size`` before it) without an SWA slot, those before them with one."""
     premature = held = 0
-    for row, length in zip(rows, seq_lens):
+    for row, length, count in zip(rows, seq_lens, queries):
+        read = set()
+        for query in range(max(0, length - count), length):
+            read.update(range(max(0, query - sliding_window_size), query + 1))
         for pos, full in enumerate(req_to_token[row][:length]):
-            if pos >= length - window:
+            if pos in read:
                 premature += mapping[full] == 0
-            else:
+            elif pos < min(read, default=length):
                 held += mapping[full] != 0
     return premature, held
+
+
+def step_queries(forward_batch, batch: int) -> list[int]:
+    """The queries of each request in this forward step: ``extend_seq_lens_cpu`` in an extend or
+    mixed batch (``forward_mode.is_extend()``), else 1."""
+    extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
+    if forward_batch.forward_mode.is_extend() and extend is not None and len(extend) == batch:
+        return [max(1, int(n)) for n in extend]
+    return [1] * batch
 
 
 def _patch_model_runner(module) -> None:
@@ -91,8 +108,9 @@ def _patch_model_runner(module) -> None:
             sliding_window_size = int(getattr(self, "sliding_window_size", None) or 0)
             if sliding_window_size > 0:
                 tables = {r: t for r, t in zip(rows, table)}
-                premature, held = window_recount(mapping.tolist(), tables, rows, lengths, sliding_window_size + 1)
-                line.update(premature=premature, held_past_window=held)
+                queries = step_queries(forward_batch, len(rows))
+                premature, held = window_recount(mapping.tolist(), tables, rows, lengths, sliding_window_size, queries)
+                line.update(premature=premature, held_past_window=held, queries=queries, seq_lens=lengths)
         if leak_at and state["step"] == leak_at:
             swa = allocator.swa_attn_allocator
             line["leaked_page"] = int(swa.free_pages[0])
