@@ -404,3 +404,17 @@ def test_swa_entries_read_in_an_extend_batch_are_the_union_of_the_new_tokens_win
     # batch min(n, 7) per request
     assert records[-1].verify_swa == 21 + sum(min(n, WINDOW + 1) for n in decode.seq_lens.tolist())
     assert records[-1].verify_full == 29 + sum(decode.seq_lens.tolist())
+
+
+def test_sglangs_per_request_swa_ring_gets_no_reporter(sglang_standin, instrumentor, pipeline, monkeypatch):
+    """sglang 0.5.23's ring mode (``SWATokenToKVPoolAllocator.swa_req_ring``) never writes
+    full_to_swa_index_mapping: sampling it would report every token as out of window."""
+    s = sglang_standin()
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
+    instrumentor.instrument(**pipeline.providers())
+    state = CacheState(2)
+    state.allocator.swa_req_ring = True
+    runner = s.ModelRunner(state.allocator, state.pool)
+    assert runner.forward(state.next_batch()) == ("output", 1)
+    assert runner.__dict__[RUNNER_ATTRIBUTE] is None
+    assert pipeline.events() == []

@@ -54,8 +54,10 @@ union of the windows of the request's new tokens, ``min(seq_len, window + extend
 excludes the current token) and ``extend_len`` from ``forward_batch.extend_seq_lens_cpu`` (1 in a
 decode batch), from ``forward_batch.seq_lens_cpu`` on the host when SGLang has it, else from
 ``seq_lens`` on the device (two small reductions, no sync; one new token per request assumed).
-A model runner whose allocator has no ``full_to_swa_index_mapping`` (not a hybrid SWA model) and
-no canary gets no reporter.
+A model runner whose allocator has no ``full_to_swa_index_mapping`` (not a hybrid SWA model), or
+uses SGLang's per-request SWA ring (``allocator.swa_req_ring``: the mapping is never written), and
+no canary gets no reporter; with the canary, its reporter counts the canary's entries and samples
+no mapping (divergence and out-of-window 0, as for a model without SWA).
 
 The sliding-window check: every view carries the window attention reads,
 ``ModelRunner.sliding_window_size + 1`` (SGLang's value excludes the current token), and SGLang's
@@ -239,7 +241,10 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                 # counts the entries attention reads after each forward instead.
                 counts_from_canary = reporter is not None
                 allocator = getattr(runner, "token_to_kv_pool_allocator", None)
-                is_swa = getattr(allocator, "full_to_swa_index_mapping", None) is not None
+                # SGLang's per-request SWA ring (allocator.swa_req_ring) never writes the mapping:
+                # nothing to sample there (every token would read as out of window)
+                is_swa = (getattr(allocator, "full_to_swa_index_mapping", None) is not None
+                          and getattr(allocator, "swa_req_ring", False) is not True)
                 window = int(getattr(runner, "sliding_window_size", None) or 0)
                 ranks = _ranks()
                 if reporter is None and is_swa and window > 0:
