@@ -60,8 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep reading a growing file until observed or SECONDS have passed (default 0: read once)")
     parser.add_argument("--new", action="store_true",
                         help="judge only the run being written: with --wait on a log that already holds finished "
-                             "runs (--log-file appends), the records written after check starts and the earlier "
-                             "records of their run, never an earlier, finished run")
+                             "runs (--log-file appends), nothing passes until a record is written after check "
+                             "starts; then the last run is judged whole, never an earlier, finished run")
     parser.add_argument("--poll", type=positive_seconds, default=DEFAULT_POLL_S, metavar="SECONDS",
                         help=f"pause between reads while waiting (default {DEFAULT_POLL_S})")
     parser.add_argument("-v", "--verbose", action="store_true",

@@ -15,10 +15,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Sequence
 
 from otel_swa.testing.judge import SIGNALS, SwaObservation, check_modes, judge
 from otel_swa.testing.sources import Snapshot, Source, SourceLike, open_source
-from otel_swa.testing.runs import RunRecords
+from otel_swa.testing.runs import RunRecord, RunRecords
 
 __all__ = [
     "DEFAULT_TIMEOUT_S",
@@ -61,21 +62,39 @@ def judge_snapshot(snapshot: Snapshot, describe: str, waited_s: float = 0.0, **r
                  problem=snapshot.problem, empty=snapshot.empty, **rules)
 
 
-def _run_being_written(snapshot: Snapshot, already: int) -> tuple[Snapshot, tuple[str, ...]]:
-    """The records added after the first ``already`` ones, with the earlier records of their runs
-    (same part, writer and run), and the note saying what was left out."""
-    if not already:
-        return snapshot, ()
+def _awaits_audit_line(records: Sequence[RunRecord]) -> bool:
+    """Whether the last record of some place is otel-swa's and has no audit line yet (a line sink
+    writes it right after the record, in a second write)."""
+    last: dict = {}
+    for item in records:
+        last[item.part] = item.record
+    return any(record.verify_source is not None and record.audit_line() is None for record in last.values())
+
+
+def _part_counts(records: Sequence[RunRecord]) -> dict:
+    """How many records each part (place of the source) holds."""
+    counts: dict = {}
+    for item in records:
+        counts[item.part] = counts.get(item.part, 0) + 1
+    return counts
+
+
+def _run_being_written(snapshot: Snapshot, already: dict) -> tuple[Snapshot, tuple[str, ...]]:
+    """The records of the places (parts) that got records since the first read (``already``: the
+    records of each part then), whole, so that the run being written is judged with its earlier
+    records and its ranks' earlier runs (a dead rank); and the note saying what was left out."""
     records = snapshot.records
-    new = records[already:]
-    writing = {(item.part, item.writer, item.run) for item in new}
-    earlier = [item for item in records[:already] if (item.part, item.writer, item.run) in writing]
-    left_out = already - len(earlier)
-    note = f"new only: {left_out} record(s) of finished runs already in the source when the wait began were not judged"
-    if earlier:
-        note += f"; {len(earlier)} earlier record(s) of the run being written were"
-    kept = RunRecords(earlier + list(new), getattr(records, "started", ()))
-    return dataclasses.replace(snapshot, records=kept), (note,)
+    counts = _part_counts(records)
+    growing = {part for part, count in counts.items() if count > already.get(part, 0)}
+    if not growing:
+        before = sum(already.values())
+        note = (f"new only: no record was written during the wait; the {before} record(s) already in the source "
+                "when it began were not judged" if before else "new only: no record was written during the wait")
+        return dataclasses.replace(snapshot, records=RunRecords((), getattr(records, "started_ranks", ()))), (note,)
+    left_out = sum(count for part, count in counts.items() if part not in growing)
+    kept = RunRecords((item for item in records if item.part in growing), getattr(records, "started_ranks", ()))
+    notes = (f"new only: {left_out} record(s) of places that got no record during the wait were not judged",) if left_out else ()
+    return dataclasses.replace(snapshot, records=kept), notes
 
 
 def wait_for_observation(
@@ -101,12 +120,15 @@ def wait_for_observation(
     is a final one: an unterminated last line counts too. A missing log file is waited for like a
     late record; if it still does not exist at the end, :attr:`SwaObservation.problem` says so.
     The wait ends at the first read that passes: a fault logged later is not seen then (judge the
-    finished log again for that).
+    finished log again for that). A pass whose last record is otel-swa's and has no audit line yet
+    is read once more, one ``poll_s`` later: the line sink writes the audit line right after it.
 
     ``new_only``: judge only the run being written, into a log that already holds finished runs
-    (``--log-file`` appends): the records added after the first read and the earlier records of
-    the same runs (a fault the current run logged before the wait began still fails it); a
-    finished earlier run that passes then never passes for the one being written.
+    (``--log-file`` appends): nothing passes until a record is written during the wait; then the
+    runs judged (``runs``, default the last) are those of the places (a file, the capture's sink)
+    that got it, with all their records, so the run being written is judged whole (a fault it
+    logged before the wait began still fails it) and a rank of an earlier run that wrote nothing
+    in it is a dead rank; a finished earlier run that passes never passes for the one being written.
 
     Args:
         min_divergence, min_out_of_window, require_verify_lag, require_clean_audit, runs, ranks,
@@ -137,6 +159,7 @@ def wait_for_observation(
     start = time.monotonic()
     deadline = start + timeout_s
     already = None  # with new_only: records in the source when the wait began
+    settled = None  # the record count at which a pass waited one poll for a last audit line
     while True:
         now = time.monotonic()
         final = now >= deadline
@@ -145,11 +168,18 @@ def wait_for_observation(
         notes: tuple[str, ...] = ()
         if new_only:
             if already is None:
-                already = len(snapshot.records)
+                already = _part_counts(snapshot.records)
             snapshot, notes = _run_being_written(snapshot, already)
         observation = judge_snapshot(snapshot, src.describe, waited, **rules)
         if notes:
             observation = dataclasses.replace(observation, notes=observation.notes + notes)
+        if observation.ok and not final and src.growing and _awaits_audit_line(snapshot.records):
+            # the last record may be followed by its audit line in a moment (a second write):
+            # read once more before passing, or a fault on that line would be missed
+            if settled != len(snapshot.records):
+                settled = len(snapshot.records)
+                time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+                continue
         if observation.ok or final:
             return observation
         time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))

@@ -175,7 +175,9 @@ class SwaRecordCapture:
             records = [dataclasses.replace(item, part=None) for item in nonempty[0]]
         else:
             records = [item for part in nonempty for item in part]
-        started = frozenset().union(*(getattr(part, "started", frozenset()) for _, part in parts))
+        started = frozenset().union(*(getattr(part, "started_ranks", frozenset()) for _, part in parts))
+        if len(nonempty) == 1:  # one place: no part labels
+            started = frozenset((None, writer, rank) for _, writer, rank in started)
         return Snapshot(RunRecords(records, started), errors, "; ".join(problems) or None)
 
     def _as_source(self) -> Source:

@@ -10,9 +10,10 @@ The signals, as SGLang's CI helper ``assert_swa_divergence_observed`` defines th
 (sgl-project/sglang PR #26820):
 
 * ``divergence``: the **peak** ``swa_full_idx_divergence`` over the group's records is at least
-  ``min_divergence`` (default 1); not judged for a group whose records all say
+  ``min_divergence`` (default 1); not judged for a group with a record that says
   ``divergence_applicable=false`` (an engine without a FULL-to-SWA mapping, vLLM: the line's 0 is
-  a placeholder), and records that say so are left out of the peak;
+  a placeholder; one engine writes a rank's run, so a record whose audit line was lost does not
+  turn the rule back on);
 * ``out-of-window``: the **peak** ``swa_out_of_window_tokens`` is at least ``min_out_of_window``;
 * ``verify lag``: the **last** record has ``verify_swa < verify_full`` (both counters are
   cumulative; a negative value, from a wrapped 32-bit counter, cannot show it);
@@ -170,7 +171,7 @@ class GroupVerdict:
         reported_peaks: one :class:`AuditPeak` per :data:`REPORTED_RULES` field present.
         failures: the failed signals with their reasons, in :data:`SIGNALS` order.
         missing_from: for a rank without records in this run, the runs where it has some.
-        divergence_applicable: ``False`` when every record of the group says its engine has no
+        divergence_applicable: ``False`` when a record of the group says its engine has no
             FULL-to-SWA mapping (vLLM: ``"divergence_applicable":false`` on the audit line): the
             divergence rule is then not judged (its 0 is a placeholder, not a measurement).
     """
@@ -299,7 +300,7 @@ def _label(group: GroupVerdict, obs: SwaObservation) -> str:
     parts = []
     if group.part is not None:
         parts.append(group.part)
-    if obs.lines_mode == "both":
+    if obs.lines_mode == "both" or len({g.writer for g in obs.groups}) > 1:
         parts.append(f"{group.writer} lines")
     if group.run is not None and any(n.startswith("runs:") for n in obs.notes):
         parts.append(f"run {group.run}")
@@ -401,10 +402,12 @@ def _evaluate(
     require_clean_audit: bool,
 ) -> GroupVerdict:
     peak_div, peak_div_at, peak_oow, peak_oow_at = 0, None, 0, None
-    applicable = not items or any(item.record.divergence_applicable for item in items)
+    # one engine writes a rank's run: a record that says divergence is not applicable (vLLM) says it
+    # for the run, also for a record whose audit line was lost (a kill between its two lines)
+    applicable = all(item.record.divergence_applicable for item in items)
     for item in items:
         record = item.record
-        if record.divergence_applicable and (peak_div_at is None or record.swa_full_idx_divergence > peak_div):
+        if applicable and (peak_div_at is None or record.swa_full_idx_divergence > peak_div):
             peak_div, peak_div_at = record.swa_full_idx_divergence, record.forward_ct
         if peak_oow_at is None or record.swa_out_of_window_tokens > peak_oow:
             peak_oow, peak_oow_at = record.swa_out_of_window_tokens, record.forward_ct
@@ -523,11 +526,11 @@ def judge(
     _check_threshold("min_divergence", min_divergence)
     _check_threshold("min_out_of_window", min_out_of_window)
     check_modes(runs, ranks, lines)
-    started = getattr(records, "started", frozenset())
+    started_ranks = getattr(records, "started_ranks", frozenset())
     items = list(records)
     if not all(isinstance(item, RunRecord) for item in items):
         items = split_runs(items)
-        started = items.started
+        started_ranks = items.started_ranks
     rules = dict(min_divergence=min_divergence, min_out_of_window=min_out_of_window,
                  require_verify_lag=bool(require_verify_lag), require_clean_audit=bool(require_clean_audit))
 
@@ -542,15 +545,21 @@ def judge(
         present = [w for w in (OTEL_SWA_LINES, SGLANG_LINES) if (part, w) in streams]
         if lines == "auto":
             chosen = present[:1]
-            if present == [SGLANG_LINES] and OTEL_SWA_LINES in started:
+            if present == [SGLANG_LINES] and any(p == part and w == OTEL_SWA_LINES for p, w, _ in started_ranks):
                 notes.append("lines: otel-swa's line sink started (a run start marker) but wrote no record: its "
                              "reporter took no sample (interval, run length?); judged SGLang's own lines, without "
                              "otel-swa's SWA slot audit and window check")
             if len(present) == 2:
-                counts = (len(streams[(part, OTEL_SWA_LINES)]), len(streams[(part, SGLANG_LINES)]))
-                notes.append(f"lines: otel-swa's tagged lines ({counts[0]} records) and SGLang's own untagged lines "
-                             f"({counts[1]}) are both here; judged otel-swa's (--lines sglang or --lines both "
-                             "judges SGLang's)")
+                ours, theirs = streams[(part, OTEL_SWA_LINES)], streams[(part, SGLANG_LINES)]
+                later = _run_after(theirs, ours)
+                if later is not None:
+                    chosen = present  # a restart without otel-swa's lines: its run must be judged too
+                    notes.append(f"lines: SGLang's own lines hold a run that began after otel-swa's last record "
+                                 f"(line {later}: a restart without otel-swa's reporter?); judged both writers' lines")
+                else:
+                    notes.append(f"lines: otel-swa's tagged lines ({len(ours)} records) and SGLang's own untagged "
+                                 f"lines ({len(theirs)}) are both here; judged otel-swa's (--lines sglang or --lines "
+                                 "both judges SGLang's)")
         elif lines == "both":
             chosen = present
         else:
@@ -562,6 +571,8 @@ def judge(
         for writer in chosen:
             stream = streams[(part, writer)]
             groups.extend(_judge_stream(stream, writer, part, runs, ranks, notes, failures, rules, len(chosen) > 1))
+            if ranks == "each":
+                groups.extend(_started_only(stream, writer, part, started_ranks, notes, rules))
     if not groups:
         groups.append(_evaluate([], writer=lines if lines in (OTEL_SWA_LINES, SGLANG_LINES) else OTEL_SWA_LINES,
                                 run=None, rank=None, part=None, missing_from=(), **rules))
@@ -610,6 +621,31 @@ def judge(
         ranks_mode=ranks,
         lines_mode=lines,
     )
+
+
+def _run_after(theirs: Sequence[RunRecord], ours: Sequence[RunRecord]) -> int | None:
+    """The line where ``theirs``' last run begins, when that is after ``ours``' last record (both
+    from one log with line numbers), else ``None``."""
+    last_ours = max((item.line_no for item in ours if item.line_no is not None), default=None)
+    last_run = theirs[-1].run if theirs else None
+    first = next((item.line_no for item in theirs if item.run == last_run and item.line_no is not None), None)
+    if last_ours is None or first is None or first <= last_ours:
+        return None
+    return first
+
+
+def _started_only(stream: Sequence[RunRecord], writer: str, part: str | None, started_ranks: frozenset,
+                  notes: list[str], rules: dict) -> list[GroupVerdict]:
+    """A failing group for each rank of ``writer`` that wrote a run start marker and no record at
+    all (a rank whose reporter never sampled, or that died before its first sample)."""
+    with_records = {item.rank for item in stream}
+    silent = sorted({rank for p, w, rank in started_ranks if p == part and w == writer and rank not in with_records},
+                    key=lambda rank: (rank is None, rank or ""))
+    groups = []
+    for rank in silent:
+        notes.append(f"ranks: {rank or 'a writer without rank'} wrote a run start marker and no record")
+        groups.append(_evaluate([], writer=writer, run=None, rank=rank, part=part, missing_from=(), **rules))
+    return groups
 
 
 def _group_items(items: Sequence[RunRecord], group: GroupVerdict) -> list[RunRecord]:

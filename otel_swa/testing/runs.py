@@ -93,13 +93,15 @@ class _WriterState:
 
 
 class RunRecords(list):
-    """The :class:`RunRecord` items of :func:`split_runs` (a ``list``), and which writers wrote a
-    run start marker (:attr:`started`: a writer may have started and written no record, e.g. an
-    otel-swa reporter that took no sample, beside SGLang's own lines)."""
+    """The :class:`RunRecord` items of :func:`split_runs` (a ``list``), and where run start markers
+    were written: :attr:`started_ranks`, ``(part, writer, rank)`` of every marker (a rank may have
+    started and written no record: an otel-swa reporter that took no sample, a rank that died), and
+    :attr:`started`, the writers among them."""
 
-    def __init__(self, items: Iterable[RunRecord] = (), started: Iterable[str] = ()) -> None:
+    def __init__(self, items: Iterable[RunRecord] = (), started_ranks: Iterable[tuple] = ()) -> None:
         super().__init__(items)
-        self.started = frozenset(started)
+        self.started_ranks = frozenset(started_ranks)
+        self.started = frozenset(writer for _, writer, _ in self.started_ranks)
 
 
 def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers: bool = True) -> RunRecords:
@@ -136,7 +138,7 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
                 if hasattr(entry, "pid") and hasattr(entry, "verify_source"):  # a run start marker
                     state = writers.setdefault(writer_of(entry.verify_source), _WriterState())
                     state.ranks.setdefault(rank, _RankState()).marker = True
-                    started.add(writer_of(entry.verify_source))
+                    started.add((part, writer_of(entry.verify_source), rank))
                     continue
                 if hasattr(entry, "audit") and hasattr(entry, "forward_ct"):  # an audit line, already attached
                     continue
@@ -169,5 +171,4 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
         rs.marker = False
         rs.before_last_ct, rs.last_ct = rs.last_ct, ct
         out.append(RunRecord(record, rs.run, rank, writer, line_no, part, back_and_forth))
-    out.started = frozenset(started)
-    return out
+    return RunRecords(out, started)

@@ -343,12 +343,20 @@ def test_a_vllm_run_without_out_of_window_tokens_still_fails(tmp_path, capsys):
     assert "FAILED divergence" not in out
 
 
-def test_sglangs_lines_beside_a_vllm_flagged_record_keep_the_divergence_rule():
-    # records of one group, some flagged, some not: the peak is taken over the applicable ones only
-    records = [vllm_sample(20), R(40, 4000, 1200, 0, 10, verify_source="attention")]
-    obs = judge(records)
-    assert not obs.ok and obs.groups[0].failed == ("divergence",)
-    assert obs.groups[0].peak_divergence_at == 40
+def test_a_vllm_run_whose_last_audit_line_was_lost_still_passes(tmp_path, capsys):
+    # killed between the last record's two lines: that record carries no flag of its own
+    text = log_of([vllm_sample(20), vllm_sample(40)]) + (
+        f"[2026-01-01 00:00:01 TP0] {vllm_sample(60).line()}\n")
+    out = assert_all_pass(tmp_path, capsys, text)
+    assert "n/a    divergence" in out
+
+
+def test_the_divergence_rule_holds_for_every_run_that_never_says_not_applicable(tmp_path, capsys):
+    # a vLLM run, then an SGLang run without divergence restarted onto the same log: the last run
+    # (SGLang's) is judged with the rule
+    sglang_run = [R(ct, 100 * ct, 30 * ct, 0, 40, verify_source="attention") for ct in (20, 40)]
+    out = assert_all_fail(tmp_path, capsys, log_of([vllm_sample(20), vllm_sample(40)], sglang_run), "divergence")
+    assert "n/a" not in out
 
 
 def test_an_otel_swa_sink_that_started_and_wrote_nothing_is_said_beside_sglangs_lines(tmp_path, capsys):
@@ -362,3 +370,44 @@ def test_an_otel_swa_sink_that_started_and_wrote_nothing_is_said_beside_sglangs_
     path = tmp_path / "server.log"
     capture.follow(path)
     assert note in capture.assert_observed(timeout_s=0).explain()
+
+
+# ------------------------------------------------------------------ a restart without otel-swa's lines
+def bare(ct, good=True, rank="TP0"):
+    """SGLang's own line (its canary's reporter), untagged."""
+    record = R(ct, 100 * ct, (30 if good else 100) * ct, 5 if good else 0, 40 if good else 0)
+    return f"[2026-01-01 00:00:02 {rank}] {record.format()}\n"
+
+
+def test_sglangs_run_after_otel_swas_last_record_is_judged_too(tmp_path, capsys):
+    # a healthy run with both writers, then a restart where only SGLang's canary wrote, broken
+    both = "".join(log_of([good(ct)], marker=(ct == 20)) + bare(ct) for ct in (20, 40))
+    text = both + "".join(bare(ct, good=False) for ct in (20, 40, 60))
+    out = assert_all_fail(tmp_path, capsys, text, "divergence")
+    assert "SGLang's own lines hold a run that began after otel-swa's last record" in out
+    assert "sglang lines, run 2" in out and "FAILED" in out
+
+
+def test_a_restart_whose_otel_swa_sink_only_started_is_judged_on_sglangs_lines(tmp_path, capsys):
+    text = log_of([good(20), good(40)]) + f"[2026-01-01 00:00:02 TP0] {run_start_line('attention', pid=200)}\n"
+    text += "".join(bare(ct, good=False) for ct in (20, 40))
+    assert_all_fail(tmp_path, capsys, text, "divergence", "judged both writers")
+
+
+def test_a_vllm_run_then_a_broken_sglang_restart_fails(tmp_path, capsys):
+    text = log_of([vllm_sample(20), vllm_sample(40)]) + "".join(bare(ct, good=False) for ct in (20, 40))
+    assert_all_fail(tmp_path, capsys, text, "divergence")
+
+
+def test_both_writers_on_the_same_steps_judge_otel_swas_lines_only(tmp_path, capsys):
+    text = "".join(log_of([good(ct)], marker=(ct == 20)) + bare(ct, good=False) for ct in (20, 40, 60))
+    out = assert_all_pass(tmp_path, capsys, text)  # SGLang's bare lines here are a placeholder writer
+    assert "judged otel-swa's (--lines sglang or --lines both judges SGLang's)" in out
+
+
+def test_a_rank_that_started_and_wrote_no_record_fails(tmp_path, capsys):
+    text = (f"[2026-01-01 00:00:00 TP1] {run_start_line('attention', pid=2)}\n"
+            + log_of([good(20), good(40)], rank="TP0"))
+    out = assert_all_fail(tmp_path, capsys, text, "TP1")
+    assert "ranks: TP1 wrote a run start marker and no record" in out
+    assert "TP0: ok" in out and "TP1: FAILED" in out

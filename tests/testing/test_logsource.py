@@ -147,3 +147,4 @@ def test_follower_attaches_an_audit_line_read_in_a_later_poll(tmp_path):
     assert [r.record for r in follower.records] == [record]
     assert follower.entries[0] == LoggedRunStart(1, "2025-06-01 12:00:20", "TP0", "attention", 9)
     assert follower.malformed == 0
+

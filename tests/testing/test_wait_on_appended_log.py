@@ -67,8 +67,8 @@ def test_new_only_with_nothing_written_fails_saying_what_was_left_out(tmp_path, 
     log.write_text(_run_lines(1, True))
     observation = wait_for_observation(log, timeout_s=0.3, poll_s=0.1, new_only=True)
     assert not observation.ok
-    assert any("3 record(s) of finished runs already in the source when the wait began were not judged" in n
-               for n in observation.notes)
+    assert any("no record was written during the wait; the 3 record(s) already in the source when it began "
+               "were not judged" in n for n in observation.notes)
     assert main(["check", str(log), "--wait", "0.3", "--new"]) == 1
     assert "not judged" in capsys.readouterr().out
 
@@ -94,5 +94,85 @@ def test_a_fault_the_run_being_written_logged_before_the_wait_still_fails_it(tmp
     writer.join()
     assert not observation.ok and observation.groups[0].failed == ("audit",)
     assert observation.groups[0].records == 3  # run 2 whole: its record from before the wait and the two after
-    assert any("3 record(s) of finished runs already in the source when the wait began were not judged; "
-               "1 earlier record(s) of the run being written were" in n for n in observation.notes)
+    assert observation.groups[0].run == 2  # the run being written, not the finished run 1
+
+
+def _rank_lines(rank: str, pid: int, cts, good: bool = True) -> str:
+    out = [f'[2026-01-01 00:00:00 {rank}] otel_swa[verify=attention] otel_swa_run_start={{"pid":{pid}}}']
+    for ct in cts:
+        record = SwaDivergenceRecord(ct, 100 * ct, (50 if good else 100) * ct, 7 if good else 0, 30 if good else 0,
+                                     verify_source="attention")
+        out.append(f"[2026-01-01 00:00:00 {rank}] {record.line()}")
+    return "\n".join(out) + "\n"
+
+
+def test_a_rank_of_the_run_being_written_that_wrote_nothing_is_a_dead_rank(tmp_path, capsys):
+    from otel_swa.cli import main
+
+    log = tmp_path / "app.log"
+    log.write_text(_rank_lines("TP0", 1, (20,)) + _rank_lines("TP1", 2, (20,)))  # run 1: both ranks
+
+    def restart_with_one_rank():
+        time.sleep(0.4)
+        with open(log, "a") as f:
+            f.write(_rank_lines("TP0", 3, (20, 40)))  # run 2: TP1 never writes
+
+    writer = threading.Thread(target=restart_with_one_rank)
+    writer.start()
+    assert main(["check", str(log), "--new", "--wait", "1.5", "--poll", "0.1"]) == 1
+    writer.join()
+    out = capsys.readouterr().out
+    assert "run 2, TP1: FAILED" in out and "a dead rank?" in out
+
+
+def test_new_only_on_a_capture_judges_the_place_that_got_the_new_run(tmp_path):
+    from otel_swa.testing import SwaDivergenceNotObserved, SwaRecordCapture, assert_swa_divergence_observed
+    import pytest
+
+    first, second = tmp_path / "a.log", tmp_path / "b.log"
+    first.write_text(_run_lines(1, True))
+    second.write_text(_run_lines(2, True))
+    capture = SwaRecordCapture()
+    capture.follow(first)
+    capture.follow(second)
+
+    def append_a_failing_run():
+        time.sleep(0.4)
+        with open(first, "a") as f:
+            f.write(_run_lines(3, False))
+
+    writer = threading.Thread(target=append_a_failing_run)
+    writer.start()
+    with pytest.raises(SwaDivergenceNotObserved) as failed:
+        assert_swa_divergence_observed(capture, new_only=True, timeout_s=1.5, poll_s=0.1)
+    writer.join()
+    message = str(failed.value)
+    assert "a.log, run 2" in message and "FAILED divergence" in message
+    assert "b.log" not in message.split("new only")[0].split("\n", 1)[1]  # b.log got nothing new: not judged
+
+
+def test_a_pass_waits_one_poll_for_the_audit_line_of_the_last_record(tmp_path):
+    log = tmp_path / "app.log"
+    record = SwaDivergenceRecord(20, 200, 60, 3, 4, verify_source="attention", swa_leaked_slots=0, swa_stale_tokens=0,
+                                 swa_shared_slots=0, swa_premature_evictions=9)
+    line, audit = record.lines()
+    log.write_text(f'[2026-01-01 00:00:00 TP0] otel_swa[verify=attention] otel_swa_run_start={{"pid":1}}\n'
+                   f"[2026-01-01 00:00:00 TP0] {line}\n")  # the audit line not written yet
+
+    def write_the_audit_line():
+        time.sleep(0.15)
+        with open(log, "a") as f:
+            f.write(f"[2026-01-01 00:00:00 TP0] {audit}\n")
+
+    writer = threading.Thread(target=write_the_audit_line)
+    writer.start()
+    observation = wait_for_observation(log, timeout_s=3.0, poll_s=0.3)
+    writer.join()
+    assert not observation.ok and observation.groups[0].failed == ("audit",)
+
+
+def test_a_last_record_without_an_audit_line_passes_after_one_more_poll(tmp_path):
+    log = tmp_path / "app.log"
+    log.write_text(_run_lines(1, True))  # records without audit lines (no audit, no window)
+    observation = wait_for_observation(log, timeout_s=5.0, poll_s=0.2)
+    assert observation.ok and 0.2 <= observation.waited_s < 1.0
