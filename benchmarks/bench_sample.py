@@ -6,8 +6,11 @@ thread):
 1. **audit / no audit**: one sampling ``reporter.step`` with the SWA slot audit over its inputs
    against the same step without, 56K live tokens (56 requests x 1000) that are also the holders,
    a healthy SWA pool of 8192 slots (8000 of the holders in the window, each on its own SWA slot;
-   the rest freed), FULL pools of 65K, 1M and 4M slots. The audit reads the holders and the free
-   list only, so the ratio should not grow with the pool;
+   the rest freed), FULL pools of 65K, 1M and 4M slots, with the holders listed (the audit
+   gathers each one's SWA slot, as for SGLang's view) and with the batch's tokens as the holders
+   (``holders_include_batch``: the audit takes them from the sample's own gathers, as for the
+   reference engine). The audit reads the holders and the free list only, so the ratio should not
+   grow with the pool;
 2. **gather vs dense** at 100 % fill: the sample as chosen per sample (auto), and the live gather
    forced, each over the project's own dense (whole-row) gather of the same batch;
 3. **vs SGLang**: the dense gather SGLang's reporter does (``req_to_token[req_pool_indices]``, then
@@ -144,30 +147,34 @@ def main() -> None:
     totals = torch.zeros(2, dtype=torch.int64, device=device)
 
     if "1" in sections:
-        # 1. audit / no audit, FULL pool sizes
+        # 1. audit / no audit, FULL pool sizes: the holders listed (every one gathered by the audit,
+        # as the SGLang view gives them), or the batch's tokens as holders through the sample's
+        # own gathers (holders_include_batch, as the reference engine gives them; none listed)
         rows_out = []
         pools = (65536, 1 << 16, 1 << 18) if args.quick else (65536, 1 << 20, 1 << 22)
         for pool in pools:
             per_request = 100 if args.quick else 1000
             r2t, mapping, rows, lens, holders = make_batch(56, 4096, per_request, pool, device)
             free = healthy_swa_pool(mapping, holders, 8192, min(8000, holders.numel()))
-            audit = SwaAuditInputs(free, 8192, 1, holders)
-            with_audit = SwaDivergenceReporter(1, device=device, ring_size=8)
-            without = SwaDivergenceReporter(1, device=device, ring_size=8)
-            v_audit = view_of(r2t, mapping, rows, lens, device, audit)
-            v_plain = view_of(r2t, mapping, rows, lens, device)
+            listed = SwaAuditInputs(free, 8192, 1, holders)
+            batch_held = SwaAuditInputs(free, 8192, 1, holders[:0], holders_include_batch=True)
+            reporters = {name: SwaDivergenceReporter(1, device=device, ring_size=8) for name in ("listed", "batch", "plain")}
+            views = {"listed": view_of(r2t, mapping, rows, lens, device, listed),
+                     "batch": view_of(r2t, mapping, rows, lens, device, batch_held),
+                     "plain": view_of(r2t, mapping, rows, lens, device)}
 
             def step(reporter, view):
                 reporter.step(view)
                 reporter.flush()
 
             got = interleaved({
-                "audit": timed(lambda: step(with_audit, v_audit), 5, sync),
-                "plain": timed(lambda: step(without, v_plain), 5, sync),
+                name: timed(lambda name=name: step(reporters[name], views[name]), 5, sync) for name in views
             }, rounds, warmup=3)  # the first shape of a process runs slow for a few rounds (allocator, caches)
-            rows_out.append((f"{sum(lens) // 1000}K live, FULL pool {pool:,}", fmt(got["audit"], 1e3, 3), fmt(got["plain"], 1e3, 3),
-                             fmt(ratios(got["audit"], got["plain"]), 1, 2, "x")))
-        print_table("1. SWA slot audit / no audit (one sampling step, ms)", ("shape", "with audit", "without", "audit / no audit"), rows_out)
+            rows_out.append((f"{sum(lens) // 1000}K live, FULL pool {pool:,}", fmt(got["listed"], 1e3, 3),
+                             fmt(got["batch"], 1e3, 3), fmt(got["plain"], 1e3, 3),
+                             fmt(ratios(got["listed"], got["plain"]), 1, 2, "x"), fmt(ratios(got["batch"], got["plain"]), 1, 2, "x")))
+        print_table("1. SWA slot audit / no audit (one sampling step, ms; holders listed, or the batch's tokens through the sample's gathers)",
+                    ("shape", "audit, listed", "audit, batch", "without", "listed / none", "batch / none"), rows_out)
 
     if "2" in sections:
         # 2. gather vs dense at 100 % fill

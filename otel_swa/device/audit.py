@@ -15,19 +15,29 @@ holder (a running request, the prefix cache) still reads maps its FULL slot to a
   The same FULL slot held twice (prefix sharing) is not a fault and is not counted.
 
 Out-of-range ids (a free page id outside ``1..num_pages``, a FULL slot outside the mapping, an SWA
-slot beyond the pool) are ignored rather than read out of bounds.
+slot beyond the pool) are ignored rather than read out of bounds; FULL slot 0 is padding (its
+mapping is 0 in every engine) and holds nothing.
 
-Cost. The audit reads only the ``n`` holder slots and the ``k`` free page ids: O(n + k) work, none
-of it proportional to the pool sizes, and no table over the FULL pool. Distinct values (distinct
-free pages, distinct referenced pages, SWA slots reached twice) are found without sorting and
-without clearing a table: every element writes its own index ``i`` into a table cell addressed by
-its value (``table[value_i] = i``; with duplicates one writer wins), then reads the cell back; the
-elements that read their own index are one per distinct value. Free-list membership is a stamp
-(one per audit) written into the free pages' cells. The tables are as long as the SWA id ranges (SWA
-pages, SWA slots) but never scanned; they are kept by a
-:class:`~otel_swa.device.workspace.Workspace` on the CPU and taken from the caching allocator for
-each audit on CUDA (the small stamp table is kept on every device). No atomic operation is involved
-(the old pool-wide ``index_add_`` piled them on index 0 on a GPU).
+Cost. The audit reads the ``n`` holder slots and the ``k`` free page ids, and sweeps the SWA pool's
+page cells (``num_swa_pages + 2``): never a table over the FULL pool. Free pages and the pages
+holders map into are one bit per page cell (a bool table cleared and written at the ids, then
+counted); in a healthy pool the pages are the free ones plus those holders map into, so the sweep
+is O(n + k) too (leaked pages add to it). Shared SWA slots: every holder writes its FULL slot into
+its SWA slot's cell (``table[slot_i] = full_i``; with duplicates one writer wins) and reads the
+cell back; a holder that reads another FULL slot shares its slot, and the distinct slots of those
+holders are marked in a bit per SWA slot (counted when the SWA pool's slots are at most ``4 n``;
+otherwise found without a sweep: each such holder writes its own index into its slot's cell, and
+the holders that read their own index back are one per slot). Routing an element to cell 0 is a
+multiplication by a 0/1 mask (``masked_fill_`` and ``where`` branch per element and run several
+times slower on the CPU when the mask is random). Every temporary of ``n`` elements is a
+:class:`~otel_swa.device.workspace.Workspace` buffer (kept on the CPU, where a fresh one of a few
+hundred KB is an ``mmap`` whose pages fault in as they are written; from the caching allocator on
+CUDA). No atomic operation is involved (the old pool-wide ``index_add_`` piled them on index 0 on
+a GPU), and no host sync.
+
+When the batch's live tokens are holders too, the sample's own gathers give their FULL and SWA
+slots (:func:`audit_holder_slots`, ``SwaAuditInputs.holders_include_batch``): the audit then
+gathers only the other holders.
 """
 
 from __future__ import annotations
@@ -38,14 +48,11 @@ import torch
 
 from otel_swa.device.workspace import Workspace
 
-__all__ = ["AUDIT_WIDTH", "SwaSlotAudit", "audit_counts", "audit_swa_slots"]
+__all__ = ["AUDIT_WIDTH", "SwaSlotAudit", "audit_counts", "audit_holder_slots", "audit_swa_slots", "holder_slots"]
 
 #: Values written by :func:`audit_counts`: pages in use, pages in use that live tokens map into,
 #: leaked pages, stale tokens, shared SWA slots (all int64).
 AUDIT_WIDTH = 5
-
-_INDEX = torch.int32  # table cells hold element indices (< 2**31 elements per audit)
-
 
 def _first_of_each_value(table: torch.Tensor, keys: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """``bool [n]``: True for one element per distinct value of ``keys`` (``int64 [n]``, valid
@@ -77,11 +84,15 @@ def audit_counts(
         num_swa_pages: pages of the SWA pool (ids ``1 .. num_swa_pages``), host int >= 1.
         page_size: slots per page, host int >= 1.
         holder_full_slots: ``int [n]``, the FULL slot of every token a live holder still reads;
-            give all holders, or the missing ones' pages show as leaked.
+            give all holders, or the missing ones' pages show as leaked. FULL slot 0 (padding)
+            and ids outside the mapping hold nothing.
         workspace: where the id tables live (see the module docstring); default a new one, whose
             CPU tables are then made for this call only.
 
-    Work: O(n + k) device operations, independent of the pool sizes; no host sync.
+    Work: 13 passes over the ``n`` holders (one of them the gather from the mapping; one more at
+    page size > 1), 4 over the ``k`` free ids, 7 over the ``num_swa_pages + 2`` page cells, and
+    one clear and one count of ``swa_slots + 1`` bytes when that is at most ``4 n`` (else 4 more
+    passes over the holders). No host sync.
 
     Raises:
         ValueError: ``num_swa_pages`` or ``page_size`` below 1.
@@ -89,75 +100,109 @@ def audit_counts(
     if num_swa_pages < 1 or page_size < 1:
         raise ValueError(f"num_swa_pages and page_size must be >= 1, got {num_swa_pages} and {page_size}")
     mapping = full_to_swa_index_mapping
-    device = mapping.device
-    ws = workspace if workspace is not None else Workspace(device)
-    pages = num_swa_pages
-    swa_slots = (pages + 1) * page_size
-    size = mapping.shape[0]
+    ws = workspace if workspace is not None else Workspace(mapping.device)
+    keys, slot = holder_slots(mapping, holder_full_slots, (num_swa_pages + 1) * page_size, ws)
+    return audit_holder_slots(out, keys, slot, swa_free_page_ids, num_swa_pages, page_size, ws)
 
-    free = swa_free_page_ids.reshape(-1)
-    if free.dtype != torch.int64:
-        free = free.long()
+
+def holder_slots(
+    mapping: torch.Tensor, holder_full_slots: torch.Tensor, swa_slots: int, ws: Workspace | None = None
+) -> "tuple[torch.Tensor, torch.Tensor]":
+    """The holders' FULL slots as table keys and their SWA slots, as :func:`audit_holder_slots` takes them.
+
+    Args:
+        mapping: ``full_to_swa_index_mapping``, ``int [num_full_slots]``.
+        holder_full_slots: ``int [n]`` on the same device.
+        swa_slots: SWA slot ids ``0 .. swa_slots - 1`` exist (``(num_swa_pages + 1) x page_size``).
+        ws: where the results and temporaries are written (default: fresh tensors).
+
+    Returns:
+        ``(keys, slot)``, ``[n]`` each: ``keys`` the FULL slots clamped into ``1 .. num_full_slots
+        - 1`` (mapping's dtype when the holders have it), ``slot`` ``int64``, the SWA slot clamped
+        into ``0 .. swa_slots`` (``swa_slots``: beyond the pool), 0 where the holder's FULL slot is
+        0 (padding) or outside the mapping. Four passes over the holders (one gather). No host sync.
+    """
     full = holder_full_slots.reshape(-1)
-    if full.dtype != torch.int64:
-        full = full.long()
-    k, n = free.numel(), full.numel()
-    order_k = ws.arange(k, _INDEX)
-    order_n = ws.arange(n, _INDEX)
-    page_table = ws.get("audit.pages", pages + 2, _INDEX)  # ids 0..pages, and pages + 1
-    free_mark = ws.kept("audit.free", pages + 2, _INDEX, fill=0)  # kept: holds the stamp of the last audit
-    stamp = ws.stamp()
-    if stamp == 1:  # the first audit on this table, or the stamps wrapped: no cell may carry it yet
-        free_mark.fill_(0)
+    size = mapping.shape[0]
+    if size < 2:  # only FULL slot 0 (padding): nothing is held
+        full = full[:0]
+    ws = ws if ws is not None else Workspace(mapping.device)
+    n = full.numel()
+    # Every temporary of n elements goes to a workspace buffer: on the CPU a fresh one of a few
+    # hundred KB is an mmap whose pages fault in as they are written (the cost of a pass).
+    keys = torch.clamp(full, 1, max(size - 1, 1), out=ws.get("audit.keys", n, full.dtype))
+    outside = torch.ne(keys, full, out=ws.get("audit.outside", n, torch.bool))  # all False on a healthy engine:
+    # the fill below then never branches wrong
+    slot = torch.index_select(mapping, 0, keys, out=ws.get("audit.gathered", n, mapping.dtype))
+    if slot.dtype != torch.int64:
+        slot = slot.to(torch.int64)
+    slot.clamp_(0, swa_slots).masked_fill_(outside, 0)
+    return keys, slot
 
-    # Free pages: valid ids 1..pages; the others are sent to cell 0 (page 0 never counts). Routing
-    # is a multiplication by the mask throughout: masked_fill and where branch on every element and
-    # run seven times slower on the CPU when the mask is random.
-    free_keys = free.clamp(0, pages + 1)
-    free_ok = (free_keys == free) & (free_keys != 0) & (free_keys != pages + 1)
-    free_keys.mul_(free_ok)
-    distinct_free = torch.count_nonzero(_first_of_each_value(page_table, free_keys, order_k) & free_ok)
-    free_mark.index_fill_(0, free_keys, stamp)  # this audit's free pages carry its stamp
 
-    # Holders: their SWA slot and page (page 0 is reserved: never counted). A holder whose FULL slot
-    # lies outside the mapping maps nowhere: its page is 0.
-    keys = full.clamp(0, size - 1)
-    full_ok = keys == full
-    swa = mapping.index_select(0, keys)
-    if swa.dtype != torch.int64:
-        swa = swa.long()
-    in_pool = full_ok & (swa > 0) & (swa < swa_slots)
-    if page_size == 1:
-        page = swa.clamp(0, pages + 1).mul_(full_ok)
-        mapped = in_pool
-    else:
-        page = torch.div(swa, page_size, rounding_mode="floor").clamp_(0, pages + 1).mul_(full_ok)
-        mapped = in_pool & (page >= 1)
+def audit_holder_slots(
+    out: torch.Tensor,
+    keys: torch.Tensor,
+    slot: torch.Tensor,
+    swa_free_page_ids: torch.Tensor,
+    num_swa_pages: int,
+    page_size: int,
+    ws: Workspace,
+) -> torch.Tensor:
+    """The audit counts from the holders' keys and SWA slots (:func:`holder_slots`, or the
+    sample's own gathers of the batch's live tokens) into ``out``; see :func:`audit_counts`.
 
-    # Is a holder's page on the free list? Its cell carries this audit's stamp (older stamps: no).
-    on_free_list = free_mark.index_select(0, page) == stamp
-    stale = torch.count_nonzero(mapped & on_free_list)
+    ``keys`` (``int [n]``, FULL slots) and ``slot`` (``int64 [n]``, SWA slots in ``0 ..
+    swa_slots``, 0 for a holder that holds nothing) are valid table indices; ``slot`` is
+    overwritten. No host sync.
+    """
+    pages = num_swa_pages
+    spare_page = pages + 1  # the cell of SWA ids beyond the pool (page 0 takes "none" and bad ids)
+    swa_slots = (pages + 1) * page_size
 
-    # Pages in use that a holder maps into: distinct pages over holders whose page is not free.
-    # No routing needed: the holders of one page all agree on "in use" (a page-wide fact); holders
-    # mapping nowhere have page 0 or the spare page, which never count.
-    in_use_ref = mapped & ~on_free_list
-    referenced = torch.count_nonzero(_first_of_each_value(page_table, page, order_n) & in_use_ref)
+    # Free pages: a bool per page cell, written at the valid free ids (bad ids go to cell 0, which
+    # is cleared again with the spare cell: neither is ever free).
+    free = swa_free_page_ids.reshape(-1)
+    free_keys = free.clamp(0, spare_page)
+    free_keys.masked_fill_(free_keys != free, 0)  # a random-looking mask only on a corrupt free list
+    is_free = ws.get("audit.free", pages + 2, torch.bool).zero_()
+    is_free.index_fill_(0, free_keys, True)
+    is_free[0] = False
+    is_free[spare_page] = False
 
-    # Shared SWA slots: SWA slots that two distinct held FULL slots map to (FULL slot 0 is padding;
-    # the same FULL slot held twice is prefix sharing, not a fault). Every holder writes its FULL
-    # slot into its SWA slot's cell; a holder that reads back another FULL slot shares its SWA slot
-    # with one; the distinct SWA slots of those holders are the shared ones. No table over the FULL
-    # pool is needed.
-    held = in_pool & (full != 0)
-    slot_table = ws.get("audit.swa", swa_slots, torch.int64)  # FULL slot ids, then element indices
-    slot_keys = swa * held  # SWA slot 0 ("none") takes the holders that do not count
-    slot_table.scatter_(0, slot_keys, keys)
-    sharing = (slot_table.index_select(0, slot_keys) != keys) & held
-    slot_keys.mul_(sharing)
-    shared = torch.count_nonzero(_first_of_each_value(slot_table, slot_keys, ws.arange(n)) & sharing)
+    n = slot.numel()
+    page = slot if page_size == 1 else torch.div(slot, page_size, rounding_mode="floor", out=ws.get("audit.page", n, torch.int64))
 
-    in_use = pages - distinct_free
+    # Stale: holders whose page is on the free list (cells 0 and spare never are).
+    stale = torch.count_nonzero(torch.index_select(is_free, 0, page, out=ws.get("audit.on_free", n, torch.bool)))
+
+    # Pages in use that a holder maps into: a presence bit per page cell, then over the pages.
+    present = ws.get("audit.present", pages + 2, torch.bool).zero_()
+    present.scatter_(0, page, ws.ones(page.numel(), torch.bool))
+    in_use_cells = is_free.logical_not_()[1:spare_page]  # the free table becomes "in use"
+    referenced = torch.count_nonzero(present[1:spare_page].logical_and_(in_use_cells))
+    in_use = torch.count_nonzero(in_use_cells)
+
+    # Shared SWA slots: SWA slots that two distinct held FULL slots map to (the same FULL slot held
+    # twice is prefix sharing, not a fault). Every holder writes its FULL slot into its SWA slot's
+    # cell and reads the cell back: a holder that reads another FULL slot shares its SWA slot; the
+    # distinct SWA slots of those holders are the shared ones. Cells 0 and spare never count.
+    owner = ws.get("audit.swa", swa_slots + 1, keys.dtype)  # only cells written just before are read
+    owner.scatter_(0, slot, keys)
+    # 1 where the holder shares, else 0, as int64: on the CPU twice as fast as a bool result, and
+    # the multiplication below then needs no conversion
+    back = torch.index_select(owner, 0, slot, out=ws.get("audit.back", n, owner.dtype))
+    sharing = torch.ne(back, keys, out=ws.get("audit.sharing", n, torch.int64))
+    shared_slot = slot.mul_(sharing)  # the others to cell 0; a multiplication, as masked_fill_ and
+    # where branch per element and run several times slower on the CPU with a random mask
+    if swa_slots + 1 <= max(4 * shared_slot.numel(), pages + 2):
+        marked = ws.get("audit.shared", swa_slots + 1, torch.bool).zero_()
+        marked.scatter_(0, shared_slot, ws.ones(shared_slot.numel(), torch.bool))
+        shared = torch.count_nonzero(marked[1:swa_slots])
+    else:  # a large pool of large pages against few holders: distinct values among the holders
+        first = _first_of_each_value(owner, shared_slot, ws.arange(shared_slot.numel(), owner.dtype))
+        shared = torch.count_nonzero(first.logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots))
+
     torch.stack([in_use, referenced, in_use - referenced, stale, shared], out=out)
     return out
 

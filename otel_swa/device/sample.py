@@ -46,7 +46,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
+from otel_swa.device.audit import AUDIT_WIDTH, audit_counts, audit_holder_slots, holder_slots
 from otel_swa.device.window import (
     WINDOW_WIDTH,
     dense_columns,
@@ -273,11 +273,13 @@ def stage_sample(
     else:
         allowance = 0
     cells = out[_WINDOW:_WINDOW + WINDOW_WIDTH] if window is not None else None
-    if audited:
+    with_batch = audited and bool(getattr(swa_audit, "holders_include_batch", False))
+    if audited and not with_batch:
         audit_counts(
             out[_AUDIT:_WINDOW], mapping, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
             swa_audit.page_size, swa_audit.holder_full_slots, ws,
         )
+    gathered = None
     if seq_lens_cpu is not None:
         given = host_lengths(seq_lens_cpu)
         host_rows = None
@@ -304,23 +306,29 @@ def stage_sample(
                 stage_window_empty(cells)
             path = "empty"
         elif live < dense_fill_ratio * batch * width:
-            _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live, upload, ws,
-                        spans, cells)
+            gathered = _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live,
+                                   upload, ws, spans, cells)
             path = "live"
         else:
-            _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload, ws,
-                         window, allowance, cells, reach)
+            gathered = _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload,
+                                    ws, window, allowance, cells, reach)
             path = "dense"
+        if with_batch:
+            _audit_with_batch(out, mapping, swa_audit, gathered, ws)
         return SampleMeta(path, live, batch, num_rows, width, size, faults, True, audited, rows_known,
                           window, window_tokens)
     if batch == 0 or width == 0 or num_rows == 0:
         _stage_empty(out, totals, rows, seq_lens, None, upload, ws)
         if window is not None:
             stage_window_empty(cells)
+        if with_batch:
+            _audit_with_batch(out, mapping, swa_audit, None, ws)
         return SampleMeta("empty", 0, batch, num_rows, width, size, (), False, audited, False,
                           window, 0 if window is not None else None)
-    _stage_dense(out, totals, req_to_token, mapping, rows, None, seq_lens, None, None, upload, ws,
-                 window, allowance, cells, reach)
+    gathered = _stage_dense(out, totals, req_to_token, mapping, rows, None, seq_lens, None, None, upload, ws,
+                            window, allowance, cells, reach)
+    if with_batch:
+        _audit_with_batch(out, mapping, swa_audit, gathered, ws)
     return SampleMeta("dense", None, batch, num_rows, width, size, (), False, audited, False, window, None)
 
 
@@ -470,14 +478,16 @@ def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, l
     steps.scatter_add_(0, up[0], jumps)
     index = ws.get("live.index", live, torch.int64)
     torch.cumsum(steps[:live], 0, out=index)
-    swa = _count(out, totals, flat, mapping, index, live, ws, fields)
+    full, swa = _count(out, totals, flat, mapping, index, live, ws, fields)
     if spans is not None:
         stage_window_live(cells, swa, up[3:7], live, ws)
+    return full, swa, None
 
 
-def _count(out, totals, flat, mapping, index, live, ws, fields) -> torch.Tensor:
+def _count(out, totals, flat, mapping, index, live, ws, fields) -> "tuple[torch.Tensor, torch.Tensor]":
     """Gather the FULL slots at ``index`` (``int64 [live]`` into ``flat``), then their SWA slots,
-    count, and commit with ``fields``; return the SWA slots gathered."""
+    count, and commit with ``fields``; return the FULL slots (clamped into the mapping) and the
+    SWA slots gathered."""
     size = mapping.shape[0]
     if index is None:  # dense: the gathered rows themselves
         raw = flat
@@ -497,7 +507,7 @@ def _count(out, totals, flat, mapping, index, live, ws, fields) -> torch.Tensor:
     fields[_DIVERGENT] = torch.count_nonzero(differs)
     fields[_NONZERO] = torch.count_nonzero(swa)
     _commit(out, totals, fields, ws)
-    return swa
+    return full, swa
 
 
 def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload, ws,
@@ -540,9 +550,10 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
     beyond = torch.ge(ws.arange(width, device_lens.dtype), device_lens.unsqueeze(1), out=ws.get("dense.mask", batch * width, torch.bool).view(batch, width))
     block.masked_fill_(beyond, _FILLER if mapping.shape[0] > _FILLER else 0)
     fields[_FILLER_SWA] = mapping[min(_FILLER, mapping.shape[0] - 1)]
-    swa = _count(out, totals, block.view(-1), mapping, None, batch * width, ws, fields)
+    full, swa = _count(out, totals, block.view(-1), mapping, None, batch * width, ws, fields)
+    gathered = (full, swa, beyond.view(-1))
     if window is None:
-        return
+        return gathered
     if up is not None:
         columns, weights, window_tokens = up[windows_at:windows_at + 3].t(), up[windows_at + 3:windows_at + 6].t(), None
     else:
@@ -552,6 +563,39 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
             allowance = up_window[1] if not isinstance(allowance, int) else allowance
         columns, weights, window_tokens = device_columns(lens64, reach, allowance)
     stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws)
+    return gathered
+
+
+def _audit_with_batch(out, mapping, swa_audit, gathered, ws) -> None:
+    """The audit when the batch's live tokens are holders (``swa_audit.holders_include_batch``):
+    their FULL and SWA slots are the sample's own gathers (``gathered``: ``(full, swa, beyond)``
+    from the live or dense path, ``beyond`` the dense path's positions past ``seq_len``, or
+    ``None`` without a live token), the other holders' are gathered here. Runs after the counts
+    and the window cells: the sample's SWA buffer is taken over (clamped in place).
+
+    A FULL slot of the batch outside the mapping makes the sample itself invalid
+    (``full_slot_out_of_range``, never delivered), so the batch part needs no per-token check."""
+    swa_slots = (swa_audit.num_swa_pages + 1) * swa_audit.page_size
+    others = swa_audit.holder_full_slots
+    parts = []
+    if gathered is not None:
+        full, swa, beyond = gathered
+        slot = swa if swa.dtype == torch.int64 else swa.long()
+        slot.clamp_(0, swa_slots)
+        if beyond is not None:
+            slot.masked_fill_(beyond, 0)  # runs of whole rows' tails: the fill never branches wrong
+        parts.append((full, slot))
+    if others.numel() or not parts:
+        parts.append(holder_slots(mapping, others, swa_slots, ws))
+    if len(parts) == 1:
+        keys, slot = parts[0]
+    else:
+        dtype = torch.promote_types(parts[0][0].dtype, parts[1][0].dtype)
+        n = parts[0][1].numel() + parts[1][1].numel()
+        keys = torch.cat([parts[0][0].to(dtype), parts[1][0].to(dtype)], out=ws.get("audit.all_keys", n, dtype))
+        slot = torch.cat([parts[0][1], parts[1][1]], out=ws.get("audit.all_slots", n, torch.int64))
+    audit_holder_slots(out[_AUDIT:_WINDOW], keys, slot, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
+                       swa_audit.page_size, ws)
 
 
 def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:

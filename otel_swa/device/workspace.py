@@ -73,12 +73,14 @@ class Workspace:
             self._buffers[key] = buffer
         return buffer[:size]
 
-    def stamp(self) -> int:
-        """A new positive int32 stamp per call (1, 2, ...; wraps after 2**31 - 1 calls): a kept
-        table cell written with this call's stamp is told from cells of earlier calls without
-        clearing the table."""
-        self._stamp = getattr(self, "_stamp", 0) % (2**31 - 1) + 1
-        return self._stamp
+    def ones(self, size: int, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """A kept buffer of ``size`` ones (made once per size class; callers never write to it)."""
+        key = ("ones", dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < size:
+            buffer = torch.ones(max(size, 64, 2 * buffer.numel() if buffer is not None else 0), dtype=dtype, device=self.device)
+            self._buffers[key] = buffer
+        return buffer[:size]
 
     def nbytes(self) -> int:
         """Bytes held by the kept buffers."""

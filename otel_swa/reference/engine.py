@@ -334,8 +334,9 @@ class ReferenceEngine:
         ``req_pool_indices`` and ``seq_lens`` are ``int64`` ``[batch]`` on the engine's device;
         ``seq_lens_cpu`` and ``req_pool_indices_cpu`` are the host lists of the same values (the
         reporter then does the rows' work on the host); ``swa_audit`` holds the SWA free list and the
-        FULL slots of every request holding KV (not only the batch's), so the reporter also audits
-        the SWA pool for leaked slots, stale tokens and shared slots.
+        FULL slots of every request holding KV outside the batch, the batch's being holders through
+        the sample's own gathers (``holders_include_batch``), so the reporter also audits the SWA
+        pool for leaked slots, stale tokens and shared slots.
 
         ``sliding_window`` is ``config.window`` (the reference attention reads the last ``window``
         positions, the current one included: :mod:`otel_swa.reference.model`) and
@@ -370,10 +371,13 @@ class ReferenceEngine:
         )
 
     def _swa_audit_inputs(self) -> SwaAuditInputs:
-        """The audit's inputs at a sampling step: host arrays built without a Python loop per token
-        (numpy over the requests), one device gather for every holder's FULL slots."""
+        """The audit's inputs at a sampling step: the batch's requests are holders through the
+        sample's own gathers (``holders_include_batch``); the FULL slots of the other requests
+        holding KV come from host arrays built without a Python loop per token (numpy over the
+        requests) and one device gather."""
         pools = self.pools
-        holders = list(pools.requests.values())
+        in_batch = {it.req.slots.row for it in self._last_items}
+        holders = [slots for slots in pools.requests.values() if slots.row not in in_batch]
         req_to_token = pools.req_to_token
         lens = np.fromiter((slots.seq_len for slots in holders), dtype=np.int64, count=len(holders))
         total = int(lens.sum())
@@ -391,6 +395,7 @@ class ReferenceEngine:
             num_swa_pages=pools.swa_pages,
             page_size=pools.page_size,
             holder_full_slots=holder_full_slots,
+            holders_include_batch=True,
         )
 
     @property

@@ -103,12 +103,18 @@ class SwaAuditInputs:
         page_size: slots per page.
         holder_full_slots: ``int32``/``int64 [n]`` on the reporter's device: the FULL slot of every
             token a live holder (running request, prefix cache) still reads, not only the batch's.
+        holders_include_batch: ``True`` when the live tokens of the view's batch (positions below
+            ``seq_len`` of its rows) are holders too and ``holder_full_slots`` gives only the
+            others (requests outside this forward step, the prefix cache); the audit then takes the
+            batch's FULL and SWA slots from the sample's own gathers instead of gathering them a
+            second time. ``False`` (default): ``holder_full_slots`` is every holder.
     """
 
     swa_free_page_ids: torch.Tensor
     num_swa_pages: int
     page_size: int
     holder_full_slots: torch.Tensor
+    holders_include_batch: bool = False
 
 
 @dataclass(frozen=True)
@@ -201,6 +207,8 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
             value = getattr(audit, name)
             if type(value) is not int or value < 1:
                 raise ValueError(f"view.swa_audit.{name} must be an int >= 1, got {value!r}")
+        if type(audit.holders_include_batch) is not bool:  # noqa: E721
+            raise TypeError(f"view.swa_audit.holders_include_batch must be a bool, got {audit.holders_include_batch!r}")
     _check_window(view)
     if view.req_pool_indices.shape[0] != view.seq_lens.shape[0]:
         raise ValueError(

@@ -1,6 +1,7 @@
 """The lean sample: both gathers (live, dense) against a plain recount, and its device operations
 counted per sample (each one a kernel launch on a GPU: the count is a contract)."""
 
+import dataclasses
 import random
 
 import pytest
@@ -145,7 +146,22 @@ def test_the_audit_adds_its_own_operations_and_none_sized_by_the_pool():
     plain = ops_of_one_sample(batch(host_rows=True))
     audited = ops_of_one_sample(batch(host_rows=True, audit=True))
     extra = len(audited) - len(plain)
-    assert 0 < extra <= 75, audited
+    assert 0 < extra <= 30, audited
+
+
+def test_batch_holders_are_not_gathered_twice():
+    """With holders_include_batch the audit takes the batch's SWA slots from the sample's own
+    mapping gather: its gathers are the free-list lookup and the owner read-back only (listed
+    holders add the gather of their SWA slots from the mapping)."""
+    listed_view = batch(host_rows=True, audit=True)
+    batch_held = SwaAuditInputs(listed_view.swa_audit.swa_free_page_ids, 96, 1, torch.zeros(0, dtype=torch.int64),
+                                holders_include_batch=True)
+    plain = ops_of_one_sample(batch(host_rows=True))
+    listed = ops_of_one_sample(listed_view)
+    held = ops_of_one_sample(dataclasses.replace(listed_view, swa_audit=batch_held))
+    assert listed.count("index_select") == plain.count("index_select") + 3
+    assert held.count("index_select") == plain.count("index_select") + 2
+    assert len(held) < len(listed)
 
 
 def test_observe_with_an_int_is_no_device_operation():
