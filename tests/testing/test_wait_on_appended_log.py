@@ -10,26 +10,39 @@ from otel_swa.record import SwaDivergenceRecord
 from otel_swa.testing.assertions import wait_for_observation
 
 
-def _run_lines(pid: int, good: bool) -> str:
-    out = [f'[2026-01-01 00:00:00 TP0] otel_swa[verify=attention] otel_swa_run_start={{"pid":{pid}}}']
-    for ct in (20, 40, 60):
+def _rank_lines(rank: str, pid: int, cts, good: bool = True) -> str:
+    """A run of one rank as its log lines: the run start marker, then a record per forward_ct in
+    ``cts`` (divergence and out-of-window 0 when not ``good``)."""
+    out = [f'[2026-01-01 00:00:00 {rank}] otel_swa[verify=attention] otel_swa_run_start={{"pid":{pid}}}']
+    for ct in cts:
         record = SwaDivergenceRecord(ct, 100 * ct, (50 if good else 100) * ct, 7 if good else 0, 30 if good else 0,
                                      verify_source="attention")
-        out.append(f"[2026-01-01 00:00:00 TP0] {record.line()}")
+        out.append(f"[2026-01-01 00:00:00 {rank}] {record.line()}")
     return "\n".join(out) + "\n"
+
+
+def _run_lines(pid: int, good: bool) -> str:
+    return _rank_lines("TP0", pid, (20, 40, 60), good)
+
+
+def _append_later(path, text: str, delay_s: float) -> threading.Thread:
+    """Start a thread that appends ``text`` to ``path`` after ``delay_s`` (an engine still writing
+    its log while the check waits) and return it."""
+    def write():
+        time.sleep(delay_s)
+        with open(path, "a") as f:
+            f.write(text)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    return writer
 
 
 def test_a_finished_good_run_does_not_pass_for_the_failing_one_being_written(tmp_path):
     log = tmp_path / "app.log"
     log.write_text(_run_lines(1, True) + _run_lines(2, True))  # two finished, good runs
 
-    def write_a_bad_run():
-        time.sleep(0.5)
-        with open(log, "a") as f:
-            f.write(_run_lines(3, False))
-
-    writer = threading.Thread(target=write_a_bad_run)
-    writer.start()
+    writer = _append_later(log, _run_lines(3, False), 0.5)
     observation = wait_for_observation(log, timeout_s=3.0, poll_s=0.1, new_only=True)
     writer.join()
     assert not observation.ok  # the third run, written during the wait, fails
@@ -41,13 +54,7 @@ def test_a_good_run_written_during_the_wait_passes_as_soon_as_it_shows(tmp_path)
     log = tmp_path / "app.log"
     log.write_text(_run_lines(1, False))  # a finished run that failed
 
-    def write_a_good_run():
-        time.sleep(0.3)
-        with open(log, "a") as f:
-            f.write(_run_lines(2, True))
-
-    writer = threading.Thread(target=write_a_good_run)
-    writer.start()
+    writer = _append_later(log, _run_lines(2, True), 0.3)
     observation = wait_for_observation(log, timeout_s=10.0, poll_s=0.1, new_only=True)
     writer.join()
     assert observation.ok and observation.waited_s < 10.0
@@ -80,30 +87,14 @@ def test_a_fault_the_run_being_written_logged_before_the_wait_still_fails_it(tmp
     log.write_text(_run_lines(1, True) + '[2026-01-01 00:00:00 TP0] otel_swa[verify=attention] otel_swa_run_start={"pid":2}\n'
                    + "".join(f"[2026-01-01 00:00:00 TP0] {line}\n" for line in early.lines()))
 
-    def write_the_rest_of_the_run():
-        time.sleep(0.3)
-        with open(log, "a") as f:
-            for ct in (40, 60):
-                record = SwaDivergenceRecord(ct, 100 * ct, 50 * ct, 7, 30, verify_source="attention",
-                                             swa_premature_evictions=0, **audit)
-                f.write("".join(f"[2026-01-01 00:00:00 TP0] {line}\n" for line in record.lines()))
-
-    writer = threading.Thread(target=write_the_rest_of_the_run)
-    writer.start()
+    rest = [SwaDivergenceRecord(ct, 100 * ct, 50 * ct, 7, 30, verify_source="attention", swa_premature_evictions=0, **audit)
+            for ct in (40, 60)]
+    writer = _append_later(log, "".join(f"[2026-01-01 00:00:00 TP0] {line}\n" for r in rest for line in r.lines()), 0.3)
     observation = wait_for_observation(log, timeout_s=2.0, poll_s=0.1, new_only=True)
     writer.join()
     assert not observation.ok and observation.groups[0].failed == ("audit",)
     assert observation.groups[0].records == 3  # run 2 whole: its record from before the wait and the two after
     assert observation.groups[0].run == 2  # the run being written, not the finished run 1
-
-
-def _rank_lines(rank: str, pid: int, cts, good: bool = True) -> str:
-    out = [f'[2026-01-01 00:00:00 {rank}] otel_swa[verify=attention] otel_swa_run_start={{"pid":{pid}}}']
-    for ct in cts:
-        record = SwaDivergenceRecord(ct, 100 * ct, (50 if good else 100) * ct, 7 if good else 0, 30 if good else 0,
-                                     verify_source="attention")
-        out.append(f"[2026-01-01 00:00:00 {rank}] {record.line()}")
-    return "\n".join(out) + "\n"
 
 
 def test_a_rank_of_the_run_being_written_that_wrote_nothing_is_a_dead_rank(tmp_path, capsys):
@@ -112,13 +103,7 @@ def test_a_rank_of_the_run_being_written_that_wrote_nothing_is_a_dead_rank(tmp_p
     log = tmp_path / "app.log"
     log.write_text(_rank_lines("TP0", 1, (20,)) + _rank_lines("TP1", 2, (20,)))  # run 1: both ranks
 
-    def restart_with_one_rank():
-        time.sleep(0.4)
-        with open(log, "a") as f:
-            f.write(_rank_lines("TP0", 3, (20, 40)))  # run 2: TP1 never writes
-
-    writer = threading.Thread(target=restart_with_one_rank)
-    writer.start()
+    writer = _append_later(log, _rank_lines("TP0", 3, (20, 40)), 0.4)  # run 2: TP1 never writes
     assert main(["check", str(log), "--new", "--wait", "1.5", "--poll", "0.1"]) == 1
     writer.join()
     out = capsys.readouterr().out
@@ -136,13 +121,7 @@ def test_new_only_on_a_capture_judges_the_place_that_got_the_new_run(tmp_path):
     capture.follow(first)
     capture.follow(second)
 
-    def append_a_failing_run():
-        time.sleep(0.4)
-        with open(first, "a") as f:
-            f.write(_run_lines(3, False))
-
-    writer = threading.Thread(target=append_a_failing_run)
-    writer.start()
+    writer = _append_later(first, _run_lines(3, False), 0.4)
     with pytest.raises(SwaDivergenceNotObserved) as failed:
         assert_swa_divergence_observed(capture, new_only=True, timeout_s=1.5, poll_s=0.1)
     writer.join()
@@ -159,13 +138,7 @@ def test_a_pass_waits_one_poll_for_the_audit_line_of_the_last_record(tmp_path):
     log.write_text(f'[2026-01-01 00:00:00 TP0] otel_swa[verify=attention] otel_swa_run_start={{"pid":1}}\n'
                    f"[2026-01-01 00:00:00 TP0] {line}\n")  # the audit line not written yet
 
-    def write_the_audit_line():
-        time.sleep(0.15)
-        with open(log, "a") as f:
-            f.write(f"[2026-01-01 00:00:00 TP0] {audit}\n")
-
-    writer = threading.Thread(target=write_the_audit_line)
-    writer.start()
+    writer = _append_later(log, f"[2026-01-01 00:00:00 TP0] {audit}\n", 0.15)
     observation = wait_for_observation(log, timeout_s=3.0, poll_s=0.3)
     writer.join()
     assert not observation.ok and observation.groups[0].failed == ("audit",)
