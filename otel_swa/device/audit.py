@@ -15,8 +15,10 @@ holder (a running request, the prefix cache) still reads maps its FULL slot to a
   The same FULL slot held twice (prefix sharing) is not a fault and is not counted.
 
 Out-of-range ids (a free page id outside ``1..num_pages``, a FULL slot outside the mapping, an SWA
-slot beyond the pool) are ignored rather than read out of bounds; FULL slot 0 is padding (its
-mapping is 0 in every engine) and holds nothing.
+slot beyond the pool) are ignored rather than read out of bounds. FULL slot 0 is read like any
+other: it is the engines' padding slot and its mapping 0, so it holds nothing. The slots of the
+reserved page 0 (``1 .. page_size - 1``) are never handed out: a token mapped into one is neither
+referenced nor stale, but two distinct FULL slots mapped into one count as sharing it.
 
 Cost. The audit reads the ``n`` holder slots and the ``k`` free page ids, and sweeps the SWA pool's
 page cells (``num_swa_pages + 2``): never a table over the FULL pool. Free pages and the pages
@@ -84,8 +86,8 @@ def audit_counts(
         num_swa_pages: pages of the SWA pool (ids ``1 .. num_swa_pages``), host int >= 1.
         page_size: slots per page, host int >= 1.
         holder_full_slots: ``int [n]``, the FULL slot of every token a live holder still reads;
-            give all holders, or the missing ones' pages show as leaked. FULL slot 0 (padding)
-            and ids outside the mapping hold nothing.
+            give all holders, or the missing ones' pages show as leaked; a holder given twice is
+            two holders (its stale token counts twice). Ids outside the mapping hold nothing.
         workspace: where the id tables live (see the module docstring); default a new one, whose
             CPU tables are then made for this call only.
 
@@ -117,20 +119,20 @@ def holder_slots(
         ws: where the results and temporaries are written (default: fresh tensors).
 
     Returns:
-        ``(keys, slot)``, ``[n]`` each: ``keys`` the FULL slots clamped into ``1 .. num_full_slots
-        - 1`` (mapping's dtype when the holders have it), ``slot`` ``int64``, the SWA slot clamped
-        into ``0 .. swa_slots`` (``swa_slots``: beyond the pool), 0 where the holder's FULL slot is
-        0 (padding) or outside the mapping. Four passes over the holders (one gather). No host sync.
+        ``(keys, slot)``, ``[n]`` each: ``keys`` the FULL slots clamped into ``0 .. num_full_slots
+        - 1`` (the holders' dtype), ``slot`` ``int64``, the SWA slot clamped into ``0 ..
+        swa_slots`` (``swa_slots``: beyond the pool), 0 where the holder's FULL slot is outside the
+        mapping. Five passes over the holders (one gather). No host sync.
     """
     full = holder_full_slots.reshape(-1)
     size = mapping.shape[0]
-    if size < 2:  # only FULL slot 0 (padding): nothing is held
+    if size < 1:  # no FULL slot: nothing is held
         full = full[:0]
     ws = ws if ws is not None else Workspace(mapping.device)
     n = full.numel()
     # Every temporary of n elements goes to a workspace buffer: on the CPU a fresh one of a few
     # hundred KB is an mmap whose pages fault in as they are written (the cost of a pass).
-    keys = torch.clamp(full, 1, max(size - 1, 1), out=ws.get("audit.keys", n, full.dtype))
+    keys = torch.clamp(full, 0, max(size - 1, 0), out=ws.get("audit.keys", n, full.dtype))
     outside = torch.ne(keys, full, out=ws.get("audit.outside", n, torch.bool))  # all False on a healthy engine:
     # the fill below then never branches wrong
     slot = torch.index_select(mapping, 0, keys, out=ws.get("audit.gathered", n, mapping.dtype))
@@ -163,6 +165,8 @@ def audit_holder_slots(
     # Free pages: a bool per page cell, written at the valid free ids (bad ids go to cell 0, which
     # is cleared again with the spare cell: neither is ever free).
     free = swa_free_page_ids.reshape(-1)
+    if free.dtype != torch.int64:  # index_fill_ takes int64 indices only
+        free = free.long()
     free_keys = free.clamp(0, spare_page)
     free_keys.masked_fill_(free_keys != free, 0)  # a random-looking mask only on a corrupt free list
     is_free = ws.get("audit.free", pages + 2, torch.bool).zero_()

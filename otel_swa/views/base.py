@@ -107,7 +107,8 @@ class SwaAuditInputs:
             ``seq_len`` of its rows) are holders too and ``holder_full_slots`` gives only the
             others (requests outside this forward step, the prefix cache); the audit then takes the
             batch's FULL and SWA slots from the sample's own gathers instead of gathering them a
-            second time. ``False`` (default): ``holder_full_slots`` is every holder.
+            second time (do not list the batch's tokens again: a holder given twice is two
+            holders). ``False`` (default): ``holder_full_slots`` is every holder.
     """
 
     swa_free_page_ids: torch.Tensor

@@ -35,8 +35,9 @@ def recount(mapping, free_pages, num_pages, page_size, holders):
 
 
 @settings(max_examples=80, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 2, 4]))
-def test_audit_counts_equal_plain_recount(seed, page_size):
+@given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 2, 4]),
+       free_dtype=st.sampled_from([torch.int32, torch.int64]), holder_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_audit_counts_equal_plain_recount(seed, page_size, free_dtype, holder_dtype):
     rng = random.Random(seed)
     num_pages = rng.randint(1, 12)
     full_size = rng.randint(2, 60)
@@ -45,7 +46,8 @@ def test_audit_counts_equal_plain_recount(seed, page_size):
     free = rng.sample(range(1, num_pages + 1), rng.randint(0, num_pages))
     holders = [rng.randrange(-2, full_size + 3) for _ in range(rng.randint(0, 40))]
     out = torch.full((AUDIT_WIDTH,), 99, dtype=torch.int64)
-    audit_counts(out, torch.tensor(mapping), torch.tensor(free, dtype=torch.int64), num_pages, page_size, torch.tensor(holders, dtype=torch.int64))
+    audit_counts(out, torch.tensor(mapping), torch.tensor(free, dtype=free_dtype), num_pages, page_size,
+                 torch.tensor(holders, dtype=holder_dtype))
     assert out.tolist() == recount(mapping, free, num_pages, page_size, holders)
 
 
@@ -263,3 +265,18 @@ def test_the_reference_engines_audit_with_batch_holders_equals_a_recount_of_ever
     assert comparer.compared == engine.stats.forward_steps > 20
     # (the reference scheduler runs every request holding KV at every step, so nothing is listed
     # beside the batch here; listed holders beside it are covered by the test above)
+
+
+def test_full_slot_0_counts_alike_listed_and_from_the_batch():
+    """FULL slot 0 is read like any other slot on both paths (engines keep its mapping 0; here it
+    is not): listed as holders, or as the batch's live tokens through the sample's gathers."""
+    mapping = torch.tensor([2, 6])
+    req_to_token = torch.tensor([[0, 0, 0]], dtype=torch.int32)
+    free = torch.zeros(0, dtype=torch.int64)
+    listed = torch.zeros(AUDIT_WIDTH, dtype=torch.int64)
+    audit_counts(listed, mapping, free, 2, 2, torch.tensor([0, 0]))
+    staged = torch.zeros(STAGE_WIDTH, dtype=torch.int64)
+    meta = stage_sample(staged, torch.zeros(2, dtype=torch.int64), req_to_token, mapping, torch.tensor([0]), torch.tensor([2]), [2],
+                        SwaAuditInputs(free, 2, 2, torch.zeros(0, dtype=torch.int64), holders_include_batch=True))
+    # pages 1 and 2 in use; FULL slot 0 maps to SWA slot 2, on page 1: referenced, page 2 leaked
+    assert listed.tolist() == list(read_sample(staged.tolist(), meta).audit) == [2, 1, 1, 0, 0]
