@@ -25,49 +25,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_line, one_thread  # noqa: E402
+from _drop_exporters import DropSpans, DropLogs, DropMetrics  # noqa: E402
 
 import torch  # noqa: E402
 from opentelemetry.sdk._logs import LoggerProvider  # noqa: E402
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult, SimpleLogRecordProcessor  # noqa: E402
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor  # noqa: E402
 from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, PeriodicExportingMetricReader  # noqa: E402
+from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult  # noqa: E402
+from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: E402
 
 from otel_swa.reporter import SwaDivergenceReporter  # noqa: E402
 from otel_swa.telemetry import ForwardSpans, SwaTelemetrySink  # noqa: E402
 from otel_swa.telemetry.logline import SwaLogLineExporter  # noqa: E402
 from otel_swa.views import SwaBatch  # noqa: E402
-
-
-class DropSpans(SpanExporter):
-    def export(self, spans):
-        return SpanExportResult.SUCCESS
-
-
-class DropLogs(LogRecordExporter):
-    def export(self, batch):
-        return LogRecordExportResult.SUCCESS
-
-    def shutdown(self):
-        pass
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
-
-
-class DropMetrics(MetricExporter):
-    def __init__(self):
-        super().__init__()
-
-    def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
-        return MetricExportResult.SUCCESS
-
-    def force_flush(self, timeout_millis: float = 10_000) -> bool:
-        return True
-
-    def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-        pass
 
 
 class DiscardedText(io.TextIOBase):

@@ -86,6 +86,23 @@ def view_of(req_to_token, mapping, rows, lens, device, audit=None, host=True) ->
     )
 
 
+def per_token_sample(live: int, device, batch: int = 256):
+    """The per-live-token case (table 4, and ``gpu_figures.py``): about ``live`` live tokens over
+    ``batch`` requests at fill 1/8, rows and lengths on the host, FULL slots drawn from a pool twice
+    the live tokens. Returns one sampling ``step`` and its ``flush`` as a function, and the live
+    tokens each sample counts."""
+    per_request = live // batch
+    r2t, mapping, rows, lens, _ = make_batch(batch, per_request * 8, per_request, 2 * live, device)
+    view = view_of(r2t, mapping, rows, lens, device)
+    reporter = SwaDivergenceReporter(1, device=device, ring_size=8)
+
+    def one():
+        reporter.step(view)
+        reporter.flush()
+
+    return one, batch * per_request
+
+
 def sglang_two_pass(req_to_token, mapping, rows, seq_lens, totals):
     """SGLang's per-sample work, written the way its reporter gathers: the dense rows and their
     mapping once per count, then a fresh host tensor and a blocking read."""
@@ -244,20 +261,11 @@ def main() -> None:
             sizes = [1 << 16]
         rows_out = []
         for live in sizes:
-            batch = 256
-            per_request = live // batch
-            r2t, mapping, rows, lens, _ = make_batch(batch, per_request * 8, per_request, 2 * live, device)
-            view_host = view_of(r2t, mapping, rows, lens, device)
-            reporter = SwaDivergenceReporter(1, device=device, ring_size=8)
-
-            def one():
-                reporter.step(view_host)
-                reporter.flush()
-
+            one, counted = per_token_sample(live, device)
             got = interleaved({"sample": timed(one, 1, sync)}, rounds)
             ops = kernel_ops(one)
-            rows_out.append((f"{live / (1 << 20):.0f}M", fmt(got["sample"], 1e3, 2), fmt(got["sample"], 1e9 / (batch * per_request), 1), str(ops)))
-            del r2t, mapping, view_host
+            rows_out.append((f"{live / (1 << 20):.0f}M", fmt(got["sample"], 1e3, 2), fmt(got["sample"], 1e9 / counted, 1), str(ops)))
+            del one  # the batch's tensors with it
         print_table("4. one sample per live token (batch 256, fill 1/8, rows and lengths on the host)",
                     ("live tokens", "ms", "ns / live token", "device ops"), rows_out)
 

@@ -30,35 +30,20 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt, interleaved, machine_line, one_thread, print_table  # noqa: E402
+from _drop_exporters import DropSpans, DropLogs  # noqa: E402
 
 from opentelemetry import context as otel_context  # noqa: E402
 from opentelemetry.sdk._logs import LoggerProvider  # noqa: E402
-from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, LogRecordExporter, LogRecordExportResult, SimpleLogRecordProcessor  # noqa: E402
+from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor  # noqa: E402
 from opentelemetry.sdk.metrics import MeterProvider  # noqa: E402
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader  # noqa: E402
 from opentelemetry.sdk.trace import TracerProvider  # noqa: E402
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult  # noqa: E402
+from opentelemetry.sdk.trace.export import BatchSpanProcessor  # noqa: E402
 
 from otel_swa.logline import LogLineSink  # noqa: E402
 from otel_swa.record import SwaDivergenceRecord  # noqa: E402
 from otel_swa.telemetry import ForwardSpans, SwaTelemetrySink, format_traceparent  # noqa: E402
 from otel_swa.telemetry.logline import SwaLogLineExporter  # noqa: E402
-
-
-class DropSpans(SpanExporter):
-    def export(self, spans):
-        return SpanExportResult.SUCCESS
-
-
-class DropLogs(LogRecordExporter):
-    def export(self, batch):
-        return LogRecordExportResult.SUCCESS
-
-    def shutdown(self):
-        pass
-
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
 
 
 def pipeline(otlp: bool):

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt, interleaved, machine_line, one_thread, print_table, ratios, timed  # noqa: E402
-from bench_sample import healthy_swa_pool, kernel_ops, make_batch, sglang_two_pass, view_of  # noqa: E402
+from bench_sample import healthy_swa_pool, kernel_ops, make_batch, per_token_sample, sglang_two_pass, view_of  # noqa: E402
 
 from otel_swa.reporter import KVPool, SwaDivergenceReporter  # noqa: E402
 from otel_swa.views import SwaAuditInputs  # noqa: E402
@@ -118,16 +118,7 @@ def main() -> None:
 
     # the sample at 1M live tokens
     live = (1 << 16) if args.quick else (1 << 20)
-    batch = 256
-    per_request = live // batch
-    r2t, mapping, req_rows, lens, _ = make_batch(batch, per_request * 8, per_request, 2 * live, device)
-    view = view_of(r2t, mapping, req_rows, lens, device)
-    sampler = SwaDivergenceReporter(1, device=device, ring_size=8)
-
-    def sample():
-        sampler.step(view)
-        sampler.flush()
-
+    sample, live = per_token_sample(live, device)
     got = interleaved({"sample": timed(sample, 3, sync)}, rounds)
     ops = kernel_ops(sample)
     rows += [
@@ -135,10 +126,12 @@ def main() -> None:
          f"{fmt(got['sample'], 1e9 / live, 2)} ns / live token"),
         ("sample: device operations launched", str(ops), "tests/core/test_sample.py contract (+1 upload on CUDA)"),
     ]
-    del r2t, mapping, view
+    del sample  # the batch's tensors with it
 
     # against SGLang's two-pass dense gather, B256 x 32K at 10 %
     width = 4096 if args.quick else 32768
+    batch = 256
+    sampler = SwaDivergenceReporter(1, device=device, ring_size=8)
     r2t, mapping, req_rows, lens, _ = make_batch(batch, width, width // 10, batch * width // 5, device)
     view = view_of(r2t, mapping, req_rows, lens, device)
     seq_lens, rows_t = torch.tensor(lens, device=device), torch.tensor(req_rows, device=device)
