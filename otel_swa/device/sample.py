@@ -14,9 +14,9 @@ How one sample is computed (:func:`stage_sample`):
 
 * **live** (the host knows the lengths, ``seq_lens_cpu``, and the batch is not nearly full): the
   flat ``req_to_token`` index of every live token comes from one ``cumsum`` over a buffer of ones
-  with each request's jump written at its first token, then two gathers (``req_to_token``, the
-  mapping), a subtraction, a multiplication and two ``count_nonzero``. Work proportional to the
-  live tokens.
+  with each request's jump written at its first token (``int32`` when ``req_to_token`` has fewer
+  than 2**31 cells: half the bytes of every pass), then two gathers (``req_to_token``, the
+  mapping), one comparison and three ``count_nonzero``. Work proportional to the live tokens.
 * **dense** (no host lengths, or a fill ratio ``sum(seq_lens) / (batch * max_context_len)`` at or
   above :data:`DENSE_FILL_RATIO`): the rows are gathered whole, positions at or beyond ``seq_len``
   are masked. At a high fill this costs less than the index computation of the live path (both
@@ -40,6 +40,7 @@ read out of bounds; its counts are not trusted (the reporter delivers no record 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -76,19 +77,22 @@ __all__ = [
 #: Fill ratio (live tokens / (batch x max_context_len)) from which a sample with host lengths is
 #: computed dense rather than live: measured crossover on 2 CPU cores, 1 torch thread (see
 #: ``BENCHMARKS.md``, "live vs dense").
-DENSE_FILL_RATIO = 0.85
+DENSE_FILL_RATIO = 0.95
 
 # Layout of one staged sample (all int64).
 _VERIFY = 0  # 0, 1: the device part of verify_full, verify_swa (host ints are added at delivery)
-_DIVERGENT = 2  # tokens with s != f and s != 0
-_NONZERO = 3  # live tokens with s != 0
+_DIFFERENT = 2  # gathered tokens with s != f (divergence is read from it: see read_sample)
+_NONZERO = 3  # gathered tokens with s != 0
 _LIVE = 4  # live tokens (dense path without host lengths; else the host knows)
 _ROWS = 5  # 5, 6: min and max of req_pool_indices
 _SLOTS = 7  # 7, 8: min and max of the live tokens' FULL slots
 _LENS = 9  # 9, 10: entries whose seq_lens != seq_lens_cpu (host lengths) | min, max of seq_lens
 _FILLER_SWA = 11  # dense: mapping[_FILLER], the SWA slot of the filler the masked positions got
-_AUDIT = 12
+_FULL_NONZERO = 12  # gathered tokens with f != 0 (f clamped into the mapping)
+_SLOT0_SWA = 13  # mapping[0], the SWA slot of every gathered token at FULL slot 0
+_AUDIT = 14
 _WINDOW = _AUDIT + AUDIT_WIDTH  # the window cells of otel_swa.device.window (windowed samples only)
+_LITTLE_ENDIAN = sys.byteorder == "little"  # host and devices alike (CUDA devices are little-endian)
 _FILLER = 1  # FULL slot given to masked positions of the dense path
 #: int64 values per staged sample: the counts, the fault evidence, then the audit counts of
 #: :func:`otel_swa.device.audit.audit_counts` (pages in use, pages referenced, leaked pages,
@@ -417,7 +421,7 @@ def _commit(out: torch.Tensor, totals: torch.Tensor, fields: dict[int, torch.Ten
     ``out[:_AUDIT]`` in one ``cat``; positions not given get 0."""
     zero = ws.zeros(1)
     parts = [totals]
-    for position in range(_DIVERGENT, _AUDIT):
+    for position in range(_DIFFERENT, _AUDIT):
         value = fields.get(position)
         parts.append(zero if value is None else value.reshape(1))
     torch.cat(parts, out=out[:_AUDIT])
@@ -466,17 +470,26 @@ def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, l
     host[2] = given  # as given: compared with the device's seq_lens
     up = _upload(upload, host, out.device)
     fields: dict[int, torch.Tensor] = {_LENS: torch.count_nonzero(up[2] - seq_lens)}
+    # The flat index in int32 when every cell of req_to_token has an int32 index (each partial
+    # sum of the cumsum is one: a live token's cell); else int64.
+    narrow = flat.numel() < 2**31
+    dtype = torch.int32 if narrow else torch.int64
     if host_rows is None:
         fields[_ROWS], fields[_ROWS + 1] = torch.aminmax(rows)
         rows_ext = ws.kept("live.rows", batch + 1, rows.dtype, fill=0)  # [0] stays 0: only [1:] is written
         torch.clamp(rows, 0, num_rows - 1, out=rows_ext[1:])
-        jumps = torch.add(up[1], torch.sub(rows_ext[1:], rows_ext[:-1]), alpha=row_stride)
+        jumps = torch.add(up[1], torch.sub(rows_ext[1:], rows_ext[:-1]), alpha=row_stride,
+                          out=ws.get("live.jumps", batch, dtype))
+    elif narrow and _LITTLE_ENDIAN:
+        # Every jump lies within +-2**31 (it is a difference of two cells' indices): the low 32-bit
+        # word of each int64 is the jump as int32, a view of the upload (no device operation).
+        jumps = up[1].view(torch.int32)[0::2]
     else:
-        jumps = up[1]
-    steps = ws.get("live.steps", live + 1, torch.int64)
+        jumps = up[1].to(dtype)
+    steps = ws.get("live.steps", live + 1, dtype)
     steps.fill_(1)
     steps.scatter_add_(0, up[0], jumps)
-    index = ws.get("live.index", live, torch.int64)
+    index = ws.get("live.index", live, dtype)
     torch.cumsum(steps[:live], 0, out=index)
     full, swa = _count(out, totals, flat, mapping, index, live, ws, fields)
     if spans is not None:
@@ -485,27 +498,34 @@ def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, l
 
 
 def _count(out, totals, flat, mapping, index, live, ws, fields) -> "tuple[torch.Tensor, torch.Tensor]":
-    """Gather the FULL slots at ``index`` (``int64 [live]`` into ``flat``), then their SWA slots,
-    count, and commit with ``fields``; return the FULL slots (clamped into the mapping) and the
-    SWA slots gathered."""
+    """Gather the FULL slots at ``index`` (``int32``/``int64 [live]`` into ``flat``), then their
+    SWA slots, count, and commit with ``fields``; return the FULL slots (clamped into the mapping,
+    in its dtype) and the SWA slots gathered.
+
+    Counted: ``s != f``, ``s != 0`` and ``f != 0``; with ``mapping[0]`` they give the divergence
+    (``s != f and s != 0``) on the host (:func:`read_sample`): one comparison into bytes and
+    three counts, which move less memory than a product such as ``(s - f) * s`` (two passes
+    writing int64, one of them a 64-bit multiplication)."""
     size = mapping.shape[0]
     if index is None:  # dense: the gathered rows themselves
         raw = flat
     else:
         raw = torch.index_select(flat, 0, index, out=ws.get("count.raw", live, flat.dtype))
+    # The range and the clamp in the rows' dtype (int32 in the engines: half the bytes), then
+    # one widening copy when the mapping's dtype differs (a mixed-dtype comparison is several
+    # times slower than a copy and a same-dtype one).
+    fields[_SLOTS], fields[_SLOTS + 1] = torch.aminmax(raw)
+    raw.clamp_(0, size - 1)
     if raw.dtype == mapping.dtype:
         full = raw
-    else:  # compare in one dtype: a mixed-dtype comparison is several times slower
+    else:
         full = ws.get("count.full", live, mapping.dtype)
         full.copy_(raw)
-    fields[_SLOTS], fields[_SLOTS + 1] = torch.aminmax(full)
-    full.clamp_(0, size - 1)
     swa = torch.index_select(mapping, 0, full, out=ws.get("count.swa", live, mapping.dtype))
-    # (s - f) * s is non-zero exactly when s != f and s != 0 (slot ids are far below 2**31, so the
-    # int64 product cannot wrap to 0).
-    differs = torch.sub(swa, full, out=ws.get("count.diff", live, torch.int64)).mul_(swa)
-    fields[_DIVERGENT] = torch.count_nonzero(differs)
+    fields[_DIFFERENT] = torch.count_nonzero(torch.ne(swa, full, out=ws.get("count.differs", live, torch.bool)))
     fields[_NONZERO] = torch.count_nonzero(swa)
+    fields[_FULL_NONZERO] = torch.count_nonzero(raw)  # raw is clamped: the zeros of full
+    fields[_SLOT0_SWA] = mapping[0]
     _commit(out, totals, fields, ws)
     return full, swa
 
@@ -624,12 +644,19 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
             faults.add("full_slot_out_of_range")
         if live is None:
             live = values[_LIVE]
-        divergence, nonzero = values[_DIVERGENT], values[_NONZERO]
-        if meta.path == "dense":  # take off the masked positions (FULL slot _FILLER each)
-            masked = meta.gathered - live
+        gathered = meta.gathered if meta.path == "dense" else live
+        different, nonzero = values[_DIFFERENT], values[_NONZERO]
+        # Divergence is s != f and s != 0: the tokens with s != f less those with s == 0 and
+        # f != 0, i.e. all with s == 0 less those with f == 0 that map to 0 (mapping[0] is the
+        # SWA slot of every token at FULL slot 0).
+        full_zero = (gathered - values[_FULL_NONZERO]) if values[_SLOT0_SWA] == 0 else 0
+        divergence = different - (gathered - nonzero) + full_zero
+        if meta.path == "dense":  # take off the masked positions (FULL slot `filler` each)
+            masked = gathered - live
+            filler = _FILLER if meta.mapping_size > _FILLER else 0
             filler_swa = values[_FILLER_SWA]
             nonzero -= masked * (filler_swa != 0)
-            divergence -= masked * (filler_swa != 0 and filler_swa != _FILLER)
+            divergence -= masked * (filler_swa != 0 and filler_swa != filler)
         out_of_window = live - nonzero
     audit = tuple(values[_AUDIT:_AUDIT + AUDIT_WIDTH]) if meta.audited else None
     premature = late_held = None

@@ -389,9 +389,8 @@ class ReferenceEngine:
             holder_full_slots = req_to_token.view(-1).index_select(0, torch.from_numpy(index).to(self.device))
         else:
             holder_full_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
-        free = pools.free_swa_page_list()
         return SwaAuditInputs(
-            swa_free_page_ids=torch.from_numpy(np.array(free, dtype=np.int64)).to(self.device),
+            swa_free_page_ids=torch.from_numpy(pools.free_swa_page_array()).to(self.device),
             num_swa_pages=pools.swa_pages,
             page_size=pools.page_size,
             holder_full_slots=holder_full_slots,

@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from otel_swa.pool_usage import POOL_FULL, POOL_SWA, PoolUsage
@@ -161,6 +162,11 @@ class HybridKVPools:
     def free_swa_page_list(self) -> list[int]:
         """A copy of the SWA free list (page numbers, in allocation order)."""
         return list(self._swa_free)
+
+    def free_swa_page_array(self) -> np.ndarray:
+        """The SWA free list as ``int64 [k]`` numpy (page numbers, in allocation order), read from
+        the deque in one pass (no intermediate list)."""
+        return np.fromiter(self._swa_free, dtype=np.int64, count=len(self._swa_free))
 
     def swa_pages_held(self, req: RequestSlots) -> int:
         """SWA pages ``req`` holds now (its pages not yet freed by eviction)."""

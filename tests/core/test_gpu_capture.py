@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from otel_swa.device import STAGE_WIDTH, Workspace, audit_counts, read_sample, stage_sample
+from otel_swa.device import DENSE_FILL_RATIO, STAGE_WIDTH, Workspace, audit_counts, read_sample, stage_sample
 from otel_swa.reporter import KVPool, SwaDivergenceReporter
 from otel_swa.views import SwaBatch
 
@@ -136,7 +136,7 @@ def test_sample_on_cuda_equals_the_recount(path):
             out, torch.zeros(2, dtype=torch.int64, device="cuda"), torch.tensor(req_to_token, dtype=torch.int32, device="cuda"),
             torch.tensor(mapping, device="cuda"), torch.tensor(rows, device="cuda"), torch.tensor(lens, device="cuda"),
             None if path == "no host lengths" else lens, workspace=ws,
-            dense_fill_ratio={"live": float("inf"), "dense": 0.0}.get(path, 0.85),
+            dense_fill_ratio={"live": float("inf"), "dense": 0.0}.get(path, DENSE_FILL_RATIO),
         )
         reading = read_sample(out.tolist(), meta)
         expected = [0, 0]
