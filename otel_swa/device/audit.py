@@ -180,26 +180,39 @@ def audit_holder_slots(
     # Stale: holders whose page is on the free list (cells 0 and spare never are).
     stale = torch.count_nonzero(torch.index_select(is_free, 0, page, out=ws.get("audit.on_free", n, torch.bool)))
 
-    # Pages in use that a holder maps into: a presence bit per page cell, then over the pages.
-    present = ws.get("audit.present", pages + 2, torch.bool).zero_()
-    present.scatter_(0, page, ws.ones(page.numel(), torch.bool))
     in_use_cells = is_free.logical_not_()[1:spare_page]  # the free table becomes "in use"
-    referenced = torch.count_nonzero(present[1:spare_page].logical_and_(in_use_cells))
     in_use = torch.count_nonzero(in_use_cells)
 
     # Shared SWA slots: SWA slots that two distinct held FULL slots map to (the same FULL slot held
     # twice is prefix sharing, not a fault). Every holder writes its FULL slot into its SWA slot's
     # cell and reads the cell back: a holder that reads another FULL slot shares its SWA slot; the
     # distinct SWA slots of those holders are the shared ones. Cells 0 and spare never count.
-    owner = ws.get("audit.swa", swa_slots + 1, keys.dtype)  # only cells written just before are read
+    # When the SWA pool's cells are few against the holders (at most 4 n), the table is cleared to
+    # -1 first (FULL slots are >= 0), and it also says which pages a holder maps into: those with
+    # a written cell. Otherwise only the cells written just before are read, and the pages a holder
+    # maps into are a presence bit per page cell, written by one more scatter.
+    small = swa_slots + 1 <= max(4 * n, pages + 2)
+    owner = ws.get("audit.swa", swa_slots + 1, keys.dtype)
+    if small:
+        owner.fill_(-1)
     owner.scatter_(0, slot, keys)
+
+    # Pages in use that a holder maps into.
+    if small:
+        written = torch.ge(owner[page_size:swa_slots], 0, out=ws.get("audit.written", swa_slots - page_size, torch.bool))
+        present = written if page_size == 1 else written.view(pages, page_size).any(1)
+    else:
+        cells = ws.get("audit.present", pages + 2, torch.bool).zero_()
+        cells.scatter_(0, page, ws.ones(page.numel(), torch.bool))
+        present = cells[1:spare_page]
+    referenced = torch.count_nonzero(present.logical_and_(in_use_cells))
     # 1 where the holder shares, else 0, as int64: on the CPU twice as fast as a bool result, and
     # the multiplication below then needs no conversion
     back = torch.index_select(owner, 0, slot, out=ws.get("audit.back", n, owner.dtype))
     sharing = torch.ne(back, keys, out=ws.get("audit.sharing", n, torch.int64))
     shared_slot = slot.mul_(sharing)  # the others to cell 0; a multiplication, as masked_fill_ and
     # where branch per element and run several times slower on the CPU with a random mask
-    if swa_slots + 1 <= max(4 * shared_slot.numel(), pages + 2):
+    if small:
         marked = ws.get("audit.shared", swa_slots + 1, torch.bool).zero_()
         marked.scatter_(0, shared_slot, ws.ones(shared_slot.numel(), torch.bool))
         shared = torch.count_nonzero(marked[1:swa_slots])

@@ -25,7 +25,7 @@ def recount(mapping, free_pages, num_pages, page_size, holders):
         if 0 < swa < swa_slots:
             referenced.add(swa // page_size)
             stale += swa // page_size in free
-    for full in {f for f in holders if 0 < f < len(mapping)}:
+    for full in {f for f in holders if 0 <= f < len(mapping)}:  # FULL slot 0 is read like any other
         swa = mapping[full]
         if 0 < swa < swa_slots:
             users[swa] = users.get(swa, 0) + 1
@@ -42,7 +42,9 @@ def test_audit_counts_equal_plain_recount(seed, page_size, free_dtype, holder_dt
     num_pages = rng.randint(1, 12)
     full_size = rng.randint(2, 60)
     swa_slots = (num_pages + 1) * page_size
-    mapping = [0] + [rng.choice([0, rng.randrange(0, swa_slots + 3)]) for _ in range(full_size - 1)]
+    # mapping[0] is 0 in the engines; any other value is read as it is (FULL slot 0 is read like any other)
+    slot0 = rng.choice([0, 0, rng.randrange(0, swa_slots + 3)])
+    mapping = [slot0] + [rng.choice([0, rng.randrange(0, swa_slots + 3)]) for _ in range(full_size - 1)]
     free = rng.sample(range(1, num_pages + 1), rng.randint(0, num_pages))
     holders = [rng.randrange(-2, full_size + 3) for _ in range(rng.randint(0, 40))]
     out = torch.full((AUDIT_WIDTH,), 99, dtype=torch.int64)
@@ -106,7 +108,8 @@ def test_audit_cost_does_not_grow_with_the_pool():
         with Sizes() as sizes:
             audit_counts(out, mapping, free, 999, 1, holders, ws)
         largest.append(sizes.largest)
-    assert largest[0] == largest[1] <= 300
+    # the largest is the holders (300) or the SWA pool's 999 page cells (1,000 slot cells), never the pool
+    assert largest[0] == largest[1] <= 1000
 
 
 def test_prefix_sharing_is_not_a_shared_slot():
