@@ -1,0 +1,127 @@
+"""The SWA slot audit's cost, audit / no audit, of several checkouts of otel-swa side by side.
+
+Each revision given is unpacked (``git archive``) into a temporary folder; then, round by round and
+in turn, one child process per revision imports that revision's ``otel_swa`` and times one
+sampling ``step`` + ``flush`` of the reporter with the audit against without it (7 interleaved
+pairs per FULL pool size, their median ratio). The inputs use the public API only, the same in
+every revision since the audit came in (``SwaBatch``, ``SwaAuditInputs(free, pages, page_size,
+holders)``, ``SwaDivergenceReporter``): 56 requests of 1,000 live tokens each in rows of 4,096
+slots, their FULL slots drawn at random from the FULL pool, every one of them a holder (listed),
+8,000 of them mapped to distinct slots of an SWA pool of 8,192 slots (page size 1), the rest to 0,
+and the SWA free list the 192 slots left: a healthy pool, the inputs of ``bench_sample.py``'s
+table 1 built the same way.
+
+Printed: per FULL pool size (65,536 / 1,048,576 / 4,194,304 slots) and revision, the median and
+spread over the rounds of each child's medians: the step with the audit, without, their difference
+(the audit's own cost) and their ratio.
+
+Run: ``python benchmarks/bench_audit_checkouts.py [--rounds 3] [REV ...]`` from the repository
+(default revisions: ``43e5981``, the audit over the whole FULL pool, and ``HEAD``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+POOLS = (65536, 1 << 20, 1 << 22)
+PAIRS = 7
+
+
+def child() -> None:
+    """Time one revision (the ``otel_swa`` on ``sys.path``); print the three median ratios as JSON."""
+    import torch
+
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.views import SwaAuditInputs, SwaBatch
+
+    torch.set_num_threads(1)
+    batch, width, per_request, swa_slots, in_window = 56, 4096, 1000, 8192, 8000
+    medians = []
+    for pool in POOLS:
+        gen = torch.Generator().manual_seed(0)
+        live = batch * per_request
+        held = (torch.randperm(pool - 1, generator=gen)[:live] + 1).to(torch.int32)
+        req_to_token = torch.zeros(batch + 1, width, dtype=torch.int32)
+        req_to_token[1:, :per_request] = held.view(batch, per_request)
+        mapping = torch.zeros(pool + 2, dtype=torch.int64)
+        mapped = torch.randperm(swa_slots, generator=gen)[:in_window] + 1
+        mapping[held.long()[torch.randperm(live, generator=gen)[:in_window]]] = mapped
+        free = torch.ones(swa_slots + 1, dtype=torch.bool)
+        free[0] = False
+        free[mapped] = False
+        audit = SwaAuditInputs(torch.nonzero(free).reshape(-1), swa_slots, 1, held.long())
+        rows, lens = list(range(1, batch + 1)), [per_request] * batch
+
+        def view(swa_audit):
+            return SwaBatch(req_to_token, mapping, torch.tensor(rows), torch.tensor(lens), lens, swa_audit=swa_audit)
+
+        runs = {}
+        for name, v in (("audit", view(audit)), ("plain", view(None))):
+            reporter = SwaDivergenceReporter(1, device="cpu", ring_size=8)
+
+            def run(reporter=reporter, v=v, n=5):
+                start = time.perf_counter()
+                for _ in range(n):
+                    reporter.step(v)
+                    reporter.flush()
+                return time.perf_counter() - start
+
+            runs[name] = run
+        for _ in range(3):  # warm-up: the allocator and the caches
+            runs["audit"](), runs["plain"]()
+        pairs = [(runs["audit"]() / 5, runs["plain"]() / 5) for _ in range(PAIRS)]
+        medians.append([statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+                        statistics.median(a / b for a, b in pairs)])
+    print(json.dumps(medians))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("revisions", nargs="*", default=["43e5981", "HEAD"])
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    from _common import fmt, machine_line, one_thread, print_table
+
+    one_thread()  # as in the children (the machine line says so)
+    print(machine_line())
+    print(f"{args.rounds} rounds, one child process per revision in turn; each child: the median of {PAIRS} "
+          "audited / plain pairs; median (min - max) over the rounds\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        roots = {}
+        for rev in args.revisions:
+            root = os.path.join(tmp, rev.replace("/", "_"))
+            os.makedirs(root)
+            archive = subprocess.run(["git", "archive", rev, "otel_swa"], cwd=os.path.dirname(here), check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+            roots[rev] = root
+        got: dict[str, list[list[float]]] = {rev: [] for rev in roots}
+        for _ in range(args.rounds):
+            for rev, root in roots.items():
+                env = dict(os.environ, PYTHONPATH=root)
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env, check=True,
+                                     capture_output=True, text=True).stdout
+                got[rev].append(json.loads(out.strip().splitlines()[-1]))
+    rows = []
+    for i, pool in enumerate(POOLS):
+        for rev, rounds in got.items():
+            audited, plain = [r[i][0] for r in rounds], [r[i][1] for r in rounds]
+            rows.append((f"{pool:,}", rev, fmt(audited, 1e3, 3), fmt(plain, 1e3, 3),
+                         fmt([a - b for a, b in zip(audited, plain)], 1e3, 3), fmt([r[i][2] for r in rounds], 1, 2, "x")))
+    print_table("SWA slot audit / no audit, 56K holders listed (one sampling step, ms)",
+                ("FULL pool", "revision", "with audit", "without", "the audit's own", "with / without"), rows)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--child"]:
+        child()
+    else:
+        main()
