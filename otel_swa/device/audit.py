@@ -23,8 +23,9 @@ referenced nor stale, but two distinct FULL slots mapped into one count as shari
 Cost. The audit reads the ``n`` holder slots and the ``k`` free page ids, and sweeps the SWA pool's
 page cells (``num_swa_pages + 2``): never a table over the FULL pool. Free pages and the pages
 holders map into are one bit per page cell (a bool table cleared and written at the ids, then
-counted); in a healthy pool the pages are the free ones plus those holders map into, so the sweep
-is O(n + k) too (leaked pages add to it). Shared SWA slots: every holder writes its FULL slot into
+counted; the pages holders map into are read from the shared-slot table below when it is swept);
+in a healthy pool the pages are the free ones plus those holders map into, so the sweep is
+O(n + k) too (leaked pages add to it). Shared SWA slots: every holder writes its FULL slot into
 its SWA slot's cell (``table[slot_i] = full_i``; with duplicates one writer wins) and reads the
 cell back; a holder that reads another FULL slot shares its slot, and the distinct slots of those
 holders are marked in a bit per SWA slot (counted when the SWA pool's slots are at most ``4 n``;
@@ -91,10 +92,11 @@ def audit_counts(
         workspace: where the id tables live (see the module docstring); default a new one, whose
             CPU tables are then made for this call only.
 
-    Work: 13 passes over the ``n`` holders (one of them the gather from the mapping; one more at
-    page size > 1), 4 over the ``k`` free ids, 7 over the ``num_swa_pages + 2`` page cells, and
-    one clear and one count of ``swa_slots + 1`` bytes when that is at most ``4 n`` (else 4 more
-    passes over the holders). No host sync.
+    Work: 12 passes over the ``n`` holders (one of them the gather from the mapping; one more at
+    page size > 1), 4 over the ``k`` free ids, about 7 over the ``num_swa_pages + 2`` page cells,
+    and, when the ``swa_slots + 1`` slot cells are at most ``4 n``, a fill, a comparison, a clear
+    and a count over them (else, in their place, one more scatter and about 7 more passes over the
+    holders). No host sync.
 
     Raises:
         ValueError: ``num_swa_pages`` or ``page_size`` below 1.
