@@ -256,6 +256,10 @@ def stage_sample(
     The tensors are read now, at the sampled forward step: later changes to them by the engine
     cannot leak into this sample. Only metadata and the host lengths are read on the host.
 
+    Shapes, dtypes and devices are not checked here (the reporter checks them first, with
+    :func:`otel_swa.views.validate_view`): a direct caller gives ``req_pool_indices``, ``seq_lens``
+    and the host sequences one entry per batch entry, or the counts are not those of the batch.
+
     Raises:
         ValueError: ``seq_lens_cpu`` is not a sequence of integers on the host.
     """
@@ -304,11 +308,13 @@ def stage_sample(
         rows_known = host_rows is not None
         spans = window_spans(lens, reach, allowance) if window is not None else None
         window_tokens = int(spans[0].sum()) if spans is not None else None
-        if batch == 0 or live == 0 or width == 0 or num_rows == 0:
+        if batch == 0 or live == 0 or width == 0 or num_rows == 0 or size == 0:
             _stage_empty(out, totals, rows, seq_lens, given, upload, ws, rows_known)
             if window is not None:
                 stage_window_empty(cells)
             path = "empty"
+            if size == 0 and live and width and num_rows:  # live tokens and a mapping of no entry:
+                faults = tuple(name for name in FAULTS if name in {*faults, "full_slot_out_of_range"})  # every slot is beyond it
         elif live < dense_fill_ratio * batch * width:
             gathered = _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live,
                                    upload, ws, spans, cells)
@@ -321,7 +327,8 @@ def stage_sample(
             _audit_with_batch(out, mapping, swa_audit, gathered, ws)
         return SampleMeta(path, live, batch, num_rows, width, size, faults, True, audited, rows_known,
                           window, window_tokens)
-    if batch == 0 or width == 0 or num_rows == 0:
+    if batch == 0 or width == 0 or num_rows == 0 or size == 0:  # with no mapping entry, read_sample tells
+        # from the staged seq_lens whether a live token was there (its FULL slot beyond the mapping)
         _stage_empty(out, totals, rows, seq_lens, None, upload, ws)
         if window is not None:
             stage_window_empty(cells)
@@ -638,6 +645,8 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
                 faults.add("negative_seq_len")
             if values[_LENS + 1] > meta.width:
                 faults.add("seq_len_beyond_width")
+            if meta.path == "empty" and meta.mapping_size == 0 and meta.width and meta.num_rows and values[_LENS + 1] > 0:
+                faults.add("full_slot_out_of_range")  # live tokens, and a mapping of no entry
     if meta.path != "empty":
         slot_low, slot_high = values[_SLOTS], values[_SLOTS + 1]
         if slot_low < 0 or slot_high >= meta.mapping_size:

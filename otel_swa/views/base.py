@@ -21,8 +21,9 @@ and, optionally:
 
 ``seq_lens_cpu``
     the same as ``seq_lens`` as a host tensor or a sequence of ints. With it the reporter gathers
-    exactly the live tokens (``sum(seq_lens)`` of them), or, when they fill 85 % or more of
-    ``[batch, max_context_len]``, the whole rows (cheaper then; see :mod:`otel_swa.device.sample`);
+    exactly the live tokens (``sum(seq_lens)`` of them), or, when they fill ``DENSE_FILL_RATIO``
+    (95 %) or more of ``[batch, max_context_len]``, the whole rows (cheaper then; see
+    :mod:`otel_swa.device.sample`);
     without it it always gathers the whole rows, masked, which needs no host sync either. The
     sample also counts the batch entries where it differs from ``seq_lens`` (a fault: such a
     sample gives no record).

@@ -275,6 +275,22 @@ def test_full_slot_outside_the_mapping_is_a_fault_not_a_count(caplog):
     assert caplog.text.count("full_slot_out_of_range") == 1  # logged once, then counted
 
 
+@pytest.mark.parametrize("host_lens", [True, False])
+def test_a_mapping_of_no_entry_is_a_fault_with_live_tokens_and_nothing_without(host_lens):
+    """Every FULL slot lies beyond a mapping of no entry: with live tokens the sample is invalid
+    (counted, never raised into the engine); a batch of empty requests still gives its record."""
+    got = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: got.append(r)])
+    empty = torch.zeros(0, dtype=torch.int64)
+    reporter.step(SwaBatch(torch.tensor([[1, 2, 3, 0]]), empty, torch.tensor([0]), torch.tensor([3]),
+                           seq_lens_cpu=[3] if host_lens else None))
+    reporter.step(SwaBatch(torch.tensor([[1, 2, 3, 0]]), empty, torch.tensor([0]), torch.tensor([0]),
+                           seq_lens_cpu=[0] if host_lens else None))
+    reporter.flush()
+    assert dict(reporter.stats.view_faults) == {**NO_FAULTS, "full_slot_out_of_range": 1}
+    assert [(r.forward_ct, r.swa_full_idx_divergence, r.swa_out_of_window_tokens) for r in got] == [(2, 0, 0)]
+
+
 def test_cpu_path_never_touches_cuda(monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("torch.cuda used on the CPU path")
