@@ -313,8 +313,6 @@ def stage_sample(
             if window is not None:
                 stage_window_empty(cells)
             path = "empty"
-            if size == 0 and live and width and num_rows:  # live tokens and a mapping of no entry:
-                faults = tuple(name for name in FAULTS if name in {*faults, "full_slot_out_of_range"})  # every slot is beyond it
         elif live < dense_fill_ratio * batch * width:
             gathered = _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live,
                                    upload, ws, spans, cells)
@@ -327,8 +325,7 @@ def stage_sample(
             _audit_with_batch(out, mapping, swa_audit, gathered, ws)
         return SampleMeta(path, live, batch, num_rows, width, size, faults, True, audited, rows_known,
                           window, window_tokens)
-    if batch == 0 or width == 0 or num_rows == 0 or size == 0:  # with no mapping entry, read_sample tells
-        # from the staged seq_lens whether a live token was there (its FULL slot beyond the mapping)
+    if batch == 0 or width == 0 or num_rows == 0 or size == 0:
         _stage_empty(out, totals, rows, seq_lens, None, upload, ws)
         if window is not None:
             stage_window_empty(cells)
@@ -645,8 +642,10 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
                 faults.add("negative_seq_len")
             if values[_LENS + 1] > meta.width:
                 faults.add("seq_len_beyond_width")
-            if meta.path == "empty" and meta.mapping_size == 0 and meta.width and meta.num_rows and values[_LENS + 1] > 0:
-                faults.add("full_slot_out_of_range")  # live tokens, and a mapping of no entry
+        if meta.path == "empty" and meta.mapping_size == 0 and meta.width and meta.num_rows:
+            # a mapping of no entry (nothing gathered): every live token's FULL slot lies beyond it
+            if (live if meta.host_lengths else values[_LENS + 1]) > 0:
+                faults.add("full_slot_out_of_range")
     if meta.path != "empty":
         slot_low, slot_high = values[_SLOTS], values[_SLOTS + 1]
         if slot_low < 0 or slot_high >= meta.mapping_size:
