@@ -33,6 +33,7 @@ from otel_swa.record import (
     AUDIT_FIELDS,
     FIELDS,
     AuditMatch,
+    FaultMatch,
     AuditPairing,
     LogPrefix,
     MalformedRecordError,
@@ -59,9 +60,10 @@ __all__ = [
 
 #: Columns of a record as data (``otel-swa records``): where it was found, the run it belongs to,
 #: what wrote it (``verify_source``: otel-swa's tag; empty for SGLang's own lines), the five
-#: fields, the audit fields (empty when the record was not audited), then ``micro_batch`` (empty
-#: without pipeline parallelism).
-ROW_FIELDS = ("line_no", "timestamp", "rank", "run", "verify_source") + FIELDS + AUDIT_FIELDS + ("micro_batch",)
+#: fields, the audit fields (empty when the record was not audited), ``micro_batch`` (empty
+#: without pipeline parallelism), then ``offenders``: the first offender of each fault its fault
+#: lines name, a list of objects ``{"fault": ..., <location>: ...}`` (empty without faults).
+ROW_FIELDS = ("line_no", "timestamp", "rank", "run", "verify_source") + FIELDS + AUDIT_FIELDS + ("micro_batch", "offenders")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +83,7 @@ class LoggedRecord:
     timestamp: str | None = None
     rank: str | None = None
 
-    def to_row(self, run: int | None = None) -> dict[str, int | str | None]:
+    def to_row(self, run: int | None = None) -> "dict[str, int | str | list | None]":
         """A flat dict with the keys of :data:`ROW_FIELDS`, in that order (``run`` as given)."""
         row: dict[str, int | str | None] = {
             "line_no": self.line_no,
@@ -93,6 +95,7 @@ class LoggedRecord:
         row.update(self.record.to_dict())
         row.update({name: getattr(self.record, name) for name in AUDIT_FIELDS})
         row["micro_batch"] = self.record.micro_batch
+        row["offenders"] = [{"fault": o.fault, **o.location()} for o in self.record.offenders] or None
         return row
 
 
@@ -144,7 +147,7 @@ def logged_entries(
     out = [] if into is None else into
     begin = len(out)
     for entry in iter_entries(text, errors, first_line_no=first_line_no):
-        if isinstance(entry, AuditMatch):
+        if isinstance(entry, (AuditMatch, FaultMatch)):
             error = pairing.attach(entry)
             if error is not None and errors is not None:
                 errors.append(error)

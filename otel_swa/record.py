@@ -47,6 +47,15 @@ its own prefixes, which SGLang's parser never matches (neither prefix contains S
   version does not know are ignored, so fields can be added later, and lines without the window
   fields read as before. It is attached back to the
   latest record of the same tag and log rank when that record has the same ``forward_ct``;
+* a **fault** line per fault the sample shows, right after the audit line, same tag, same
+  ``forward_ct`` (:meth:`SwaDivergenceRecord.fault_lines`): the fault's first offender
+  (:class:`Offender`: where in the batch, the pools or the layers the fault's mask was first
+  true), attached back to its record as the audit line is::
+
+      otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":"swa_read_mismatches","request":"7","row":3,"position":17,"full_slot":130,"swa_slot":12,"swa_page":12,"layer":1}
+
+  compact JSON of ``forward_ct``, ``fault`` (one of :data:`FAULT_FIELDS`) and the location keys
+  known (:data:`OFFENDER_KEYS`); keys this version does not know are ignored;
 * a **run start** marker, before the first record a line sink writes (:func:`run_start_line`)::
 
       otel_swa[verify=attention] otel_swa_run_start={"pid":4242}
@@ -74,9 +83,13 @@ __all__ = [
     "LINE_PREFIX",
     "AUDIT_PREFIX",
     "RUN_START_PREFIX",
+    "FAULT_PREFIX",
     "LINE_TAG",
     "FIELDS",
     "AUDIT_FIELDS",
+    "FAULT_FIELDS",
+    "OFFENDER_KEYS",
+    "Offender",
     "MICRO_BATCH_MAX",
     "VERIFY_SOURCES",
     "INT64_MAX",
@@ -87,6 +100,7 @@ __all__ = [
     "parse_log_prefix",
     "RecordMatch",
     "AuditMatch",
+    "FaultMatch",
     "RunStartMatch",
     "AuditPairing",
     "FoundRecords",
@@ -103,7 +117,9 @@ LINE_PREFIX = "kv_canary_swa_divergence="
 AUDIT_PREFIX = "otel_swa_audit="
 #: The prefix of otel-swa's run start marker (written before a line sink's first record).
 RUN_START_PREFIX = "otel_swa_run_start="
-_PREFIXES = (LINE_PREFIX, AUDIT_PREFIX, RUN_START_PREFIX)
+#: The prefix of otel-swa's fault line: one fault's first offender (written after the audit line).
+FAULT_PREFIX = "otel_swa_fault="
+_PREFIXES = (LINE_PREFIX, AUDIT_PREFIX, RUN_START_PREFIX, FAULT_PREFIX)
 
 #: The record's fields, in SGLang's order (the order of the JSON keys in the line).
 FIELDS = (
@@ -124,6 +140,46 @@ AUDIT_FIELDS = (
     "swa_pages_referenced",
     "swa_premature_evictions",
     "swa_late_held_slots",
+    "swa_read_checks",
+    "swa_read_mismatches",
+    "swa_read_unchecked",
+    "kv_leaked_blocks",
+    "kv_freed_blocks_in_use",
+)
+
+#: The audit fields that are faults: a sample where one is above 0 names its first offender on a
+#: fault line (:class:`Offender`). The SWA slot audit's three, the window check's premature
+#: evictions, the read check's mismatches (sliding-window attention read other KV than the mapping
+#: says), and the KV block audit of engines without a FULL-to-SWA mapping (vLLM): blocks in use that
+#: no request and no prefix-cache entry holds, blocks a running request's table references that
+#: are free and not cached.
+FAULT_FIELDS = (
+    "swa_leaked_slots",
+    "swa_stale_tokens",
+    "swa_shared_slots",
+    "swa_premature_evictions",
+    "swa_read_mismatches",
+    "kv_leaked_blocks",
+    "kv_freed_blocks_in_use",
+)
+
+#: Where a fault's first offender is, in the order the fault line writes them (each only when known):
+#: ``request`` (the engine's request id, a string), ``row`` (its ``req_to_token`` row, or its batch
+#: entry where the engine has no rows), ``position`` (token position in the request), ``full_slot``,
+#: ``swa_slot``, ``swa_page``, ``other_full_slot`` (a shared SWA slot's second FULL slot),
+#: ``layer`` (the attention layer, read mismatches), ``block`` (a KV block id, vLLM) and
+#: ``kv_cache_group`` (vLLM's KV cache group of that block).
+OFFENDER_KEYS = (
+    "request",
+    "row",
+    "position",
+    "full_slot",
+    "swa_slot",
+    "swa_page",
+    "other_full_slot",
+    "layer",
+    "block",
+    "kv_cache_group",
 )
 
 #: The largest micro-batch index a record takes (micro-batches are a pipeline's few in-flight batches,
@@ -163,7 +219,8 @@ _SGLANG_PREFIX_RE = re.compile(
 # Python logging: an ISO-like date and time at the start of the line (after optional blanks).
 _PLAIN_PREFIX_RE = re.compile(r"^\s*(?P<ts>\d{4}-\d{2}-\d{2}[ T]" + _TIME + r")(?![\d:])")
 
-_KIND_WORDS = {LINE_PREFIX: "record", AUDIT_PREFIX: "audit line", RUN_START_PREFIX: "run start line"}
+_KIND_WORDS = {LINE_PREFIX: "record", AUDIT_PREFIX: "audit line", RUN_START_PREFIX: "run start line",
+               FAULT_PREFIX: "fault line"}
 
 
 class MalformedRecordError(ValueError):
@@ -219,6 +276,87 @@ def _check_int(owner: str, name: str, value: Any, minimum: int) -> None:
 
 
 @dataclass(frozen=True, slots=True)
+class Offender:
+    """Where a fault of a sample was first seen: its first offender.
+
+    Computed on the device with the sample (the first index of the fault's mask, in the order the
+    engine's batch, the holders or the checked queries are given) and copied with it, so it names
+    the state at the sampled forward step. Written on the fault line
+    (:meth:`SwaDivergenceRecord.fault_lines`), read back by :func:`find_all`.
+
+    Attributes:
+        fault: the fault, one of :data:`FAULT_FIELDS` (the record field whose count it locates).
+        request: the engine's request id (SGLang's ``rid``, the reference engine's request number),
+            when the view gave the batch's ids and the offender is a token of the batch.
+        row: the request's ``req_to_token`` row (vLLM: its batch entry), when known.
+        position: the token position in the request (a read mismatch: the query's position).
+        full_slot, swa_slot, swa_page: the token's FULL slot, its SWA slot and that slot's page (a
+            leaked page: ``swa_page`` only).
+        other_full_slot: a shared SWA slot's other FULL slot.
+        layer: the attention layer (``layer_id``) of a read mismatch.
+        block, kv_cache_group: a KV block id and its KV cache group (vLLM's block audit).
+
+    Every location is an int from 0 to :data:`INT64_MAX` (``request``: a string) or ``None``.
+
+    Raises:
+        ValueError: ``fault`` is not one of :data:`FAULT_FIELDS`; a location is negative or above
+            int64.
+        TypeError: a location is not an int (``request``: not a string).
+    """
+
+    fault: str
+    request: "str | None" = None
+    row: "int | None" = None
+    position: "int | None" = None
+    full_slot: "int | None" = None
+    swa_slot: "int | None" = None
+    swa_page: "int | None" = None
+    other_full_slot: "int | None" = None
+    layer: "int | None" = None
+    block: "int | None" = None
+    kv_cache_group: "int | None" = None
+
+    def __post_init__(self) -> None:
+        if self.fault not in FAULT_FIELDS:
+            raise ValueError(f"Offender.fault must be one of {', '.join(FAULT_FIELDS)}, got {self.fault!r}")
+        if self.request is not None and not isinstance(self.request, str):
+            raise TypeError(f"Offender.request must be a str or None, got {self.request!r}")
+        for name in OFFENDER_KEYS[1:]:
+            value = getattr(self, name)
+            if value is not None:
+                _check_int("Offender", name, value, 0)
+
+    def location(self) -> dict[str, "int | str"]:
+        """The locations known, in :data:`OFFENDER_KEYS` order."""
+        return {name: getattr(self, name) for name in OFFENDER_KEYS if getattr(self, name) is not None}
+
+    def describe(self) -> str:
+        """The locations in words: ``request 7 (row 3), position 17, FULL slot 130, SWA slot 12
+        (page 12), layer 1``; ``no location`` when none is known."""
+        parts = []
+        if self.request is not None:
+            parts.append(f"request {self.request}" + (f" (row {self.row})" if self.row is not None else ""))
+        elif self.row is not None:
+            parts.append(f"row {self.row}")
+        if self.position is not None:
+            parts.append(f"position {self.position}")
+        if self.full_slot is not None:
+            parts.append(f"FULL slot {self.full_slot}")
+        if self.swa_slot is not None:
+            parts.append(f"SWA slot {self.swa_slot}" + (f" (page {self.swa_page})" if self.swa_page is not None else ""))
+        elif self.swa_page is not None:
+            parts.append(f"SWA page {self.swa_page}")
+        if self.other_full_slot is not None:
+            parts.append(f"also mapped from FULL slot {self.other_full_slot}")
+        if self.layer is not None:
+            parts.append(f"layer {self.layer}")
+        if self.block is not None:
+            parts.append(f"block {self.block}" + (f" (KV cache group {self.kv_cache_group})"
+                                                  if self.kv_cache_group is not None else ""))
+        return ", ".join(parts) if parts else "no location"
+
+
+@dataclass(frozen=True, slots=True)
 class SwaDivergenceRecord:
     """One sample of the SWA KV cache, as SGLang's SWA divergence reporter defines it.
 
@@ -260,6 +398,20 @@ class SwaDivergenceRecord:
             step reads plus the engine's eviction allowance that still hold an SWA slot (late
             eviction, runaway SWA usage), unit ``{slot}``, or ``None`` when the engine gave no
             window.
+        swa_read_checks: queries of the sampled step whose sliding-window attention output was
+            recomputed from the KV pool through the mapping and compared with the engine's (the
+            read check, :mod:`otel_swa.device.read_check`), unit ``{query}``, or ``None`` when the
+            engine has no read check.
+        swa_read_mismatches: those whose output disagreed beyond the dtype's tolerance: attention
+            read other KV than the mapping's inside the window, unit ``{query}``, or ``None``.
+        swa_read_unchecked: queries that would have been checked but could not be (an attention
+            variant the check does not cover, a step replayed from a CUDA graph), or ``None``.
+        kv_leaked_blocks: KV blocks in use that no request and no prefix-cache entry holds (vLLM's
+            block audit), unit ``{block}``, or ``None``.
+        kv_freed_blocks_in_use: KV blocks a running request's block table references that are free
+            and not cached (freed while in use; vLLM), unit ``{block}``, or ``None``.
+        offenders: the first offender of each fault the sample shows (:class:`Offender`, at most
+            one per fault of :data:`FAULT_FIELDS`), on the fault lines; ``()`` when none is known.
         verify_source: what ``verify_full`` / ``verify_swa`` count, one of :data:`VERIFY_SOURCES`,
             or ``None`` when unknown (a line SGLang itself wrote, which counts what its canary
             verified). Written as the line's tag by :meth:`line`, never into the JSON.
@@ -288,8 +440,14 @@ class SwaDivergenceRecord:
     swa_pages_referenced: "int | None" = field(default=None, kw_only=True)
     swa_premature_evictions: "int | None" = field(default=None, kw_only=True)
     swa_late_held_slots: "int | None" = field(default=None, kw_only=True)
+    swa_read_checks: "int | None" = field(default=None, kw_only=True)
+    swa_read_mismatches: "int | None" = field(default=None, kw_only=True)
+    swa_read_unchecked: "int | None" = field(default=None, kw_only=True)
+    kv_leaked_blocks: "int | None" = field(default=None, kw_only=True)
+    kv_freed_blocks_in_use: "int | None" = field(default=None, kw_only=True)
     verify_source: "str | None" = field(default=None, kw_only=True)
     micro_batch: "int | None" = field(default=None, kw_only=True)
+    offenders: "tuple[Offender, ...]" = field(default=(), kw_only=True)
 
     def __post_init__(self) -> None:
         for name in FIELDS + AUDIT_FIELDS:
@@ -310,6 +468,8 @@ class SwaDivergenceRecord:
                 raise ValueError(
                     f"SwaDivergenceRecord.micro_batch must be from 0 to {MICRO_BATCH_MAX}, got {self.micro_batch}"
                 )
+        if type(self.offenders) is not tuple or not all(isinstance(o, Offender) for o in self.offenders):  # noqa: E721
+            raise TypeError(f"SwaDivergenceRecord.offenders must be a tuple of Offender, got {self.offenders!r}")
 
     @classmethod
     def _as_logged(cls, values: dict[str, int], verify_source: str | None, audit: dict[str, int] | None = None,
@@ -327,7 +487,17 @@ class SwaDivergenceRecord:
             object.__setattr__(record, name, None if audit is None else audit.get(name))
         object.__setattr__(record, "verify_source", verify_source)
         object.__setattr__(record, "micro_batch", None if audit is None else audit.get("micro_batch"))
+        object.__setattr__(record, "offenders", ())
         return record
+
+    def offender(self, fault: str) -> "Offender | None":
+        """The first offender of ``fault`` (one of :data:`FAULT_FIELDS`) in this sample, or ``None``."""
+        return next((o for o in self.offenders if o.fault == fault), None)
+
+    @property
+    def read_checked(self) -> bool:
+        """Whether the read check's fields are present (the engine checks what attention read)."""
+        return self.swa_read_checks is not None
 
     @property
     def audited(self) -> bool:
@@ -416,10 +586,24 @@ class SwaDivergenceRecord:
         body = AUDIT_PREFIX + json.dumps({"forward_ct": self.forward_ct, **audit}, separators=(",", ":"))
         return self._tagged(body)
 
+    def fault_lines(self) -> list[str]:
+        """One fault line per offender (:attr:`offenders`, in their order), written after the audit
+        line: the same tag, then :data:`FAULT_PREFIX` and compact JSON of ``forward_ct``, ``fault``
+        and the locations known (:data:`OFFENDER_KEYS` order)::
+
+            otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":"swa_stale_tokens","full_slot":88,"swa_slot":9,"swa_page":9}
+        """
+        return [
+            self._tagged(FAULT_PREFIX + json.dumps(
+                {"forward_ct": self.forward_ct, "fault": o.fault, **o.location()}, separators=(",", ":")))
+            for o in self.offenders
+        ]
+
     def lines(self) -> list[str]:
-        """What a line sink logs for this record: :meth:`line`, then :meth:`audit_line` if any."""
+        """What a line sink logs for this record: :meth:`line`, then :meth:`audit_line` if any, then
+        :meth:`fault_lines`."""
         audit = self.audit_line()
-        return [self.line()] if audit is None else [self.line(), audit]
+        return [self.line()] + ([] if audit is None else [audit]) + self.fault_lines()
 
     @classmethod
     def parse(cls, line: str) -> "SwaDivergenceRecord":
@@ -555,6 +739,24 @@ class AuditMatch(NamedTuple):
     verify_source: str | None = None
 
 
+class FaultMatch(NamedTuple):
+    """One fault line (:data:`FAULT_PREFIX`) found in a text.
+
+    Attributes:
+        forward_ct: the ``forward_ct`` of the record it belongs to.
+        offender: the first offender it names.
+        text, line_no, rank, timestamp, verify_source: as in :class:`AuditMatch`.
+    """
+
+    forward_ct: int
+    offender: Offender
+    text: str
+    line_no: int
+    rank: str | None = None
+    timestamp: str | None = None
+    verify_source: str | None = None
+
+
 class RunStartMatch(NamedTuple):
     """One run start marker (:data:`RUN_START_PREFIX`) found in a text.
 
@@ -577,7 +779,7 @@ class RunStartMatch(NamedTuple):
         return pid if type(pid) is int else None  # noqa: E721
 
 
-Entry = Union[RecordMatch, AuditMatch, RunStartMatch]
+Entry = Union[RecordMatch, AuditMatch, FaultMatch, RunStartMatch]
 
 #: SGLang's record keys (``SwaDivergenceLog``); ``swa_out_of_window_tokens`` defaults to 0 there.
 _SGLANG_DEFAULTS = {"swa_out_of_window_tokens": 0}
@@ -723,7 +925,40 @@ def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefi
                 raise fail(f"divergence_applicable={json.dumps(data['divergence_applicable'])} is not true or false")
             audit["divergence_applicable"] = data["divergence_applicable"]
         return AuditMatch(data["forward_ct"], audit, shown, line_no, prefix.rank, prefix.timestamp, source)
+    if kind == FAULT_PREFIX:
+        return FaultMatch(*_decode_fault(data, fail), shown, line_no, prefix.rank, prefix.timestamp, source)
     return RunStartMatch(data, shown, line_no, prefix.rank, prefix.timestamp, source)
+
+
+def _decode_fault(data: dict, fail: Any) -> "tuple[int, Offender]":
+    """``(forward_ct, offender)`` of a fault line's JSON object; unknown keys are ignored.
+
+    Raises:
+        MalformedRecordError (through ``fail``): ``forward_ct`` or ``fault`` missing or invalid, a
+            location that is not a non-negative int64 (``request``: not a string).
+    """
+    if "forward_ct" not in data:
+        raise fail("missing field forward_ct")
+    reason = _logged_int("forward_ct", data["forward_ct"], 0)
+    if reason is not None:
+        raise fail(reason)
+    fault = data.get("fault")
+    if fault not in FAULT_FIELDS:
+        raise fail(f"fault={json.dumps(fault)} is not one of {', '.join(FAULT_FIELDS)}")
+    where: dict[str, Any] = {}
+    for name in OFFENDER_KEYS:
+        if name not in data:
+            continue
+        value = data[name]
+        if name == "request":
+            if not isinstance(value, str):
+                raise fail(f"request={json.dumps(value)} is not a string")
+        else:
+            reason = _logged_int(name, value, 0)
+            if reason is not None:
+                raise fail(reason)
+        where[name] = value
+    return data["forward_ct"], Offender(fault, **where)
 
 
 def iter_entries(
@@ -759,48 +994,66 @@ def iter_entries(
 
 
 def _with_audit(record: SwaDivergenceRecord, audit: dict) -> SwaDivergenceRecord:
-    return SwaDivergenceRecord._as_logged(record.to_dict(), record.verify_source, audit, record.divergence_applicable)
+    logged = SwaDivergenceRecord._as_logged(record.to_dict(), record.verify_source, audit, record.divergence_applicable)
+    object.__setattr__(logged, "offenders", record.offenders)
+    return logged
+
+
+def _with_offender(record: SwaDivergenceRecord, offender: Offender) -> SwaDivergenceRecord:
+    logged = object.__new__(SwaDivergenceRecord)  # no check again: a logged record may hold negative values
+    for item in dataclasses.fields(SwaDivergenceRecord):
+        object.__setattr__(logged, item.name, getattr(record, item.name))
+    object.__setattr__(logged, "offenders", record.offenders + (offender,))
+    return logged
 
 
 class AuditPairing:
-    """Attaches audit lines to their records while a log is read, possibly in chunks.
+    """Attaches audit lines and fault lines to their records while a log is read, possibly in chunks.
 
     An audit line belongs to the latest record before it with the same tag (``verify_source``)
     and the same log rank, when that record has the audit line's ``forward_ct`` and no audit line
-    yet (the line sinks write it right after the record's line, through the same logger). Any
-    other audit line is an error (``MalformedRecordError`` with the reason).
+    yet (the line sinks write it right after the record's line, through the same logger). A fault
+    line belongs to the latest record before it with the same tag and rank, when that record has
+    its ``forward_ct`` (a record may have several). Any other audit or fault line is an error
+    (``MalformedRecordError`` with the reason).
 
     Use :meth:`add` for every record (or other entry) in order, into a list the caller keeps, and
-    :meth:`attach` for every audit line: the record's entry in that list is replaced by one whose
-    record carries the audit fields. Entries are :class:`RecordMatch` or any object with
-    ``record`` and ``rank`` attributes that ``_replace`` (named tuples) or
+    :meth:`attach` for every audit or fault line: the record's entry in that list is replaced by one
+    whose record carries the audit fields (or the offender). Entries are :class:`RecordMatch` or any
+    object with ``record`` and ``rank`` attributes that ``_replace`` (named tuples) or
     :func:`dataclasses.replace` can copy.
     """
 
     def __init__(self) -> None:
         self._latest: dict[tuple[str | None, str | None], tuple[list, int, int]] = {}
+        self._recent: dict[tuple[str | None, str | None], tuple[list, int, int]] = {}
 
     def add(self, entries: list, entry: Any) -> None:
         """Append ``entry`` to ``entries``; remember it when it holds a record."""
         entries.append(entry)
         record = getattr(entry, "record", None)
         if isinstance(record, SwaDivergenceRecord):
-            self._latest[(record.verify_source, entry.rank)] = (entries, len(entries) - 1, record.forward_ct)
+            key = (record.verify_source, entry.rank)
+            self._latest[key] = self._recent[key] = (entries, len(entries) - 1, record.forward_ct)
 
-    def attach(self, audit: AuditMatch) -> MalformedRecordError | None:
-        """Attach ``audit`` to its record; return the error when it has none (nothing changed)."""
-        slot = self._latest.pop((audit.verify_source, audit.rank), None)
-        if slot is None or slot[2] != audit.forward_ct:
-            if slot is not None:
-                self._latest[(audit.verify_source, audit.rank)] = slot
-            rank = f" of rank {audit.rank}" if audit.rank else ""
+    def attach(self, line: "AuditMatch | FaultMatch") -> MalformedRecordError | None:
+        """Attach an audit or fault line to its record; return the error when it has none
+        (nothing changed)."""
+        key = (line.verify_source, line.rank)
+        fault = isinstance(line, FaultMatch)
+        slot = self._recent.get(key) if fault else self._latest.pop(key, None)
+        if slot is None or slot[2] != line.forward_ct:
+            if slot is not None and not fault:
+                self._latest[key] = slot
+            rank = f" of rank {line.rank}" if line.rank else ""
+            kind = "fault" if fault else "audit"
             return MalformedRecordError(
-                audit.text, f"no record{rank} with forward_ct={audit.forward_ct} just before this audit line",
-                audit.line_no, AUDIT_PREFIX,
+                line.text, f"no record{rank} with forward_ct={line.forward_ct} just before this {kind} line",
+                line.line_no, FAULT_PREFIX if fault else AUDIT_PREFIX,
             )
         entries, index, _ = slot
         entry = entries[index]
-        record = _with_audit(entry.record, audit.audit)
+        record = _with_offender(entry.record, line.offender) if fault else _with_audit(entry.record, line.audit)
         entries[index] = entry._replace(record=record) if hasattr(entry, "_replace") else dataclasses.replace(entry, record=record)
         return None
 
@@ -839,7 +1092,7 @@ def find_all(text: str) -> FoundRecords:
     found = FoundRecords()
     pairing = AuditPairing()
     for entry in iter_entries(text, found.errors):
-        if isinstance(entry, AuditMatch):
+        if isinstance(entry, (AuditMatch, FaultMatch)):
             error = pairing.attach(entry)
             if error is not None:
                 found.errors.append(error)

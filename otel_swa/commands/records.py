@@ -55,7 +55,8 @@ def run(args: argparse.Namespace) -> int:
             writer = csv.DictWriter(out, fieldnames=ROW_FIELDS, lineterminator="\n")
             writer.writeheader()
             for item, run in zip(records, runs):
-                writer.writerow({k: ("" if v is None else v) for k, v in item.to_row(run).items()})
+                writer.writerow({k: ("" if v is None else json.dumps(v, separators=(",", ":")) if isinstance(v, list) else v)
+                                 for k, v in item.to_row(run).items()})
         else:
             for item, run in zip(records, runs):
                 out.write(json.dumps(item.to_row(run), separators=(",", ":")) + "\n")

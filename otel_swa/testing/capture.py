@@ -13,9 +13,11 @@ from opentelemetry.context import Context
 from otel_swa.logsource import LogFollower, logged_entries
 from otel_swa.record import (
     AUDIT_PREFIX,
+    FAULT_PREFIX,
     LINE_PREFIX,
     RUN_START_PREFIX,
     AuditMatch,
+    FaultMatch,
     AuditPairing,
     MalformedRecordError,
     SwaDivergenceRecord,
@@ -40,7 +42,7 @@ class _RecordLogHandler(logging.Handler):
             message = log_record.getMessage()
         except Exception:  # a message whose arguments do not format is not ours to judge
             return
-        if LINE_PREFIX in message or AUDIT_PREFIX in message or RUN_START_PREFIX in message:
+        if LINE_PREFIX in message or AUDIT_PREFIX in message or RUN_START_PREFIX in message or FAULT_PREFIX in message:
             self._capture._add_logged(message)
 
 
@@ -93,7 +95,7 @@ class SwaRecordCapture:
         entries = list(iter_entries(message, errors))
         with self._lock:
             for entry in entries:
-                if isinstance(entry, AuditMatch):
+                if isinstance(entry, (AuditMatch, FaultMatch)):
                     error = self._logged_pairing.attach(entry)
                     if error is not None:
                         errors.append(error)

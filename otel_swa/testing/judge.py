@@ -51,7 +51,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from otel_swa.record import AUDIT_PREFIX, LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord
+from otel_swa.record import AUDIT_PREFIX, LINE_PREFIX, MalformedRecordError, Offender, SwaDivergenceRecord
 from otel_swa.testing.runs import OTEL_SWA_LINES, SGLANG_LINES, RunRecord, split_runs
 
 __all__ = [
@@ -109,12 +109,24 @@ AUDIT_RULES = (
               "live tokens inside the sliding window whose SWA mapping is 0",
               "{peak} live token(s) inside the sliding window had no SWA slot (premature eviction: attention "
               "read freed KV)"),
+    AuditRule("swa_read_mismatches", "read mismatches",
+              "checked queries whose sliding-window attention output differs from one recomputed from the KV "
+              "pool through the mapping",
+              "{peak} checked query(ies) of a sliding-window layer read other KV than the mapping gives (their "
+              "attention output differs from the one recomputed from the pool)"),
+    AuditRule("kv_leaked_blocks", "leaked KV blocks",
+              "KV blocks in use that no request and no prefix-cache entry holds"),
+    AuditRule("kv_freed_blocks_in_use", "KV blocks freed while in use",
+              "KV blocks a running request's block table references that are free and not cached"),
 )
 
 #: Audit fields shown with their peak but never judged.
 REPORTED_RULES = (
     AuditRule("swa_late_held_slots", "late-held SWA slots",
               "SWA slots still held by tokens older than the step's sliding windows plus the engine's eviction allowance"),
+    AuditRule("swa_read_unchecked", "unchecked reads",
+              "queries of sliding-window layers the read check could not recompute (an attention variant it does "
+              "not cover, a step replayed from a CUDA graph)"),
 )
 
 
@@ -140,6 +152,8 @@ class AuditPeak:
         peak: the largest value.
         peak_at, peak_line_no: ``forward_ct`` and line of the first record holding it.
         first_at, first_line_no: ``forward_ct`` and line of the first non-zero value (``None`` if none).
+        first_offender: the first offender that record's fault line names
+            (:class:`otel_swa.record.Offender`), ``None`` when it has none.
     """
 
     rule: AuditRule
@@ -148,6 +162,7 @@ class AuditPeak:
     peak_line_no: int | None
     first_at: int | None = None
     first_line_no: int | None = None
+    first_offender: "Offender | None" = None
 
 
 @dataclass(frozen=True)
@@ -431,7 +446,7 @@ def _evaluate(
                 "--no-verify-lag")))
         elif not last.verify_swa < last.verify_full:
             failures.append(Failure("verify lag", _lag_text(last)))
-    audited = [item for item in items if item.record.audited or item.record.window_checked]
+    audited = [item for item in items if any(getattr(item.record, rule.field) is not None for rule in AUDIT_RULES)]
     peaks = _peaks(audited, AUDIT_RULES)
     if require_clean_audit:
         faults = [p for p in peaks if p.peak > 0]
@@ -461,6 +476,7 @@ def _peaks(items: Sequence[RunRecord], rules: Sequence[AuditRule]) -> list[Audit
         peaks.append(AuditPeak(
             rule, getattr(peak_item.record, rule.field), peak_item.record.forward_ct, peak_item.line_no,
             first.record.forward_ct if first else None, first.line_no if first else None,
+            first.record.offender(rule.field) if first else None,
         ))
     return peaks
 
@@ -469,8 +485,10 @@ def _audit_reason(peak: AuditPeak) -> str:
     line = lambda n: "" if n is None else f" (line {n})"  # noqa: E731
     head = peak.rule.explain.format(peak=peak.peak) if peak.rule.explain else peak.rule.label
     text = f"{head}: peak {peak.rule.field}={peak.peak} at forward_ct={peak.peak_at}{line(peak.peak_line_no)}"
-    if peak.first_at is not None and peak.first_at != peak.peak_at:
+    if peak.first_at is not None and (peak.first_at != peak.peak_at or peak.first_offender is not None):
         text += f", first non-zero at forward_ct={peak.first_at}{line(peak.first_line_no)}"
+        if peak.first_offender is not None:
+            text += f": {peak.first_offender.describe()}"
     return text
 
 

@@ -111,7 +111,7 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
         entries: in log order: :class:`~otel_swa.logsource.LoggedRecord` and
             :class:`~otel_swa.logsource.LoggedRunStart` (a log),
             :class:`~otel_swa.record.RecordMatch` and :class:`~otel_swa.record.RunStartMatch`
-            (``find_all(text).entries``; audit matches are skipped), or plain
+            (``find_all(text).entries``; audit and fault matches are skipped), or plain
             :class:`~otel_swa.record.SwaDivergenceRecord` (a sink: no rank, no line number).
         part: copied to every :attr:`RunRecord.part`.
         line_numbers: keep the entries' line numbers (``False`` for text that is not one log,
@@ -140,7 +140,8 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
                     state.ranks.setdefault(rank, _RankState()).marker = True
                     started.add((part, writer_of(entry.verify_source), rank))
                     continue
-                if hasattr(entry, "audit") and hasattr(entry, "forward_ct"):  # an audit line, already attached
+                if (hasattr(entry, "audit") or hasattr(entry, "offender")) and hasattr(entry, "forward_ct"):
+                    # an audit or fault line, already attached
                     continue
                 raise TypeError(f"expected log entries or SwaDivergenceRecord items, got {type(entry).__name__}: {entry!r}")
             if not isinstance(record, SwaDivergenceRecord):

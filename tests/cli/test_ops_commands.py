@@ -102,7 +102,9 @@ def test_records_jsonl(tmp_path, capsys):
                        "swa_full_idx_divergence": 0, "swa_out_of_window_tokens": 0, "swa_leaked_slots": None,
                        "swa_stale_tokens": None, "swa_shared_slots": None, "swa_pages_in_use": None,
                        "swa_pages_referenced": None, "swa_premature_evictions": None,
-                       "swa_late_held_slots": None, "micro_batch": None}
+                       "swa_late_held_slots": None, "swa_read_checks": None, "swa_read_mismatches": None,
+                       "swa_read_unchecked": None, "kv_leaked_blocks": None, "kv_freed_blocks_in_use": None,
+                       "micro_batch": None, "offenders": None}
     assert [(r["line_no"], r["rank"], r["forward_ct"], r["swa_out_of_window_tokens"]) for r in rows] == [
         (1, "DP0 TP0", 20, 0), (2, "DP1 TP0", 20, 12), (4, "DP0 TP0", 40, 30), (5, "DP1 TP0", 40, 25)]
 
@@ -118,9 +120,10 @@ def test_records_csv_from_stdin_plain_logging(monkeypatch, capsys):
         ["line_no", "timestamp", "rank", "run", "verify_source", "forward_ct", "verify_full", "verify_swa",
          "swa_full_idx_divergence", "swa_out_of_window_tokens", "swa_leaked_slots", "swa_stale_tokens",
          "swa_shared_slots", "swa_pages_in_use", "swa_pages_referenced", "swa_premature_evictions",
-         "swa_late_held_slots", "micro_batch"],
-        ["1", "2025-06-01 12:34:56,789", "", "1", "", "20", "10", "4", "1", "2", "", "", "", "", "", "", "", ""],
-        ["3", "", "", "1", "", "40", "20", "8", "3", "4", "", "", "", "", "", "", "", ""],
+         "swa_late_held_slots", "swa_read_checks", "swa_read_mismatches", "swa_read_unchecked", "kv_leaked_blocks",
+         "kv_freed_blocks_in_use", "micro_batch", "offenders"],
+        ["1", "2025-06-01 12:34:56,789", "", "1", "", "20", "10", "4", "1", "2"] + [""] * 14,
+        ["3", "", "", "1", "", "40", "20", "8", "3", "4"] + [""] * 14,
     ]
     assert captured.err.splitlines() == [
         "otel-swa: 1 malformed line(s) skipped",
