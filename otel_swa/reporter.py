@@ -38,7 +38,8 @@ from otel_swa.device import (
     read_sample,
     stage_sample,
 )
-from otel_swa.record import MICRO_BATCH_MAX, VERIFY_SOURCES, SwaDivergenceRecord
+from otel_swa.device.read_check import READ_CHECK_MODES, ReadCheck
+from otel_swa.record import MICRO_BATCH_MAX, VERIFY_SOURCES, Offender, SwaDivergenceRecord
 from otel_swa.views.base import SwaBatchView, validate_view
 
 try:  # opentelemetry-api is a dependency; the reporter itself only needs its context object.
@@ -101,6 +102,8 @@ class _Pending(NamedTuple):
     meta: SampleMeta
     host_totals: tuple[int, int]  # the accumulator's host part when the sample was taken
     micro_batch: "int | None"
+    request_ids: "tuple[str, ...] | None" = None  # the batch's request ids (view.request_ids)
+    held_request_ids: "tuple[str, ...] | None" = None  # the block audit's requests (kv_block_audit)
 
 
 class SwaDivergenceReporter:
@@ -181,6 +184,7 @@ class SwaDivergenceReporter:
         self._ring = DeviceToHostRing(ring_size, STAGE_WIDTH, self.device)
         self._workspace = Workspace(self.device)
         self._sinks: list[Sink] = list(sinks)
+        self._read_check: "ReadCheck | None" = None
         self._init_state()
 
     def _init_state(self) -> None:
@@ -300,6 +304,34 @@ class SwaDivergenceReporter:
                 if not self._closed:
                     self._sample(view, context, micro_batch)
                     self._deliver_ready()
+
+    # ------------------------------------------------------------------ the read check
+    def enable_read_check(self, *, max_queries: int = 8, layers: str = READ_CHECK_MODES[0]) -> ReadCheck:
+        """Switch the read check on (:mod:`otel_swa.device.read_check`) and return it: at each
+        sampled forward step the engine's sliding-window layers call
+        :meth:`~otel_swa.device.read_check.ReadCheck.check_layer` (while :meth:`read_check_due`
+        holds) and the sample carries the results (``swa_read_checks``, ``swa_read_mismatches``,
+        ``swa_read_unchecked``, and the first disagreeing query as an offender). Idempotent: the
+        same object is returned after the first call.
+
+        Raises:
+            ValueError: ``max_queries`` or ``layers`` out of range (see ``ReadCheck``).
+        """
+        if self._read_check is None:
+            self._read_check = ReadCheck(self.device, max_queries=max_queries, layers=layers)
+        return self._read_check
+
+    @property
+    def read_check(self) -> "ReadCheck | None":
+        """The read check, or ``None`` while it is off."""
+        return self._read_check
+
+    def read_check_due(self) -> bool:
+        """Whether the forward step now running (the next :meth:`step`) is a sampling step whose
+        sliding-window layers should be checked: the read check is on, the reporter open, and the
+        step's ``forward_ct`` a multiple of ``interval``. Host work only (an increment's worth)."""
+        return (self._read_check is not None and not self._closed
+                and (self._forward_ct + 1) % self.interval == 0)
 
     def add_sink(self, sink: Sink) -> None:
         """Deliver future records to ``sink`` too."""
@@ -440,13 +472,18 @@ class SwaDivergenceReporter:
             sliding_window=getattr(view, "sliding_window", None),
             swa_eviction_allowance=getattr(view, "swa_eviction_allowance", None),
             extend_lens_cpu=getattr(view, "extend_lens_cpu", None),
+            read_check=self._read_check,
+            kv_block_audit=getattr(view, "kv_block_audit", None),
         )
         self._ring.start_copy(slot)
         applicable = getattr(view, "divergence_applicable", True) is not False
         host = self._accumulator.host
+        request_ids = getattr(view, "request_ids", None)
+        blocks = getattr(view, "kv_block_audit", None)
         self._pending.append(_Pending(
             slot, self._forward_ct, context, applicable, audit.page_size if audit else 0, meta, (host[0], host[1]),
-            micro_batch,
+            micro_batch, tuple(str(r) for r in request_ids) if request_ids is not None else None,
+            tuple(str(r) for r in blocks.held_request_ids) if blocks is not None else None,
         ))
         # Advanced only now: a sample that failed above leaves its slot free for the next one.
         self._next_slot = (slot + 1) % self._ring.slots
@@ -489,8 +526,14 @@ class SwaDivergenceReporter:
                 swa_pages_referenced=audit[1] if audit else None,
                 swa_premature_evictions=reading.premature,
                 swa_late_held_slots=reading.late_held,
+                swa_read_checks=reading.read[0] if reading.read else None,
+                swa_read_mismatches=reading.read[1] if reading.read else None,
+                swa_read_unchecked=reading.read[2] if reading.read else None,
+                kv_leaked_blocks=reading.block["leaked"] if reading.block else None,
+                kv_freed_blocks_in_use=reading.block["freed_in_use"] if reading.block else None,
                 verify_source=self.verify_source,
                 micro_batch=pending.micro_batch,
+                offenders=_offenders(reading, pending),
             )
         except (TypeError, ValueError) as exc:  # never let a bad value escape into the engine
             self._invalid_samples += 1
@@ -503,3 +546,32 @@ class SwaDivergenceReporter:
             except Exception:  # telemetry must never crash the engine
                 self._sink_errors += 1
                 _log.exception("otel-swa sink %r failed on record at forward_ct=%d", sink, record.forward_ct)
+
+
+def _request(pending: _Pending, entry: int) -> "str | None":
+    ids = pending.request_ids
+    return ids[entry] if ids is not None and 0 <= entry < len(ids) else None
+
+
+def _offenders(reading: Any, pending: _Pending) -> "tuple[Offender, ...]":
+    """The first offender of each fault the reading shows, with the batch's request ids."""
+    offenders = []
+    read = reading.read_offender
+    if read is not None and reading.read and reading.read[1] > 0:
+        page = pending.audit_page_size
+        offenders.append(Offender(
+            "swa_read_mismatches", request=_request(pending, read["entry"]), row=read["row"],
+            position=read["position"], full_slot=read["full_slot"], swa_slot=read["swa_slot"],
+            swa_page=read["swa_slot"] // page if page else None, layer=read["layer"],
+        ))
+    block = reading.block
+    if block is not None:
+        if block["leaked"] > 0:
+            offenders.append(Offender("kv_leaked_blocks", block=block["leaked_block"]))
+        if block["freed_in_use"] > 0:
+            ids, row = pending.held_request_ids, block["freed_row"]
+            offenders.append(Offender(
+                "kv_freed_blocks_in_use", request=ids[row] if ids is not None and 0 <= row < len(ids) else None,
+                position=block["freed_position"], block=block["freed_block"], kv_cache_group=block["freed_group"],
+            ))
+    return tuple(offenders)

@@ -48,6 +48,8 @@ import numpy as np
 import torch
 
 from otel_swa.device.audit import AUDIT_WIDTH, audit_counts, audit_holder_slots, holder_slots
+from otel_swa.device.block_audit import BLOCK_WIDTH, block_audit_fields, stage_block_audit
+from otel_swa.device.read_check import READ_WIDTH, ReadCheck, read_counts, read_offender_fields
 from otel_swa.device.window import (
     WINDOW_WIDTH,
     dense_columns,
@@ -92,14 +94,19 @@ _FULL_NONZERO = 12  # gathered tokens with f != 0 (f clamped into the mapping)
 _SLOT0_SWA = 13  # mapping[0], the SWA slot of every gathered token at FULL slot 0
 _AUDIT = 14
 _WINDOW = _AUDIT + AUDIT_WIDTH  # the window cells of otel_swa.device.window (windowed samples only)
+_READ = _WINDOW + WINDOW_WIDTH  # the read check's cells of otel_swa.device.read_check (when it runs)
+_BLOCK = _READ + READ_WIDTH  # the KV block audit's cells of otel_swa.device.block_audit (block pools)
 _LITTLE_ENDIAN = sys.byteorder == "little"  # host and devices alike (CUDA devices are little-endian)
 _FILLER = 1  # FULL slot given to masked positions of the dense path
 #: int64 values per staged sample: the counts, the fault evidence, then the audit counts of
 #: :func:`otel_swa.device.audit.audit_counts` (pages in use, pages referenced, leaked pages,
 #: stale tokens, shared SWA slots), then the sliding-window cells of :mod:`otel_swa.device.window`
-#: (in-window tokens with an SWA slot, late-held tokens, in-window tokens). The audit and window
-#: cells are written only when the view asks for them (else left as they are, never read).
-STAGE_WIDTH = _WINDOW + WINDOW_WIDTH
+#: (in-window tokens with an SWA slot, late-held tokens, in-window tokens), then the read check's
+#: cells (:data:`otel_swa.device.read_check.READ_CELLS`), then the KV block audit's
+#: (:data:`otel_swa.device.block_audit.BLOCK_CELLS`). The audit, window, read and block cells are
+#: written only when the view (or the reporter's read check) asks for them (else left as they are,
+#: never read).
+STAGE_WIDTH = _BLOCK + BLOCK_WIDTH
 
 #: The faults :func:`read_sample` can report, in this order.
 FAULTS = (
@@ -129,6 +136,8 @@ class SampleMeta:
         window: the sliding window the window cells were staged for, ``None`` when not staged.
         window_tokens: ``sum(min(len_i, window + extend_len_i - 1))`` when the host knows it, else
             ``None`` (staged).
+        read_checked: whether the read check's cells were staged.
+        block_audited: whether the KV block audit's cells were staged.
     """
 
     @property
@@ -148,6 +157,8 @@ class SampleMeta:
     host_rows: bool = False
     window: "int | None" = None
     window_tokens: "int | None" = None
+    read_checked: bool = False
+    block_audited: bool = False
 
 
 @dataclass(frozen=True)
@@ -163,6 +174,12 @@ class SampleReading:
             view gave no window (see :mod:`otel_swa.device.window`).
         late_held: live tokens older than the window plus the allowance that still hold an SWA
             slot, ``None`` when the view gave no window.
+        read: the read check's ``(checked, mismatched, unchecked)`` queries, ``None`` when it did
+            not run (:mod:`otel_swa.device.read_check`).
+        read_offender: the first disagreeing query (``entry``, ``row``, ``position``,
+            ``full_slot``, ``swa_slot``, ``layer``), ``None`` when none disagreed.
+        block: the KV block audit's cells by name (:data:`otel_swa.device.block_audit.BLOCK_CELLS`),
+            ``None`` when the view gave no block audit.
     """
 
     verify_full: int
@@ -173,6 +190,9 @@ class SampleReading:
     audit: "tuple[int, int, int, int, int] | None"
     premature: "int | None" = None
     late_held: "int | None" = None
+    read: "tuple[int, int, int] | None" = None
+    read_offender: "dict[str, int] | None" = None
+    block: "dict[str, int] | None" = None
 
 
 def host_lengths(seq_lens_cpu: "torch.Tensor | Sequence[int]") -> np.ndarray:
@@ -224,6 +244,8 @@ def stage_sample(
     sliding_window: "int | None" = None,
     swa_eviction_allowance: "int | Sequence[int] | torch.Tensor | None" = None,
     extend_lens_cpu: "int | Sequence[int] | torch.Tensor | None" = None,
+    read_check: "ReadCheck | None" = None,
+    kv_block_audit: Any = None,
 ) -> SampleMeta:
     """Write one sample into ``out`` (``int64 [STAGE_WIDTH]`` on the device), in stream order.
 
@@ -249,6 +271,10 @@ def stage_sample(
             or one per batch entry on the host; ``None``: 1 each (a decode step). The window check
             counts the positions the step's first query reads onwards, ``window + extend_len - 1``
             of them; read only with ``sliding_window``.
+        read_check: the step's :class:`~otel_swa.device.read_check.ReadCheck`, whose cells are
+            staged (and cleared: :meth:`~otel_swa.device.read_check.ReadCheck.take`), or ``None``.
+        kv_block_audit: a :class:`~otel_swa.views.base.KvBlockAuditInputs`, whose audit is
+            staged (:mod:`otel_swa.device.block_audit`), or ``None``.
 
     Returns:
         The :class:`SampleMeta` to give :func:`read_sample` with the staged values.
@@ -264,6 +290,12 @@ def stage_sample(
         ValueError: ``seq_lens_cpu`` is not a sequence of integers on the host.
     """
     ws = workspace if workspace is not None else Workspace(out.device)
+    read_checked = read_check is not None
+    if read_checked:
+        read_check.take(out[_READ:_READ + READ_WIDTH])
+    block_audited = kv_block_audit is not None
+    if block_audited:
+        stage_block_audit(out[_BLOCK:_BLOCK + BLOCK_WIDTH], kv_block_audit, ws)
     mapping = full_to_swa_index_mapping
     num_rows, width = req_to_token.shape
     size = mapping.shape[0]
@@ -324,7 +356,7 @@ def stage_sample(
         if with_batch:
             _audit_with_batch(out, mapping, swa_audit, gathered, ws)
         return SampleMeta(path, live, batch, num_rows, width, size, faults, True, audited, rows_known,
-                          window, window_tokens)
+                          window, window_tokens, read_checked, block_audited)
     if batch == 0 or width == 0 or num_rows == 0 or size == 0:
         _stage_empty(out, totals, rows, seq_lens, None, upload, ws)
         if window is not None:
@@ -332,12 +364,13 @@ def stage_sample(
         if with_batch:
             _audit_with_batch(out, mapping, swa_audit, None, ws)
         return SampleMeta("empty", 0, batch, num_rows, width, size, (), False, audited, False,
-                          window, 0 if window is not None else None)
+                          window, 0 if window is not None else None, read_checked, block_audited)
     gathered = _stage_dense(out, totals, req_to_token, mapping, rows, None, seq_lens, None, None, upload, ws,
                             window, allowance, cells, reach)
     if with_batch:
         _audit_with_batch(out, mapping, swa_audit, gathered, ws)
-    return SampleMeta("dense", None, batch, num_rows, width, size, (), False, audited, False, window, None)
+    return SampleMeta("dense", None, batch, num_rows, width, size, (), False, audited, False, window, None,
+                      read_checked, block_audited)
 
 
 def live_full_slots(
@@ -672,6 +705,7 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
         window_tokens = meta.window_tokens if meta.window_tokens is not None else values[_WINDOW + 2]
         premature = window_tokens - values[_WINDOW]
         late_held = values[_WINDOW + 1]
+    read_cells = values[_READ:_READ + READ_WIDTH] if meta.read_checked else None
     return SampleReading(
         verify_full=values[_VERIFY],
         verify_swa=values[_VERIFY + 1],
@@ -681,4 +715,7 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
         audit=audit,
         premature=premature,
         late_held=late_held,
+        read=read_counts(read_cells) if read_cells is not None else None,
+        read_offender=read_offender_fields(read_cells) if read_cells is not None else None,
+        block=block_audit_fields(values[_BLOCK:_BLOCK + BLOCK_WIDTH]) if meta.block_audited else None,
     )

@@ -64,6 +64,16 @@ and, optionally:
     ``ForwardItem.extend_len``; SGLang's ``ForwardBatch.extend_seq_lens_cpu`` in extend and mixed
     batches; vLLM's ``SchedulerOutput.num_scheduled_tokens``. Without ``seq_lens_cpu`` the
     per-request values reach the device with the sample's one upload.
+``request_ids``
+    the engine's id of each request of the batch, on the host (a sequence of ``[batch]`` strings or
+    ints: SGLang's ``ForwardBatch.rids``, vLLM's request ids), so that a fault's first offender
+    names its request (:class:`otel_swa.record.Offender`); ``None`` (default): offenders name the
+    ``req_to_token`` row only. Read at delivery, never on the device.
+``kv_block_audit``
+    a :class:`KvBlockAuditInputs` (the KV block pool's free queue, the prefix cache's blocks and every
+    request's block table): the reporter then also counts leaked KV blocks and blocks freed while in
+    use, for engines whose pool is of blocks rather than mapped slots (vLLM; see
+    :mod:`otel_swa.device.block_audit`).
 ``swa_eviction_allowance``
     tokens older than the positions this step reads (the last ``window + extend_len - 1``) that
     may still hold an SWA slot without counting as late-held: an ``int >= 0``, or one per batch
@@ -80,7 +90,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["SwaBatchView", "SwaBatch", "SwaAuditInputs", "validate_view"]
+__all__ = ["SwaBatchView", "SwaBatch", "SwaAuditInputs", "KvBlockAuditInputs", "validate_view"]
 
 
 @runtime_checkable
@@ -120,6 +130,39 @@ class SwaAuditInputs:
 
 
 @dataclass(frozen=True)
+class KvBlockAuditInputs:
+    """What the KV block audit reads (see :mod:`otel_swa.device.block_audit`): a block pool shared
+    by every KV cache group, each request's block table per group (vLLM's ``BlockPool`` and its
+    managers' ``req_to_blocks``).
+
+    Attributes:
+        num_blocks: blocks of the pool, ids ``0 .. num_blocks - 1`` (vLLM's ``num_gpu_blocks``), an
+            int >= 1.
+        free_block_ids: ``int32``/``int64 [k]`` on the reporter's device: the free queue (what the
+            pool counts as free; vLLM's ``free_block_queue``).
+        cached_block_ids: ``int [c]``: blocks the prefix cache holds (a block hash maps to them),
+            free or not.
+        held_block_ids: ``int [h]``: every block id a request's block table references, every KV
+            cache group, null entries left out.
+        held_groups: ``int [h]``: the KV cache group of each held entry.
+        held_rows: ``int [h]``: the index of each held entry's request in ``held_request_ids``.
+        held_positions: ``int [h]``: the first token position the block covers in its request.
+        held_request_ids: the requests' ids, on the host (``str`` each).
+        null_block_id: the pool's placeholder block, never audited (vLLM: 0).
+    """
+
+    num_blocks: int
+    free_block_ids: torch.Tensor
+    cached_block_ids: torch.Tensor
+    held_block_ids: torch.Tensor
+    held_groups: torch.Tensor
+    held_rows: torch.Tensor
+    held_positions: torch.Tensor
+    held_request_ids: Sequence[str] = ()
+    null_block_id: int = 0
+
+
+@dataclass(frozen=True)
 class SwaBatch:
     """A plain :class:`SwaBatchView`: the engine's tensors for one forward step, by reference.
 
@@ -127,7 +170,8 @@ class SwaBatch:
     ints); give it when the engine has it, so the reporter gathers only the live tokens.
     ``req_pool_indices_cpu`` is the same for ``req_pool_indices`` (read only with ``seq_lens_cpu``).
     ``sliding_window``, ``extend_lens_cpu`` and ``swa_eviction_allowance``: the window check (module
-    docstring).
+    docstring). ``request_ids``: the batch's request ids, for offenders. ``kv_block_audit``: the KV
+    block audit's inputs.
     """
 
     req_to_token: torch.Tensor
@@ -141,6 +185,8 @@ class SwaBatch:
     sliding_window: "int | None" = None
     swa_eviction_allowance: "int | torch.Tensor | Sequence[int] | None" = None
     extend_lens_cpu: "int | torch.Tensor | Sequence[int] | None" = None
+    request_ids: "Sequence[str | int] | None" = None
+    kv_block_audit: KvBlockAuditInputs | None = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -212,6 +258,8 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
         if type(audit.holders_include_batch) is not bool:  # noqa: E721
             raise TypeError(f"view.swa_audit.holders_include_batch must be a bool, got {audit.holders_include_batch!r}")
     _check_window(view)
+    _check_request_ids(view)
+    _check_block_audit(getattr(view, "kv_block_audit", None), device)
     if view.req_pool_indices.shape[0] != view.seq_lens.shape[0]:
         raise ValueError(
             f"view.req_pool_indices has {view.req_pool_indices.shape[0]} entries but view.seq_lens has "
@@ -259,3 +307,34 @@ def _check_per_request(name: str, value: Any, minimum: int, unit: str, batch: in
             f"view.{name} has {len(values)} entries but view.req_pool_indices has "
             f"{batch}; give one per batch entry (or one int for all)"
         )
+
+
+def _check_request_ids(view: Any) -> None:
+    ids = getattr(view, "request_ids", None)
+    if ids is None:
+        return
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+        raise TypeError(f"view.request_ids must be a sequence of request ids (one per batch entry), got {ids!r}")
+    batch = view.req_pool_indices.shape[0]
+    if len(ids) != batch:
+        raise ValueError(f"view.request_ids has {len(ids)} entries but view.req_pool_indices has {batch}; "
+                         "give one per batch entry")
+
+
+def _check_block_audit(audit: Any, device: "torch.device | None") -> None:
+    if audit is None:
+        return
+    if not isinstance(audit, KvBlockAuditInputs):
+        raise TypeError(f"view.kv_block_audit must be a KvBlockAuditInputs or None, got {type(audit).__name__}")
+    if type(audit.num_blocks) is not int or audit.num_blocks < 1:  # noqa: E721
+        raise ValueError(f"view.kv_block_audit.num_blocks must be an int >= 1, got {audit.num_blocks!r}")
+    if type(audit.null_block_id) is not int or not 0 <= audit.null_block_id < audit.num_blocks:  # noqa: E721
+        raise ValueError(f"view.kv_block_audit.null_block_id must be an int from 0 to {audit.num_blocks - 1}, "
+                         f"got {audit.null_block_id!r}")
+    for name in ("free_block_ids", "cached_block_ids", "held_block_ids", "held_groups", "held_rows", "held_positions"):
+        _check_tensor(f"kv_block_audit.{name}", getattr(audit, name), 1, _INDEX_DTYPES, device)
+    held = audit.held_block_ids.shape[0]
+    for name in ("held_groups", "held_rows", "held_positions"):
+        if getattr(audit, name).shape[0] != held:
+            raise ValueError(f"view.kv_block_audit.{name} has {getattr(audit, name).shape[0]} entries but "
+                             f"held_block_ids has {held}; give one per held entry")

@@ -1,0 +1,301 @@
+"""The read check: did a sliding-window attention layer read the KV the mapping says?
+
+torch only; runs on the KV cache's device, on the current stream, with no host synchronisation and
+fixed shapes (``Q`` queries x ``W`` keys), so it can run in an eager forward step or be captured in
+a CUDA graph.
+
+The allocator's bookkeeping (the sample, the audit, the window check) says which SWA slot each live
+token should be read from; an attention kernel may still read others (sglang 0.5.23's torch-native
+backend writes sliding-window layers at the translated SWA slots and reads them at the raw FULL
+slots of ``req_to_token``; a kernel whose window is one position off, sgl-project/sglang#34354; a
+stale page table that still points at freed slots). The read check compares what the layer
+produced with what the mapping implies, for a few queries of the step:
+
+for each checked query (the last token of a request of the batch, at position ``p = seq_len - 1``),
+the keys and values at positions ``max(0, p - W + 1) .. p`` (``W``: the keys one query reads, its own
+included) are gathered from the layer's KV buffers at the slots
+``full_to_swa_index_mapping[req_to_token[row, position]]`` (the FULL slots themselves for a layer
+without a mapping), the attention output is recomputed in float32 (``softmax(scaling * q k^T)``,
+grouped-query heads, optional tanh logit capping ``cap * tanh(s / cap)`` and optional per-head
+attention sinks, an extra logit in the softmax denominator with no value), and compared with the
+engine's output for that token. A query disagrees when, for some head, ``max |ours - engine's|``
+exceeds ``tolerance(dtype) x max |V|`` over its window (a non-finite output always disagrees);
+:func:`tolerance` gives the factor for the lower precision of the output and the KV buffers.
+
+Sensitivity, from the tolerance: a read that differs from the mapping's in keys carrying a total
+attention weight ``a`` changes the output by about ``a x |v - v'|``; it is seen when that exceeds
+the tolerance times ``max |V|``: any misread of a whole window (raw FULL slots once the SWA
+allocator remaps, freed and reused slots), and a window one position short or long when the edge
+key's weight is above the tolerance (``2**-13`` for float32, ``4 x eps`` for float16 / bfloat16).
+
+Results accumulate over the layers checked in one forward step into :attr:`ReadCheck.cells`
+(``int64 [READ_WIDTH]`` on the device, layout :data:`READ_CELLS`): queries checked, queries that
+disagreed, queries that could not be checked, and the first disagreeing query (the first in call
+order: layer by layer, then query by query): its batch entry, ``req_to_token`` row, position,
+FULL and SWA slot and layer. The reporter copies the cells with the step's sample and clears them
+(:meth:`ReadCheck.take`).
+
+Cost per checked layer: about 25 device operations on ``Q x W`` keys (the gathers of ``Q x W x
+heads x head_dim`` K and V values and two small batched products); ``Q`` is capped so that the
+gathered K and V stay within ``kv_budget_bytes`` (default 16 MiB).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["READ_WIDTH", "READ_CELLS", "READ_CHECK_MODES", "ReadCheck", "tolerance", "read_counts", "read_offender_fields"]
+
+#: The cells of :attr:`ReadCheck.cells`, in order.
+READ_CELLS = (
+    "checked",  # queries recomputed and compared
+    "mismatched",  # of which disagreed
+    "unchecked",  # queries that could not be checked (an unsupported variant, a graph replay)
+    "found",  # 1 once a disagreeing query was recorded below
+    "entry",  # its batch entry
+    "row",  # its req_to_token row
+    "position",  # its position
+    "full_slot",  # its FULL slot
+    "swa_slot",  # its SWA slot (the FULL slot for a layer without a mapping)
+    "layer",  # the layer_id
+)
+#: int64 cells a read check stages with the sample.
+READ_WIDTH = len(READ_CELLS)
+_C = {name: index for index, name in enumerate(READ_CELLS)}
+
+#: Which sliding-window layers a sampled forward step checks: ``rotate`` (default: one layer per
+#: sampled step, in turn, so the cost does not grow with the model's depth), ``all``.
+READ_CHECK_MODES = ("rotate", "all")
+
+#: KV and output dtypes the check recomputes; any other (fp8 KV caches, which need their scales) is
+#: counted as unchecked.
+_CHECKED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def tolerance(*dtypes: torch.dtype) -> float:
+    """The relative tolerance of the comparison for outputs and KV buffers of ``dtypes``: ``4 x
+    eps`` of the least precise one, at least ``2**-13`` (float32 kernels accumulate in other
+    orders than this check: measured differences stay below ``1e-6`` of ``max |V|``).
+
+    Raises:
+        ValueError: a dtype that is not a floating-point one.
+    """
+    for dtype in dtypes:
+        if not dtype.is_floating_point:
+            raise ValueError(f"tolerance: {dtype} is not a floating-point dtype")
+    eps = max(torch.finfo(dtype).eps for dtype in dtypes)
+    return max(4.0 * eps, 2.0**-13)
+
+
+class ReadCheck:
+    """Accumulates the read checks of the sliding-window layers of one forward step (module
+    docstring) on ``device``.
+
+    Args:
+        device: the KV cache's device.
+        max_queries: queries checked per layer (int >= 1; the batch's requests in turn across
+            sampled steps, the last token of each).
+        layers: :data:`READ_CHECK_MODES`.
+        kv_budget_bytes: the most float32 K and V bytes one layer's check gathers (int >= 1):
+            fewer queries are checked when ``max_queries x W x kv_heads x (head_dim + v_head_dim)
+            x 4`` would exceed it (at least one).
+
+    Raises:
+        ValueError: a bad argument (named, with the value).
+    """
+
+    def __init__(
+        self,
+        device: "torch.device | str",
+        *,
+        max_queries: int = 8,
+        layers: str = READ_CHECK_MODES[0],
+        kv_budget_bytes: int = 16 << 20,
+    ) -> None:
+        if type(max_queries) is not int or max_queries < 1:  # noqa: E721
+            raise ValueError(f"max_queries must be an int >= 1, got {max_queries!r}")
+        if layers not in READ_CHECK_MODES:
+            raise ValueError(f"layers must be one of {', '.join(READ_CHECK_MODES)}, got {layers!r}")
+        if type(kv_budget_bytes) is not int or kv_budget_bytes < 1:  # noqa: E721
+            raise ValueError(f"kv_budget_bytes must be an int >= 1, got {kv_budget_bytes!r}")
+        self.device = torch.device(device)
+        self.max_queries = max_queries
+        self.layers = layers
+        self.kv_budget_bytes = kv_budget_bytes
+        #: ``int64 [READ_WIDTH]`` on ``device``: this step's results so far (:data:`READ_CELLS`).
+        self.cells = torch.zeros(READ_WIDTH, dtype=torch.int64, device=self.device)
+        self._turn = 0  # sampled steps taken so far: which layer and which requests come next
+        self._seen: list[int] = []  # sliding-window layer ids in the order first called
+        self._arange = torch.arange(max_queries, dtype=torch.int64, device=self.device)
+
+    # ------------------------------------------------------------------ which layers, which queries
+    def wants(self, layer_id: int) -> bool:
+        """Whether this step checks layer ``layer_id`` (``rotate``: one layer per sampled step, the
+        layers in the order they were first called; ``all``: every one). Host work only."""
+        if layer_id not in self._seen:
+            self._seen.append(layer_id)
+        if self.layers == "all":
+            return True
+        return self._seen.index(layer_id) == self._turn % len(self._seen)
+
+    def _queries(self, batch: int, window: int, kv_heads: int, dims: int) -> int:
+        per_query = window * kv_heads * dims * 4
+        return max(1, min(self.max_queries, batch, self.kv_budget_bytes // max(per_query, 1)))
+
+    # ------------------------------------------------------------------ the check
+    def unchecked(self, queries: int) -> None:
+        """Count ``queries`` queries of this step that could not be checked (a variant the check
+        does not cover); one in-place device add."""
+        if queries > 0:
+            self.cells[_C["unchecked"]] += queries
+
+    def check_layer(
+        self,
+        *,
+        layer_id: int,
+        q: torch.Tensor,
+        out: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        req_to_token: torch.Tensor,
+        full_to_swa_index_mapping: "torch.Tensor | None",
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_rows: "torch.Tensor | None",
+        window: int,
+        scaling: float,
+        num_q_heads: int,
+        logit_cap: float = 0.0,
+        sinks: "torch.Tensor | None" = None,
+    ) -> int:
+        """Check one layer's output for up to ``max_queries`` requests of the batch; return how
+        many queries were checked (a host int, known without a sync).
+
+        Args:
+            layer_id: the layer's id, recorded with a disagreement (int >= 0).
+            q: the layer's queries, ``[tokens, num_q_heads * head_dim]`` or ``[tokens,
+                num_q_heads, head_dim]``, float.
+            out: the engine's attention output for them, ``[tokens, num_q_heads * v_head_dim]``
+                (or 3-D), float.
+            k_buffer, v_buffer: the layer's KV buffers, ``[slots, kv_heads, head_dim]`` and
+                ``[slots, kv_heads, v_head_dim]``, indexed by the slot the mapping gives.
+            req_to_token: ``int32``/``int64 [rows, max_context_len]``, FULL slot per position.
+            full_to_swa_index_mapping: ``int [num_full_slots]``, FULL slot -> slot of these
+                buffers; ``None`` for a layer whose buffers are indexed by FULL slot.
+            req_pool_indices, seq_lens: ``int [batch]`` on the device: each request's row and
+                length (its last token, the one checked, is at ``seq_len - 1``).
+            query_rows: ``int [batch]`` on the device: the row of ``q`` / ``out`` holding each
+                request's last token (extend batches: ``extend_start_loc + extend_seq_len - 1``);
+                ``None``: row ``i`` for request ``i`` (a decode batch).
+            window: keys one query reads, its own included (int >= 1; SGLang's
+                ``sliding_window_size + 1``).
+            scaling: the softmax scale of the scores.
+            num_q_heads: query heads of this rank (a multiple of the KV heads).
+            logit_cap: tanh soft-capping of the scores when > 0.
+            sinks: ``float [num_q_heads]`` attention sink logits, or ``None``.
+
+        Unsupported inputs (a KV or output dtype outside float32/64/16/bfloat16, heads that do not
+        divide, a ``q``/``out`` row count below the batch's tokens) are counted as unchecked, never
+        raised: the engine's forward goes on.
+        """
+        batch = int(req_pool_indices.shape[0])
+        if batch == 0:
+            return 0
+        kv_heads = int(k_buffer.shape[1]) if k_buffer.dim() == 3 else 0
+        head_dim = int(k_buffer.shape[2]) if k_buffer.dim() == 3 else 0
+        v_dim = int(v_buffer.shape[2]) if v_buffer.dim() == 3 else 0
+        checked = self._queries(batch, window, max(kv_heads, 1), head_dim + v_dim)
+        supported = (
+            kv_heads > 0 and num_q_heads % kv_heads == 0 and window >= 1
+            and all(t.dtype in _CHECKED_DTYPES for t in (q, out, k_buffer, v_buffer))
+            and q.numel() % (num_q_heads * head_dim) == 0 and out.numel() % (num_q_heads * v_dim) == 0
+        )
+        if not supported:
+            self.unchecked(checked)
+            return 0
+        dev = k_buffer.device
+        cells = self.cells
+        start = (self._turn * self.max_queries) % batch
+        entries = torch.remainder(self._arange[:checked] + start, batch)  # [Q], no host data
+        rows = req_pool_indices.index_select(0, entries).long()
+        position = seq_lens.index_select(0, entries).long() - 1  # the last token
+        qrow = entries if query_rows is None else query_rows.index_select(0, entries).long()
+        q3 = q.reshape(-1, num_q_heads, head_dim)
+        o3 = out.reshape(-1, num_q_heads, v_dim)
+        # keys: positions p - W + 1 .. p (those below 0 are masked)
+        keys = position.unsqueeze(1) + (torch.arange(window, device=dev) - (window - 1)).unsqueeze(0)  # [Q, W]
+        valid = keys.ge(0)
+        width = req_to_token.shape[1]
+        flat = (rows.clamp(0, req_to_token.shape[0] - 1) * req_to_token.stride(0)).unsqueeze(1) + keys.clamp(0, width - 1)
+        full = req_to_token.reshape(-1).index_select(0, flat.reshape(-1)).long().view(checked, window)
+        if full_to_swa_index_mapping is not None:
+            size = full_to_swa_index_mapping.shape[0]
+            slots = full_to_swa_index_mapping.index_select(0, full.clamp(0, size - 1).reshape(-1)).long().view(checked, window)
+        else:
+            slots = full
+        slots_c = slots.clamp(0, k_buffer.shape[0] - 1).reshape(-1)
+        k = k_buffer.index_select(0, slots_c).float().view(checked, window, kv_heads, head_dim)
+        v = v_buffer.index_select(0, slots_c).float().view(checked, window, kv_heads, v_dim)
+        group = num_q_heads // kv_heads
+        qq = q3.index_select(0, qrow.clamp(0, q3.shape[0] - 1)).float().view(checked, kv_heads, group, head_dim)
+        scores = torch.einsum("qkgd,qwkd->qkgw", qq, k) * float(scaling)  # [Q, Hkv, g, W]
+        if logit_cap and logit_cap > 0:
+            scores = torch.tanh(scores / float(logit_cap)) * float(logit_cap)
+        scores = scores.masked_fill(valid.logical_not().view(checked, 1, 1, window), float("-inf"))
+        if sinks is not None:
+            sink = sinks.float().reshape(1, kv_heads, group, 1).expand(checked, kv_heads, group, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :window]
+        else:
+            probs = scores.softmax(-1)
+        ours = torch.einsum("qkgw,qwkd->qkgd", probs, v)  # [Q, Hkv, g, Dv]
+        theirs = o3.index_select(0, qrow.clamp(0, o3.shape[0] - 1)).float().view(checked, kv_heads, group, v_dim)
+        scale = v.abs().masked_fill(valid.logical_not().view(checked, window, 1, 1), 0).amax(dim=(1, 3))  # [Q, Hkv]
+        bound = (scale * tolerance(q.dtype, out.dtype, k_buffer.dtype) + 1e-30).view(checked, kv_heads, 1)
+        error = (ours - theirs).abs().amax(-1)  # [Q, Hkv, g]; NaN where either is not finite
+        agree = error.le(bound).all(-1).all(-1)  # NaN compares False: a non-finite output disagrees
+        disagree = agree.logical_not().logical_and_(position.ge(0))  # a request without tokens has no query
+        count = disagree.sum()
+        first = torch.argmax(disagree.to(torch.uint8))  # the first disagreeing query (0 when none)
+        new = (cells[_C["found"]] == 0) & (count > 0)
+        candidate = torch.stack([
+            entries[first], rows[first], position[first], full[first, window - 1], slots[first, window - 1],
+            torch.full((), int(layer_id), dtype=torch.int64, device=dev),
+        ])
+        lo, hi = _C["entry"], _C["layer"] + 1
+        cells[lo:hi] = torch.where(new, candidate, cells[lo:hi])
+        cells[_C["found"]] = torch.where(new, torch.ones_like(cells[0]), cells[_C["found"]])
+        cells[_C["checked"]] += checked
+        cells[_C["mismatched"]] += count
+        return checked
+
+    # ------------------------------------------------------------------ the reporter's side
+    def take(self, out: "torch.Tensor | None" = None) -> torch.Tensor:
+        """This step's cells, copied into ``out`` (``int64 [READ_WIDTH]`` on the device; default a
+        new tensor), then cleared for the next sampled step, and the rotation advanced. Device
+        work in stream order; no sync."""
+        if out is None:
+            out = torch.empty_like(self.cells)
+        out.copy_(self.cells)
+        self.cells.zero_()
+        self._turn += 1
+        return out
+
+    def reset(self) -> None:
+        """Forget this step's results (a forward that raised; a forked child)."""
+        self.cells.zero_()
+
+
+def read_offender_fields(values: Sequence[int]) -> "dict[str, int] | None":
+    """The first disagreeing query's cells as ints (``entry``, ``row``, ``position``,
+    ``full_slot``, ``swa_slot``, ``layer``), or ``None`` when no query disagreed; ``values`` are
+    the :data:`READ_WIDTH` staged ints."""
+    if not values[_C["found"]]:
+        return None
+    return {name: int(values[_C[name]]) for name in READ_CELLS[_C["entry"]:]}
+
+
+def read_counts(values: Sequence[int]) -> "tuple[int, int, int]":
+    """``(checked, mismatched, unchecked)`` from the :data:`READ_WIDTH` staged ints."""
+    return int(values[_C["checked"]]), int(values[_C["mismatched"]]), int(values[_C["unchecked"]])
