@@ -181,6 +181,25 @@ def micro_batches(environ: Mapping[str, str] | None = None) -> str:
     return _choice(ev.OTEL_SWA_MICRO_BATCHES, MICRO_BATCH_MODES, environ)
 
 
+#: Values of ``OTEL_SWA_READ_CHECK``, the default first.
+READ_CHECK_CHOICES = ("rotate", "all", "off")
+
+
+def read_check(environ: Mapping[str, str] | None = None) -> "tuple[str, int] | None":
+    """``OTEL_SWA_READ_CHECK`` and ``OTEL_SWA_READ_CHECK_QUERIES``: ``(layers, queries)`` for the read
+    check (``layers`` one of ``rotate``, ``all``; default ``("rotate", 8)``), or ``None`` when it is
+    ``off``.
+
+    Raises:
+        ConfigError: a value outside the choices, or queries not an integer from 1 to 256.
+    """
+    env = os.environ if environ is None else environ
+    layers = _choice(ev.OTEL_SWA_READ_CHECK, READ_CHECK_CHOICES, env)
+    queries = read_int(ev.OTEL_SWA_READ_CHECK_QUERIES, env.get(ev.OTEL_SWA_READ_CHECK_QUERIES), default=8,
+                       minimum=1, maximum=256)
+    return None if layers == "off" else (layers, queries)
+
+
 def warn_once(name: str, environ: "MutableMapping[str, str] | None" = None) -> bool:
     """Whether this process tree has not yet logged ``name``'s one warning; marks it as logged.
 

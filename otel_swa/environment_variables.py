@@ -93,6 +93,25 @@ and exemplars still point at a span linked to its requests, at 1 / interval of t
 (every forward step) or ``off`` (none). See ``otel_swa.telemetry.spans.ForwardSpans``.
 """
 
+OTEL_SWA_READ_CHECK = "OTEL_SWA_READ_CHECK"
+"""
+.. envvar:: OTEL_SWA_READ_CHECK
+
+The read check (``otel_swa.device.read_check``): at each sampled forward step, recompute the
+attention output of a few queries of the sliding-window layers from the KV pool through the
+FULL-to-SWA mapping and compare it with the engine's. ``rotate`` (default): one sliding-window layer
+per sampled step, in turn; ``all``: every sliding-window layer; ``off``: no check (the engine's
+attention layers are not wrapped).
+"""
+
+OTEL_SWA_READ_CHECK_QUERIES = "OTEL_SWA_READ_CHECK_QUERIES"
+"""
+.. envvar:: OTEL_SWA_READ_CHECK_QUERIES
+
+Queries the read check recomputes per checked layer (integer from 1 to 256, default 8): the last
+token of that many requests of the batch, the batch's requests in turn across sampled steps.
+"""
+
 OTEL_SWA_WARNED = "OTEL_SWA_WARNED"
 """
 .. envvar:: OTEL_SWA_WARNED
