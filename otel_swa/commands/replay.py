@@ -170,11 +170,14 @@ def run(args: argparse.Namespace) -> int:
         interval = _interval(args)
         ring_size = otel_swa_config.ring_size()
         prefix = rank_prefix(otel_swa_config.parallel_ranks())
+        read_check = otel_swa_config.read_check()
         engine_config = dataclasses.replace(
             EngineConfig(),
             window=args.window, full_pool_size=args.full_pool, swa_pool_size=args.swa_pool,
             page_size=args.page_size, max_running=args.max_running, token_budget=args.token_budget,
             seed=args.seed, run_model=not args.no_model, max_context_len=args.max_context_len,
+            read_check=read_check[0] if read_check else "off",
+            read_check_queries=read_check[1] if read_check else EngineConfig.read_check_queries,
         )
         requests = load_trace(args.trace, limit=args.requests or None)
         check_pool_memory(engine_config, _available_memory())
