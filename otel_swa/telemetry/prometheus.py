@@ -103,7 +103,8 @@ def _serve(host: str, port: int, app: Any) -> Any:
 def start_endpoint(ranks: Mapping[str, int], environ: Mapping[str, str] | None = None) -> Any:
     """A started Prometheus endpoint: a ``PrometheusMetricReader`` (hand it to the ``MeterProvider``)
     whose ``shutdown()`` also closes its HTTP server, after waiting for one more scrape when
-    ``OTEL_SWA_PROMETHEUS_LINGER`` > 0. ``reader.url`` is its ``/metrics`` URL.
+    ``OTEL_SWA_PROMETHEUS_LINGER`` > 0. ``reader.url`` is its ``/metrics`` URL, ``reader.linger_s``
+    that wait.
 
     Args:
         ranks: this process's ranks (:func:`otel_swa.ranks.process_ranks`), for the port offset.
@@ -152,4 +153,5 @@ def start_endpoint(ranks: Mapping[str, int], environ: Mapping[str, str] | None =
         raise
     shown = f"[{host}]" if ":" in host else host
     reader.url = f"http://{shown}:{server.server_address[1]}/metrics"
+    reader.linger_s = linger_s
     return reader

@@ -236,6 +236,7 @@ class SwaTelemetry:
     sinks: list = field(default_factory=list)
     accounted: list = field(default_factory=list)
     warning_filter: Any = None
+    linger_s: float = 0.0
     _closed: bool = False
 
     def attach(self, reporter: Any) -> Any:
@@ -337,8 +338,8 @@ class SwaTelemetry:
         self.request_spans.end_all()
         providers = {"traces": self.tracer_provider, "metrics": self.meter_provider, "logs": self.logger_provider}
         budget = timeout_s if timeout_s is not None else _shutdown_budget_s()
-        if timeout_s is None and PROMETHEUS_EXPORTER in self.exporters.get("metrics", ()):
-            budget += config.prometheus_linger()  # the endpoint waits that long for a last scrape
+        if timeout_s is None:
+            budget += self.linger_s  # a Prometheus endpoint waits that long for a last scrape
         deadline = time.monotonic() + min(max(budget, 0.0), SHUTDOWN_MAX_S)
         threads = []
         for signal in ("logs", "traces", "metrics"):
@@ -603,4 +604,5 @@ def configure(
         owned=tuple(owned), sink=sink, request_spans=request_spans, forward_spans=forward_spans,
         resource=resource, exporters=names, accounted=accounted,
         warning_filter=RepeatedWarningFilter().install() if accounted else None,
+        linger_s=max((getattr(reader, "linger_s", 0.0) for reader in made), default=0.0) if "metrics" in owned else 0.0,
     )
