@@ -38,6 +38,7 @@ from typing import Any, Iterable, Mapping, Sequence
 __all__ = [
     "prometheus_binary",
     "free_port",
+    "PrometheusAPI",
     "PrometheusServer",
     "PrometheusError",
     "PanelTarget",
@@ -73,7 +74,62 @@ def _http_json(url: str, timeout_s: float) -> Any:
         raise PrometheusError(f"{url}: HTTP {exc.code}: {body}") from None
 
 
-class PrometheusServer:
+class PrometheusAPI:
+    """The HTTP API of a Prometheus server at ``url`` (``http://host:port``)."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url.rstrip("/")
+
+    def api(self, path: str, params: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), timeout_s: float = 30.0) -> Any:
+        """``GET /api/v1/<path>?params``: the ``data`` of a successful reply.
+
+        Raises:
+            PrometheusError: an error reply (a bad query...), naming the URL and Prometheus's error.
+        """
+        items = params.items() if isinstance(params, Mapping) else params
+        url = f"{self.url}/api/v1/{path}?" + urllib.parse.urlencode([(k, v) for k, v in items if v is not None])
+        reply = _http_json(url, timeout_s)
+        if reply.get("status") != "success":
+            raise PrometheusError(f"{url}: {reply.get('errorType')}: {reply.get('error')}")
+        return reply["data"]
+
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        """An instant query (``/api/v1/query``) at time ``at`` (Unix seconds; default now): the
+        result's series, ``[{"metric": {labels}, "value": [t, "text"]}, ...]`` for a vector,
+        ``"values"`` for a range vector selector (its raw samples)."""
+        data = self.api("query", {"query": expr, "time": None if at is None else f"{at:.3f}"})
+        if data["resultType"] == "scalar":
+            return [{"metric": {}, "value": data["result"]}]
+        return data["result"]
+
+    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict]:
+        """``/api/v1/query_range``: ``[{"metric": {labels}, "values": [[t, "text"], ...]}, ...]``."""
+        data = self.api("query_range", {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
+                                        "step": f"{step:g}"})
+        return data["result"]
+
+    def label_values(self, label: str, match: str | None = None) -> list[str]:
+        """``/api/v1/label/<label>/values`` (what Grafana's ``label_values(metric, label)`` asks)."""
+        return self.api(f"label/{label}/values", [("match[]", match)] if match else [])
+
+    def wait_for(self, expr: str, predicate: Any = bool, timeout_s: float = 30.0, poll_s: float = 0.05) -> list[dict]:
+        """Query ``expr`` until ``predicate(result)`` holds; return that result.
+
+        Raises:
+            TimeoutError: not within ``timeout_s`` (the message has the last result).
+        """
+        deadline = time.monotonic() + timeout_s
+        result: list[dict] = []
+        while True:
+            result = self.query(expr)
+            if predicate(result):
+                return result
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{expr}: not as expected within {timeout_s:g} s; last result {result}")
+            time.sleep(poll_s)
+
+
+class PrometheusServer(PrometheusAPI):
     """``with PrometheusServer(directory, jobs) as prom:`` a running Prometheus on 127.0.0.1.
 
     Args:
@@ -97,7 +153,7 @@ class PrometheusServer:
         self.directory = Path(directory)
         self.binary = binary or prometheus_binary()
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(f"http://127.0.0.1:{self.port}")
         self.scrape_interval = scrape_interval
         self.jobs = [dict(job) for job in jobs]
         self.extra_args = list(extra_args)
@@ -166,55 +222,6 @@ class PrometheusServer:
     def output(self) -> str:
         """What the server printed so far (its log)."""
         return self.out_path.read_text(errors="replace") if self.out_path.exists() else ""
-
-    # ------------------------------------------------------------------ HTTP API
-    def api(self, path: str, params: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), timeout_s: float = 30.0) -> Any:
-        """``GET /api/v1/<path>?params``: the ``data`` of a successful reply.
-
-        Raises:
-            PrometheusError: an error reply (a bad query...), naming the URL and Prometheus's error.
-        """
-        items = params.items() if isinstance(params, Mapping) else params
-        url = f"{self.url}/api/v1/{path}?" + urllib.parse.urlencode([(k, v) for k, v in items if v is not None])
-        reply = _http_json(url, timeout_s)
-        if reply.get("status") != "success":
-            raise PrometheusError(f"{url}: {reply.get('errorType')}: {reply.get('error')}")
-        return reply["data"]
-
-    def query(self, expr: str, at: float | None = None) -> list[dict]:
-        """An instant query (``/api/v1/query``) at time ``at`` (Unix seconds; default now): the
-        result's series, ``[{"metric": {labels}, "value": [t, "text"]}, ...]`` for a vector,
-        ``"values"`` for a range vector selector (its raw samples)."""
-        data = self.api("query", {"query": expr, "time": None if at is None else f"{at:.3f}"})
-        if data["resultType"] == "scalar":
-            return [{"metric": {}, "value": data["result"]}]
-        return data["result"]
-
-    def query_range(self, expr: str, start: float, end: float, step: float) -> list[dict]:
-        """``/api/v1/query_range``: ``[{"metric": {labels}, "values": [[t, "text"], ...]}, ...]``."""
-        data = self.api("query_range", {"query": expr, "start": f"{start:.3f}", "end": f"{end:.3f}",
-                                        "step": f"{step:g}"})
-        return data["result"]
-
-    def label_values(self, label: str, match: str | None = None) -> list[str]:
-        """``/api/v1/label/<label>/values`` (what Grafana's ``label_values(metric, label)`` asks)."""
-        return self.api(f"label/{label}/values", [("match[]", match)] if match else [])
-
-    def wait_for(self, expr: str, predicate: Any = bool, timeout_s: float = 30.0, poll_s: float = 0.05) -> list[dict]:
-        """Query ``expr`` until ``predicate(result)`` holds; return that result.
-
-        Raises:
-            TimeoutError: not within ``timeout_s`` (the message has the last result).
-        """
-        deadline = time.monotonic() + timeout_s
-        result: list[dict] = []
-        while True:
-            result = self.query(expr)
-            if predicate(result):
-                return result
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{expr}: not as expected within {timeout_s:g} s; last result {result}")
-            time.sleep(poll_s)
 
 
 def value(series: Mapping[str, Any]) -> float:

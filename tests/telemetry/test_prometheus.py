@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -49,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "examples" / "grafana" / "otel-swa-dashboard.json"
 PROGRAM = Path(__file__).with_name("prometheus_run.py")
 SCRAPE_INTERVAL = "200ms"
-REQUESTS = 16
+REQUESTS = 10
 LEAK_EVERY = 40
 
 
@@ -216,6 +217,8 @@ def test_headline_values(runs):
         peak = max(float(v) for _, v in leaked[0]["values"])
         assert peak == max(rec.swa_leaked_slots for r in records.values() for rec in r)
         assert (peak > 0) == (run.name == "leaky")
+        print(f"{run.name}: last divergence {value(last[0]):g}, out-of-window peak "
+              f"{max(float(v) for _, v in series[0]['values']):g}, used {usage}, leaked peak {peak:g}")
     # one series per rank in the 2-rank run
     per_rank = prom.query('kv_cache_swa_tokens_out_of_window{service_name=~"otel-swa-ranks",host_name=~".*"}',
                           at=by_name["ranks"].evaluations[-1])
@@ -253,3 +256,36 @@ def test_replay_command_with_the_endpoint_lingers_for_the_last_scrape(prometheus
         out_of_window = prom.query('kv_cache_swa_tokens_out_of_window{job="replay"}', at=float(last_t))
         assert value(out_of_window[0]) == records[-1].swa_out_of_window_tokens
     assert "was not scraped within" not in run.stderr
+
+
+DOCS = ROOT / "docs" / "telemetry.md"
+
+
+def test_the_docs_name_table_is_what_prometheus_scraped(runs):
+    prom, _ = runs
+    text = DOCS.read_text().split("### Names as scraped", 1)[1].split("###", 1)[0]
+    documented = set()
+    for row in text.splitlines():
+        cells = row.split(" | ")
+        if row.startswith("| `kv_cache.") and len(cells) > 2:
+            documented |= set(re.findall(r"`(kv_cache_[a-z_]+)`", cells[1].split("(Collector")[0]))
+    documented |= {n.replace("_bucket", suffix) for n in documented if n.endswith("_bucket") for suffix in ("_sum", "_count")}
+    scraped = {n for n in prom.label_values("__name__", '{service_name="otel-swa-healthy"}') if n.startswith("kv_cache")}
+    # a counter of resets exists once a reset happened (none in these runs)
+    assert documented - {"kv_cache_swa_reporter_resets_total"} == scraped
+
+
+def test_the_docs_promql_parses_and_runs(runs):
+    prom, _ = runs
+    blocks = re.findall(r"```promql\n(.*?)```", DOCS.read_text(), flags=re.S)
+    assert len(blocks) >= 4
+    for block in blocks:
+        expr = "\n".join(line for line in block.splitlines() if not line.lstrip().startswith("#"))
+        prom.query(expr)  # a PromQL error is an HTTP 400, raised with Prometheus's message
+
+
+def test_the_example_scrape_configuration_is_valid(prometheus_binary):
+    promtool = Path(prometheus_binary).with_name("promtool")
+    check = subprocess.run([str(promtool), "check", "config", str(ROOT / "examples" / "prometheus" / "prometheus.yml")],
+                           capture_output=True, text=True, timeout=60)
+    assert check.returncode == 0, check.stdout + check.stderr
