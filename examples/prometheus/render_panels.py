@@ -45,8 +45,10 @@ def _slug(title: str) -> str:
 
 
 def render(prometheus, start: float, end: float, out: Path, variables: dict, rate_interval: str,
-           step: float, dashboard: Path = DASHBOARD) -> list[Path]:
-    """Draw each row of ``dashboard`` from ``prometheus`` (a :class:`~otel_swa.testing.prometheus.PrometheusAPI`) over ``[start, end]``; returns the PNGs written (``dashboard-<row>.png``).
+           step: float, dashboard: Path = DASHBOARD) -> list[tuple[Path, list[str]]]:
+    """Draw each row of ``dashboard`` from ``prometheus`` (a :class:`~otel_swa.testing.prometheus.PrometheusAPI`)
+    over ``[start, end]``; returns each PNG written (``dashboard-<row>.png``) with the titles of its
+    panels that had no data.
 
     Raises:
         ImportError: matplotlib is missing (``pip install 'otel-swa[plot]'``).
@@ -62,6 +64,7 @@ def render(prometheus, start: float, end: float, out: Path, variables: dict, rat
             rows.setdefault(target.row, {}).setdefault(target.panel, []).append(target)
     written = []
     for row, panels in rows.items():
+        empty: list[str] = []
         bottom = max(t.grid[1] + t.grid[3] for targets in panels.values() for t in targets)
         top = min(t.grid[1] for targets in panels.values() for t in targets)
         lines = -(-(bottom - top) // 8)  # Grafana panels here are 8 grid units high
@@ -86,11 +89,12 @@ def render(prometheus, start: float, end: float, out: Path, variables: dict, rat
                 ax.legend(fontsize=6, loc="best")
             else:
                 ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+                empty.append(title)
         fig.suptitle(row, fontsize=10)
         path = out / f"dashboard-{_slug(row)}.png"
         fig.savefig(path, dpi=80, bbox_inches="tight")
         plt.close(fig)
-        written.append(path)
+        written.append((path, empty))
     return written
 
 
@@ -126,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                 return run.returncode
             end = time.time()
             paths = render(prom, start, end, args.out, variables, args.rate_interval or "1s", step=0.25)
-    for path in paths:
-        print(path)
+    for path, empty in paths:
+        print(path, f"(no data: {', '.join(empty)})" if empty else "")
     return 0
 
 

@@ -289,3 +289,18 @@ def test_the_example_scrape_configuration_is_valid(prometheus_binary):
     check = subprocess.run([str(promtool), "check", "config", str(ROOT / "examples" / "prometheus" / "prometheus.yml")],
                            capture_output=True, text=True, timeout=60)
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_render_panels_draws_every_panel_of_every_row(runs, tmp_path):
+    pytest.importorskip("matplotlib")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("render_panels", ROOT / "examples" / "prometheus" / "render_panels.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    prom, by_name = runs
+    run = by_name["healthy"]
+    written = module.render(prom, run.evaluations[0] - 1, run.evaluations[-1], tmp_path, run.labels(), "1s", step=0.2)
+    assert [path.name for path, _ in written] == ["dashboard-fleet.png", "dashboard-per-host.png", "dashboard-per-rank.png"]
+    for path, empty in written:
+        assert path.stat().st_size > 10_000 and empty == [], (path, empty)
