@@ -120,3 +120,23 @@ Set by otel-swa itself, not by users: the instrumentors that already logged thei
 instrumented" warning in this process tree (comma-separated names). Child processes inherit it,
 so a multi-process engine logs each such warning once, not once per process.
 """
+
+OTEL_SWA_PROMETHEUS_PORT_OFFSET = "OTEL_SWA_PROMETHEUS_PORT_OFFSET"
+"""
+.. envvar:: OTEL_SWA_PROMETHEUS_PORT_OFFSET
+
+With ``OTEL_METRICS_EXPORTER=prometheus``: what is added to ``OTEL_EXPORTER_PROMETHEUS_PORT``
+(default 9464) to get this process's port, so that the ranks of one host, started with the same
+environment, listen on ports of their own. ``rank`` (the default): the launcher's ``LOCAL_RANK``
+when set, else the global rank (``torch.distributed`` or ``RANK``), else 0; an integer >= 0: that
+offset (``0``: the port as it is).
+"""
+
+OTEL_SWA_PROMETHEUS_LINGER = "OTEL_SWA_PROMETHEUS_LINGER"
+"""
+.. envvar:: OTEL_SWA_PROMETHEUS_LINGER
+
+With ``OTEL_METRICS_EXPORTER=prometheus``: at shutdown, keep the endpoint up until it has been
+scraped once more (so the last values reach Prometheus), at most this many seconds (a number
+from 0 to 600; default 0: close at once). For short runs such as ``otel-swa replay``.
+"""
