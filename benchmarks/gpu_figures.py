@@ -6,6 +6,8 @@ Rows (median over interleaved rounds, spread min - max):
 * sample: one sampling step at 1M live tokens (batch 256, fill 1/8), ns per live token, the device
   operations it launched; SGLang's two-pass dense gather over it (batch 256 x 32K, fill 10 %); the
   audit's added cost at 56K holders in a 1M-slot FULL pool;
+* read check: one sliding-window layer's check (``benchmarks/bench_read_check.py``'s GPT-OSS-like
+  and Gemma-3-like shapes), microseconds per call;
 * capture: the replay of a CUDA graph holding one forward (a matmul standing for the model) with the
   reporter's in-graph calls (device-count ``observe`` x 2) against the same graph without them, and
   whether the totals after the replays are exact (the reporter's ``step`` runs after each replay).
@@ -154,6 +156,18 @@ def main() -> None:
     rows.append((f"sample: audit / no audit ({sum(lens) >> 10}K holders, FULL pool {pool:,})",
                  fmt(ratios(got["audit"], got["plain"]), 1, 2, "x"), f"{fmt(got['audit'], 1e3, 3)} ms with audit"))
     del r2t, mapping
+
+    # the read check: one sliding-window layer's queries recomputed from the pool (eager; the GPU
+    # test captures it in a graph)
+    from bench_read_check import SHAPES, layer_call
+
+    for name, batch_size, q_heads, kv_heads, dim, window, dtype in SHAPES[1:]:
+        if args.quick:
+            window = min(window, 64)
+        call, queries = layer_call(batch_size, q_heads, kv_heads, dim, window, dtype, device)
+        got = interleaved({"check": timed(call, 10, sync)}, rounds)
+        rows.append((f"read check: one layer, {name}, {queries} queries, window {window}", fmt(got["check"], 1e6, 1, " us"),
+                     "at sampled steps only (benchmarks/bench_read_check.py)"))
 
     rows += capture_rows(device, rounds, args.quick, sync)
     print(machine_line())
