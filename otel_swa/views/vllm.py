@@ -41,11 +41,11 @@ Nothing here imports vLLM.
 from __future__ import annotations
 
 import functools
-import itertools
 import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from otel_swa.pool_usage import POOL_FULL, POOL_SWA, PoolUsage
@@ -652,34 +652,34 @@ def kv_block_audit_inputs(kv_cache_manager: Any, *, device: "str | torch.device"
         FreeQueueMoved: see :func:`free_queue`.
     """
     managers, block_pool = _parts(kv_cache_manager)
-    free_ids = [block.block_id for block in free_queue(block_pool)]
+    free_ids = list(map(_BLOCK_ID, free_queue(block_pool)))
     cached_ids = _cached_block_ids(block_pool)
     rows: dict[str, int] = {}
     ids: list[int] = []
-    groups: list[int] = []
-    held_rows: list[int] = []
-    positions: list[int] = []
+    segments: list[tuple[int, int, int, int]] = []  # (group, row, entries, block size) per table
     for group, manager in enumerate(managers):
         bs = _block_size(manager)
         for request_id, blocks in list(_req_to_blocks(manager).items()):
-            n = len(blocks)
-            if not n:
-                continue
-            row = rows.setdefault(request_id, len(rows))
-            ids.extend(map(_BLOCK_ID, blocks))
-            groups.extend(itertools.repeat(group, n))
-            held_rows.extend(itertools.repeat(row, n))
-            positions.extend(range(0, n * bs, bs))
-    if NULL_BLOCK_ID in ids:  # the null entries (the window's skipped blocks, prefix hits) left out
-        keep = [block_id != NULL_BLOCK_ID for block_id in ids]
-        ids, groups, held_rows, positions = (list(itertools.compress(c, keep)) for c in (ids, groups, held_rows, positions))
-    t = functools.partial(torch.tensor, dtype=torch.int64)
+            if blocks:
+                ids.extend(map(_BLOCK_ID, blocks))
+                segments.append((group, rows.setdefault(request_id, len(rows)), len(blocks), bs))
+    held = np.array(ids, dtype=np.int64)
+    if segments:
+        groups, held_rows, lens, sizes = np.array(segments, dtype=np.int64).T
+        starts = np.cumsum(lens) - lens
+        positions = (np.arange(held.shape[0]) - np.repeat(starts, lens)) * np.repeat(sizes, lens)
+        groups, held_rows = np.repeat(groups, lens), np.repeat(held_rows, lens)
+        keep = held != NULL_BLOCK_ID  # the null entries (the window's skipped blocks, prefix hits) left out
+        held, groups, held_rows, positions = held[keep], groups[keep], held_rows[keep], positions[keep]
+    else:
+        groups = held_rows = positions = held
+    t = torch.from_numpy
     device = torch.device(device)
     return KvBlockAuditInputs(
         num_blocks=int(block_pool.num_gpu_blocks),
-        free_block_ids=t(free_ids).to(device),
-        cached_block_ids=t(cached_ids).to(device),
-        held_block_ids=t(ids).to(device),
+        free_block_ids=t(np.array(free_ids, dtype=np.int64)).to(device),
+        cached_block_ids=t(np.array(cached_ids, dtype=np.int64)).to(device),
+        held_block_ids=t(held).to(device),
         held_groups=t(groups).to(device),
         held_rows=t(held_rows).to(device),
         held_positions=t(positions).to(device),
