@@ -714,9 +714,9 @@ def kv_cache_pool_usage(kv_cache_manager: Any) -> "tuple[PoolUsage, ...] | None"
     is of one of the two kinds, leak or not; a block a table holds while it is on the free queue
     (freed while in use) counts as free, as vLLM counts it.
 
-    Host work only (no device tensor): one pass over the free queue, one over the groups' block
-    tables and one over ``block_pool.blocks``, about ``num_gpu_blocks`` attribute reads: call it at
-    metric collection, not every step. Read from another thread while the scheduler runs, the free
+    Host work only (no device tensor): one pass over the free queue and one over the groups' block
+    tables (one attribute read per entry), then a few numpy passes over one flag per block: call it
+    at metric collection, not every step. Read from another thread while the scheduler runs, the free
     queue may change during the walk: the read is tried three times, then ``None`` is returned (no
     figure rather than a wrong one).
 
@@ -756,7 +756,6 @@ def kv_cache_pool_usage(kv_cache_manager: Any) -> "tuple[PoolUsage, ...] | None"
         except FreeQueueMoved:
             if attempt == 2:
                 return None
-    free_ids = {block.block_id for block in free}
     available_blocks = 0
     evictable_blocks = dict.fromkeys(groups, 0)
     for block in free:
@@ -767,27 +766,27 @@ def kv_cache_pool_usage(kv_cache_manager: Any) -> "tuple[PoolUsage, ...] | None"
         pool = pool_of_group.get(_group_id(block_hash))
         if pool is not None:
             evictable_blocks[pool] += 1
-    owner: dict[int, "str | None"] = {}  # block id -> pool of a group holding it, full first (None: neither)
-    kinds = {POOL_FULL: 0, POOL_SWA: 1, None: 2}
-    for group_id, manager in sorted(enumerate(managers), key=lambda gm: kinds[pool_of_group.get(gm[0])]):
-        pool = pool_of_group.get(group_id)
+    n = len(blocks)
+    held = {POOL_FULL: [], POOL_SWA: [], None: []}  # block ids by the kind of the tables holding them
+    for group_id, manager in enumerate(managers):
+        ids = held[pool_of_group.get(group_id)]
         for req_blocks in list(_req_to_blocks(manager).values()):
-            for block in list(req_blocks):
-                if not block.is_null:
-                    owner.setdefault(block.block_id, pool)
-    used_blocks = dict.fromkeys(groups, 0)
+            ids.extend(map(_BLOCK_ID, req_blocks))
+    marks = {}
+    for kind, ids in held.items():
+        mark = np.zeros(n, dtype=bool)
+        mark[np.array(ids, dtype=np.int64)] = True
+        marks[kind] = mark
+    in_use = np.ones(n, dtype=bool)
+    in_use[np.array(list(map(_BLOCK_ID, free)), dtype=np.int64)] = False
+    in_use[NULL_BLOCK_ID] = False
+    full = marks[POOL_FULL] & in_use  # a block in the tables of both kinds (a corrupted pool) counts in full
+    used_blocks = {POOL_FULL: int(np.count_nonzero(full)),
+                   POOL_SWA: int(np.count_nonzero(marks[POOL_SWA] & in_use & ~full))}
     rest = POOL_FULL if POOL_FULL in groups else POOL_SWA
-    for block in blocks:
-        block_id = block.block_id
-        if block.is_null or block_id in free_ids:
-            continue
-        if block_id in owner:
-            pool = owner[block_id]
-        else:  # in use, in no table: by its hash's group when cached, else the first pool
-            block_hash = block.block_hash
-            pool = pool_of_group.get(_group_id(block_hash), rest) if block_hash is not None else rest
-        if pool is not None:
-            used_blocks[pool] += 1
+    for block_id in np.flatnonzero(in_use & ~marks[POOL_FULL] & ~marks[POOL_SWA] & ~marks[None]).tolist():
+        block_hash = blocks[block_id].block_hash  # in use, in no table: by its hash's group when cached
+        used_blocks[pool_of_group.get(_group_id(block_hash), rest) if block_hash is not None else rest] += 1
     return tuple(
         PoolUsage(pool, used_blocks[pool] * sizes[pool], available_blocks * sizes[pool],
                   evictable_blocks[pool] * sizes[pool], total_blocks * sizes[pool])
