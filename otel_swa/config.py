@@ -23,6 +23,9 @@ __all__ = [
     "FORWARD_SPANS_CHOICES",
     "micro_batches",
     "MICRO_BATCH_MODES",
+    "prometheus_address",
+    "prometheus_linger",
+    "DEFAULT_PROMETHEUS_PORT",
 ]
 
 DEFAULT_RING_SIZE = 4
@@ -181,6 +184,25 @@ def micro_batches(environ: Mapping[str, str] | None = None) -> str:
     return _choice(ev.OTEL_SWA_MICRO_BATCHES, MICRO_BATCH_MODES, environ)
 
 
+#: Values of ``OTEL_SWA_READ_CHECK``, the default first.
+READ_CHECK_CHOICES = ("rotate", "all", "off")
+
+
+def read_check(environ: Mapping[str, str] | None = None) -> "tuple[str, int] | None":
+    """``OTEL_SWA_READ_CHECK`` and ``OTEL_SWA_READ_CHECK_QUERIES``: ``(layers, queries)`` for the read
+    check (``layers`` one of ``rotate``, ``all``; default ``("rotate", 8)``), or ``None`` when it is
+    ``off``.
+
+    Raises:
+        ConfigError: a value outside the choices, or queries not an integer from 1 to 256.
+    """
+    env = os.environ if environ is None else environ
+    layers = _choice(ev.OTEL_SWA_READ_CHECK, READ_CHECK_CHOICES, env)
+    queries = read_int(ev.OTEL_SWA_READ_CHECK_QUERIES, env.get(ev.OTEL_SWA_READ_CHECK_QUERIES), default=8,
+                       minimum=1, maximum=256)
+    return None if layers == "off" else (layers, queries)
+
+
 def warn_once(name: str, environ: "MutableMapping[str, str] | None" = None) -> bool:
     """Whether this process tree has not yet logged ``name``'s one warning; marks it as logged.
 
@@ -193,3 +215,69 @@ def warn_once(name: str, environ: "MutableMapping[str, str] | None" = None) -> b
         return False
     env[ev.OTEL_SWA_WARNED] = ",".join(warned + [name])
     return True
+
+
+#: The OpenTelemetry specification's defaults for ``OTEL_EXPORTER_PROMETHEUS_HOST`` / ``_PORT``.
+DEFAULT_PROMETHEUS_HOST = "localhost"
+DEFAULT_PROMETHEUS_PORT = 9464
+#: The longest ``OTEL_SWA_PROMETHEUS_LINGER`` (seconds).
+MAX_PROMETHEUS_LINGER_S = 600.0
+
+
+def prometheus_address(ranks: Mapping[str, int], environ: Mapping[str, str] | None = None) -> tuple[str, int, str]:
+    """Where this process's Prometheus endpoint listens: ``(host, port, why)``.
+
+    ``host`` is ``OTEL_EXPORTER_PROMETHEUS_HOST`` (default ``localhost``); ``port`` is
+    ``OTEL_EXPORTER_PROMETHEUS_PORT`` (default 9464) plus the offset ``OTEL_SWA_PROMETHEUS_PORT_OFFSET``
+    chooses: ``rank`` (default) the ``local_rank`` of ``ranks`` (:func:`otel_swa.ranks.process_ranks`:
+    the launcher's ``LOCAL_RANK``), else its ``rank`` (``torch.distributed`` or ``RANK``), else 0; or
+    the integer given. ``why`` says how the port was made (for messages), e.g. ``"9464 + LOCAL_RANK 1"``.
+
+    Raises:
+        ConfigError: a port or offset that is not an integer, or a port beyond 1 .. 65535.
+    """
+    env = os.environ if environ is None else environ
+    host = (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or "").strip() or DEFAULT_PROMETHEUS_HOST
+    base = read_int("OTEL_EXPORTER_PROMETHEUS_PORT", env.get("OTEL_EXPORTER_PROMETHEUS_PORT"),
+                    default=DEFAULT_PROMETHEUS_PORT, minimum=1, maximum=65535)
+    raw = (env.get(ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET) or "").strip().lower()
+    if raw in ("", "rank"):
+        if "local_rank" in ranks:
+            offset, source = ranks["local_rank"], "LOCAL_RANK"
+        elif "rank" in ranks:
+            offset, source = ranks["rank"], "rank"
+        else:
+            offset, source = 0, ""
+    else:
+        try:
+            offset = read_int(ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET, raw, default=0, minimum=0)
+        except ConfigError:
+            raise ConfigError(f"{ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET}={env.get(ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET)!r}; "
+                              "expected 'rank' or an integer >= 0") from None
+        source = ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET
+    port = base + offset
+    why = f"{base} + {source} {offset}" if source else f"{base}"
+    if port > 65535:
+        raise ConfigError(f"the Prometheus port {why} = {port} is above 65535; lower OTEL_EXPORTER_PROMETHEUS_PORT "
+                          f"or set {ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET}")
+    return host, port, why
+
+
+def prometheus_linger(environ: Mapping[str, str] | None = None) -> float:
+    """``OTEL_SWA_PROMETHEUS_LINGER``: seconds the Prometheus endpoint waits at shutdown for one
+    more scrape (default 0).
+
+    Raises:
+        ConfigError: not a number from 0 to :data:`MAX_PROMETHEUS_LINGER_S`.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ev.OTEL_SWA_PROMETHEUS_LINGER)
+    if raw is None or raw.strip() == "":
+        return 0.0
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= MAX_PROMETHEUS_LINGER_S:
+        raise ConfigError(f"{ev.OTEL_SWA_PROMETHEUS_LINGER}={raw!r}; expected seconds from 0 to {MAX_PROMETHEUS_LINGER_S:g}")
+    return value

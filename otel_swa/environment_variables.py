@@ -93,6 +93,25 @@ and exemplars still point at a span linked to its requests, at 1 / interval of t
 (every forward step) or ``off`` (none). See ``otel_swa.telemetry.spans.ForwardSpans``.
 """
 
+OTEL_SWA_READ_CHECK = "OTEL_SWA_READ_CHECK"
+"""
+.. envvar:: OTEL_SWA_READ_CHECK
+
+The read check (``otel_swa.device.read_check``): at each sampled forward step, recompute the
+attention output of a few queries of the sliding-window layers from the KV pool through the
+FULL-to-SWA mapping and compare it with the engine's. ``rotate`` (default): one sliding-window layer
+per sampled step, in turn; ``all``: every sliding-window layer; ``off``: no check (the engine's
+attention layers are not wrapped).
+"""
+
+OTEL_SWA_READ_CHECK_QUERIES = "OTEL_SWA_READ_CHECK_QUERIES"
+"""
+.. envvar:: OTEL_SWA_READ_CHECK_QUERIES
+
+Queries the read check recomputes per checked layer (integer from 1 to 256, default 8): the last
+token of that many requests of the batch, the batch's requests in turn across sampled steps.
+"""
+
 OTEL_SWA_WARNED = "OTEL_SWA_WARNED"
 """
 .. envvar:: OTEL_SWA_WARNED
@@ -100,4 +119,24 @@ OTEL_SWA_WARNED = "OTEL_SWA_WARNED"
 Set by otel-swa itself, not by users: the instrumentors that already logged their "engine not
 instrumented" warning in this process tree (comma-separated names). Child processes inherit it,
 so a multi-process engine logs each such warning once, not once per process.
+"""
+
+OTEL_SWA_PROMETHEUS_PORT_OFFSET = "OTEL_SWA_PROMETHEUS_PORT_OFFSET"
+"""
+.. envvar:: OTEL_SWA_PROMETHEUS_PORT_OFFSET
+
+With ``OTEL_METRICS_EXPORTER=prometheus``: what is added to ``OTEL_EXPORTER_PROMETHEUS_PORT``
+(default 9464) to get this process's port, so that the ranks of one host, started with the same
+environment, listen on ports of their own. ``rank`` (the default): the launcher's ``LOCAL_RANK``
+when set, else the global rank (``torch.distributed`` or ``RANK``), else 0; an integer >= 0: that
+offset (``0``: the port as it is).
+"""
+
+OTEL_SWA_PROMETHEUS_LINGER = "OTEL_SWA_PROMETHEUS_LINGER"
+"""
+.. envvar:: OTEL_SWA_PROMETHEUS_LINGER
+
+With ``OTEL_METRICS_EXPORTER=prometheus``: at shutdown, keep the endpoint up until it has been
+scraped once more (so the last values reach Prometheus), at most this many seconds (a number
+from 0 to 600; default 0: close at once). For short runs such as ``otel-swa replay``.
 """

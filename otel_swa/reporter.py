@@ -104,6 +104,9 @@ class _Pending(NamedTuple):
     micro_batch: "int | None"
     request_ids: "tuple[str, ...] | None" = None  # the batch's request ids (view.request_ids)
     held_request_ids: "tuple[str, ...] | None" = None  # the block audit's requests (kv_block_audit)
+    # with holders_include_batch, how the batch's tokens lead the audit's holders: ("live", lengths)
+    # or ("dense", batch, max_context_len)
+    batch_holders: "tuple | None" = None
 
 
 class SwaDivergenceReporter:
@@ -480,10 +483,16 @@ class SwaDivergenceReporter:
         host = self._accumulator.host
         request_ids = getattr(view, "request_ids", None)
         blocks = getattr(view, "kv_block_audit", None)
+        holder_lens = None
+        if audit is not None and audit.holders_include_batch:
+            if meta.path == "live":
+                holder_lens = ("live", tuple(int(n) for n in view.seq_lens_cpu))
+            elif meta.path == "dense":
+                holder_lens = ("dense", meta.batch, meta.width)
         self._pending.append(_Pending(
             slot, self._forward_ct, context, applicable, audit.page_size if audit else 0, meta, (host[0], host[1]),
             micro_batch, tuple(str(r) for r in request_ids) if request_ids is not None else None,
-            tuple(str(r) for r in blocks.held_request_ids) if blocks is not None else None,
+            tuple(str(r) for r in blocks.held_request_ids) if blocks is not None else None, holder_lens,
         ))
         # Advanced only now: a sample that failed above leaves its slot free for the next one.
         self._next_slot = (slot + 1) % self._ring.slots
@@ -553,12 +562,51 @@ def _request(pending: _Pending, entry: int) -> "str | None":
     return ids[entry] if ids is not None and 0 <= entry < len(ids) else None
 
 
+def _batch_token(pending: _Pending, holder: int) -> "tuple[int, int] | None":
+    """``(batch entry, position)`` of audit holder ``holder`` when it is a live token of the batch
+    (``holders_include_batch``: the batch's tokens are the first holders, request after request on
+    the live path, as whole rows of ``max_context_len`` on the dense one), else ``None``."""
+    layout = pending.batch_holders
+    if layout is None:
+        return None
+    if layout[0] == "dense":
+        _, batch, width = layout
+        return divmod(holder, width) if width and holder < batch * width else None
+    for entry, length in enumerate(layout[1]):
+        if holder < length:
+            return entry, holder
+        holder -= length
+    return None
+
+
 def _offenders(reading: Any, pending: _Pending) -> "tuple[Offender, ...]":
     """The first offender of each fault the reading shows, with the batch's request ids."""
     offenders = []
+    page = pending.audit_page_size
+    counts, where = reading.audit, reading.audit_where
+    if counts is not None and where is not None:
+        if counts[2] > 0:
+            offenders.append(Offender("swa_leaked_slots", swa_page=where["leaked_page_index"] + 1))
+        if counts[3] > 0:
+            token = _batch_token(pending, where["stale_holder"])
+            swa = where["stale_swa_slot"]
+            offenders.append(Offender(
+                "swa_stale_tokens", request=_request(pending, token[0]) if token else None,
+                position=token[1] if token else None, full_slot=where["stale_full_slot"], swa_slot=swa,
+                swa_page=swa // page if page else None,
+            ))
+        if counts[4] > 0:
+            swa = where["shared_swa_slot"]
+            offenders.append(Offender("swa_shared_slots", full_slot=where["shared_full_slot"], swa_slot=swa,
+                                      swa_page=swa // page if page else None))
+    premature = reading.premature_where
+    if premature is not None:
+        offenders.append(Offender(
+            "swa_premature_evictions", request=_request(pending, premature["entry"]), row=premature["row"],
+            position=premature["position"], full_slot=premature["full_slot"],
+        ))
     read = reading.read_offender
     if read is not None and reading.read and reading.read[1] > 0:
-        page = pending.audit_page_size
         offenders.append(Offender(
             "swa_read_mismatches", request=_request(pending, read["entry"]), row=read["row"],
             position=read["position"], full_slot=read["full_slot"], swa_slot=read["swa_slot"],

@@ -36,3 +36,19 @@ def agent_binary():
             pytest.fail("rotel-agent is required in CI (pip install rotel)")
         pytest.skip("rotel-agent not installed (pip install rotel)")
     return path
+
+
+@pytest.fixture(scope="session")
+def prometheus_binary():
+    """The ``prometheus`` server binary (Debian's ``prometheus`` package); skipped when missing,
+    except in CI (``CI`` set), where a missing Prometheus fails."""
+    import os
+
+    from otel_swa.testing.prometheus import prometheus_binary as find
+
+    path = find()
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("the prometheus binary is required in CI (apt-get install prometheus)")
+        pytest.skip("prometheus not installed (apt-get install prometheus)")
+    return path

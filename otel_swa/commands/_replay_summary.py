@@ -61,13 +61,17 @@ class ReplayVerdict:
     def reasons(self, interval: int, forward_steps: int) -> list[str]:
         """One line per reason for a non-zero exit status (for stderr)."""
         out = []
-        slots = {name: peak for name, peak in self.audit_faults.items() if name != "swa_premature_evictions"}
+        slots = {name: peak for name, peak in self.audit_faults.items()
+                 if name not in ("swa_premature_evictions", "swa_read_mismatches")}
         if slots:
             found = ", ".join(f"{name}={peak}" for name, peak in slots.items())
             out.append(f"the SWA slot audit found faults (peak {found}); exit status 1")
         if "swa_premature_evictions" in self.audit_faults:
             out.append(f"the window check found live tokens inside the sliding window without an SWA slot (peak "
                        f"swa_premature_evictions={self.audit_faults['swa_premature_evictions']}); exit status 1")
+        if "swa_read_mismatches" in self.audit_faults:
+            out.append(f"the read check found sliding-window attention reading other KV than the mapping gives (peak "
+                       f"swa_read_mismatches={self.audit_faults['swa_read_mismatches']}); exit status 1")
         if self.no_sample:
             out.append(f"the reporter took no sample in {forward_steps} forward step(s) (interval {interval}); "
                        "exit status 1")
@@ -116,6 +120,7 @@ def summary_rows(
         ("last verify_swa", f"{last.verify_swa} entries" if last else "n/a"),
         ("SWA slot audit", _audit_summary(records)),
         *([("window check", _window_summary(records))] if any(r.window_checked for r in records) else []),
+        *([("read check", _read_summary(records))] if any(r.read_checked for r in records) else []),
     ]
     if complete:
         rows.append(("peak slots in use", f"FULL {summary.peak_full_slots} / {summary.full_pool_size}, "
@@ -187,3 +192,18 @@ def _window_summary(records: Sequence[SwaDivergenceRecord]) -> str:
     late = max(r.swa_late_held_slots for r in checked)
     verdict = "clean" if not premature else "PREMATURE EVICTION"
     return f"{verdict}: peak premature evictions {premature} tokens, late-held {late} slots ({len(checked)} samples)"
+
+
+def _read_summary(records: Sequence[SwaDivergenceRecord]) -> str:
+    checked = [r for r in records if r.read_checked]
+    queries = sum(r.swa_read_checks for r in checked)
+    mismatched = sum(r.swa_read_mismatches for r in checked)
+    unchecked = sum(r.swa_read_unchecked for r in checked)
+    verdict = "clean" if not mismatched else "WRONG READS"
+    tail = f", {unchecked} unchecked" if unchecked else ""
+    first = next((r for r in checked if r.swa_read_mismatches), None)
+    where = ""
+    if first is not None:
+        offender = first.offender("swa_read_mismatches")
+        where = f"; first at forward_ct={first.forward_ct}" + (f": {offender.describe()}" if offender else "")
+    return f"{verdict}: {mismatched} of {queries} queries disagreed{tail} ({len(checked)} samples){where}"

@@ -50,7 +50,7 @@ from otel_swa.record import SwaDivergenceRecord
 #: The SGLang log format (``[time{rank tokens}] message``), so the output reads like an engine's log.
 LOG_FORMAT = "[%(asctime)s{prefix}] %(message)s"
 LOG_DATEFMT = "%Y-%m-%d %H:%M:%S"
-EXPORTERS = ("logline", "console", "otlp", "none")
+EXPORTERS = ("logline", "console", "otlp", "prometheus", "none")
 #: The standard OpenTelemetry variables that choose exporters per signal (used without --exporter).
 _SIGNAL_VARIABLES = ("OTEL_TRACES_EXPORTER", "OTEL_METRICS_EXPORTER", "OTEL_LOGS_EXPORTER")
 
@@ -99,7 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           f"{DEFAULT_REPLAY.interval})")
     rep.add_argument("--exporter", type=_exporter_list, action="extend", default=None, metavar="NAMES",
                      help="where samples go: logline (SGLang's line on stdout), console (OpenTelemetry console exporters), "
-                          "otlp (OTLP, configured by the standard OTEL_EXPORTER_OTLP_* variables), none; "
+                          "otlp (OTLP, configured by the standard OTEL_EXPORTER_OTLP_* variables), prometheus (metrics on an "
+                          "HTTP endpoint for Prometheus to scrape: OTEL_EXPORTER_PROMETHEUS_HOST/PORT, default localhost:9464; "
+                          "OTEL_SWA_PROMETHEUS_LINGER=S keeps it up at the end until one more scrape), none; "
                           "comma-separated or repeated (default: logline, plus the exporters that OTEL_TRACES_EXPORTER, "
                           "OTEL_METRICS_EXPORTER and OTEL_LOGS_EXPORTER name when any is set)")
     rep.add_argument("--log-file", metavar="FILE", help="also append the log lines to FILE")
@@ -170,11 +172,14 @@ def run(args: argparse.Namespace) -> int:
         interval = _interval(args)
         ring_size = otel_swa_config.ring_size()
         prefix = rank_prefix(otel_swa_config.parallel_ranks())
+        read_check = otel_swa_config.read_check()
         engine_config = dataclasses.replace(
             EngineConfig(),
             window=args.window, full_pool_size=args.full_pool, swa_pool_size=args.swa_pool,
             page_size=args.page_size, max_running=args.max_running, token_budget=args.token_budget,
             seed=args.seed, run_model=not args.no_model, max_context_len=args.max_context_len,
+            read_check=read_check[0] if read_check else "off",
+            read_check_queries=read_check[1] if read_check else EngineConfig.read_check_queries,
         )
         requests = load_trace(args.trace, limit=args.requests or None)
         check_pool_memory(engine_config, _available_memory())
@@ -200,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
     if "logline" in exporters and reporter is not None:
         logger = _line_logger(args.log_file, prefix, out)
     telemetry = None
-    otel_exporters = [name for name in exporters if name in ("console", "otlp")]
+    otel_exporters = [name for name in exporters if name in ("console", "otlp", "prometheus")]
     # Without --exporter, the standard OTEL_{TRACES,METRICS,LOGS}_EXPORTER variables choose the
     # OpenTelemetry exporters (as under opentelemetry-instrument); the line stays on by default.
     from_environment = args.exporter is None and any(os.environ.get(name, "").strip() for name in _SIGNAL_VARIABLES)

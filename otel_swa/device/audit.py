@@ -51,11 +51,21 @@ import torch
 
 from otel_swa.device.workspace import Workspace
 
-__all__ = ["AUDIT_WIDTH", "SwaSlotAudit", "audit_counts", "audit_holder_slots", "audit_swa_slots", "holder_slots"]
+__all__ = ["AUDIT_WIDTH", "AUDIT_COUNTS", "AUDIT_OFFENDER_CELLS", "SwaSlotAudit", "audit_counts", "audit_holder_slots", "audit_swa_slots", "holder_slots"]
 
-#: Values written by :func:`audit_counts`: pages in use, pages in use that live tokens map into,
-#: leaked pages, stale tokens, shared SWA slots (all int64).
-AUDIT_WIDTH = 5
+#: Values written by :func:`audit_counts` (all int64): pages in use, pages in use that live tokens
+#: map into, leaked pages, stale tokens, shared SWA slots, then the first offender of each fault
+#: (:data:`AUDIT_OFFENDER_CELLS`; meaningful only where its count is above 0).
+AUDIT_COUNTS = 5
+#: The first offenders' cells after the counts: the lowest leaked page (less 1); the first stale
+#: holder (its index among the holders, its FULL slot, its SWA slot); a shared SWA slot (the lowest
+#: when the slot table is swept, else the first holder's) and one FULL slot mapped into it.
+AUDIT_OFFENDER_CELLS = (
+    "leaked_page_index",  # the lowest leaked page, less 1 (pages are 1 .. num_swa_pages)
+    "stale_holder", "stale_full_slot", "stale_swa_slot",
+    "shared_swa_slot", "shared_full_slot",
+)
+AUDIT_WIDTH = AUDIT_COUNTS + len(AUDIT_OFFENDER_CELLS)
 
 def _first_of_each_value(table: torch.Tensor, keys: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """``bool [n]``: True for one element per distinct value of ``keys`` (``int64 [n]``, valid
@@ -78,8 +88,8 @@ def audit_counts(
 
     Args:
         out: destination, ``int64 [AUDIT_WIDTH]``: ``[pages_in_use, pages_referenced,
-            leaked_pages, stale_tokens, shared_swa_slots]``. Multiply page counts by ``page_size``
-            for slots.
+            leaked_pages, stale_tokens, shared_swa_slots]``, then the first offenders
+            (:data:`AUDIT_OFFENDER_CELLS`). Multiply page counts by ``page_size`` for slots.
         full_to_swa_index_mapping: ``int64`` (or ``int32``) ``[num_full_slots]``, the SWA slot of
             each FULL slot.
         swa_free_page_ids: ``int [k]``, the SWA pool's free page ids (slot ids when
@@ -180,7 +190,10 @@ def audit_holder_slots(
     page = slot if page_size == 1 else torch.div(slot, page_size, rounding_mode="floor", out=ws.get("audit.page", n, torch.int64))
 
     # Stale: holders whose page is on the free list (cells 0 and spare never are).
-    stale = torch.count_nonzero(torch.index_select(is_free, 0, page, out=ws.get("audit.on_free", n, torch.bool)))
+    on_free = torch.index_select(is_free, 0, page, out=ws.get("audit.on_free", n, torch.bool))
+    stale = torch.count_nonzero(on_free)
+    stale_at = _first(on_free)
+    stale_swa = _at(slot, stale_at)  # read before the shared-slot pass below overwrites slot
 
     in_use_cells = is_free.logical_not_()[1:spare_page]  # the free table becomes "in use"
     in_use = torch.count_nonzero(in_use_cells)
@@ -208,22 +221,56 @@ def audit_holder_slots(
         cells.scatter_(0, page, ws.ones(page.numel(), torch.bool))
         present = cells[1:spare_page]
     referenced = torch.count_nonzero(present.logical_and_(in_use_cells))
+    # the lowest page in use that no holder maps into: its index in the page cells 1 .. pages (the
+    # reader adds the 1); referenced pages are in use, so "in use and not referenced" is "differ"
+    leaked_at = _first(torch.ne(in_use_cells, present, out=ws.get("audit.leaked", pages, torch.bool)))
     # 1 where the holder shares, else 0, as int64: on the CPU twice as fast as a bool result, and
     # the multiplication below then needs no conversion
     back = torch.index_select(owner, 0, slot, out=ws.get("audit.back", n, owner.dtype))
     sharing = torch.ne(back, keys, out=ws.get("audit.sharing", n, torch.int64))
     shared_slot = slot.mul_(sharing)  # the others to cell 0; a multiplication, as masked_fill_ and
     # where branch per element and run several times slower on the CPU with a random mask
+    # the first offender of each: the stale holder's FULL slot; the lowest shared SWA slot and a
+    # FULL slot mapped into it (the one its owner cell kept) from the slot table, or, for a large
+    # pool, the first holder of a distinct shared slot
     if small:
         marked = ws.get("audit.shared", swa_slots + 1, torch.bool).zero_()
         marked.scatter_(0, shared_slot, ws.ones(shared_slot.numel(), torch.bool))
         shared = torch.count_nonzero(marked[1:swa_slots])
+        lowest = _first(marked[1:swa_slots])
+        shared_swa = lowest + 1
+        shared_full = _at(owner[1:swa_slots], lowest)
+        stale_full = _at(keys, stale_at)
     else:  # a large pool of large pages against few holders: distinct values among the holders
         first = _first_of_each_value(owner, shared_slot, ws.arange(shared_slot.numel(), owner.dtype))
-        shared = torch.count_nonzero(first.logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots))
+        distinct = first.logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots)
+        shared = torch.count_nonzero(distinct)
+        shared_at = _first(distinct)
+        shared_swa = _at(shared_slot, shared_at)
+        stale_full, shared_full = _at(keys, torch.stack([stale_at, shared_at]))
 
-    torch.stack([in_use, referenced, in_use - referenced, stale, shared], out=out)
+    torch.stack([in_use, referenced, in_use - referenced, stale, shared,
+                 leaked_at, stale_at, stale_full, stale_swa, shared_swa, shared_full], out=out)
     return out
+
+
+def _first(mask: torch.Tensor) -> torch.Tensor:
+    """0-dim ``int64``: the index of the first True of the bool ``mask`` (0 when none or empty): one
+    pass, ``max`` returning the first index of its maximum."""
+    if mask.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=mask.device)
+    return torch.max(mask, 0).indices
+
+
+def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``values[index]`` in ``int64``: 0-dim for a 0-dim ``index``, else ``[len(index)]`` (zeros when
+    ``values`` is empty)."""
+    flat = index.reshape(-1)
+    if values.numel() == 0:
+        picked = torch.zeros(flat.shape, dtype=torch.int64, device=values.device)
+    else:
+        picked = values.index_select(0, flat).to(torch.int64)
+    return picked.reshape(index.shape)
 
 
 @dataclass(frozen=True)
@@ -293,7 +340,7 @@ def audit_swa_slots(
     out = torch.zeros(AUDIT_WIDTH, dtype=torch.int64, device=device)
     in_use, referenced, leaked, stale, shared = audit_counts(
         out, full_to_swa_index_mapping, free, num_swa_pages, page_size, full
-    ).tolist()
+    ).tolist()[:AUDIT_COUNTS]
     return SwaSlotAudit(
         page_size=page_size,
         live_tokens=int(full.numel()),

@@ -47,10 +47,18 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from otel_swa.device.audit import AUDIT_WIDTH, audit_counts, audit_holder_slots, holder_slots
+from otel_swa.device.audit import (
+    AUDIT_COUNTS,
+    AUDIT_OFFENDER_CELLS,
+    AUDIT_WIDTH,
+    audit_counts,
+    audit_holder_slots,
+    holder_slots,
+)
 from otel_swa.device.block_audit import BLOCK_WIDTH, block_audit_fields, stage_block_audit
 from otel_swa.device.read_check import READ_WIDTH, ReadCheck, read_counts, read_offender_fields
 from otel_swa.device.window import (
+    PREMATURE_CELLS,
     WINDOW_WIDTH,
     dense_columns,
     device_columns,
@@ -170,10 +178,14 @@ class SampleReading:
         divergence, out_of_window: the counts (meaningful only when ``faults`` is empty).
         faults: the :data:`FAULTS` shown, in that order.
         audit: the five audit counts, or ``None`` when not audited.
+        audit_where: the audit's first offenders by name
+            (:data:`otel_swa.device.audit.AUDIT_OFFENDER_CELLS`), ``None`` when not audited.
         premature: live tokens inside the sliding window whose SWA mapping is 0, ``None`` when the
             view gave no window (see :mod:`otel_swa.device.window`).
         late_held: live tokens older than the window plus the allowance that still hold an SWA
             slot, ``None`` when the view gave no window.
+        premature_where: the first premature eviction (:data:`otel_swa.device.window.PREMATURE_CELLS`:
+            batch entry, row, position, FULL slot), ``None`` when there is none.
         read: the read check's ``(checked, mismatched, unchecked)`` queries, ``None`` when it did
             not run (:mod:`otel_swa.device.read_check`).
         read_offender: the first disagreeing query (``entry``, ``row``, ``position``,
@@ -188,8 +200,10 @@ class SampleReading:
     out_of_window: int
     faults: tuple[str, ...]
     audit: "tuple[int, int, int, int, int] | None"
+    audit_where: "dict[str, int] | None" = None
     premature: "int | None" = None
     late_held: "int | None" = None
+    premature_where: "dict[str, int] | None" = None
     read: "tuple[int, int, int] | None" = None
     read_offender: "dict[str, int] | None" = None
     block: "dict[str, int] | None" = None
@@ -530,7 +544,7 @@ def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, l
     torch.cumsum(steps[:live], 0, out=index)
     full, swa = _count(out, totals, flat, mapping, index, live, ws, fields)
     if spans is not None:
-        stage_window_live(cells, swa, up[3:7], live, ws)
+        stage_window_live(cells, swa, up[3:7], live, ws, full, rows, int(spans[0].max()) if batch else 0)
     return full, swa, None
 
 
@@ -579,6 +593,11 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
     fields: dict[int, torch.Tensor] = {}
     up = None
     per_request = [value for value in (reach, allowance) if not isinstance(value, int)]
+    # the longest window of the batch, where the first premature eviction is looked for (host)
+    if lens is not None:
+        span = int(np.minimum(lens, reach).max()) if batch else 0
+    else:
+        span = int(np.max(reach)) if batch and not isinstance(reach, int) else int(reach) if batch else 0
     if lens is not None:
         rows_at = 2 if host_rows is not None else None
         windows_at = (3 if host_rows is not None else 2) if window is not None else None
@@ -619,7 +638,7 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
             reach = up_window[0] if not isinstance(reach, int) else reach
             allowance = up_window[1] if not isinstance(allowance, int) else allowance
         columns, weights, window_tokens = device_columns(lens64, reach, allowance)
-    stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws)
+    stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws, full, rows_c, span)
     return gathered
 
 
@@ -699,12 +718,15 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
             nonzero -= masked * (filler_swa != 0)
             divergence -= masked * (filler_swa != 0 and filler_swa != filler)
         out_of_window = live - nonzero
-    audit = tuple(values[_AUDIT:_AUDIT + AUDIT_WIDTH]) if meta.audited else None
-    premature = late_held = None
+    audit = tuple(values[_AUDIT:_AUDIT + AUDIT_COUNTS]) if meta.audited else None
+    audit_where = dict(zip(AUDIT_OFFENDER_CELLS, values[_AUDIT + AUDIT_COUNTS:_AUDIT + AUDIT_WIDTH])) if audit else None
+    premature = late_held = premature_where = None
     if meta.window is not None:
         window_tokens = meta.window_tokens if meta.window_tokens is not None else values[_WINDOW + 2]
         premature = window_tokens - values[_WINDOW]
         late_held = values[_WINDOW + 1]
+        if premature > 0:
+            premature_where = dict(zip(PREMATURE_CELLS, values[_WINDOW + 3:_WINDOW + 3 + len(PREMATURE_CELLS)]))
     read_cells = values[_READ:_READ + READ_WIDTH] if meta.read_checked else None
     return SampleReading(
         verify_full=values[_VERIFY],
@@ -713,8 +735,10 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
         out_of_window=out_of_window,
         faults=tuple(name for name in FAULTS if name in faults),
         audit=audit,
+        audit_where=audit_where,
         premature=premature,
         late_held=late_held,
+        premature_where=premature_where,
         read=read_counts(read_cells) if read_cells is not None else None,
         read_offender=read_offender_fields(read_cells) if read_cells is not None else None,
         block=block_audit_fields(values[_BLOCK:_BLOCK + BLOCK_WIDTH]) if meta.block_audited else None,

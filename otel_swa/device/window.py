@@ -57,6 +57,8 @@ from otel_swa.device.workspace import Workspace
 
 __all__ = [
     "WINDOW_WIDTH",
+    "PREMATURE_CELLS",
+    "stage_first_premature",
     "window_spans",
     "dense_columns",
     "device_columns",
@@ -68,8 +70,12 @@ __all__ = [
 ]
 
 #: int64 cells a windowed sample stages: in-window tokens with an SWA slot, late-held tokens,
-#: in-window tokens (dense path without host lengths only).
-WINDOW_WIDTH = 3
+#: in-window tokens (dense path without host lengths only), then the first premature eviction
+#: (:data:`PREMATURE_CELLS`, meaningful only when there is one).
+WINDOW_WIDTH = 7
+#: The first in-window token without an SWA slot: the first request of the batch that has one, and
+#: the first such position in it: its batch entry, ``req_to_token`` row, position and FULL slot.
+PREMATURE_CELLS = ("entry", "row", "position", "full_slot")
 
 
 def window_spans(lens: np.ndarray, reach: "np.ndarray | int", allowance: "np.ndarray | int") -> tuple[np.ndarray, np.ndarray]:
@@ -106,8 +112,59 @@ def device_columns(
     return columns.clamp_(min=0), weights, in_window.sum()
 
 
-def stage_window_live(out: torch.Tensor, swa: torch.Tensor, offsets: torch.Tensor, live: int, ws: Workspace) -> None:
-    """Live path: write [in-window tokens with a slot, late-held tokens] into ``out[0:2]``.
+def stage_first_premature(
+    out: torch.Tensor,
+    in_window: torch.Tensor,
+    in_window_held: torch.Tensor,
+    starts_flat: torch.Tensor,
+    starts_pos: torch.Tensor,
+    swa: torch.Tensor,
+    full: torch.Tensor,
+    rows: torch.Tensor,
+    span: int,
+    ws: Workspace,
+) -> None:
+    """Write the first premature eviction (:data:`PREMATURE_CELLS`) into ``out`` (``int64 [4]``).
+
+    The first request whose in-window tokens are not all held (``in_window_held < in_window``),
+    then the first of its in-window positions whose SWA slot is 0: a search of ``span`` cells (the
+    longest window of the batch), not of the live tokens. About 15 small device operations, fixed
+    shapes, no host sync.
+
+    Args:
+        in_window, in_window_held: ``int64 [batch]``: each request's in-window tokens ``w_i`` and
+            those of them with an SWA slot.
+        starts_flat: ``int64 [batch]``: the index in ``swa`` / ``full`` of each request's first
+            in-window token; ``starts_pos``: its position in the request.
+        swa, full: the gathered SWA and FULL slots (flat: the live tokens, or the whole rows).
+        rows: ``int [batch]``: each request's ``req_to_token`` row.
+        span: the largest ``w_i`` (host int).
+        ws: the workspace.
+    """
+    entry = _first_true(in_window_held < in_window).reshape(1)
+    base = starts_flat.index_select(0, entry)
+    steps = ws.arange(max(span, 1))
+    last = max(swa.numel() - 1, 0)
+    index = torch.add(steps, base).clamp_(0, last)
+    zero = torch.eq(swa.index_select(0, index), 0).logical_and_(steps < in_window.index_select(0, entry))
+    at = _first_true(zero).reshape(1)
+    where = torch.add(base, at).clamp_(0, last)
+    torch.cat([entry, rows.index_select(0, entry).long(), starts_pos.index_select(0, entry) + at,
+               full.index_select(0, where).long()], out=out)
+
+
+def _first_true(mask: torch.Tensor) -> torch.Tensor:
+    """0-dim ``int64``: the first index where the bool ``mask`` is True (0 when none or empty)."""
+    if mask.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=mask.device)
+    return torch.max(mask, 0).indices
+
+
+def stage_window_live(out: torch.Tensor, swa: torch.Tensor, offsets: torch.Tensor, live: int, ws: Workspace,
+                      full: "torch.Tensor | None" = None, rows: "torch.Tensor | None" = None, span: int = 0) -> None:
+    """Live path: write [in-window tokens with a slot, late-held tokens] into ``out[0:2]``, and the
+    first premature eviction into ``out[3:7]`` (:func:`stage_first_premature`) when ``full`` and
+    ``rows`` are given.
 
     Args:
         out: the slot's window cells (``int64 [WINDOW_WIDTH]`` on the device).
@@ -116,6 +173,8 @@ def stage_window_live(out: torch.Tensor, swa: torch.Tensor, offsets: torch.Tenso
             ``start_i`` (indices into the cumsum with its leading 0).
         live: the number of live tokens.
         ws: the workspace.
+        full: ``[live]`` FULL slots of the live tokens; rows: ``int [batch]`` their rows; span: the
+            largest ``w_i``.
     """
     csum = ws.kept("window.csum", live + 1, torch.int64, fill=0)  # [0] stays 0: only [1:] is written
     nonzero = torch.ne(swa, 0, out=ws.get("window.nonzero", live, torch.bool))
@@ -124,6 +183,10 @@ def stage_window_live(out: torch.Tensor, swa: torch.Tensor, offsets: torch.Tenso
     gathered = torch.index_select(csum, 0, offsets.reshape(-1), out=ws.get("window.gathered", 4 * batch, torch.int64))
     sums = gathered.view(4, batch).sum(1)
     torch.sub(sums[0::2], sums[1::2], out=out[0:2])
+    if full is not None and rows is not None:
+        per_request = gathered.view(4, batch)
+        stage_first_premature(out[3:7], offsets[0] - offsets[1], per_request[0] - per_request[1], offsets[1],
+                              offsets[1] - offsets[3], swa, full, rows, span, ws)
 
 
 def stage_window_dense(
@@ -134,6 +197,9 @@ def stage_window_dense(
     weights: torch.Tensor,
     window_tokens: "torch.Tensor | None",
     ws: Workspace,
+    full: "torch.Tensor | None" = None,
+    rows: "torch.Tensor | None" = None,
+    span: int = 0,
 ) -> None:
     """Dense path: write the window cells from whole rows.
 
@@ -145,6 +211,8 @@ def stage_window_dense(
         weights: ``[batch, 3]`` 0/1 (``int64`` or ``bool``), the same.
         window_tokens: 0-dim ``sum(w_i)`` when the host does not know it, else ``None``.
         ws: the workspace.
+        full, rows, span: as in :func:`stage_window_live` (``full``: ``[batch * width]``, the
+            gathered rows' FULL slots); the first premature eviction is staged when given.
     """
     batch, width = shape
     held = torch.ne(swa, 0, out=ws.get("window.held", batch * width, torch.bool)).view(batch, width)
@@ -154,6 +222,14 @@ def stage_window_dense(
     torch.sub(sums[0:1], sums[1:2], out=out[0:1])
     out[1:2].copy_(sums[2:3])
     out[2:3].copy_(window_tokens.reshape(1) if window_tokens is not None else ws.zeros(1))
+    if full is not None and rows is not None:
+        # a row's window starts at column len - w: col1 + weight1 (col1 = len - w - 1, or 0 with
+        # weight 0 when the window reaches position 0); w = (col0 + weight0) - that
+        starts = columns[:, 1] + weights[:, 1]
+        in_window = columns[:, 0] + weights[:, 0] - starts
+        flat = starts + ws.arange(batch) * width
+        stage_first_premature(out[3:7], in_window, picked[:, 0] - picked[:, 1], flat, starts, swa, full, rows,
+                              min(span, width), ws)
 
 
 def stage_window_empty(out: torch.Tensor) -> None:

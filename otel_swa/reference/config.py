@@ -31,6 +31,11 @@ class EngineConfig:
         run_model: ``False`` skips the attention math (slot allocation, the tables, eviction and
             the reporter calls are unchanged; every generated token id is then 0): for checks
             and benchmarks of the KV cache bookkeeping alone.
+        read_check: with a reporter and the model, the reporter's read check
+            (:mod:`otel_swa.device.read_check`) recomputes the sliding-window layer's output for
+            ``read_check_queries`` requests at each sampled step: ``"rotate"`` or ``"all"`` (one
+            sliding-window layer here: the same), ``"off"``: no check.
+        read_check_queries: queries checked per sampled step (>= 1).
 
     Raises:
         ValueError: a value is out of range (the message names it).
@@ -49,11 +54,13 @@ class EngineConfig:
     num_heads: int = 1
     head_dim: int = 16
     run_model: bool = True
+    read_check: str = "rotate"
+    read_check_queries: int = 8
 
     def __post_init__(self) -> None:
         for name in (
             "window", "full_pool_size", "swa_pool_size", "page_size", "max_running", "token_budget",
-            "max_context_len", "vocab_size", "num_heads", "head_dim",
+            "max_context_len", "vocab_size", "num_heads", "head_dim", "read_check_queries",
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -63,6 +70,8 @@ class EngineConfig:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)} is not a multiple of page_size={self.page_size}")
         if self.token_budget < self.max_running:
             raise ValueError(f"EngineConfig.token_budget={self.token_budget} is below max_running={self.max_running}")
+        if self.read_check not in ("rotate", "all", "off"):
+            raise ValueError(f"EngineConfig.read_check={self.read_check!r}; expected rotate, all or off")
         if not self.step_time_s >= 0:
             raise ValueError(f"EngineConfig.step_time_s={self.step_time_s!r}; expected a number >= 0")
 

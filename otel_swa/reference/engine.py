@@ -122,7 +122,9 @@ class ReferenceEngine:
     Args:
         config: sizes and policy (:class:`EngineConfig`; defaults when ``None``).
         reporter: an ``otel_swa.reporter.SwaDivergenceReporter`` on ``device``, or ``None`` for no
-            reporter work at all.
+            reporter work at all. With the model running and ``config.read_check`` not ``"off"``, its
+            read check is switched on (``reporter.enable_read_check``): the sliding-window layer's
+            output is checked at each sampled step.
         device: where the KV cache, the tables and the model live.
 
     Attributes:
@@ -147,6 +149,11 @@ class ReferenceEngine:
             config.window, config.vocab_size, config.num_heads, config.head_dim, config.seed, self.device
         )
         self.kv = KVStorage.for_pools(self.pools, config.num_heads, config.head_dim) if config.run_model else None
+        # the read check, for a reporter that has one (any object with observe and step will do)
+        self._read_check_due = None
+        if config.run_model and config.read_check != "off" and hasattr(reporter, "enable_read_check"):
+            reporter.enable_read_check(max_queries=config.read_check_queries, layers=config.read_check)
+            self._read_check_due = reporter.read_check_due
         self.forward_span: Callable[[BatchInfo], ContextManager[Any]] = _null_span
         self.forward_ct = 0
         self.clock_s = 0.0
@@ -276,8 +283,30 @@ class ReferenceEngine:
             prefix_lens=[it.prefix_len for it in items],
             extend_lens=[it.extend_len for it in items],
         )
-        self.last_hidden, next_ids = self.model.forward(batch, pools, self.kv)
+        hook = self._read_check_hook(items) if self._read_check_due is not None and self._read_check_due() else None
+        self.last_hidden, next_ids = self.model.forward(batch, pools, self.kv, hook)
         return next_ids.tolist()
+
+    def _read_check_hook(self, items: list[ForwardItem]) -> Callable[..., Any]:
+        """The sliding-window layer's call into the reporter's read check at a sampled step: the
+        batch's rows, lengths and last-query rows (the end of each request's new tokens), the
+        engine's window and its mapping (:mod:`otel_swa.device.read_check`)."""
+        dev = self.device
+        rows = torch.tensor([it.req.slots.row for it in items], dtype=torch.int64, device=dev)
+        seq_lens = torch.tensor([it.seq_len for it in items], dtype=torch.int64, device=dev)
+        query_rows = torch.tensor(np.cumsum([it.extend_len for it in items]) - 1, dtype=torch.int64, device=dev)
+        check, pools, window = self.reporter.read_check, self.pools, self.config.window
+
+        def hook(*, layer_id, q, out, k_buffer, v_buffer, scaling, num_q_heads) -> None:
+            if check.wants(layer_id):
+                check.check_layer(
+                    layer_id=layer_id, q=q, out=out, k_buffer=k_buffer, v_buffer=v_buffer,
+                    req_to_token=pools.req_to_token, full_to_swa_index_mapping=pools.full_to_swa_index_mapping,
+                    req_pool_indices=rows, seq_lens=seq_lens, query_rows=query_rows, window=window,
+                    scaling=scaling, num_q_heads=num_q_heads,
+                )
+
+        return hook
 
     def _after_forward(self, items: list[ForwardItem], next_ids: list[int], full_read: int, swa_read: int) -> StepResult:
         finished: list[RequestState] = []
@@ -368,6 +397,7 @@ class ReferenceEngine:
             sliding_window=self.config.window,
             swa_eviction_allowance=page_size,
             extend_lens_cpu=[it.extend_len for it in self._last_items],
+            request_ids=[it.req.rid for it in self._last_items],
         )
 
     def _swa_audit_inputs(self) -> SwaAuditInputs:

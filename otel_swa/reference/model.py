@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 
@@ -165,13 +166,23 @@ class TinyHybridModel:
 
     # -- the paged forward ---------------------------------------------------------------------
 
-    def forward(self, batch: ForwardBatch, pools: HybridKVPools, kv: KVStorage) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: ForwardBatch, pools: HybridKVPools, kv: KVStorage,
+        on_sliding_attention: "Callable[..., Any] | None" = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one forward step over the pools.
 
         Writes the K/V of the new tokens into ``kv`` (FULL layer at ``batch.full_slots``, SWA layer
         at ``batch.swa_slots``), then attends through ``pools.req_to_token`` and
         ``pools.full_to_swa_index_mapping``. The slots of the new tokens must already be in both
         tables (:meth:`HybridKVPools.extend`).
+
+        Args:
+            on_sliding_attention: called after the sliding-window layer's attention with keyword
+                arguments ``layer_id`` (1), ``q`` and ``out`` (``float32 [T, num_heads,
+                head_dim]``: its queries and its attention output), ``k_buffer`` and ``v_buffer``
+                (the SWA pool's K/V, indexed by SWA slot), ``scaling`` and ``num_q_heads``: the
+                engine's read check (:mod:`otel_swa.device.read_check`); ``None``: nothing called.
 
         Returns:
             (hidden ``float32`` ``[T, hidden]``, next token id of each request ``int64`` ``[N]``).
@@ -184,6 +195,9 @@ class TinyHybridModel:
             k_cache.index_copy_(0, new_slots, k)
             v_cache.index_copy_(0, new_slots, v)
             attn = self._attend(q, layer == 1, batch, pools, k_cache, v_cache)
+            if layer == 1 and on_sliding_attention is not None:
+                on_sliding_attention(layer_id=1, q=q, out=attn, k_buffer=k_cache, v_buffer=v_cache,
+                                     scaling=1.0 / math.sqrt(self.head_dim), num_q_heads=self.num_heads)
             h = self.output(layer, h, attn)
         ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
         return h, self.next_token(h[ends.to(self.device)])

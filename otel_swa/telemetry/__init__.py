@@ -39,6 +39,8 @@ kv_cache.pool.utilization                   ObservableGauge 1            idem (u
 ==========================================  ==============  ===========  ===================
 
 The ``kv_cache.pool.`` gauges and ``kv_cache.swa.memory.saved``: :mod:`otel_swa.telemetry.pools`.
+Prometheus (``OTEL_METRICS_EXPORTER=prometheus``, ``exporters="prometheus"``): an endpoint per
+process, :mod:`otel_swa.telemetry.prometheus`; the names as Prometheus gets them: docs/telemetry.md.
 
 Events: ``kv_cache.swa.divergence_sample`` (Logs API event and span event), see
 :mod:`otel_swa.telemetry.events`. Usage::

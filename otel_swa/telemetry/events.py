@@ -17,10 +17,19 @@ For every record two events of the same name, :data:`~otel_swa.telemetry.semconv
   ``kv_cache.swa.forward_ct``), so a trace backend shows the sample under the right forward step.
   When the forward-step span is still recording, the event is added to it directly.
   When the context holds no valid span there is no trace to attach to and no span event is made.
+
+A record whose sample shows faults also carries their first offenders (:class:`otel_swa.record.Offender`):
+as the sample event's attribute ``kv_cache.swa.offenders`` (one compact JSON object each, so the
+event gives the record back whole), and as one more event per offender, of the same two forms, named
+:data:`~otel_swa.telemetry.semconv.FAULT_EVENT_NAME` (``kv_cache.swa.fault``), with attributes
+``kv_cache.swa.forward_ct``, ``kv_cache.swa.fault.kind`` (the fault field) and
+``kv_cache.swa.fault.<location>`` for each location known (request, row, position, FULL and SWA
+slot, page, layer, block...), severity WARN, body the fault line.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any, Mapping
 
@@ -29,11 +38,11 @@ from opentelemetry._logs import Logger, SeverityNumber
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Tracer
 
-from otel_swa.record import FIELDS, SwaDivergenceRecord
+from otel_swa.record import FIELDS, Offender, SwaDivergenceRecord
 from otel_swa.telemetry import semconv as sc
 from otel_swa.telemetry.spans import use_system_random_ids
 
-__all__ = ["record_attributes", "record_from_attributes", "SampleEvents"]
+__all__ = ["record_attributes", "record_from_attributes", "offender_attributes", "SampleEvents"]
 
 
 def record_attributes(record: SwaDivergenceRecord) -> dict[str, int | bool | str]:
@@ -50,6 +59,21 @@ def record_attributes(record: SwaDivergenceRecord) -> dict[str, int | bool | str
         attributes[sc.ATTR_VERIFY_SOURCE] = record.verify_source
     if record.micro_batch is not None:
         attributes[sc.ATTR_MICRO_BATCH] = record.micro_batch
+    if record.offenders:
+        attributes[sc.ATTR_OFFENDERS] = tuple(
+            json.dumps({"fault": o.fault, **o.location()}, separators=(",", ":")) for o in record.offenders)
+    return attributes
+
+
+def offender_attributes(record: SwaDivergenceRecord, offender: Offender) -> dict[str, int | str]:
+    """The attributes of the ``kv_cache.swa.fault`` event of ``offender`` (a first offender of
+    ``record``): ``kv_cache.swa.forward_ct``, ``kv_cache.swa.fault.kind`` and each location known."""
+    attributes: dict[str, int | str] = {sc.RECORD_ATTRIBUTES["forward_ct"]: record.forward_ct,
+                                        sc.ATTR_FAULT_KIND: offender.fault}
+    for name, value in offender.location().items():
+        attributes[sc.OFFENDER_ATTRIBUTES[name]] = value
+    if record.verify_source is not None:
+        attributes[sc.ATTR_VERIFY_SOURCE] = record.verify_source
     return attributes
 
 
@@ -70,8 +94,18 @@ def record_from_attributes(attributes) -> SwaDivergenceRecord:
     applicable = attributes.get(sc.ATTR_DIVERGENCE_APPLICABLE, True)
     source = attributes.get(sc.ATTR_VERIFY_SOURCE)
     micro_batch = attributes.get(sc.ATTR_MICRO_BATCH)
+    offenders = []
+    for text in attributes.get(sc.ATTR_OFFENDERS) or ():
+        try:
+            where = json.loads(text)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"event attribute {sc.ATTR_OFFENDERS!r} holds {text!r}, not a JSON object: {exc}") from None
+        if not isinstance(where, dict):
+            raise ValueError(f"event attribute {sc.ATTR_OFFENDERS!r} holds {text!r}, not a JSON object")
+        offenders.append(Offender(**where))
     return SwaDivergenceRecord(
         **values, **extras, divergence_applicable=applicable, verify_source=source, micro_batch=micro_batch,
+        offenders=tuple(offenders),
     )
 
 
@@ -105,13 +139,32 @@ class SampleEvents:
                 severity_text="INFO",
                 context=context,
             )
+        faults = []
+        for offender, line in zip(record.offenders, record.fault_lines()):
+            fault = offender_attributes(record, offender)
+            if extra:
+                fault.update(extra)
+            faults.append(fault)
+            if self._logger is not None:
+                self._logger.emit(
+                    timestamp=time.time_ns(),
+                    event_name=sc.FAULT_EVENT_NAME,
+                    body=line,
+                    attributes=fault,
+                    severity_number=SeverityNumber.WARN,
+                    severity_text="WARN",
+                    context=context,
+                )
         if self._tracer is not None and context is not None:
-            self._span_event(record, attributes, context)
+            self._span_event(record, attributes, context, faults)
 
-    def _span_event(self, record: SwaDivergenceRecord, attributes: dict[str, int], context: Context) -> None:
+    def _span_event(self, record: SwaDivergenceRecord, attributes: dict[str, int], context: Context,
+                    faults: "list[dict]" = ()) -> None:
         span = trace.get_current_span(context)
         if span.is_recording():
             span.add_event(sc.EVENT_NAME, attributes)
+            for fault in faults:
+                span.add_event(sc.FAULT_EVENT_NAME, fault)
             return
         if not span.get_span_context().is_valid:
             return
@@ -123,5 +176,7 @@ class SampleEvents:
         )
         try:
             child.add_event(sc.EVENT_NAME, attributes)
+            for fault in faults:
+                child.add_event(sc.FAULT_EVENT_NAME, fault)
         finally:
             child.end()

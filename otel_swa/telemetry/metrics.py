@@ -62,6 +62,9 @@ _POOL_SOURCE = {
     for source in VERIFY_SOURCES
 }
 _NONE: Attributes = {}
+_READ_AGREE: Attributes = {sc.ATTR_READ_OUTCOME: sc.READ_AGREE}
+_READ_DISAGREE: Attributes = {sc.ATTR_READ_OUTCOME: sc.READ_DISAGREE}
+_READ_UNCHECKED: Attributes = {sc.ATTR_READ_OUTCOME: sc.READ_UNCHECKED}
 
 
 def _pool(pool: str, record: SwaDivergenceRecord) -> Attributes:
@@ -106,6 +109,7 @@ EVENT_COUNTER = "event_counter"  # Counter incremented by the telemetry itself (
 STATS_COUNTER = "observable_counter"  # ObservableCounter of a cumulative ReporterStats field
 STATS_GAUGE = "observable_gauge"  # ObservableGauge of a ReporterStats field
 SINK_COUNTER = "sink_counter"  # ObservableCounter of a count kept by the reporter's telemetry sink
+SAMPLE_COUNTER = "sample_counter"  # Counter incremented by a per-sample value of each delivered record
 
 
 @dataclass(frozen=True)
@@ -115,14 +119,16 @@ class InstrumentSpec:
     Attributes:
         name: dotted lowercase metric name (``kv_cache.swa.`` namespace, see ``semconv``).
         kind: one of ``counter`` (a cumulative record total, read at collection), ``gauge`` (a
-            value of the latest record, read at collection), ``histogram`` (delivery delay),
+            value of the latest record, read at collection), ``sample_counter`` (a Counter that each
+            record adds its per-sample value to, with the forward step's context: a fault seen in
+            one sample stays counted whatever later samples say), ``histogram`` (delivery delay),
             ``event_counter``, ``observable_counter`` and ``observable_gauge`` (fields of
             ``reporter.stats``; a mapping field gives one point per key), ``sink_counter`` (a
             count of the reporter's telemetry sink).
         unit: UCUM unit with annotation, e.g. ``{entry}``.
         description: what a data point means.
         source: the record field(s) or ``ReporterStats`` field it is read from (documentation).
-        read: for ``counter``/``gauge``: record -> ``(value, attributes)`` pairs; for the
+        read: for ``counter``/``gauge``/``sample_counter``: record -> ``(value, attributes)`` pairs; for the
             observable kinds: the ``ReporterStats`` (or sink) attribute name; otherwise ``None``.
     """
 
@@ -205,6 +211,31 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
         "engine's eviction allowance (late eviction; growing: runaway SWA usage)",
         "swa_late_held_slots (when the engine gives its sliding window)",
         _field("swa_late_held_slots"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "read_check.queries", SAMPLE_COUNTER, "{query}",
+        "Queries of sliding-window layers whose attention output the read check recomputed from the KV pool "
+        "through the FULL-to-SWA mapping, by outcome (kv_cache.swa.read_check.outcome): agree, disagree "
+        "(attention read other KV than the mapping's: must stay 0), unchecked (a variant the check does not cover)",
+        "swa_read_checks - swa_read_mismatches (agree), swa_read_mismatches (disagree), swa_read_unchecked "
+        "(unchecked), when the engine runs the read check",
+        lambda r: () if r.swa_read_checks is None else (
+            (r.swa_read_checks - r.swa_read_mismatches, _READ_AGREE), (r.swa_read_mismatches, _READ_DISAGREE),
+            (r.swa_read_unchecked or 0, _READ_UNCHECKED)),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "blocks.leaked", GAUGE, "{block}",
+        "KV blocks in use that no request and no prefix-cache entry holds: allocated and unreachable "
+        "(block-pool engines: vLLM)",
+        "kv_leaked_blocks (when the engine gives the KV block audit's inputs)",
+        _field("kv_leaked_blocks"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "blocks.freed_in_use", GAUGE, "{block}",
+        "KV blocks a running request's block table references that are free and not cached: the pool may "
+        "hand them to another request (block-pool engines: vLLM)",
+        "kv_freed_blocks_in_use (when the engine gives the KV block audit's inputs)",
+        _field("kv_freed_blocks_in_use"),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "reporter.delivery.delay", DELAY_HISTOGRAM, "{forward}",
@@ -349,6 +380,8 @@ class SwaMetrics:
         self._delay = self._instruments[sc.NAMESPACE + "reporter.delivery.delay"]
         self._totals_specs = tuple(spec for spec in INSTRUMENTS if spec.kind == TOTAL_COUNTER)
         self._gauge_specs = tuple(spec for spec in INSTRUMENTS if spec.kind == GAUGE)
+        self._sample_counters = tuple((self._instruments[spec.name], spec) for spec in INSTRUMENTS
+                                      if spec.kind == SAMPLE_COUNTER)
 
     # ------------------------------------------------------------------ creation (the one loop)
     def _create(self, meter: Meter, spec: InstrumentSpec) -> Any:
@@ -357,7 +390,7 @@ class SwaMetrics:
             return meter.create_observable_counter(callbacks=[self._totals_callback(spec.name)], **common)
         if spec.kind == GAUGE:
             return meter.create_observable_gauge(callbacks=[self._gauge_callback(spec.name)], **common)
-        if spec.kind == EVENT_COUNTER:
+        if spec.kind in (EVENT_COUNTER, SAMPLE_COUNTER):
             return meter.create_counter(**common)
         if spec.kind == DELAY_HISTOGRAM:
             return meter.create_histogram(**common, explicit_bucket_boundaries_advisory=list(DELAY_BUCKETS))
@@ -469,6 +502,10 @@ class SwaMetrics:
                         base = _with_micro_batch(base, micro_batch)
                     key, attributes = store.key(spec.name, base)
                     store.latest[key] = (value, attributes, context, sequence)
+        for instrument, spec in self._sample_counters:
+            for value, base in spec.read(record):
+                # every outcome is added, 0 too: the series exist from the first checked sample
+                instrument.add(value, {**base, **store.attributes}, context=context)
         extra = store.attributes or None
         if went_back:
             for name, attributes, last, total in went_back:

@@ -17,7 +17,7 @@ of the engine process (tensor/data/pipeline parallel) is a *resource* attribute 
 from __future__ import annotations
 
 from otel_swa.ranks import RANK_ATTRIBUTES
-from otel_swa.record import AUDIT_FIELDS, FIELDS
+from otel_swa.record import AUDIT_FIELDS, FIELDS, OFFENDER_KEYS
 
 #: Prefix of every metric name, event name and record attribute key.
 NAMESPACE = "kv_cache.swa."
@@ -62,6 +62,26 @@ ATTR_MICRO_BATCH = NAMESPACE + "micro_batch"
 
 #: Metric attribute of ``kv_cache.swa.reporter.view_faults``: which fault a bad view showed.
 ATTR_FAULT = NAMESPACE + "fault"
+
+#: Metric attribute of ``kv_cache.swa.read_check.queries``: what the read check found for a query
+#: (``agree``, ``disagree``: its sliding-window attention output differs from the one recomputed from
+#: the pool through the mapping; ``unchecked``: a variant the check does not cover).
+ATTR_READ_OUTCOME = NAMESPACE + "read_check.outcome"
+READ_AGREE = "agree"
+READ_DISAGREE = "disagree"
+READ_UNCHECKED = "unchecked"
+
+#: Name of the event emitted for each first offender of a sample (Logs API event and span event):
+#: where the fault was first seen (:class:`otel_swa.record.Offender`).
+FAULT_EVENT_NAME = NAMESPACE + "fault"
+#: Event attribute of that event: which fault (a field of :data:`otel_swa.record.FAULT_FIELDS`).
+ATTR_FAULT_KIND = NAMESPACE + "fault.kind"
+#: Event attribute key of each location of an offender, e.g. ``kv_cache.swa.fault.position``.
+OFFENDER_ATTRIBUTES = {name: NAMESPACE + "fault." + name for name in OFFENDER_KEYS}
+#: Attribute of the sample event: its first offenders, one compact JSON object each (``{"fault":
+#: ..., <location>: ...}``, the fault line's keys after ``forward_ct``), so the event gives the
+#: record back whole (the ``swa_logline`` exporter writes its fault lines from it).
+ATTR_OFFENDERS = NAMESPACE + "offenders"
 
 # Attributes of the forward-step span (all bounded: counts, never request ids).
 ATTR_FORWARD_CT = "forward_step.forward_ct"

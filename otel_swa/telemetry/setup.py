@@ -12,7 +12,7 @@ It only shuts down what it built (:meth:`SwaTelemetry.shutdown`).
 
 Exporters. ``exporters`` (argument, a list or a comma-separated string) names exporters for all
 signals at once: ``otlp``, ``console``, ``logline`` (the SGLang line, logs only: ``swa_logline``),
-``none``. When it is not given, the standard variables ``OTEL_TRACES_EXPORTER``,
+``prometheus`` (metrics only), ``none``. When it is not given, the standard variables ``OTEL_TRACES_EXPORTER``,
 ``OTEL_METRICS_EXPORTER``, ``OTEL_LOGS_EXPORTER`` choose, per signal, among the entry points installed
 in the groups ``opentelemetry_{traces,metrics,logs}_exporter`` (as ``opentelemetry-instrument`` does;
 unset means none). ``otlp`` resolves to gRPC or HTTP by ``OTEL_EXPORTER_OTLP_{SIGNAL}_PROTOCOL`` /
@@ -22,6 +22,12 @@ other setting is read by the SDK's own classes from the standard variables: endp
 (``OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE``), export interval
 (``OTEL_METRIC_EXPORT_INTERVAL``), exemplar filter (``OTEL_METRICS_EXEMPLAR_FILTER``), span limits,
 batch processor settings.
+
+``prometheus`` (``OTEL_METRICS_EXPORTER=prometheus``) is the OpenTelemetry Prometheus exporter (the
+``prometheus`` extra), built here rather than from its entry point: an HTTP endpoint in this
+process on ``OTEL_EXPORTER_PROMETHEUS_HOST`` (default ``localhost``) and
+``OTEL_EXPORTER_PROMETHEUS_PORT`` (default 9464) plus the process's local rank, with the service,
+host and rank resource attributes as labels (:mod:`otel_swa.telemetry.prometheus`).
 
 Resource. ``Resource.create`` (so ``OTEL_RESOURCE_ATTRIBUTES`` and ``OTEL_SERVICE_NAME`` apply),
 plus ``resource_attributes``, ``process.pid``, and the process's ranks (:mod:`otel_swa.ranks`):
@@ -63,6 +69,7 @@ from otel_swa.telemetry import semconv as sc
 from otel_swa.telemetry.exporters import AccountedExporter, ExportCounts, RepeatedWarningFilter
 from otel_swa.telemetry.logline import SwaLogLineExporter
 from otel_swa.telemetry.otlp_env import check_otlp_environment
+from otel_swa.telemetry.prometheus import PROMETHEUS_EXPORTER, start_endpoint
 from otel_swa.telemetry.sink import SwaTelemetrySink
 from otel_swa.telemetry.spans import ForwardSpans, RequestSpans
 from otel_swa.version import __version__
@@ -77,7 +84,7 @@ LOGLINE_EXPORTER = "swa_logline"
 _SIGNAL_VARIABLE = {"traces": OTEL_TRACES_EXPORTER, "metrics": OTEL_METRICS_EXPORTER, "logs": OTEL_LOGS_EXPORTER}
 _OTLP_BY_PROTOCOL = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
 #: Short names accepted by ``exporters=`` / ``--exporter``.
-EXPORTER_CHOICES = ("otlp", "console", "logline", "none")
+EXPORTER_CHOICES = ("otlp", "console", "logline", "prometheus", "none")
 
 
 def _split(names: "str | Iterable[str]") -> list[str]:
@@ -107,6 +114,10 @@ def resolve_exporters(exporters: "str | Iterable[str] | None" = None, environ: M
     """
     env = os.environ if environ is None else environ
     chosen: dict[str, list[str]] = {signal: [] for signal in SIGNALS}
+    for signal in ("traces", "logs"):
+        if PROMETHEUS_EXPORTER in _split(env.get(_SIGNAL_VARIABLE[signal], "") or "") and exporters is None:
+            raise ConfigError(f"{_SIGNAL_VARIABLE[signal]}=prometheus; the Prometheus exporter is for metrics only "
+                              "(OTEL_METRICS_EXPORTER=prometheus)")
     if exporters is not None:
         if not _split(exporters):
             raise ConfigError(f"exporters={exporters!r} names no exporter; expected one or more of "
@@ -121,6 +132,8 @@ def resolve_exporters(exporters: "str | Iterable[str] | None" = None, environ: M
                     chosen[signal].append("console")
                 elif name == "logline" and signal == "logs":
                     chosen[signal].append(LOGLINE_EXPORTER)
+                elif name == PROMETHEUS_EXPORTER and signal == "metrics":
+                    chosen[signal].append(PROMETHEUS_EXPORTER)
     else:
         for signal in SIGNALS:
             for name in _split(env.get(_SIGNAL_VARIABLE[signal], "") or ""):
@@ -130,7 +143,9 @@ def resolve_exporters(exporters: "str | Iterable[str] | None" = None, environ: M
     return {signal: list(dict.fromkeys(names)) for signal, names in chosen.items()}
 
 
-def _load_exporter(signal: str, name: str) -> type:
+def _load_exporter(signal: str, name: str) -> Any:
+    if signal == "metrics" and name == PROMETHEUS_EXPORTER:
+        return start_endpoint  # not the entry point's reader: ports per rank, resource labels
     group = f"opentelemetry_{signal}_exporter"
     found = list(entry_points(group=group, name=name))
     if not found:
@@ -221,6 +236,7 @@ class SwaTelemetry:
     sinks: list = field(default_factory=list)
     accounted: list = field(default_factory=list)
     warning_filter: Any = None
+    linger_s: float = 0.0
     _closed: bool = False
 
     def attach(self, reporter: Any) -> Any:
@@ -322,6 +338,8 @@ class SwaTelemetry:
         self.request_spans.end_all()
         providers = {"traces": self.tracer_provider, "metrics": self.meter_provider, "logs": self.logger_provider}
         budget = timeout_s if timeout_s is not None else _shutdown_budget_s()
+        if timeout_s is None:
+            budget += self.linger_s  # a Prometheus endpoint waits that long for a last scrape
         deadline = time.monotonic() + min(max(budget, 0.0), SHUTDOWN_MAX_S)
         threads = []
         for signal in ("logs", "traces", "metrics"):
@@ -496,10 +514,15 @@ def configure(
     for signal in to_build:
         for name, cls in classes[signal]:
             try:
-                if signal == "logs" and issubclass(cls, SwaLogLineExporter) and logline_logger:
+                if cls is start_endpoint:
+                    exporter = start_endpoint(ranks, env)
+                elif signal == "logs" and issubclass(cls, SwaLogLineExporter) and logline_logger:
                     exporter = cls(logger_name=logline_logger)
                 else:
                     exporter = cls()
+            except ConfigError:
+                _shutdown_quietly(made)
+                raise
             except Exception as exc:
                 _shutdown_quietly(made)
                 raise ConfigError(
@@ -581,4 +604,5 @@ def configure(
         owned=tuple(owned), sink=sink, request_spans=request_spans, forward_spans=forward_spans,
         resource=resource, exporters=names, accounted=accounted,
         warning_filter=RepeatedWarningFilter().install() if accounted else None,
+        linger_s=max((getattr(reader, "linger_s", 0.0) for reader in made), default=0.0) if "metrics" in owned else 0.0,
     )

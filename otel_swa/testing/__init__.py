@@ -20,7 +20,8 @@ One verdict, :func:`judge` (:mod:`otel_swa.testing.judge`: peaks of divergence a
 the verify lag on the last record, a clean SWA slot audit, judged on the last run of a log, rank
 by rank), behind three fronts: :func:`assert_swa_divergence_observed`, the fixture, and
 ``otel-swa check``. Runs, ranks and writers of a log: :mod:`otel_swa.testing.runs`; the sources
-read: :mod:`otel_swa.testing.sources`. Nothing here imports pytest except
+read: :mod:`otel_swa.testing.sources`. A real Prometheus for tests and the queries of a Grafana dashboard:
+:mod:`otel_swa.testing.prometheus`. Nothing here imports pytest except
 :mod:`otel_swa.testing.plugin`.
 """
 

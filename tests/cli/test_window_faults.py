@@ -9,6 +9,7 @@ import pytest
 import window_faults
 from verdict_fronts import assert_fails_on_every_front, summary_of
 from otel_swa.cli import main
+from otel_swa.record import Offender
 from otel_swa.reference.engine import EngineConfig, ReferenceEngine
 from otel_swa.reference.trace import load_trace
 from otel_swa.reporter import SwaDivergenceReporter
@@ -29,13 +30,18 @@ def run_engine(page_size):
 
     def sink(record, context):
         premature = late = last_window_only = 0
+        first = None  # the first request of the batch with a premature eviction, at its oldest read position
         for item in engine.last_batch:
             length, evicted = item.seq_len, item.req.slots.swa_evicted_len  # positions < evicted: no SWA slot
             oldest_read = max(0, length - (WINDOW + item.extend_len - 1))
             premature += max(0, min(evicted, length) - oldest_read)
             late += max(0, oldest_read - page_size - evicted)
             last_window_only += max(0, min(evicted, length) - max(0, length - WINDOW))
-        pairs.append((record, premature, late, last_window_only))
+            if first is None and min(evicted, length) > oldest_read:
+                row = item.req.slots.row
+                first = Offender("swa_premature_evictions", request=str(item.req.rid), row=row, position=oldest_read,
+                                 full_slot=int(engine.pools.req_to_token[row, oldest_read]))
+        pairs.append((record, premature, late, last_window_only, first))
 
     reporter = SwaDivergenceReporter(1, device="cpu", sinks=[sink])
     engine = ReferenceEngine(config, reporter=reporter)
@@ -52,6 +58,8 @@ def test_premature_eviction_counts_the_freed_in_window_tokens(monkeypatch, page_
     pairs = run_engine(page_size)
     assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, *_ in pairs] == [(p, 0) for _, p, *_ in pairs]
     assert max(p for _, p, *_ in pairs) >= page_size  # the fault was made: at least a page per request
+    # each sample names its first premature eviction: request, row, position, FULL slot
+    assert [r.offender("swa_premature_evictions") for r, *_ in pairs] == [first for *_, first in pairs]
     assert {r.swa_leaked_slots + r.swa_stale_tokens + r.swa_shared_slots for r, *_ in pairs} == {0}  # only the window check sees it
 
 
@@ -59,8 +67,8 @@ def test_premature_eviction_counts_the_freed_in_window_tokens(monkeypatch, page_
 def test_never_evicting_counts_every_slot_held_past_the_window(monkeypatch, page_size):
     window_faults.install_never_evict(monkeypatch)
     pairs = run_engine(page_size)
-    assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, *_ in pairs] == [(0, late) for _, _, late, _ in pairs]
-    assert max(late for _, _, late, _ in pairs) > 1000
+    assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, *_ in pairs] == [(0, late) for _, _, late, *_ in pairs]
+    assert max(late for _, _, late, *_ in pairs) > 1000
 
 
 @pytest.mark.parametrize("page_size", [1, 4, 16])
@@ -71,7 +79,7 @@ def test_a_freed_tail_of_the_previous_chunk_counts_as_premature(monkeypatch, pag
     assert [(r.swa_premature_evictions, r.swa_late_held_slots) for r, *_ in pairs] == [(p, 0) for _, p, *_ in pairs]
     # the chunks (up to the 256-token budget) are longer than the window: the last WINDOW
     # positions alone miss the freed tail, the step's reach sees it
-    assert [r for r, p, _, only in pairs if only == 0 and p > 0]
+    assert [r for r, p, _, only, _ in pairs if only == 0 and p > 0]
     assert {r.swa_leaked_slots + r.swa_stale_tokens + r.swa_shared_slots for r, *_ in pairs} == {0}
 
 

@@ -8,11 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from otel_swa.device import DENSE_FILL_RATIO, STAGE_WIDTH, read_sample, stage_sample
-from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
+from otel_swa.device.audit import AUDIT_COUNTS, AUDIT_WIDTH, audit_counts
 from otel_swa.device.workspace import Workspace
 from otel_swa.views import SwaAuditInputs
 from otel_swa.reference.engine import EngineConfig, ReferenceEngine
 from otel_swa.reference.trace import TraceRequest
+from otel_swa.record import Offender
 from otel_swa.reporter import SwaDivergenceReporter
 
 
@@ -34,6 +35,26 @@ def recount(mapping, free_pages, num_pages, page_size, holders):
     return [len(in_use), len(in_use & referenced), len(in_use - referenced), stale, sum(n > 1 for n in users.values())]
 
 
+def check_offenders(cells, mapping, free_pages, num_pages, page_size, holders):
+    """The first offenders after the counts name real offenders (module docstring of the audit):
+    the lowest leaked page, the first stale holder, a shared SWA slot and a FULL slot mapped into it."""
+    counts = recount(mapping, free_pages, num_pages, page_size, holders)
+    leaked_index, stale_at, stale_full, stale_swa, shared_swa, shared_full = cells[AUDIT_COUNTS:]
+    free = {p for p in free_pages if 1 <= p <= num_pages}
+    swa_slots = (num_pages + 1) * page_size
+    swa_of = lambda full: mapping[full] if 0 <= full < len(mapping) else 0  # noqa: E731
+    if counts[2]:
+        referenced = {swa_of(f) // page_size for f in holders if 0 < swa_of(f) < swa_slots}
+        leaked = sorted(set(range(1, num_pages + 1)) - free - referenced)
+        assert leaked_index + 1 == leaked[0]
+    if counts[3]:
+        first = next(i for i, f in enumerate(holders) if 0 < swa_of(f) < swa_slots and swa_of(f) // page_size in free)
+        assert (stale_at, stale_full, stale_swa) == (first, holders[first], swa_of(holders[first]))
+    if counts[4]:
+        fulls = {f for f in holders if swa_of(f) == shared_swa}
+        assert 0 < shared_swa < swa_slots and len(fulls) >= 2 and shared_full in fulls
+
+
 @settings(max_examples=80, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), page_size=st.sampled_from([1, 2, 4]),
        free_dtype=st.sampled_from([torch.int32, torch.int64]), holder_dtype=st.sampled_from([torch.int32, torch.int64]))
@@ -50,7 +71,8 @@ def test_audit_counts_equal_plain_recount(seed, page_size, free_dtype, holder_dt
     out = torch.full((AUDIT_WIDTH,), 99, dtype=torch.int64)
     audit_counts(out, torch.tensor(mapping), torch.tensor(free, dtype=free_dtype), num_pages, page_size,
                  torch.tensor(holders, dtype=holder_dtype))
-    assert out.tolist() == recount(mapping, free, num_pages, page_size, holders)
+    assert out.tolist()[:AUDIT_COUNTS] == recount(mapping, free, num_pages, page_size, holders)
+    check_offenders(out.tolist(), mapping, free, num_pages, page_size, holders)
 
 
 # One workspace for every example, its tables first filled with noise: the audit never relies on
@@ -76,7 +98,8 @@ def test_audit_with_a_reused_workspace_equals_plain_recount(seed, page_size):
     audit_counts(out, torch.tensor(mapping), torch.tensor(free, dtype=torch.int64), num_pages, page_size,
                  torch.tensor(holders, dtype=torch.int64), _SHARED)
     expected = recount(mapping, free, num_pages, page_size, holders)
-    assert out.tolist() == expected
+    assert out.tolist()[:AUDIT_COUNTS] == expected
+    check_offenders(out.tolist(), mapping, free, num_pages, page_size, holders)
 
 
 def test_audit_cost_does_not_grow_with_the_pool():
@@ -117,13 +140,15 @@ def test_prefix_sharing_is_not_a_shared_slot():
     out = torch.zeros(AUDIT_WIDTH, dtype=torch.int64)
     # FULL 6 held twice (prefix sharing): fine; FULL 4 and 5 both map to SWA 1: shared
     audit_counts(out, mapping, torch.tensor([], dtype=torch.int64), 2, 1, torch.tensor([4, 5, 6, 6]))
-    assert out.tolist() == [2, 2, 0, 0, 1]
+    assert out.tolist()[:AUDIT_COUNTS] == [2, 2, 0, 0, 1]
+    shared_swa, shared_full = out.tolist()[AUDIT_COUNTS + 4:]
+    assert shared_swa == 1 and shared_full in {4, 5}
 
 
 # ----------------------------------------------------------------------- faults in the reference engine
 
 
-def run_engine(fault, page_size):
+def run_engine(fault, page_size, with_fault=False):
     config = EngineConfig(window=16, full_pool_size=4096, swa_pool_size=512, page_size=page_size,
                           max_running=4, token_budget=64, max_context_len=1024, run_model=False)
     records = []
@@ -138,13 +163,17 @@ def run_engine(fault, page_size):
     measure = fault(engine)
     engine.step()
     reporter.flush()
+    if with_fault:
+        return healthy, records[-1], measure(engine), measure
     return healthy, records[-1], measure(engine)
 
 
 def leak_a_page(engine):
     """Take a page off the SWA free list and give it to nobody (the #27789 shape)."""
-    engine.pools._swa_free.pop()
-    return lambda engine: engine.pools.page_size
+    page = engine.pools._swa_free.pop()
+    measure = lambda engine: engine.pools.page_size  # noqa: E731
+    measure.page = page
+    return measure
 
 
 def free_a_live_page(engine, reuse_next):
@@ -161,31 +190,45 @@ def free_a_live_page(engine, reuse_next):
         fulls = [f for r in pools.requests.values() for f in pools.req_to_token[r.row, : r.seq_len].tolist()]
         return sum(1 for f in fulls if mapping[f] and mapping[f] // pools.page_size == page)
 
+    live_tokens_in_page.page = page
+    live_tokens_in_page.owner = next(req.rid for req in engine.running if req.slots is slots)
     return live_tokens_in_page
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_leaked_page_is_reported(page_size):
-    healthy, record, leaked = run_engine(leak_a_page, page_size)
+    healthy, record, leaked, fault = run_engine(leak_a_page, page_size, with_fault=True)
     assert (healthy.swa_leaked_slots, healthy.swa_stale_tokens, healthy.swa_shared_slots) == (0, 0, 0)
     assert record.swa_leaked_slots == leaked
     assert record.swa_stale_tokens == 0
+    # where: the page taken off the free list (the only leaked one)
+    assert healthy.offenders == ()
+    assert record.offenders == (Offender("swa_leaked_slots", swa_page=fault.page),)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_stale_mapping_is_reported(page_size):
-    healthy, record, live_in_page = run_engine(lambda e: free_a_live_page(e, reuse_next=False), page_size)
+    healthy, record, live_in_page, fault = run_engine(lambda e: free_a_live_page(e, reuse_next=False), page_size,
+                                                      with_fault=True)
     assert (healthy.swa_leaked_slots, healthy.swa_stale_tokens) == (0, 0)
     assert live_in_page >= 1
     assert record.swa_stale_tokens == live_in_page
     assert record.swa_leaked_slots == 0
+    # where: a token of the request whose page was freed, on that page (the batch's tokens are the
+    # first holders: the request and the position are named)
+    (offender,) = record.offenders
+    assert offender.fault == "swa_stale_tokens" and offender.swa_page == fault.page
+    assert offender.request == str(fault.owner) and offender.swa_slot // page_size == fault.page
 
 
 def test_reused_live_page_shows_as_shared_slots():
-    healthy, record, live_in_page = run_engine(lambda e: free_a_live_page(e, reuse_next=True), 1)
+    healthy, record, live_in_page, fault = run_engine(lambda e: free_a_live_page(e, reuse_next=True), 1,
+                                                      with_fault=True)
     assert healthy.swa_shared_slots == 0
     assert live_in_page == 2  # the old token and the new one
     assert record.swa_shared_slots == 1  # the new token and the old one now write one SWA slot
+    shared = record.offender("swa_shared_slots")
+    assert shared.swa_slot == shared.swa_page == fault.page
 
 
 @settings(max_examples=150, deadline=None)
@@ -282,4 +325,6 @@ def test_full_slot_0_counts_alike_listed_and_from_the_batch():
     meta = stage_sample(staged, torch.zeros(2, dtype=torch.int64), req_to_token, mapping, torch.tensor([0]), torch.tensor([2]), [2],
                         SwaAuditInputs(free, 2, 2, torch.zeros(0, dtype=torch.int64), holders_include_batch=True))
     # pages 1 and 2 in use; FULL slot 0 maps to SWA slot 2, on page 1: referenced, page 2 leaked
-    assert listed.tolist() == list(read_sample(staged.tolist(), meta).audit) == [2, 1, 1, 0, 0]
+    reading = read_sample(staged.tolist(), meta)
+    assert listed.tolist()[:AUDIT_COUNTS] == list(reading.audit) == [2, 1, 1, 0, 0]
+    assert listed.tolist()[AUDIT_COUNTS] + 1 == reading.audit_where["leaked_page_index"] + 1 == 2

@@ -150,7 +150,9 @@ def test_the_audit_adds_its_own_operations_and_none_sized_by_the_pool():
     plain = ops_of_one_sample(batch(host_rows=True))
     audited = ops_of_one_sample(batch(host_rows=True, audit=True))
     extra = len(audited) - len(plain)
-    assert 0 < extra <= 30, audited
+    # the counts (30 at most) and their first offenders (10 at most: three first-index reductions,
+    # the leaked-page mask and the gathers of the offenders' slots)
+    assert 0 < extra <= 40, audited
 
 
 def test_batch_holders_are_not_gathered_twice():
@@ -163,8 +165,9 @@ def test_batch_holders_are_not_gathered_twice():
     plain = ops_of_one_sample(batch(host_rows=True))
     listed = ops_of_one_sample(listed_view)
     held = ops_of_one_sample(dataclasses.replace(listed_view, swa_audit=batch_held))
-    assert listed.count("index_select") == plain.count("index_select") + 3
-    assert held.count("index_select") == plain.count("index_select") + 2
+    offenders = 3  # one-element gathers of the first offenders' slots (stale SWA and FULL, shared FULL)
+    assert listed.count("index_select") == plain.count("index_select") + 3 + offenders
+    assert held.count("index_select") == plain.count("index_select") + 2 + offenders
     assert len(held) < len(listed)
 
 

@@ -35,6 +35,18 @@ def recount(req_to_token, mapping, rows, lens, window, allowance, extend=None):
     return premature, late
 
 
+def first_premature(req_to_token, mapping, rows, lens, window, extend=None):
+    """The first request of the batch with a premature eviction and its first such position (the
+    positions its queries read, ascending): ``{"entry", "row", "position", "full_slot"}``, or None."""
+    for i, (row, length) in enumerate(zip(rows, lens)):
+        e = 1 if extend is None else int(extend[i]) if isinstance(extend, (list, torch.Tensor)) else extend
+        read = sorted({p for q in range(max(0, length - e), length) for p in range(max(0, q - window + 1), q + 1)})
+        for pos in read:
+            if mapping[req_to_token[row][pos]] == 0:
+                return {"entry": i, "row": row, "position": pos, "full_slot": req_to_token[row][pos]}
+    return None
+
+
 SHARED = Workspace("cpu")
 
 PATHS = {"live": float("inf"), "dense": 0.0, "no host lengths": DENSE_FILL_RATIO}
@@ -81,6 +93,7 @@ def test_window_counts_equal_the_recount(seed, path, host_rows, window, per_requ
     assert reading.faults == ()
     assert (reading.premature, reading.late_held) == recount(req_to_token, mapping, rows, lens, window, allowance,
                                                              extend)
+    assert reading.premature_where == first_premature(req_to_token, mapping, rows, lens, window, extend)
 
 
 def paged_request(seq_len, page_size, evicted_pages, freed_in_window_page=None):

@@ -28,19 +28,22 @@ PROMETHEUS_LABELS = {"job", "instance", "le"}
 
 
 def prometheus_name(name: str, unit: str, kind: str) -> set[str]:
-    """The names the Collector's Prometheus exporter gives a metric (its default naming, with
-    suffixes): dots to underscores, unit ``By`` -> ``_bytes``, unit ``1`` on a gauge -> ``_ratio``,
-    ``{...}`` units nothing; ``_total`` on a monotonic sum; ``_bucket``/``_sum``/``_count`` on a histogram."""
+    """The names Prometheus gets for a metric from the Collector's Prometheus exporter (its default
+    naming, with suffixes: dots to underscores, unit ``By`` -> ``_bytes``, unit ``1`` on a gauge ->
+    ``_ratio``, ``{...}`` units nothing; ``_total`` on a monotonic sum; ``_bucket``/``_sum``/``_count``
+    on a histogram) and from the SDK's Prometheus exporter (``OTEL_METRICS_EXPORTER=prometheus``),
+    which gives unit ``1`` no suffix (the names it really gives are scraped in test_prometheus.py)."""
     base = name.replace(".", "_")
+    bases = {base}
     if unit == "By":
-        base += "_bytes"
+        bases = {base + "_bytes"}
     elif unit == "1" and kind == "gauge":
-        base += "_ratio"
+        bases = {base + "_ratio", base}
     if kind == "counter":
-        return {base + "_total"}
+        return {b + "_total" for b in bases}
     if kind == "histogram":
-        return {base + "_bucket", base + "_sum", base + "_count"}
-    return {base}
+        return {b + suffix for b in bases for suffix in ("_bucket", "_sum", "_count")}
+    return bases
 
 
 @pytest.fixture(scope="module")
