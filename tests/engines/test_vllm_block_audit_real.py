@@ -304,7 +304,7 @@ def test_opentelemetry_instrument_with_the_documented_variables_gives_check_its_
     """``opentelemetry-instrument`` with docs/engines.md's variables (no collector here: traces and
     metrics off, ``OTEL_LOGS_EXPORTER=swa_logline``) over a script that runs the real
     ``AsyncScheduler`` with a leak made through the shim's environment variable: the engine's log
-    has the lines, and ``otel-swa check`` fails it on the leaked blocks. A log without the
+    has the lines, and ``otel-swa check`` fails it on the leaked blocks, naming the first. A log without the
     exporter's lines has no record: ``check`` fails it too."""
     import os
     import subprocess
@@ -319,11 +319,13 @@ def test_opentelemetry_instrument_with_the_documented_variables_gives_check_its_
                            str(tmp_path / "tiny-llama"), "async"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    steps, made = (int(part.split("=")[1]) for part in done.stdout.split()[-2:])
+    printed = dict(part.split("=") for part in done.stdout.split()[-3:])
+    steps, made, leaked = int(printed["scheduler_steps"]), int(printed["fault_at"]), printed["blocks"].split(",")
     log = tmp_path / "engine.log"
     log.write_text(done.stderr)
     status, output = check(log)
-    assert status == 1 and "leaked KV blocks" in output, output
+    # the exporter writes the fault lines too: check names the first leaked block
+    assert status == 1 and "leaked KV blocks" in output and f"block {min(map(int, leaked))}" in output, output
     records = [line for line in done.stderr.splitlines() if "kv_canary_swa_divergence=" in line]
     assert len(records) == steps and made >= 10
     empty = tmp_path / "no-lines.log"

@@ -5,7 +5,8 @@
 ``Scheduler`` over the suite's hybrid KV cache, driven as vLLM's engine core drives it
 (``vllm_support.SchedulerDriver``) on the trace's first 8 requests, with the fault of
 ``OTEL_SWA_TEST_VLLM_FAULT`` made when the variable is set (``shims/vllm_faults.py``). Prints one
-line, ``scheduler_steps=N fault_at=S`` (``S``: the forward step the fault was made in, or -1).
+line, ``scheduler_steps=N fault_at=S blocks=B,...`` (``S``: the forward step the fault was made in,
+or -1; ``B``: the blocks it touched).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ def main(argv: list[str]) -> int:
     injection = vllm_faults.install(scheduler)  # from the environment variable
     driver = SchedulerDriver(scheduler).run(trace_requests(v, limit=8))
     made = injection.injected_at if injection is not None and injection.injected_at is not None else -1
-    print(f"scheduler_steps={driver.forward_ct} fault_at={made}")
+    blocks = ",".join(map(str, injection.blocks)) if injection is not None else ""
+    print(f"scheduler_steps={driver.forward_ct} fault_at={made} blocks={blocks}")
     return 0
 
 
