@@ -300,7 +300,7 @@ def test_what_vllm_itself_does_after_each_fault(zoo):
 
 
 # ----------------------------------------------------------------- as docs/engines.md says it
-def test_opentelemetry_instrument_with_the_documented_variables_gives_check_its_lines(tmp_path):
+def test_opentelemetry_instrument_with_the_documented_variables_gives_check_its_lines(vllm_classes, tmp_path):
     """``opentelemetry-instrument`` with docs/engines.md's variables (no collector here: traces and
     metrics off, ``OTEL_LOGS_EXPORTER=swa_logline``) over a script that runs the real
     ``AsyncScheduler`` with a leak made through the shim's environment variable: the engine's log
