@@ -19,19 +19,21 @@ The faults (:data:`FAULTS`):
     does not read; here they stay in the scheduler's table (``req_to_blocks``), the one the KV
     block audit reads: the table references blocks the pool may hand to another request.
 ``foreign_free``
-    vllm-project/vllm#39589 ("KV cache read/write index corruption under concurrent prefill"):
-    when a finished request is freed (``KVCacheManager.free``), the blocks of another, running
-    request go back to the pool too (``BlockPool.free_blocks``, tail first as vLLM frees), its
-    tables untouched: the pool hands them out again while that request still reads and writes
+    the class of vllm-project/vllm#39589 ("KV cache read/write index corruption under concurrent
+    prefill": a request's KV read and written in blocks another request owns; there through stale
+    block-table tails in the GPU worker, fixed by #39591) and of the full-pool corruption of
+    #50702: when a finished request is freed (``KVCacheManager.free``), the blocks of another,
+    running request go back to the pool too (``BlockPool.free_blocks``, tail first as vLLM frees),
+    its tables untouched. The pool hands them out again while that request still reads and writes
     them, and vLLM's own bookkeeping breaks later (``BlockPool.get_new_blocks`` asserts
-    ``ref_cnt == 0``: the full-pool corruption of #50702).
+    ``ref_cnt == 0``).
 ``leaked_tail_block``
-    neuralmagic/vllm#71 ("minor mem leak in edge case where prompt_len < block size": a finished
-    request's blocks without a block hash were left out of the free; its symptom in vLLM's issues:
-    usage that never comes down, vllm-project/vllm#27073). When a finished request is freed, the
-    last block of each of its tables that has no block hash (the partly filled tail) is dropped
-    from the table and never returned: ``ref_cnt`` stays 1, the block is on no table, not on the
-    free queue and not in the prefix cache.
+    the class of neuralmagic/vllm#71 (a KV block leak in disaggregated prefill "in edge case where
+    prompt_len < block size": the leaked block was a partly filled one) and of the usage that never
+    comes down in vllm-project/vllm#27073: when a finished request is freed, the last block of each of its
+    tables that has no block hash (the partly filled tail) is dropped from the table and never
+    returned: ``ref_cnt`` stays 1, the block is in no table, not on the free queue and not in the
+    prefix cache.
 ``late_eviction``
     the sliding-window trim keeps one block more than vLLM 0.33's rule, the rule
     vllm-project/vllm#33711 proposed ("keep one extra block", closed): from the step on, every
