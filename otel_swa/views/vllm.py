@@ -35,6 +35,11 @@ Two ways in:
 * from a block-id tensor (a table a caller already holds, e.g. a worker's):
   :func:`block_table_from_manager`, :func:`window_counts` and :func:`batch_view`.
 
+The whole pool, beside the batch: :func:`kv_block_audit_inputs` (the KV block audit's inputs:
+the ``BlockPool``'s free queue, the prefix cache's blocks, every group's tables) and
+:func:`kv_cache_pool_usage` (the pool gauges, free counted as vLLM's ``get_usage()`` counts it);
+:func:`window_allowance` gives the window check vLLM's own trimming.
+
 Nothing here imports vLLM.
 """
 
@@ -64,6 +69,7 @@ __all__ = [
     "batch_view",
     "block_mapping",
     "observe_counts",
+    "FreeQueueMoved",
     "free_queue",
     "kv_block_audit_inputs",
     "kv_cache_pool_usage",
