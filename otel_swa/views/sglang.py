@@ -141,7 +141,8 @@ def batch_view(
             ``full_to_swa_index_mapping`` tensor).
         req_to_token_pool: SGLang's ``ReqToTokenPool`` (``req_to_token``, ``int32 [rows, max_context_len]``).
         forward_batch: SGLang's ``ForwardBatch`` or ``ScheduleBatch``: ``req_pool_indices``,
-            ``seq_lens`` and, when present and not ``None``, ``seq_lens_cpu`` are read from it.
+            ``seq_lens`` and, when present and not ``None``, ``seq_lens_cpu`` are read from it, and
+            ``rids`` (the requests' ids) for the first offenders of faults.
         req_pool_indices, seq_lens, seq_lens_cpu: the same, given directly (they override the
             batch's). ``seq_lens_cpu`` lets the reporter gather exactly the live tokens; without
             it the gather is dense over ``[batch, max_context_len]``, as in SGLang.
@@ -201,12 +202,16 @@ def batch_view(
             extend_lens_cpu = _extend_lens(forward_batch, int(req_pool_indices.shape[0]))
             if extend_lens_cpu is None:
                 sliding_window = swa_eviction_allowance = None  # the reach of its queries is not known
+    request_ids = getattr(forward_batch, "rids", None) if forward_batch is not None else None
+    if request_ids is not None and len(request_ids) != int(req_pool_indices.shape[0]):
+        request_ids = None  # not this batch's (a padded or partial batch)
     return SwaBatch(
         req_to_token=req_to_token,
         full_to_swa_index_mapping=mapping,
         req_pool_indices=req_pool_indices,
         seq_lens=seq_lens,
         seq_lens_cpu=seq_lens_cpu,
+        request_ids=request_ids,
         swa_audit=_audit_inputs(allocator, holder_full_slots) if holder_full_slots is not None else None,
         sliding_window=sliding_window,
         swa_eviction_allowance=swa_eviction_allowance,

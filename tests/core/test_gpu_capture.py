@@ -161,3 +161,50 @@ def test_audit_on_cuda_equals_the_cpu_audit():
         audit_counts(cpu, mapping, free, pages, page_size, holders)
         audit_counts(gpu, mapping.cuda(), free.cuda(), pages, page_size, holders.cuda(), Workspace("cuda"))
         assert gpu.tolist() == cpu.tolist()
+
+
+def test_the_read_check_is_captured_in_a_cuda_graph_and_replayed():
+    """The read check's device work has fixed shapes and no host read: captured once, replayed, it
+    counts each replay's queries, and a wrong read written into the pool between replays is seen."""
+    from otel_swa.device.read_check import ReadCheck, read_counts
+
+    device = torch.device("cuda")
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    batch, width, heads, dim, window = 4, 32, 2, 16, 8
+    req_to_token = (torch.arange(batch * width, dtype=torch.int32) + 1).reshape(batch, width).to(device)
+    slots = batch * width + 1
+    mapping = torch.cat([torch.zeros(1, dtype=torch.int64), torch.randperm(slots - 1, generator=gen) + 1]).to(device)
+    k = torch.randn((slots, heads, dim), generator=gen).to(device)
+    v = torch.randn((slots, heads, dim), generator=gen).to(device)
+    q = torch.randn((batch, heads, dim), generator=gen).to(device)
+    rows = torch.arange(batch, device=device)
+    lens = torch.full((batch,), width, device=device)
+    # the engine's output: attention over each last token's window at the mapping's slots
+    keys = req_to_token[:, width - window:].long()
+    swa = mapping[keys]
+    scores = torch.einsum("bhd,bwhd->bhw", q, k[swa]) / dim**0.5
+    out = torch.einsum("bhw,bwhd->bhd", scores.softmax(-1), v[swa])
+    check = ReadCheck(device, max_queries=batch)
+
+    def run():
+        check.check_layer(layer_id=0, q=q, out=out, k_buffer=k, v_buffer=v, req_to_token=req_to_token,
+                          full_to_swa_index_mapping=mapping, req_pool_indices=rows, seq_lens=lens, query_rows=None,
+                          window=window, scaling=1 / dim**0.5, num_q_heads=heads)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    assert read_counts(check.take().tolist()) == (batch, 0, 0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    check.reset()
+    for _ in range(5):
+        graph.replay()
+    assert read_counts(check.cells.tolist()) == (5 * batch, 0, 0)
+    check.reset()
+    k[swa[2, -1]] += 3.0  # request 2's own newest key changed behind the engine's back
+    graph.replay()
+    assert read_counts(check.cells.tolist()) == (batch, 1, 0)

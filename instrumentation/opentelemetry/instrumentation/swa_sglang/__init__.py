@@ -33,6 +33,22 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
     collection time by :func:`otel_swa.views.sglang.scheduler_pool_usage`, SGLang's own
     computation of its pool gauges, with the process's ranks). The instrumentor also adds the
     method ``Scheduler.otel_swa_flush`` (:data:`FLUSH_RPC_METHOD`).
+``sglang.srt.layers.radix_attention.RadixAttention.forward(self, q, k, v, forward_batch, ...)``
+    The read check (:mod:`otel_swa.device.read_check`; ``OTEL_SWA_READ_CHECK``, default
+    ``rotate``; ``off``: this method is not wrapped at all). At a sampled forward step, after a
+    sliding-window layer's attention (``sliding_window_size > -1``), the attention output of the
+    last token of up to ``OTEL_SWA_READ_CHECK_QUERIES`` (8) requests is recomputed from the layer's
+    KV buffers (``forward_batch.token_to_kv_pool.get_key_buffer(layer_id)`` /
+    ``get_value_buffer``: the SWA sub-pool's for a sliding-window layer of ``SWAKVPool``, indexed by
+    ``full_to_swa_index_mapping[req_to_token[row, position]]``) over the ``sliding_window_size + 1``
+    positions one query reads, with the layer's ``scaling``, ``logit_cap`` (tanh capping),
+    ``tp_q_head_num`` / ``tp_k_head_num`` (GQA), ``head_dim`` and the ``sinks`` keyword argument
+    when given, and compared with what the backend returned. Checked: decoder self-attention in
+    decode, extend (prefill, chunked prefill) and mixed batches with float32, float16 or bfloat16
+    KV buffers. Counted as unchecked, never as a fault: cross-attention and encoder-only layers,
+    other logit capping methods, speculative target-verify and draft batches, quantized (fp8) KV
+    buffers, and every step replayed from a CUDA graph (the Python ``forward`` does not run there:
+    the check runs on eager steps only). Other steps cost one attribute read per layer call.
 ``sglang.srt.entrypoints.engine.Engine.shutdown(self)``
     In the main process, before SGLang kills its schedulers with SIGKILL (which runs no exit hook
     there): calls ``otel_swa_flush`` on every scheduler over SGLang's own RPC
@@ -152,6 +168,7 @@ WRAPPED = (
      ("forward_batch",)),
     ("sglang.srt.managers.scheduler", "Scheduler", "run_batch", ("batch",)),
     ("sglang.srt.entrypoints.engine", "Engine", "shutdown", ()),
+    ("sglang.srt.layers.radix_attention", "RadixAttention", "forward", ("q", "k", "v", "forward_batch")),
 )
 
 #: The ``Scheduler`` method the instrumentor adds, which ``Engine.shutdown`` calls on every scheduler
@@ -212,7 +229,7 @@ class SwaSglangInstrumentor(EngineInstrumentor):
 
     def _wrappers(self) -> tuple:
         return (self._wrap_forward, self._wrap_canary_init, self._wrap_pre_ops, self._wrap_run_batch,
-                self._wrap_shutdown)
+                self._wrap_shutdown, self._wrap_attention)
 
     def _set_up_telemetry(self, kwargs: dict) -> None:
         from otel_swa.telemetry.pools import pool_metrics
@@ -249,6 +266,9 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                 ranks = _ranks()
                 if reporter is None and is_swa and window > 0:
                     reporter = self._new_reporter(runner.device, attributes=ranks)
+                read_check = None
+                if reporter is not None and is_swa and window > 0 and getattr(runner, "token_to_kv_pool", None) is not None:
+                    read_check = _enable_read_check(reporter)
                 if reporter is not None:
                     hooks = KvCanaryHooks(
                         reporter,
@@ -259,7 +279,8 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                     )
                     wiring = SimpleNamespace(
                         reporter=reporter, hooks=hooks, window=window, counts_from_canary=counts_from_canary,
-                        ranks=ranks,
+                        ranks=ranks, read_check=read_check, allocator=allocator if is_swa else None,
+                        kv_pool=getattr(runner, "token_to_kv_pool", None), req_to_token_pool=runner.req_to_token_pool,
                     )
                     weakref.finalize(runner, reporter.close)
                     self._add_savings_sink(runner, reporter, ranks)
@@ -306,7 +327,12 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                     stack.enter_context(instrumentor._span(wiring, forward_batch))
                 except Exception:
                     _log.exception("forward-step span not started")
-                output = original(runner, forward_batch, *args, **kwargs)
+                running = instrumentor._running
+                running.wiring = wiring  # for the read check of the attention layers it calls
+                try:
+                    output = original(runner, forward_batch, *args, **kwargs)
+                finally:
+                    running.wiring = None
                 try:
                     instrumentor._after_forward(wiring, forward_batch)
                 except Exception:  # telemetry never breaks the forward
@@ -368,6 +394,37 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             outer_step_counter=reporter.forward_ct + 1, maybe_inaccurate_forward_batch=forward_batch,
             micro_batch=self._micro_batch(),
         )
+
+    def _wrap_attention(self, original: Callable) -> Callable:
+        """``RadixAttention.forward``: the read check of sliding-window layers at sampled steps
+        (module docstring); the original itself when ``OTEL_SWA_READ_CHECK`` is off."""
+        from otel_swa import config
+
+        try:
+            if config.read_check() is None:
+                return original
+        except config.ConfigError:
+            _log.exception("the read check is off: unusable %s", "OTEL_SWA_READ_CHECK(_QUERIES)")
+            return original
+        running = self._running
+        failed: set = set()
+
+        @functools.wraps(original)
+        def forward(layer, q, k, v, forward_batch, *args, **kwargs):
+            output = original(layer, q, k, v, forward_batch, *args, **kwargs)
+            wiring = getattr(running, "wiring", None)
+            if wiring is None or wiring.read_check is None or not wiring.reporter.read_check_due():
+                return output
+            try:
+                _check_read(wiring, layer, q, output, forward_batch, kwargs)
+            except Exception as exc:  # telemetry never breaks the forward
+                if type(exc) not in failed:
+                    failed.add(type(exc))
+                    _log.exception("the read check of layer %s failed; the forward goes on (later %s errors are "
+                                   "not logged)", getattr(layer, "layer_id", "?"), type(exc).__name__)
+            return output
+
+        return forward
 
     def _wrap_canary_init(self, original: Callable) -> Callable:
         instrumentor = self
@@ -434,6 +491,57 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             return original(engine, *args, **kwargs)
 
         return shutdown
+
+
+def _enable_read_check(reporter: Any) -> Any:
+    """Switch ``reporter``'s read check on as ``OTEL_SWA_READ_CHECK`` says; the check, or ``None``."""
+    from otel_swa import config
+
+    try:
+        mode = config.read_check()
+    except config.ConfigError:
+        return None  # logged when the attention layers were (not) wrapped
+    if mode is None:
+        return None
+    return reporter.enable_read_check(max_queries=mode[1], layers=mode[0])
+
+
+def _check_read(wiring: Any, layer: Any, q: Any, output: Any, forward_batch: Any, kwargs: dict) -> None:
+    """The read check of one ``RadixAttention`` call at a sampled step (module docstring)."""
+    window = getattr(layer, "sliding_window_size", -1)
+    if window is None or window < 0:
+        return  # a full-attention layer: not a sliding-window read
+    check = wiring.read_check
+    layer_id = int(layer.layer_id)
+    if not check.wants(layer_id):
+        return
+    batch = int(forward_batch.req_pool_indices.shape[0])
+    mode = forward_batch.forward_mode
+    decode = mode.is_decode()
+    attn_type = getattr(getattr(layer, "attn_type", None), "value", "decoder")
+    variant_ok = (
+        (decode or mode.is_extend()) and not getattr(mode, "is_target_verify", lambda: False)()
+        and not getattr(mode, "is_draft_extend", lambda: False)() and not getattr(layer, "is_cross_attention", False)
+        and attn_type == "decoder" and (not layer.logit_cap or getattr(layer, "logit_capping_method", "tanh") == "tanh")
+    )
+    if not variant_ok:
+        check.unchecked(min(check.max_queries, batch))
+        return
+    out = output[0] if isinstance(output, tuple) else output
+    pool = wiring.kv_pool  # the model runner's token_to_kv_pool (SWAKVPool for a hybrid model)
+    mapping_of = getattr(pool, "layers_mapping", None)
+    is_swa = bool(mapping_of[layer_id][1]) if mapping_of is not None and layer_id in mapping_of else False
+    query_rows = None
+    if not decode:
+        query_rows = forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
+    check.check_layer(
+        layer_id=layer_id, q=q, out=out, k_buffer=pool.get_key_buffer(layer_id), v_buffer=pool.get_value_buffer(layer_id),
+        req_to_token=wiring.req_to_token_pool.req_to_token,
+        full_to_swa_index_mapping=wiring.allocator.full_to_swa_index_mapping if is_swa else None,
+        req_pool_indices=forward_batch.req_pool_indices, seq_lens=forward_batch.seq_lens, query_rows=query_rows,
+        window=int(window) + 1, scaling=float(layer.scaling), num_q_heads=int(layer.tp_q_head_num),
+        logit_cap=float(layer.logit_cap or 0.0), sinks=kwargs.get("sinks"),
+    )
 
 
 def _swa_entries_read(seq_lens_cpu: Any, forward_batch: Any, window: int) -> int:

@@ -154,14 +154,21 @@ def install() -> None:
     if _installed:
         return
     _installed = True
-    for name, patch in PATCHES.items():
-        add_patch(name, patch)
     import os
 
+    fault = os.environ.get("OTEL_SWA_TEST_SGLANG_FAULT", "")
+    for name, patch in PATCHES.items():
+        if patch is _patch_torch_native_backend and fault == "torch_native_raw_read":
+            continue  # sglang 0.5.23's own read bug, left in on purpose (see sglang_faults)
+        add_patch(name, patch)
     if os.environ.get("OTEL_SWA_TEST_SGLANG_PROBE"):
         import sglang_step_probe
 
         sglang_step_probe.install()
+        if fault:
+            import sglang_faults
+
+            sglang_faults.install(fault)
 
 
 def patched_modules() -> list[str]:

@@ -14,8 +14,10 @@ process per rank. This module is imported there (through the shims' ``.pth`` fil
   ``"premature"``: the live tokens some query of the step reads (a query at ``q`` reads ``q -
   sliding_window_size .. q``; the step's queries are the last ``extend_seq_lens_cpu[i]`` positions
   in an extend or mixed batch, the last one in a decode batch) whose SWA slot is 0, and
-  ``"held_past_window"``: those before them with an SWA slot, and ``"queries"`` and ``"seq_lens"``:
-  each request's queries in the step and its length;
+  ``"held_past_window"``: those before them with an SWA slot, ``"queries"`` and ``"seq_lens"``:
+  each request's queries in the step and its length, and ``"last_window_remapped"``: the tokens
+  in the window of each request's last token whose SWA slot differs from their FULL slot (where a
+  read at the raw FULL slots reads other KV);
 * **leak** (``OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP=N``): after forward step ``N``, takes the first page
   off the SWA allocator's free list, a leak made on purpose (the page is neither free nor mapped by
   any token); the line gets ``"leaked_page"``;
@@ -37,6 +39,23 @@ import json
 import os
 
 import sglang_cpu_patches
+
+#: Called after every forward step of the target model with ``(model_runner, forward_batch, step,
+#: line)`` (``line``: the probe's JSON line of that step, which a callback may add keys to): the
+#: fault injections of ``sglang_faults`` use it.
+_AFTER_FORWARD: list = []
+_STATE = {"step": 0}
+
+
+def after_forward(callback) -> None:
+    """Call ``callback(model_runner, forward_batch, step, line)`` after each forward step."""
+    _AFTER_FORWARD.append(callback)
+
+
+def current_step() -> int:
+    """Forward steps of the target model run so far in this process."""
+    return _STATE["step"]
+
 
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 _SCHEDULER = "sglang.srt.managers.scheduler"
@@ -75,6 +94,19 @@ def window_recount(mapping: list[int], req_to_token, rows: list[int], seq_lens: 
     return premature, held
 
 
+def last_window_remapped(mapping: list[int], req_to_token, rows: list[int], seq_lens: list[int],
+                         sliding_window_size: int) -> int:
+    """Tokens in the window of each request's last token (positions ``seq_len - 1 -
+    sliding_window_size .. seq_len - 1``, what the read check recomputes) whose SWA slot is non-zero
+    and differs from the FULL slot: where a read at the raw FULL slots reads other KV."""
+    remapped = 0
+    for row, length in zip(rows, seq_lens):
+        for pos in range(max(0, length - 1 - sliding_window_size), length):
+            full = req_to_token[row][pos]
+            remapped += mapping[full] not in (0, full)
+    return remapped
+
+
 def step_queries(forward_batch, batch: int) -> list[int]:
     """The queries of each request in this forward step: ``extend_seq_lens_cpu`` in an extend or
     mixed batch (``forward_mode.is_extend()``), else 1."""
@@ -89,7 +121,7 @@ def _patch_model_runner(module) -> None:
     leak_at = int(os.environ.get("OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP", "0") or 0)
     runner_class = module.ModelRunner
     original = runner_class.forward
-    state = {"step": 0}
+    state = _STATE
 
     def forward(self, forward_batch, *args, **kwargs):
         output = original(self, forward_batch, *args, **kwargs)
@@ -111,10 +143,14 @@ def _patch_model_runner(module) -> None:
                 queries = step_queries(forward_batch, len(rows))
                 premature, held = window_recount(mapping.tolist(), tables, rows, lengths, sliding_window_size, queries)
                 line.update(premature=premature, held_past_window=held, queries=queries, seq_lens=lengths)
+                line["last_window_remapped"] = last_window_remapped(mapping.tolist(), tables, rows, lengths,
+                                                                    sliding_window_size)
         if leak_at and state["step"] == leak_at:
             swa = allocator.swa_attn_allocator
             line["leaked_page"] = int(swa.free_pages[0])
             swa.free_pages = swa.free_pages[1:]
+        for callback in _AFTER_FORWARD:
+            callback(self, forward_batch, state["step"], line)
         with open(os.path.join(out_dir, f"probe-{os.getpid()}.jsonl"), "a") as out:
             out.write(json.dumps(line) + "\n")
         return output
