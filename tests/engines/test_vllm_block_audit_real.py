@@ -11,7 +11,7 @@ Every expected value is a recount of that moment by plain loops over vLLM's obje
 (``vllm_support.block_audit_recount``, ``window_recount``, ``pool_recount``: vLLM's own free queue
 walk, ``block_hash``, ``get_num_skipped_tokens``, the tables) or vLLM's own figure
 (``KVCacheManager.usage``, what ``vllm:kv_cache_usage_perc`` reports). The faults' rows are written
-to ``$OTEL_SWA_DETECTION_ROWS/vLLM.json`` and compared with the detection table of docs/engines.md.
+to ``$OTEL_SWA_DETECTION_DIR/detection.json`` and compared with the detection table of docs/engines.md.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from vllm_support import (
 
 pytestmark = pytest.mark.vllm
 
-ENGINE = "vLLM"
+ENGINE = detection_table.ENGINE
 FAULT_STEP = 30
 FAILING = tuple(rule.field for rule in AUDIT_RULES)
 REPORTED = tuple(rule.field for rule in REPORTED_RULES)
@@ -193,7 +193,7 @@ def row_of(run, fault: str, configuration: str, upstream: str) -> dict:
     return {
         "engine": ENGINE, "fault": f"{fault} ({configuration})", "upstream": upstream, "signal": signal,
         "injected_at": run.injection.injected_at, "first_forward_ct": at,
-        "offender": offender.describe() if offender is not None else "", "check_exit": check(run.log)[0],
+        "offender": offender.describe() if offender is not None else None, "check_exit": check(run.log)[0],
     }
 
 
@@ -271,7 +271,7 @@ def test_early_frees_are_flagged_once_the_block_is_free_and_uncached(zoo):
 def test_the_detection_rows_are_the_docs_table(zoo):
     rows = [row for _, row in zoo]
     path = detection_table.write_rows(ENGINE, rows)
-    assert path.name == "vLLM.json"
+    assert detection_table.read_rows(path, ENGINE) == rows
     documented = detection_table.docs_rows(detection_table.DOCS.read_text(), ENGINE)
     assert documented == rows, "docs/engines.md's detection table is stale: run the vLLM suite with " \
         f"{detection_table.ROWS_VARIABLE}=DIR, then python tests/engines/detection_table.py DIR --write"
