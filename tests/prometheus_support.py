@@ -92,6 +92,12 @@ class Process:
         add("kv_cache_swa_forward_steps_total", record.forward_ct)
         add("kv_cache_swa_entries_verified_total", record.verify_full, pool="full", kv_cache_swa_verify_source="attention")
         add("kv_cache_swa_entries_verified_total", record.verify_swa, pool="swa", kv_cache_swa_verify_source="attention")
+        checked = [self.records[ct] for ct in delivered if self.records[ct].read_checked]
+        if checked:  # the read check's queries, summed over the samples, by outcome
+            mismatched = sum(r.swa_read_mismatches for r in checked)
+            for outcome, value in (("agree", sum(r.swa_read_checks for r in checked) - mismatched),
+                                   ("disagree", mismatched), ("unchecked", sum(r.swa_read_unchecked for r in checked))):
+                add("kv_cache_swa_read_check_queries_total", value, kv_cache_swa_read_check_outcome=outcome)
         add("kv_cache_swa_reporter_samples_taken_total", len(delivered))
         add("kv_cache_swa_reporter_samples_delivered_total", len(delivered))
         errors = self.log.read_text().count("not delivered")  # the reporter logs every invalid sample
@@ -294,5 +300,6 @@ def counter_values(processes: list[Process], at: float) -> dict:
     for p in processes:
         for name, labels, value in p.series(at):
             if name.endswith(("_total", "_bucket")):
-                out[(name, p.instance, labels.get("pool", ""), labels.get("le", ""))] = value
+                out[(name, p.instance, labels.get("pool", ""), labels.get("le", ""),
+                     labels.get("kv_cache_swa_read_check_outcome", ""))] = value
     return out

@@ -129,6 +129,7 @@ class ReadCheck:
         self._turn = 0  # sampled steps taken so far: which layer and which requests come next
         self._seen: list[int] = []  # sliding-window layer ids in the order first called
         self._arange = torch.arange(max_queries, dtype=torch.int64, device=self.device)
+        self._window_offsets: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ which layers, which queries
     def wants(self, layer_id: int) -> bool:
@@ -139,6 +140,13 @@ class ReadCheck:
         if self.layers == "all":
             return True
         return self._seen.index(layer_id) == self._turn % len(self._seen)
+
+    def _offsets(self, window: int, device: torch.device) -> torch.Tensor:
+        """``[1, W]``: ``-W + 1 .. 0``, made once per window."""
+        cached = self._window_offsets.get(window)
+        if cached is None:
+            cached = self._window_offsets[window] = (torch.arange(window, device=device) - (window - 1)).unsqueeze(0)
+        return cached
 
     def _queries(self, batch: int, window: int, kv_heads: int, dims: int) -> int:
         per_query = window * kv_heads * dims * 4
@@ -225,7 +233,7 @@ class ReadCheck:
         q3 = q.reshape(-1, num_q_heads, head_dim)
         o3 = out.reshape(-1, num_q_heads, v_dim)
         # keys: positions p - W + 1 .. p (those below 0 are masked)
-        keys = position.unsqueeze(1) + (torch.arange(window, device=dev) - (window - 1)).unsqueeze(0)  # [Q, W]
+        keys = position.unsqueeze(1) + self._offsets(window, dev)  # [Q, W]
         valid = keys.ge(0)
         width = req_to_token.shape[1]
         flat = (rows.clamp(0, req_to_token.shape[0] - 1) * req_to_token.stride(0)).unsqueeze(1) + keys.clamp(0, width - 1)
@@ -236,36 +244,38 @@ class ReadCheck:
         else:
             slots = full
         slots_c = slots.clamp(0, k_buffer.shape[0] - 1).reshape(-1)
-        k = k_buffer.index_select(0, slots_c).float().view(checked, window, kv_heads, head_dim)
-        v = v_buffer.index_select(0, slots_c).float().view(checked, window, kv_heads, v_dim)
         group = num_q_heads // kv_heads
+        # [Q, Hkv, W, D] keys and values, [Q, Hkv, g, D] queries: two batched products
+        k = k_buffer.index_select(0, slots_c).float().view(checked, window, kv_heads, head_dim).transpose(1, 2)
+        v = v_buffer.index_select(0, slots_c).float().view(checked, window, kv_heads, v_dim).transpose(1, 2)
         qq = q3.index_select(0, qrow.clamp(0, q3.shape[0] - 1)).float().view(checked, kv_heads, group, head_dim)
-        scores = torch.einsum("qkgd,qwkd->qkgw", qq, k) * float(scaling)  # [Q, Hkv, g, W]
+        scores = torch.matmul(qq, k.transpose(2, 3)).mul_(float(scaling))  # [Q, Hkv, g, W]
         if logit_cap and logit_cap > 0:
-            scores = torch.tanh(scores / float(logit_cap)) * float(logit_cap)
-        scores = scores.masked_fill(valid.logical_not().view(checked, 1, 1, window), float("-inf"))
+            scores = torch.tanh(scores.div_(float(logit_cap))).mul_(float(logit_cap))
+        # positions before the request's first token: -inf (a bias, added: cheaper than masked_fill)
+        scores.add_(torch.where(valid, 0.0, float("-inf")).view(checked, 1, 1, window))
         if sinks is not None:
             sink = sinks.float().reshape(1, kv_heads, group, 1).expand(checked, kv_heads, group, 1)
             probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :window]
         else:
             probs = scores.softmax(-1)
-        ours = torch.einsum("qkgw,qwkd->qkgd", probs, v)  # [Q, Hkv, g, Dv]
+        ours = torch.matmul(probs, v)  # [Q, Hkv, g, Dv]
         theirs = o3.index_select(0, qrow.clamp(0, o3.shape[0] - 1)).float().view(checked, kv_heads, group, v_dim)
-        scale = v.abs().masked_fill(valid.logical_not().view(checked, window, 1, 1), 0).amax(dim=(1, 3))  # [Q, Hkv]
-        bound = (scale * tolerance(q.dtype, out.dtype, k_buffer.dtype) + 1e-30).view(checked, kv_heads, 1)
-        error = (ours - theirs).abs().amax(-1)  # [Q, Hkv, g]; NaN where either is not finite
-        agree = error.le(bound).all(-1).all(-1)  # NaN compares False: a non-finite output disagrees
-        disagree = agree.logical_not().logical_and_(position.ge(0))  # a request without tokens has no query
+        # the scale: the largest |V| over the gathered window (a masked position holds a real key of
+        # the request, position 0's: at most a slightly looser bound)
+        scale = v.abs().amax(dim=(2, 3))  # [Q, Hkv]
+        bound = scale.mul_(tolerance(q.dtype, out.dtype, k_buffer.dtype)).add_(1e-30).view(checked, kv_heads, 1)
+        error = (ours - theirs).abs_().amax(-1)  # [Q, Hkv, g]; NaN where either is not finite
+        agree = error.le(bound).view(checked, -1).all(-1)  # NaN compares False: a non-finite output disagrees
+        disagree = agree.logical_not_().logical_and_(position.ge(0))  # a request without tokens has no query
         count = disagree.sum()
-        first = torch.argmax(disagree.to(torch.uint8))  # the first disagreeing query (0 when none)
-        new = (cells[_C["found"]] == 0) & (count > 0)
-        candidate = torch.stack([
-            entries[first], rows[first], position[first], full[first, window - 1], slots[first, window - 1],
-            torch.full((), int(layer_id), dtype=torch.int64, device=dev),
-        ])
+        first = torch.max(disagree, 0).indices.reshape(1)  # the first disagreeing query (0 when none)
+        where = torch.stack([entries, rows, position, full[:, window - 1], slots[:, window - 1],
+                             entries.new_full((checked,), int(layer_id))]).index_select(1, first).reshape(-1)
+        new = cells[_C["found"]].eq(0).logical_and_(count > 0)
         lo, hi = _C["entry"], _C["layer"] + 1
-        cells[lo:hi] = torch.where(new, candidate, cells[lo:hi])
-        cells[_C["found"]] = torch.where(new, torch.ones_like(cells[0]), cells[_C["found"]])
+        cells[lo:hi] = torch.where(new, where, cells[lo:hi])
+        cells[_C["found"]] += new.long()
         cells[_C["checked"]] += checked
         cells[_C["mismatched"]] += count
         return checked

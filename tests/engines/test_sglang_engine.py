@@ -342,3 +342,25 @@ def test_otel_swa_check_passes_the_clean_engine_log_and_fails_the_leaking_one(tr
         path = tmp_path / f"{name}.log"
         path.write_text(run.log)
         assert main(["check", str(path)]) == expected, name
+
+
+# ------------------------------------------------------------------ the read check and the false-positive count
+def test_healthy_runs_read_what_the_mapping_says_at_every_sample(traced, paged, chunked):
+    # the torch-native SWA read fixed (the shims): every sample checks its queries and none disagrees
+    for name, run in (("traced", traced), ("paged", paged), ("chunked", chunked)):
+        assert run.ours and all(r.read_checked for r in run.ours), name
+        assert sum(r.swa_read_checks for r in run.ours) >= len(run.ours), name
+        assert [r.forward_ct for r in run.ours if r.swa_read_mismatches] == [], name
+        assert sum(r.swa_read_unchecked for r in run.ours) == 0, name
+
+
+def test_clean_runs_report_no_fault_of_any_kind(traced, chunked, by_hand, paged):
+    """The false-positive count of every detector over the suite's clean runs (the paged run before
+    its leak made on purpose): 0."""
+    from otel_swa.record import FAULT_FIELDS
+
+    samples = [r for run in (traced, chunked, by_hand) for r in run.ours] + [
+        r for r in paged.ours if r.forward_ct < LEAK_AT_STEP]
+    false_faults = {name: sum(getattr(r, name) or 0 for r in samples) for name in FAULT_FIELDS}
+    assert len(samples) > 40 and false_faults == {name: 0 for name in FAULT_FIELDS}
+    assert all(r.offenders == () for r in samples)

@@ -236,11 +236,11 @@ def test_the_read_check_ran_at_every_sample_and_agreed_in_the_clean_phase(zoo):
 # ------------------------------------------------------------------ the table in the docs
 def render_table(rows: list[dict]) -> str:
     """The detection table's markdown, a row per fault in :data:`ZOO` order."""
-    head = ("| fault (upstream) | otel-swa signal | took effect at step | first flagged at forward_ct | first offender "
+    head = ("| fault | re-creates | otel-swa signal | took effect at step | first flagged at forward_ct | first offender "
             "| `otel-swa check` | SGLang's KV canary | SGLang's memory check |")
-    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for row in sorted(rows, key=lambda r: list(ZOO).index(r["fault"])):
-        lines.append(f"| `{row['fault']}` ({row['upstream']}) | {row['signal']} | {row['injected_at']} | "
+        lines.append(f"| `{row['fault']}` | {row['upstream']} | {row['signal']} | {row['injected_at']} | "
                      f"{row['first_forward_ct']} | {row['offender']} | exit {row['check_exit']} | {row['canary']} | "
                      f"{row['memory_check']} |")
     return "\n".join(lines)

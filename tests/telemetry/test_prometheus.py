@@ -177,10 +177,11 @@ def test_scraped_counters_equal_the_records_at_every_pause(runs, name):
     run = by_name[name]
     for at in run.evaluations:
         want = counter_values(run.processes, at)
-        result = prom.query(f'{{__name__=~"kv_cache_swa_(forward_steps|entries_verified|reporter_samples_(taken|delivered|invalid))_total'
-                            f'|kv_cache_swa_reporter_delivery_delay_bucket",service_name="{run.service}"}}', at=at)
-        got = {(s["metric"]["__name__"], s["metric"]["instance"], s["metric"].get("pool", ""), s["metric"].get("le", "")):
-               value(s) for s in result}
+        result = prom.query(f'{{__name__=~"kv_cache_swa_(forward_steps|entries_verified|reporter_samples_(taken|delivered|invalid)'
+                            f'|read_check_queries)_total|kv_cache_swa_reporter_delivery_delay_bucket",'
+                            f'service_name="{run.service}"}}', at=at)
+        got = {(s["metric"]["__name__"], s["metric"]["instance"], s["metric"].get("pool", ""), s["metric"].get("le", ""),
+                s["metric"].get("kv_cache_swa_read_check_outcome", "")): value(s) for s in result}
         assert got == want, at
 
 
