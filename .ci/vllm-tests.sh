@@ -2,6 +2,7 @@
 # The vLLM engine suite: otel-swa's vLLM adapter and swa_vllm instrumentor against vLLM 0.33.0's
 # real KVCacheManager and Scheduler on CPU, in an environment of its own built from scratch (about
 # 2 GB). Runs `pytest tests/engines -m vllm`; a failed vLLM import fails it (OTEL_SWA_REQUIRE_VLLM=1).
+# The rows of its faults made on purpose go to $OTEL_SWA_DETECTION_DIR/detection.json (default out/detection).
 # The vLLM wheel (336 MB) is downloaded once into $OTEL_SWA_WHEEL_DIR (default .whl/).
 # vllm 0.33.0's metadata asks for torch==2.14.0 and packages left out here on purpose (see
 # .ci/vllm-constraints.txt and .ci/vllm-requirements.txt), so pip's conflict report is switched off.
@@ -25,5 +26,8 @@ python3 -m venv --clear "$VENV"
 installed=$(date +%s)
 echo "vllm suite environment: $(du -sh "$VENV" | cut -f1), installed in $(( installed - start )) s"
 
+# the detection table's rows of the vLLM faults made on purpose (docs/engines.md is compared with them)
+export OTEL_SWA_DETECTION_DIR="${OTEL_SWA_DETECTION_DIR:-out/detection}"
 OTEL_SWA_REQUIRE_VLLM=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/engines -m vllm
+echo "vllm suite: detection rows in $OTEL_SWA_DETECTION_DIR/detection.json"
 echo "vllm suite: tests $(( $(date +%s) - installed )) s, whole script $(( $(date +%s) - start )) s"

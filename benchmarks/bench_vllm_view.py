@@ -18,6 +18,13 @@ only at sampling steps) for the entries held: ``read_window_table(..., every_ent
 leading null run of each table; and ``vllm read, sampled``: the full read of a sampling step
 (every entry checked), without the reporter.
 
+With vLLM installed, three more over one real ``BlockPool`` holding a full-attention table
+(every block of each request) and the sliding-window table above for every request, 5 % of the
+pool free: ``vllm after + block audit``, the sampling step the instrumentor takes (the view with
+the KV block audit's inputs, :func:`otel_swa.views.vllm.kv_block_audit_inputs`); ``block audit
+inputs``, that host read alone; and ``pool usage read``, :func:`otel_swa.views.vllm.kv_cache_pool_usage`
+as a metric collection calls it (off the step).
+
 The block tables are vLLM's: real ``KVCacheBlock`` objects from a real ``BlockPool`` when vLLM
 imports, else plain objects with the same two attributes (``block_id``, ``is_null``; the
 printout says which). Each request of ``n`` tokens has ``ceil(n / block_size)`` blocks, the first
@@ -113,6 +120,27 @@ def vllm_batch(batch: int, tokens: int, window: int, block_size: int, make_block
     return manager, list(req_to_blocks), [tokens] * batch, num_blocks
 
 
+def vllm_cache(batch: int, tokens: int, window: int, block_size: int):
+    """A ``KVCacheManager``-shaped holder over one real ``BlockPool`` (vLLM only): per request a
+    full-attention table of ``ceil(tokens / block_size)`` blocks and the sliding-window table of
+    :func:`vllm_batch`, 5 % of the pool left free. Returns ``(kv_cache_manager, swa_manager, ids)``."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    per_request = -(-tokens // block_size)
+    skipped = max(0, tokens - window + 1) // block_size
+    held = batch * (2 * per_request - skipped)
+    pool = BlockPool(held + held // 19 + 1, False, 16)
+    full, swa = {}, {}
+    for i in range(batch):
+        full[f"req-{i}"] = pool.get_new_blocks(per_request)
+        swa[f"req-{i}"] = [pool.null_block] * skipped + pool.get_new_blocks(per_request - skipped)
+    managers = (type("FullAttentionManager", (SimpleNamespace,), {})(req_to_blocks=full, block_size=block_size),
+                type("SlidingWindowManager", (SimpleNamespace,), {})(req_to_blocks=swa, block_size=block_size,
+                                                                      sliding_window=window))
+    kv = SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=managers, block_pool=pool))
+    return kv, managers[1], list(full)
+
+
 def sglang_batch(batch: int, tokens: int, held_from: int):
     gen = torch.Generator().manual_seed(0)
     full_slots = batch * tokens
@@ -141,7 +169,7 @@ def main() -> None:
     print(f"torch={torch.__version__} threads={torch.get_num_threads()} window={args.window} "
           f"block_size={args.block_size} rounds={args.rounds} ({label})")
 
-    header = f"{'requests x tokens':<18} {'variant':<20} {'median ms':>10} {'min - max ms':>17}"
+    header = f"{'requests x tokens':<18} {'variant':<25} {'median ms':>10} {'min - max ms':>17}"
     print(header)
     print("-" * len(header))
     for batch, tokens in SHAPES:
@@ -161,6 +189,12 @@ def main() -> None:
             "vllm read, sampled": lambda: vllm_view.read_window_table(manager, ids, lens),
             "sglang (reference)": lambda: sample("sglang", lambda: sglang_view.batch_view(allocator, pool, forward_batch)),
         }
+        if label.startswith("vLLM"):
+            kv, swa, cache_ids = vllm_cache(batch, tokens, args.window, args.block_size)
+            variants["vllm after + block audit"] = lambda: sample("audit", lambda: vllm_view.read_window_table(
+                swa, cache_ids, lens).view(kv_block_audit=vllm_view.kv_block_audit_inputs(kv)))
+            variants["block audit inputs"] = lambda: vllm_view.kv_block_audit_inputs(kv)
+            variants["pool usage read"] = lambda: vllm_view.kv_cache_pool_usage(kv)
         counts = vllm_view.read_window_table(manager, ids, lens).counts
         assert counts.swa_out_of_window_tokens == batch * skipped * args.block_size, counts
         assert vllm_view.read_window_table(manager, ids, lens, every_entry=False).counts == counts
@@ -173,11 +207,19 @@ def main() -> None:
                 fn()
                 times[name].append((time.perf_counter() - start) * 1e3)
         for name, values in times.items():
-            print(f"{f'{batch} x {tokens}':<18} {name:<20} {statistics.median(values):>10.2f} "
+            print(f"{f'{batch} x {tokens}':<18} {name:<25} {statistics.median(values):>10.2f} "
                   f"{min(values):>8.2f} - {max(values):>6.2f}")
         records = {}
         for name, reporter in reporters.items():
             reporter.close()
+        if label.startswith("vLLM"):  # the audited sample: nothing leaked, nothing freed in use
+            rep = SwaDivergenceReporter(1, sinks=[lambda r, c: records.__setitem__("audit", r)])
+            rep.step(vllm_view.read_window_table(swa, cache_ids, lens).view(kv_block_audit=vllm_view.kv_block_audit_inputs(kv)))
+            rep.close()
+            audited = records.pop("audit")
+            assert (audited.kv_leaked_blocks, audited.kv_freed_blocks_in_use) == (0, 0), audited
+            print(f"{'':<18} block audit: {len(kv.coordinator.block_pool.blocks)} blocks, "
+                  f"{kv.coordinator.block_pool.get_num_free_blocks()} free, leaked 0, freed in use 0")
         # the three sampled views agree on what they measured
         for name in ("before", "after", "sglang"):
             rep = SwaDivergenceReporter(1, sinks=[lambda r, c, name=name: records.__setitem__(name, r)])

@@ -35,6 +35,11 @@ Two ways in:
 * from a block-id tensor (a table a caller already holds, e.g. a worker's):
   :func:`block_table_from_manager`, :func:`window_counts` and :func:`batch_view`.
 
+The whole pool, beside the batch: :func:`kv_block_audit_inputs` (the KV block audit's inputs:
+the ``BlockPool``'s free queue, the prefix cache's blocks, every group's tables) and
+:func:`kv_cache_pool_usage` (the pool gauges, free counted as vLLM's ``get_usage()`` counts it);
+:func:`window_allowance` gives the window check vLLM's own trimming.
+
 Nothing here imports vLLM.
 """
 
@@ -45,10 +50,11 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from otel_swa.pool_usage import POOL_FULL, POOL_SWA, PoolUsage
-from otel_swa.views.base import SwaBatch
+from otel_swa.views.base import KvBlockAuditInputs, SwaBatch
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -63,6 +69,9 @@ __all__ = [
     "batch_view",
     "block_mapping",
     "observe_counts",
+    "FreeQueueMoved",
+    "free_queue",
+    "kv_block_audit_inputs",
     "kv_cache_pool_usage",
     "scheduler_pool_usage",
 ]
@@ -98,29 +107,64 @@ def num_skipped_tokens(num_computed_tokens: int, sliding_window: int, extra_reta
     return max(0, num_computed_tokens - sliding_window + 1 - extra_retained_tokens)
 
 
-def window_allowance(num_scheduled_tokens: Sequence[int], block_size: int) -> list[int]:
+def window_allowance(
+    num_computed_tokens: Sequence[int],
+    num_scheduled_tokens: Sequence[int],
+    num_in_flight_tokens: Sequence[int],
+    *,
+    block_size: int,
+    sliding_window: int,
+    extra_retained_tokens: int = 0,
+) -> list[int]:
     """Per request, how many tokens older than the positions this step reads vLLM 0.33 keeps in
     real SWA blocks by design, read right after ``Scheduler.schedule()`` (the view's
     ``swa_eviction_allowance``, with ``extend_lens_cpu`` = ``num_scheduled_tokens``).
 
-    After ``schedule()`` a request's ``num_computed_tokens`` ``n`` already counts the ``s`` tokens
-    scheduled in this step (``Scheduler._update_after_schedule``); the step's first query, at ``n -
-    s``, reads from ``n - s - sliding_window + 1``. Its table was trimmed in ``allocate_slots`` on
-    the tokens processed before it (``n - s``): ``remove_skipped_blocks`` frees whole blocks below
-    ``num_skipped_tokens(n - s)`` = ``n - s - sliding_window + 1``, exactly where the step reads
-    from, so up to ``block_size - 1`` tokens older than that keep a real block (a partly skipped
-    block). With async scheduling the tokens still in flight add to that (not counted here).
+    After ``schedule()`` a request's ``Request.num_computed_tokens`` ``n`` and
+    ``Request.num_in_flight_tokens`` ``f`` both count the ``s`` tokens scheduled in this step
+    (``Scheduler._update_after_schedule``); ``f - s`` are the tokens of earlier steps still in
+    flight (async scheduling: ``AsyncScheduler`` schedules a step before the previous step's output
+    is in; 0 with the synchronous ``Scheduler``). The step's first query, at ``n - s``, reads from
+    ``n - s - sliding_window + 1``. The table was trimmed in ``KVCacheManager.allocate_slots`` on
+    the tokens processed before the step, ``n - f`` (``remove_skipped_blocks(num_computed_tokens -
+    num_in_flight_tokens)``): the whole blocks below ``num_skipped_tokens(n - f, sliding_window,
+    extra_retained_tokens)`` are freed, so the table holds real blocks from ``b = block_size *
+    floor(num_skipped_tokens(n - f) / block_size)`` on. The allowance is ``max(0, n - s -
+    sliding_window + 1 - b)``: up to ``block_size - 1`` tokens of a partly skipped block, the
+    ``f - s`` tokens in flight, and the ``extra_retained_tokens`` (``SlidingWindowSpec``: kept below
+    the window for multi-module speculative decoding).
+
+    Args:
+        num_computed_tokens, num_scheduled_tokens, num_in_flight_tokens: per request of the batch
+            (host ints, same length): ``n``, ``s`` (``SchedulerOutput.num_scheduled_tokens``) and
+            ``f`` as above.
+        block_size, sliding_window, extra_retained_tokens: the sliding-window group's
+            (``SlidingWindowManager.block_size``, ``.sliding_window``, ``.extra_retained_tokens``).
 
     Raises:
-        ValueError: ``block_size`` below 1, or a scheduled count below 1.
+        ValueError: lengths that differ, ``block_size`` or ``sliding_window`` below 1,
+            ``extra_retained_tokens`` below 0, a scheduled count below 1, or counts that contradict
+            each other (``f < s``, ``n < s``).
     """
-    if type(block_size) is not int or block_size < 1:  # noqa: E721
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+    for name, value, minimum in (("block_size", block_size, 1), ("sliding_window", sliding_window, 1),
+                                 ("extra_retained_tokens", extra_retained_tokens, 0)):
+        if type(value) is not int or value < minimum:  # noqa: E721
+            raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    counts = (tuple(num_computed_tokens), tuple(num_scheduled_tokens), tuple(num_in_flight_tokens))
+    if len({len(c) for c in counts}) != 1:
+        raise ValueError(
+            f"{len(counts[0])} computed, {len(counts[1])} scheduled and {len(counts[2])} in-flight token "
+            "counts; give one of each per request"
+        )
     out = []
-    for s in num_scheduled_tokens:
-        if type(s) is not int or s < 1:  # noqa: E721
-            raise ValueError(f"every scheduled token count must be an int >= 1, got {s!r}")
-        out.append(block_size - 1)
+    for n, s, f in zip(*counts):
+        if any(type(x) is not int for x in (n, s, f)) or s < 1 or n < s or f < s:  # noqa: E721
+            raise ValueError(
+                "each request needs int counts with num_scheduled_tokens >= 1 and num_computed_tokens, "
+                f"num_in_flight_tokens >= num_scheduled_tokens; got n={n!r}, s={s!r}, f={f!r}"
+            )
+        first_held = num_skipped_tokens(max(0, n - f), sliding_window, extra_retained_tokens) // block_size * block_size
+        out.append(max(0, n - s - sliding_window + 1 - first_held))
     return out
 
 
@@ -219,6 +263,7 @@ class WindowTable:
         sliding_window: int | None = None,
         swa_eviction_allowance: "int | Sequence[int] | None" = None,
         extend_lens_cpu: "Sequence[int] | None" = None,
+        kv_block_audit: "KvBlockAuditInputs | None" = None,
     ) -> SwaBatch:
         """The reporter's view (:class:`otel_swa.views.SwaBatch`) of this read, on ``device``.
 
@@ -241,6 +286,10 @@ class WindowTable:
         tokens, the step's queries read the last ``sliding_window + s - 1`` positions; a null-block
         token among them is a premature eviction; a real block held further back than the
         allowance is late-held. Block granularity is the view's: every token of a block counts.
+
+        The view carries the batch's ``request_ids`` (a fault's first offender names its request)
+        and ``kv_block_audit`` (e.g. :func:`kv_block_audit_inputs`: the KV block audit of the
+        whole pool, leaked blocks and blocks freed while in use).
         """
         device = torch.device(device)
         batch = len(self.num_tokens)
@@ -263,6 +312,8 @@ class WindowTable:
             swa_eviction_allowance=list(swa_eviction_allowance) if isinstance(swa_eviction_allowance, tuple)
             else swa_eviction_allowance,
             extend_lens_cpu=list(extend_lens_cpu) if isinstance(extend_lens_cpu, tuple) else extend_lens_cpu,
+            request_ids=self.request_ids,
+            kv_block_audit=kv_block_audit,
         )
 
 
@@ -493,13 +544,17 @@ def observe_counts(reporter: Any, counts: WindowCounts) -> None:
     reporter.observe("swa", counts.swa_entries)
 
 
-# ---------------------------------------------------------------------------------- pool usage
+# ------------------------------------------------------------------- block pool, audit, usage
 
 #: Which managers' groups make up each pool (``type(manager).__mro__`` names, vLLM 0.33's
 #: ``single_type_kv_cache_manager.py``). Other kinds (chunked local attention, Mamba, cross
 #: attention, RSWA, circular buffer...) belong to neither pool.
 _POOL_OF_MANAGER = {"SlidingWindowManager": POOL_SWA}
 _FULL_MANAGERS = ("FullAttentionManager",)
+
+
+class FreeQueueMoved(RuntimeError):
+    """The free queue changed while it was walked (read from another thread than the scheduler's)."""
 
 
 def _pool_of(manager: Any) -> "str | None":
@@ -517,86 +572,234 @@ def _group_id(block_hash: Any) -> int:
     return int.from_bytes(bytes(block_hash)[-4:], "big", signed=False)
 
 
-def kv_cache_pool_usage(kv_cache_manager: Any) -> "tuple[PoolUsage, ...]":
+def _parts(kv_cache_manager: Any) -> "tuple[Sequence[Any], Any]":
+    """``(single_type_managers, block_pool)`` of a ``KVCacheManager``."""
+    try:
+        coordinator = kv_cache_manager.coordinator
+        return coordinator.single_type_managers, coordinator.block_pool
+    except AttributeError as exc:
+        raise TypeError(
+            f"{type(kv_cache_manager).__name__} is not vLLM's KVCacheManager ({SUPPORTED_VLLM}): {exc}"
+        ) from None
+
+
+def free_queue(block_pool: Any) -> list:
+    """The blocks on vLLM's free queue (``BlockPool.free_block_queue``, a linked list through
+    ``KVCacheBlock.next_free_block`` between two sentinel blocks), front first: the blocks
+    ``BlockPool.get_num_free_blocks()`` and ``get_usage()`` count as free (cached ones included:
+    evictable).
+
+    Host work, one attribute read per free block, bounded by the pool's size.
+
+    Raises:
+        TypeError: not vLLM's ``BlockPool``.
+        FreeQueueMoved: the walk did not end at the queue's tail within ``num_gpu_blocks`` blocks, or
+            found another number of blocks than ``free_block_queue.num_free_blocks`` (the queue
+            changed during the walk: read from another thread than the scheduler's).
+    """
+    try:
+        queue = block_pool.free_block_queue
+        expected = queue.num_free_blocks
+        block = queue.fake_free_list_head.next_free_block
+        tail = queue.fake_free_list_tail
+        limit = int(block_pool.num_gpu_blocks)
+    except AttributeError as exc:
+        raise TypeError(f"{type(block_pool).__name__} is not vLLM's BlockPool ({SUPPORTED_VLLM}): {exc}") from None
+    blocks = []
+    while block is not tail:
+        if block is None or len(blocks) >= limit:
+            raise FreeQueueMoved(f"the free queue did not end at its tail within {limit} blocks")
+        blocks.append(block)
+        block = block.next_free_block
+    if len(blocks) != expected:
+        raise FreeQueueMoved(f"walked {len(blocks)} free blocks, the queue counts {expected}")
+    return blocks
+
+
+def _cached_block_ids(block_pool: Any) -> list[int]:
+    """Ids of the blocks a block hash maps to in the prefix cache (``cached_block_hash_to_block``:
+    a ``BlockHashToBlockMap`` whose values are a ``KVCacheBlock`` or a dict of them by id)."""
+    cache = getattr(block_pool.cached_block_hash_to_block, "_cache", None)
+    if not isinstance(cache, dict):
+        raise TypeError(f"BlockPool.cached_block_hash_to_block has no dict _cache; expected {SUPPORTED_VLLM}")
+    ids: list[int] = []
+    for entry in list(cache.values()):
+        if isinstance(entry, dict):
+            ids.extend(entry)
+        else:
+            ids.append(entry.block_id)
+    return ids
+
+
+def kv_block_audit_inputs(kv_cache_manager: Any, *, device: "str | torch.device" = "cpu") -> KvBlockAuditInputs:
+    """What the KV block audit reads, from vLLM 0.33's ``KVCacheManager`` (its one ``BlockPool``
+    and every KV cache group's ``SingleTypeKVCacheManager``), read now on the host.
+
+    * ``free_block_ids``: the free queue (:func:`free_queue`), front first;
+    * ``cached_block_ids``: every block the prefix cache maps a hash to
+      (``BlockPool.cached_block_hash_to_block``), free or not;
+    * held entries: every entry of every request's table (``req_to_blocks``) of every group, in
+      group order, then request order, then block order; the null block (``block_id`` 0,
+      ``BlockPool.null_block``) left out. ``held_positions``: entry ``j`` of a group of block size
+      ``bs`` covers positions from ``j * bs``; ``held_rows`` index ``held_request_ids`` (each
+      request once, in the order first met);
+    * ``num_blocks``: ``BlockPool.num_gpu_blocks``; ``null_block_id``: 0.
+
+    Read on the scheduler's thread (the instrumentor reads it right after ``schedule()``, at
+    sampling steps only): host work of one attribute read per free block, per cached hash and per
+    table entry, then one tensor per field on ``device`` (``int64``).
+
+    A block held outside the tables is not seen: runs whose KV connector defers frees
+    (``Scheduler.deferred_frees``) or pins blocks should not be audited (the instrumentor leaves
+    the audit off when a connector is set).
+
+    Raises:
+        TypeError: not vLLM's ``KVCacheManager`` (the message names what is missing).
+        FreeQueueMoved: see :func:`free_queue`.
+    """
+    managers, block_pool = _parts(kv_cache_manager)
+    free_ids = list(map(_BLOCK_ID, free_queue(block_pool)))
+    cached_ids = _cached_block_ids(block_pool)
+    rows: dict[str, int] = {}
+    ids: list[int] = []
+    segments: list[tuple[int, int, int, int]] = []  # (group, row, entries, block size) per table
+    for group, manager in enumerate(managers):
+        bs = _block_size(manager)
+        for request_id, blocks in list(_req_to_blocks(manager).items()):
+            if blocks:
+                ids.extend(map(_BLOCK_ID, blocks))
+                segments.append((group, rows.setdefault(request_id, len(rows)), len(blocks), bs))
+    held = np.array(ids, dtype=np.int64)
+    if segments:
+        groups, held_rows, lens, sizes = np.array(segments, dtype=np.int64).T
+        starts = np.cumsum(lens) - lens
+        positions = (np.arange(held.shape[0]) - np.repeat(starts, lens)) * np.repeat(sizes, lens)
+        groups, held_rows = np.repeat(groups, lens), np.repeat(held_rows, lens)
+        keep = held != NULL_BLOCK_ID  # the null entries (the window's skipped blocks, prefix hits) left out
+        held, groups, held_rows, positions = held[keep], groups[keep], held_rows[keep], positions[keep]
+    else:
+        groups = held_rows = positions = held
+    t = torch.from_numpy
+    device = torch.device(device)
+    return KvBlockAuditInputs(
+        num_blocks=int(block_pool.num_gpu_blocks),
+        free_block_ids=t(np.array(free_ids, dtype=np.int64)).to(device),
+        cached_block_ids=t(np.array(cached_ids, dtype=np.int64)).to(device),
+        held_block_ids=t(held).to(device),
+        held_groups=t(groups).to(device),
+        held_rows=t(held_rows).to(device),
+        held_positions=t(positions).to(device),
+        held_request_ids=tuple(rows),
+        null_block_id=NULL_BLOCK_ID,
+    )
+
+
+def kv_cache_pool_usage(kv_cache_manager: Any) -> "tuple[PoolUsage, ...] | None":
     """How full vLLM's KV cache is, per pool kind, in tokens (vLLM 0.33's v1 ``KVCacheManager``).
 
     vLLM keeps one ``BlockPool`` (``kv_cache_manager.coordinator.block_pool``) for every KV cache
     group; each group (``coordinator.single_type_managers[i]``) takes its blocks from it. A pool
     here is the groups of one kind: ``full`` the ``FullAttentionManager`` groups, ``swa`` the
-    ``SlidingWindowManager`` groups (other kinds are in neither). Per pool, in token slots of the
-    shared pool (blocks x the groups' ``block_size``):
+    ``SlidingWindowManager`` groups (other kinds are in neither). Free means on the free queue
+    (:func:`free_queue`), as vLLM counts it (``BlockPool.get_num_free_blocks``). Per pool, in token
+    slots of the shared pool (blocks x the groups' ``block_size``):
 
-    * ``used``: the distinct real blocks in the groups' block tables (``req_to_blocks``; the null
-      block, ``is_null``, is no block), the blocks that running or preempted-but-held requests keep;
-    * ``evictable``: free blocks (``ref_cnt == 0``) still in the prefix cache (``block_hash`` set)
-      whose hash belongs to one of the groups (``BlockHashWithGroupId``'s group id);
-    * ``available``: free blocks not in the prefix cache, shared: the same in both pools;
+    * ``available``: free blocks not in the prefix cache (``block_hash`` unset), shared: the same in
+      both pools;
+    * ``evictable``: free blocks still in the prefix cache whose hash belongs to one of the pool's
+      groups (``BlockHashWithGroupId``'s group id);
+    * ``used``: the blocks not free that the pool's groups' tables hold (``req_to_blocks``, the
+      null block, ``is_null``, being no block; a block in the tables of both kinds, which only a
+      corrupted pool has, counted once, in ``full``), plus the blocks not free that no table holds (leaked: the KV block audit
+      names them): by their hash's group when cached, else in ``full`` (``swa`` when there is no
+      full-attention group), since vLLM counts them as used;
     * ``total``: ``num_gpu_blocks - 1`` (block 0 is the null block), shared: the same in both.
 
     So over the pools ``sum(used) / total`` is vLLM's own ``kv_cache_usage_perc``
-    (``BlockPool.get_usage()``, ``1 - free / (num_gpu_blocks - 1)``), with free = available + the
-    evictable blocks, when every group is of one of the two kinds.
+    (``BlockPool.get_usage()``, ``1 - num_free_blocks / (num_gpu_blocks - 1)``) when every group
+    is of one of the two kinds, leak or not; a block a table holds while it is on the free queue
+    (freed while in use) counts as free, as vLLM counts it.
 
-    Host work only (no device tensor): one pass over the groups' block tables and one over
-    ``block_pool.blocks``, about ``num_gpu_blocks`` attribute reads: call it at metric collection,
-    not every step. Read from another thread while the scheduler runs, the figures are those of one
-    moment give or take an update in flight.
+    Host work only (no device tensor): one pass over the free queue and one over the groups' block
+    tables (one attribute read per entry), then a few numpy passes over one flag per block: call it
+    at metric collection, not every step. Read from another thread while the scheduler runs, the free
+    queue may change during the walk: the read is tried three times, then ``None`` is returned (no
+    figure rather than a wrong one).
 
     Returns:
-        one :class:`~otel_swa.pool_usage.PoolUsage` per pool kind present (``full`` first).
+        one :class:`~otel_swa.pool_usage.PoolUsage` per pool kind present (``full`` first), or
+        ``None`` when the free queue kept moving.
 
     Raises:
         TypeError: not vLLM's ``KVCacheManager`` (the message names the missing attribute).
         ValueError: the groups of one pool have different block sizes (no single token unit), or
             the counts are inconsistent.
     """
+    managers, block_pool = _parts(kv_cache_manager)
     try:
-        coordinator = kv_cache_manager.coordinator
-        managers = coordinator.single_type_managers
-        block_pool = coordinator.block_pool
         blocks = block_pool.blocks
         total_blocks = int(block_pool.num_gpu_blocks) - 1
     except AttributeError as exc:
-        raise TypeError(
-            f"{type(kv_cache_manager).__name__} is not vLLM's KVCacheManager ({SUPPORTED_VLLM}): {exc}"
-        ) from None
+        raise TypeError(f"{type(block_pool).__name__} is not vLLM's BlockPool ({SUPPORTED_VLLM}): {exc}") from None
     groups: dict[str, list[tuple[int, Any]]] = {}
     for group_id, manager in enumerate(managers):
         pool = _pool_of(manager)
         if pool is not None:
             groups.setdefault(pool, []).append((group_id, manager))
+    if not groups:
+        return ()
+    sizes = {}
+    for pool, members in groups.items():
+        found = {_block_size(manager) for _, manager in members}
+        if len(found) != 1:
+            raise ValueError(f"the {pool} KV cache groups have block sizes {sorted(found)}; expected one")
+        sizes[pool] = found.pop()
     pool_of_group = {group_id: pool for pool, members in groups.items() for group_id, _ in members}
-    free_uncached = 0
+    for attempt in range(3):
+        try:
+            free = free_queue(block_pool)
+            break
+        except FreeQueueMoved:
+            if attempt == 2:
+                return None
+    available_blocks = 0
     evictable_blocks = dict.fromkeys(groups, 0)
-    for block in blocks:
-        if block.ref_cnt != 0 or block.is_null:
-            continue
+    for block in free:
         block_hash = block.block_hash
         if block_hash is None:
-            free_uncached += 1
+            available_blocks += 1
             continue
         pool = pool_of_group.get(_group_id(block_hash))
         if pool is not None:
             evictable_blocks[pool] += 1
-    usages = []
-    for pool in (POOL_FULL, POOL_SWA):
-        members = groups.get(pool)
-        if not members:
-            continue
-        sizes = {_block_size(manager) for _, manager in members}
-        if len(sizes) != 1:
-            raise ValueError(f"the {pool} KV cache groups have block sizes {sorted(sizes)}; expected one")
-        block_size = sizes.pop()
-        held = 0
-        for _, manager in members:
-            ids = {block.block_id for req_blocks in list(_req_to_blocks(manager).values())
-                   for block in list(req_blocks) if not block.is_null}
-            held += len(ids)
-        usages.append(PoolUsage(pool, held * block_size, free_uncached * block_size,
-                                evictable_blocks[pool] * block_size, total_blocks * block_size))
-    return tuple(usages)
+    n = len(blocks)
+    held = {POOL_FULL: [], POOL_SWA: [], None: []}  # block ids by the kind of the tables holding them
+    for group_id, manager in enumerate(managers):
+        ids = held[pool_of_group.get(group_id)]
+        for req_blocks in list(_req_to_blocks(manager).values()):
+            ids.extend(map(_BLOCK_ID, req_blocks))
+    marks = {}
+    for kind, ids in held.items():
+        mark = np.zeros(n, dtype=bool)
+        mark[np.array(ids, dtype=np.int64)] = True
+        marks[kind] = mark
+    in_use = np.ones(n, dtype=bool)
+    in_use[np.array(list(map(_BLOCK_ID, free)), dtype=np.int64)] = False
+    in_use[NULL_BLOCK_ID] = False
+    full = marks[POOL_FULL] & in_use  # a block in the tables of both kinds (a corrupted pool) counts in full
+    used_blocks = {POOL_FULL: int(np.count_nonzero(full)),
+                   POOL_SWA: int(np.count_nonzero(marks[POOL_SWA] & in_use & ~full))}
+    rest = POOL_FULL if POOL_FULL in groups else POOL_SWA
+    for block_id in np.flatnonzero(in_use & ~marks[POOL_FULL] & ~marks[POOL_SWA] & ~marks[None]).tolist():
+        block_hash = blocks[block_id].block_hash  # in use, in no table: by its hash's group when cached
+        used_blocks[pool_of_group.get(_group_id(block_hash), rest) if block_hash is not None else rest] += 1
+    return tuple(
+        PoolUsage(pool, used_blocks[pool] * sizes[pool], available_blocks * sizes[pool],
+                  evictable_blocks[pool] * sizes[pool], total_blocks * sizes[pool])
+        for pool in (POOL_FULL, POOL_SWA) if pool in groups
+    )
 
 
-def scheduler_pool_usage(scheduler: Any) -> "tuple[PoolUsage, ...]":
+def scheduler_pool_usage(scheduler: Any) -> "tuple[PoolUsage, ...] | None":
     """:func:`kv_cache_pool_usage` of a vLLM ``Scheduler``'s ``kv_cache_manager``."""
     return kv_cache_pool_usage(scheduler.kv_cache_manager)

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 
 from otel_swa.views import vllm as vllm_view
-from test_vllm_real import BLOCK, ManagerDriver, make_scheduler, sampled, trace_requests
-from vllm_support import hybrid_kv_cache_config, vllm_classes  # noqa: F401
+from test_vllm_real import ManagerDriver
+from vllm_support import BLOCK, PREEMPTING_BLOCKS, hybrid_kv_cache_config, make_scheduler, sampled, trace_requests, vllm_classes  # noqa: F401
 
 pytestmark = pytest.mark.vllm
 
@@ -100,7 +100,7 @@ def test_the_instrumentor_exports_the_pools_of_a_real_scheduler(vllm_classes, tm
     instrumentor = SwaVllmInstrumentor()
     instrumentor.instrument(meter_provider=MeterProvider(metric_readers=[reader]))
     try:
-        scheduler = make_scheduler(v, tmp_path / "tiny-llama")
+        scheduler = make_scheduler(v, tmp_path / "tiny-llama", num_blocks=PREEMPTING_BLOCKS)
         for r in trace_requests(v):
             scheduler.add_request(r)
         assert _pool_points(reader) == {}  # nothing registered before the first schedule()
@@ -121,7 +121,7 @@ def test_the_instrumentor_exports_the_pools_of_a_real_scheduler(vllm_classes, tm
                     scheduler.kv_cache_manager.usage)
                 seen_evictable |= points[("evictable", "full")] > 0
                 compared += 1
-            sampled_ids = [[sampled(v, scheduler.requests[rid])]
+            sampled_ids = [[sampled(scheduler.requests[rid])]
                            if scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_tokens
                            else [] for rid in ids]
             scheduler.update_from_output(output, v.ModelRunnerOutput(

@@ -29,20 +29,24 @@ import pytest
 import torch
 
 from opentelemetry.instrumentation.swa_vllm import SCHEDULER_ATTRIBUTE, SwaVllmInstrumentor
-from otel_swa.reference.trace import load_trace
 from otel_swa.reporter import SwaDivergenceReporter
 from otel_swa.testing import assert_swa_divergence_observed
 from otel_swa.views import vllm as vllm_view
-from vllm_support import hybrid_kv_cache_config, recount, swa_manager, vllm_classes, write_tiny_llama  # noqa: F401
+from vllm_support import (  # noqa: F401
+    BLOCK,
+    PREEMPTING_BLOCKS,
+    WINDOW,
+    hybrid_kv_cache_config,
+    make_scheduler,
+    recount,
+    sampled,
+    swa_manager,
+    trace_requests,
+    vllm_classes,
+    window_recount,
+)
 
 pytestmark = pytest.mark.vllm
-
-BLOCK = 16
-
-
-def sampled(v, request) -> int:
-    """The test's stand-in for the model's sampled token: derived from the request's length."""
-    return (request.num_tokens * 7 + 11) % 1000 + 3
 
 
 # ---------------------------------------------------------------------------------------- formula
@@ -85,7 +89,7 @@ class ManagerDriver:
             request.num_computed_tokens = done + new
             request.status = self.v.RequestStatus.RUNNING
             if request.num_computed_tokens == request.num_tokens:  # prompt complete: a token is sampled
-                request.append_output_token_ids(sampled(self.v, request))
+                request.append_output_token_ids(sampled(request))
             self.running[index] = (request, None, 0)
             stepped.append(request)
         return stepped
@@ -171,56 +175,6 @@ def test_kv_cache_manager_counts_equal_the_real_tables_at_every_step(vllm_classe
 
 # ------------------------------------------------------------------------------------ scheduler
 INTERVAL = 5
-WINDOW = 64
-NUM_BLOCKS = 72
-
-
-def make_scheduler(v, model_dir):
-    max_len = 2048
-    model = v.ModelConfig(model=str(write_tiny_llama(model_dir, max_len)), dtype="float16", seed=0,
-                          skip_tokenizer_init=True, max_model_len=max_len)
-    scheduling = v.SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=max_len,
-                                   enable_chunked_prefill=True, is_encoder_decoder=False)
-    cache = v.CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
-    cache.num_gpu_blocks = NUM_BLOCKS
-    config = v.VllmConfig(model_config=model, scheduler_config=scheduling, cache_config=cache,
-                          device_config=v.DeviceConfig(device="cpu"))
-    return v.Scheduler(vllm_config=config,
-                       kv_cache_config=hybrid_kv_cache_config(v, num_blocks=NUM_BLOCKS, block_size=BLOCK, window=WINDOW),
-                       structured_output_manager=v.StructuredOutputManager(config), block_size=BLOCK)
-
-
-def trace_requests(v):
-    """The first 24 requests of the Azure LLM inference trace 2023 (conversation), scaled down so
-    that prompts exceed the window: a shared 96-token system prompt, then context / 6 tokens of
-    their own; generated / 4 + 1 output tokens."""
-    hasher = v.get_request_block_hasher(BLOCK, v.sha256)
-    system = [(7 * i) % 1000 + 3 for i in range(96)]
-    made = []
-    for i, row in enumerate(load_trace("conv", limit=24)):
-        body = [(i * 131 + 17 * j) % 1000 + 3 for j in range(row.context_tokens // 6)]
-        params = v.SamplingParams(max_tokens=row.generated_tokens // 4 + 1, ignore_eos=True)
-        made.append(v.Request(f"conv-{i}", system + body, params, None, block_hasher=hasher))
-    return made
-
-
-def window_recount(manager, request_ids, num_tokens, scheduled):
-    """``(premature, late_held, held_past_window)`` position by position over ``manager.req_to_blocks``: a null block
-    among the positions the step's queries read (``s`` scheduled tokens, the last at ``n - 1``, each
-    reading WINDOW positions: ``n - s - WINDOW + 1`` on); a real block more than ``block_size - 1``
-    below that (the table was trimmed on ``n - s`` tokens; see
-    ``otel_swa.views.vllm.window_allowance``); and every real block below ``n - WINDOW``."""
-    premature = late = held = 0
-    bs = manager.block_size
-    for rid, n, s in zip(request_ids, num_tokens, scheduled):
-        blocks = manager.req_to_blocks[rid]
-        for position in range(n):
-            null = blocks[position // bs].is_null
-            oldest_read = n - s - WINDOW + 1
-            premature += position >= oldest_read and null
-            late += position < oldest_read - (bs - 1) and not null
-            held += position < n - WINDOW and not null
-    return premature, late, held
 
 
 def test_scheduler_on_the_trace_gives_records_equal_to_the_real_tables(vllm_classes, tmp_path, pipeline, monkeypatch):
@@ -234,7 +188,7 @@ def test_scheduler_on_the_trace_gives_records_equal_to_the_real_tables(vllm_clas
     records = []
     try:
         assert v.Scheduler.__dict__["schedule"].__wrapped__ is original
-        scheduler = make_scheduler(v, tmp_path / "tiny-llama")
+        scheduler = make_scheduler(v, tmp_path / "tiny-llama", num_blocks=PREEMPTING_BLOCKS)
         assert type(scheduler.kv_cache_manager.coordinator).__name__ == "HybridKVCacheCoordinator"
         swa = swa_manager(v, scheduler.kv_cache_manager)
         requests = trace_requests(v)
@@ -262,10 +216,10 @@ def test_scheduler_on_the_trace_gives_records_equal_to_the_real_tables(vllm_clas
                 old_rule += sum(min(n, WINDOW) for n in lens)
                 if forward % INTERVAL == 0:
                     expected[forward] = (totals[0], totals[1], 0, out)
-                    scheduled = [output.num_scheduled_tokens[rid] for rid in ids]
-                    *window_expected[forward], held = window_recount(swa, ids, lens, scheduled)
-                    held_past_window += held
-            sampled_ids = [[sampled(v, scheduler.requests[rid])]
+                    window_expected[forward] = list(window_recount(scheduler, output, swa)[:2])
+                    held_past_window += sum(not swa.req_to_blocks[rid][p // BLOCK].is_null
+                                            for rid, n in zip(ids, lens) for p in range(max(0, n - WINDOW)))
+            sampled_ids = [[sampled(scheduler.requests[rid])]
                            if scheduler.requests[rid].num_computed_tokens >= scheduler.requests[rid].num_tokens
                            else [] for rid in ids]
             scheduler.update_from_output(output, v.ModelRunnerOutput(
@@ -286,11 +240,11 @@ def test_scheduler_on_the_trace_gives_records_equal_to_the_real_tables(vllm_clas
            for r in records}
     assert got == expected
     assert all(r.divergence_applicable is False for r in records)
-    # the window check: equal to the tables position by position; a healthy vLLM frees no block
-    # the next query reads, and keeps none past its by-design lag
+    # the window check: equal to the tables position by position (vllm_support.window_recount); a
+    # healthy vLLM frees no block the next query reads, and keeps none past its own trimming
     assert {r.forward_ct: [r.swa_premature_evictions, r.swa_late_held_slots] for r in records} == window_expected
     assert {tuple(counts) for counts in window_expected.values()} == {(0, 0)}
-    assert held_past_window >= 1  # the tables do lag: without the allowance these would count
+    assert held_past_window >= 1  # the tables do hold blocks past the window: the allowance is needed
     events = pipeline.events()
     fields = ("forward_ct", "verify_full", "verify_swa", "swa_full_idx_divergence", "swa_out_of_window_tokens")
     assert {e.attributes["kv_cache.swa.forward_ct"]: tuple(e.attributes[f"kv_cache.swa.{f}"] for f in fields[1:])

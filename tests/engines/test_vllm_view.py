@@ -13,6 +13,7 @@ over the token positions.
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import defaultdict
 from types import SimpleNamespace
@@ -20,6 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from otel_swa.record import Offender
 from otel_swa.reporter import SwaDivergenceReporter
 from otel_swa.views import vllm
 
@@ -241,14 +243,31 @@ def test_both_paths_through_the_reporter_match_a_recount(block_size):
 
 
 # ------------------------------------------------------------------ the sliding-window check
-def test_window_allowance_is_the_block_rounding():
-    # the table is trimmed exactly where the step's first query reads from, in whole blocks
-    assert vllm.window_allowance([1, 40], 16) == [15, 15]
-    assert vllm.window_allowance([1], 1) == [0]
-    with pytest.raises(ValueError, match="every scheduled token count must be an int >= 1, got 0"):
-        vllm.window_allowance([0], 16)
+def test_window_allowance_follows_vllms_trimming():
+    # block 16, window 64; (n computed, s scheduled, f in flight) after schedule(): the table was
+    # trimmed on n - f tokens, in whole blocks below n - f - 64 + 1 - extra; the step reads from
+    # n - s - 64 + 1
+    allowance = functools.partial(vllm.window_allowance, block_size=16, sliding_window=64)
+    # synchronous decode: trimmed on 199 -> blocks below 136 freed (8 blocks: 128); reads from 136
+    assert allowance([200], [1], [1]) == [136 - 128]
+    # async: a step in flight: trimmed on 198 (freed below 128 still); 9 tokens in flight: on 190,
+    # freed below 127 -> 112
+    assert allowance([200, 200], [1, 1], [2, 10]) == [8, 136 - 112]
+    # extra_retained_tokens 24: freed below 136 - 24 = 112
+    assert allowance([200], [1], [1], extra_retained_tokens=24) == [24]
+    # a prefill chunk of 128 after 128 tokens: trimmed on 128 (freed below 65 -> 64), reads from 65
+    assert allowance([256], [128], [128]) == [1]
+    # the first chunk: nothing read before position 0
+    assert allowance([30], [30], [30]) == [0]
+    assert vllm.window_allowance([40], [1], [1], block_size=1, sliding_window=8) == [0]
+    with pytest.raises(ValueError, match="num_in_flight_tokens >= num_scheduled_tokens; got n=40, s=2, f=1"):
+        allowance([40], [2], [1])
+    with pytest.raises(ValueError, match="1 computed, 2 scheduled and 1 in-flight token counts"):
+        allowance([40], [1, 1], [1])
     with pytest.raises(ValueError, match="block_size must be an int >= 1, got 0"):
-        vllm.window_allowance([1], 0)
+        vllm.window_allowance([1], [1], [1], block_size=0, sliding_window=8)
+    with pytest.raises(ValueError, match="extra_retained_tokens must be an int >= 0, got -1"):
+        allowance([1], [1], [1], extra_retained_tokens=-1)
 
 
 def test_the_view_counts_null_blocks_in_the_window_and_real_blocks_past_it():
@@ -277,3 +296,103 @@ def test_the_view_counts_the_window_of_a_chunk():
     decode = sample(table.view(sliding_window=8, swa_eviction_allowance=[3]))
     # below 16 - 3 = 13 with a real block: positions 0..3 and 8..12
     assert (decode.swa_premature_evictions, decode.swa_late_held_slots) == (0, 4 + 5)
+
+
+# ------------------------------------------------------------------ the block pool: audit, usage
+class PoolBlock:
+    """vLLM's ``KVCacheBlock`` attributes the pool readers use."""
+
+    def __init__(self, block_id: int, is_null: bool = False, block_hash: "bytes | None" = None) -> None:
+        self.block_id, self.is_null, self.block_hash = block_id, is_null, block_hash
+        self.next_free_block = None
+
+
+class FullAttentionManager:
+    def __init__(self, block_size, tables):
+        self.block_size, self.req_to_blocks = block_size, defaultdict(list, tables)
+
+
+class SlidingWindowManager(FullAttentionManager):
+    pass
+
+
+def group_hash(group: int) -> bytes:
+    """A ``BlockHashWithGroupId``: the hash bytes, then the group id in 4 bytes big-endian."""
+    return b"\x07" * 32 + group.to_bytes(4, "big")
+
+
+def hand_built_cache(tables_full, tables_swa, free_ids, hashed=None, counted=None):
+    """A ``KVCacheManager``-shaped holder: 10 blocks (0 the null block), the free queue a linked
+    list between two sentinels in ``free_ids`` order (``num_free_blocks``: ``counted`` or its
+    length), ``hashed``: block id -> group of its hash (those blocks are in the prefix cache)."""
+    hashed = hashed or {}
+    blocks = [PoolBlock(i, is_null=i == 0, block_hash=group_hash(hashed[i]) if i in hashed else None) for i in range(10)]
+    head, tail = PoolBlock(-1), PoolBlock(-1)
+    chain = [head] + [blocks[i] for i in free_ids] + [tail]
+    for a, b in zip(chain, chain[1:]):
+        a.next_free_block = b
+    queue = SimpleNamespace(num_free_blocks=len(free_ids) if counted is None else counted,
+                            fake_free_list_head=head, fake_free_list_tail=tail)
+    pool = SimpleNamespace(blocks=blocks, num_gpu_blocks=10, free_block_queue=queue,
+                           cached_block_hash_to_block=SimpleNamespace(_cache={
+                               group_hash(g) + bytes([i]): blocks[i] for i, g in hashed.items()}))
+    as_blocks = lambda tables: {rid: [blocks[i] for i in ids] for rid, ids in tables.items()}  # noqa: E731
+    managers = (FullAttentionManager(4, as_blocks(tables_full)), SlidingWindowManager(4, as_blocks(tables_swa)))
+    return SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=managers, block_pool=pool)), blocks
+
+
+def test_the_free_queue_is_walked_and_a_moving_one_refused():
+    kv, blocks = hand_built_cache({}, {}, [6, 7, 8])
+    pool = kv.coordinator.block_pool
+    assert [b.block_id for b in vllm.free_queue(pool)] == [6, 7, 8]
+    pool.free_block_queue.num_free_blocks = 2
+    with pytest.raises(vllm.FreeQueueMoved, match="walked 3 free blocks, the queue counts 2"):
+        vllm.free_queue(pool)
+    blocks[8].next_free_block = blocks[6]  # a cycle
+    with pytest.raises(vllm.FreeQueueMoved, match="did not end at its tail within 10 blocks"):
+        vllm.free_queue(pool)
+    with pytest.raises(TypeError, match="is not vLLM's BlockPool"):
+        vllm.free_queue(object())
+
+
+def test_pool_usage_counts_the_free_queue_and_puts_leaked_blocks_in_use():
+    # block 4 tokens. full: a holds 1 2 3; swa: a holds [null, 4, 5] and b holds [8] (8 is also on
+    # the free queue: freed while in use, free as vLLM counts it). Free queue 6 (cached, full
+    # group), 7, 8. Block 9: in use and in no table (leaked): used, in full.
+    kv, _ = hand_built_cache({"a": [1, 2, 3]}, {"a": [0, 4, 5], "b": [8]}, [6, 7, 8], hashed={6: 0})
+    usages = {u.pool: (u.used, u.available, u.evictable, u.total) for u in vllm.kv_cache_pool_usage(kv)}
+    assert usages == {"full": (4 * 4, 2 * 4, 1 * 4, 9 * 4), "swa": (2 * 4, 2 * 4, 0, 9 * 4)}
+    # vLLM's get_usage(): 1 - free / (num_gpu_blocks - 1) = 1 - 3 / 9
+    assert (usages["full"][0] + usages["swa"][0]) / (9 * 4) == pytest.approx(1 - 3 / 9)
+    # a cached leaked block counts in the pool of its hash's group
+    kv, _ = hand_built_cache({"a": [1, 2, 3]}, {"a": [0, 4, 5]}, [6, 7, 8], hashed={9: 1})
+    assert {u.pool: u.used for u in vllm.kv_cache_pool_usage(kv)} == {"full": 3 * 4, "swa": 3 * 4}
+
+
+def test_pool_usage_is_none_while_the_free_queue_keeps_moving():
+    kv, _ = hand_built_cache({"a": [1]}, {}, [6, 7, 8], counted=4)
+    assert vllm.kv_cache_pool_usage(kv) is None
+
+
+def test_block_audit_inputs_from_a_hand_built_cache():
+    kv, _ = hand_built_cache({"a": [1, 2, 3], "b": [9]}, {"a": [0, 0, 4, 5], "c": []}, [6, 7, 8], hashed={6: 0, 2: 0})
+    inputs = vllm.kv_block_audit_inputs(kv)
+    assert (inputs.num_blocks, inputs.null_block_id) == (10, 0)
+    assert inputs.free_block_ids.tolist() == [6, 7, 8]
+    assert sorted(inputs.cached_block_ids.tolist()) == [2, 6]
+    # group 0 (block size 4): a's entries at positions 0, 4, 8, b's at 0; group 1: a's real entries 2, 3
+    assert inputs.held_block_ids.tolist() == [1, 2, 3, 9, 4, 5]
+    assert inputs.held_groups.tolist() == [0, 0, 0, 0, 1, 1]
+    assert [inputs.held_request_ids[r] for r in inputs.held_rows.tolist()] == ["a", "a", "a", "b", "a", "a"]
+    assert inputs.held_positions.tolist() == [0, 4, 8, 0, 8, 12]
+    assert tuple(inputs.held_request_ids) == ("a", "b")  # c holds no block
+    # through the reporter: nothing leaked, nothing free that a table holds
+    record = sample(vllm.read_window_table(kv.coordinator.single_type_managers[1], ["a"], [16]).view(kv_block_audit=inputs))
+    assert (record.kv_leaked_blocks, record.kv_freed_blocks_in_use, record.offenders) == (0, 0, ())
+    # block 9 in no table: leaked; block 8 free while c's sliding-window table holds it
+    kv, _ = hand_built_cache({"a": [1, 2, 3]}, {"a": [0, 0, 4, 5], "c": [0, 8]}, [6, 7, 8], hashed={6: 0, 2: 0})
+    inputs = vllm.kv_block_audit_inputs(kv)
+    record = sample(vllm.read_window_table(kv.coordinator.single_type_managers[1], ["a"], [16]).view(kv_block_audit=inputs))
+    assert (record.kv_leaked_blocks, record.kv_freed_blocks_in_use) == (1, 1)
+    assert record.offenders == (Offender("kv_leaked_blocks", block=9),
+                                Offender("kv_freed_blocks_in_use", request="c", position=4, block=8, kv_cache_group=1))

@@ -23,7 +23,15 @@ Instrumenting wraps three methods:
       the table holds (between frees a request holds up to a block plus the tokens in flight more
       than the window);
     * ``reporter.step``: every ``interval`` steps the same read becomes the sample's view
-      (:meth:`otel_swa.views.vllm.WindowTable.view`): null-block tokens count as out of window.
+      (:meth:`otel_swa.views.vllm.WindowTable.view`): null-block tokens count as out of window;
+      the window check gets the group's ``sliding_window``, the scheduled tokens and, as the
+      allowance, vLLM's own trimming (:func:`otel_swa.views.vllm.window_allowance`: the tokens in
+      flight under async scheduling, ``Request.num_in_flight_tokens``, and the group's
+      ``extra_retained_tokens``); the KV block audit reads the whole ``BlockPool`` (free queue,
+      prefix cache, every group's tables: :func:`otel_swa.views.vllm.kv_block_audit_inputs`), so
+      each sample counts leaked blocks and blocks freed while in use and names the first of each
+      (block id, KV cache group, request, position). The audit is off for a scheduler with a KV
+      connector (``Scheduler.connector``), which may hold blocks outside the tables.
 
     At its first call per scheduler, the scheduler's KV cache is registered for the pool usage
     gauges (``kv_cache.pool.*``, ``pool=full|swa``), read when the SDK collects by
@@ -166,7 +174,13 @@ class SwaVllmInstrumentor(EngineInstrumentor):
             if swa is not None:
                 reporter = self._new_reporter("cpu")
                 if reporter is not None:
-                    wiring = SimpleNamespace(reporter=reporter, manager=swa, read_failures=0)
+                    # A KV connector may hold blocks outside the tables (deferred frees, offload
+                    # pins): the block audit would call them leaked, so it stays off there.
+                    audit = (getattr(scheduler, "connector", None) is None
+                             and not getattr(scheduler, "defer_block_free", False)
+                             and getattr(scheduler.kv_cache_manager.coordinator, "block_pool", None) is not None)
+                    wiring = SimpleNamespace(reporter=reporter, manager=swa, read_failures=0,
+                                             block_audit=audit, audit_failures=0)
                     weakref.finalize(scheduler, reporter.close)
         except Exception:
             _log.exception("instrumenting a vLLM scheduler failed; it runs uninstrumented")
@@ -215,18 +229,33 @@ class SwaVllmInstrumentor(EngineInstrumentor):
         heads = read(every_entry=False)
         if heads is not None:
             view.observe_counts(reporter, heads.counts)
+
         # Sampling steps only (the reporter calls the factory then): every entry read and checked,
-        # with the window check (the group's sliding window, vLLM's by-design lag as the allowance).
+        # the KV block audit of the whole pool, and the window check (the group's sliding window,
+        # vLLM's own trimming as the allowance).
         def sample() -> Any:
             table = read(every_entry=True)
             if table is None:
                 return view.read_window_table(wiring.manager, (), ()).view()
-            window = getattr(wiring.manager, "sliding_window", None)
+            audit = None
+            if wiring.block_audit:
+                try:
+                    audit = view.kv_block_audit_inputs(scheduler.kv_cache_manager)
+                except Exception:
+                    wiring.audit_failures += 1
+                    if wiring.audit_failures == 1:
+                        _log.exception("vLLM's block pool not read; samples without the KV block audit")
+            manager = wiring.manager
+            window = getattr(manager, "sliding_window", None)
             if type(window) is not int or window < 1:  # noqa: E721
-                return table.view()
+                return table.view(kv_block_audit=audit)
             scheduled = [int(output.num_scheduled_tokens[rid]) for rid in request_ids]
-            return table.view(sliding_window=window, extend_lens_cpu=scheduled,
-                              swa_eviction_allowance=view.window_allowance(scheduled, table.block_size))
+            in_flight = [int(getattr(requests[rid], "num_in_flight_tokens", s)) for rid, s in zip(request_ids, scheduled)]
+            allowance = view.window_allowance(
+                num_tokens, scheduled, in_flight, block_size=table.block_size, sliding_window=window,
+                extra_retained_tokens=int(getattr(manager, "extra_retained_tokens", 0) or 0))
+            return table.view(sliding_window=window, extend_lens_cpu=scheduled, swa_eviction_allowance=allowance,
+                              kv_block_audit=audit)
 
         reporter.step(sample)
 

@@ -1,0 +1,333 @@
+"""The KV block audit, the window check and the pool gauges on vLLM 0.33.0's real Scheduler and
+AsyncScheduler, healthy and with faults made on purpose (marker ``vllm``).
+
+Real: vLLM's ``Scheduler`` / ``AsyncScheduler`` (the class ``SchedulerConfig.get_scheduler_cls``
+picks), its ``KVCacheManager``, ``BlockPool`` and managers, driven as vLLM's engine core drives them
+(``vllm_support.SchedulerDriver``), under the ``swa_vllm`` instrumentor sampling every forward step.
+Stand-ins: the model runner's output (one sampled token per request that is not a prefill chunk),
+and the faults of ``tests/engines/shims/vllm_faults.py``, each re-creating an upstream bug class.
+
+Every expected value is a recount of that moment by plain loops over vLLM's objects
+(``vllm_support.block_audit_recount``, ``window_recount``, ``pool_recount``: vLLM's own free queue
+walk, ``block_hash``, ``get_num_skipped_tokens``, the tables) or vLLM's own figure
+(``KVCacheManager.usage``, what ``vllm:kv_cache_usage_perc`` reports). The faults' rows are written
+to ``$OTEL_SWA_DETECTION_DIR/detection.json`` and compared with the detection table of docs/engines.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+from pathlib import Path
+
+import pytest
+import torch
+
+import detection_table
+from opentelemetry.instrumentation.swa_vllm import SwaVllmInstrumentor
+from otel_swa.cli import main as otel_swa_cli
+from otel_swa.testing.judge import AUDIT_RULES, REPORTED_RULES
+from otel_swa.views import vllm as vllm_view
+from vllm_support import (
+    BLOCK,
+    PREEMPTING_BLOCKS,
+    SchedulerDriver,
+    block_audit_recount,
+    instrumented_run,
+    make_scheduler,
+    trace_requests,
+    vllm_classes,  # noqa: F401
+)
+
+pytestmark = pytest.mark.vllm
+
+ENGINE = detection_table.ENGINE
+FAULT_STEP = 30
+FAILING = tuple(rule.field for rule in AUDIT_RULES)
+REPORTED = tuple(rule.field for rule in REPORTED_RULES)
+#: The audit fields a vLLM record carries (the others, SGLang's slot audit and the read check, are
+#: not measured on vLLM: None).
+MEASURED = ("swa_premature_evictions", "kv_leaked_blocks", "kv_freed_blocks_in_use", "swa_late_held_slots")
+
+
+@pytest.fixture
+def instrumented(monkeypatch):
+    """The ``swa_vllm`` instrumentor on, sampling every forward step, no telemetry providers."""
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
+    instrumentor = SwaVllmInstrumentor()
+    instrumentor.instrument()
+    yield instrumentor
+    instrumentor.uninstrument()
+
+
+def check(log: Path) -> tuple[int, str]:
+    """``otel-swa check LOG``: exit status and output."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = otel_swa_cli(["check", str(log)])
+    return status, out.getvalue()
+
+
+def assert_matches_the_recounts(run) -> None:
+    """Every step's record against the recounts of that moment, and the pool figures."""
+    assert sorted(run.records) == list(range(1, run.steps + 1)), "a record for every forward step"
+    for step, record in run.records.items():
+        audit = run.audit[step]
+        premature, late, _ = run.window[step]
+        assert (record.swa_premature_evictions, record.swa_late_held_slots) == (premature, late), step
+        assert (record.kv_leaked_blocks, record.kv_freed_blocks_in_use) == (len(audit.leaked), len(audit.freed)), step
+        offenders = {o.fault: o for o in record.offenders}
+        if audit.leaked:
+            assert offenders["kv_leaked_blocks"].block == audit.leaked[0], step
+        if audit.freed:
+            o = offenders["kv_freed_blocks_in_use"]
+            assert (o.block, o.kv_cache_group, o.request, o.position) == audit.freed[0], step
+        assert set(offenders) <= {"kv_leaked_blocks", "kv_freed_blocks_in_use"} | (
+            {"swa_premature_evictions"} if premature else set()), step
+        recount, usages, vllm_usage = run.pools[step]
+        assert {u.pool: (u.used, u.available, u.evictable, u.total) for u in usages} == recount, step
+        assert sum(u.used for u in usages) / usages[0].total == pytest.approx(vllm_usage), step
+
+
+# ----------------------------------------------------------------------------------- the inputs
+def test_block_audit_inputs_are_the_real_pool_at_every_step(vllm_classes, tmp_path):
+    """``kv_block_audit_inputs`` against vLLM's own objects after every ``schedule()`` of an
+    AsyncScheduler run (prefix hits, the window trimming, requests finishing)."""
+    v = vllm_classes
+    scheduler = make_scheduler(v, tmp_path / "tiny-llama", async_scheduling=True)
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    managers = kv.coordinator.single_type_managers
+    seen = {"cached_free": 0, "null_skipped": 0, "groups": set()}
+
+    def on_schedule(output):
+        inputs = vllm_view.kv_block_audit_inputs(kv)
+        assert inputs.num_blocks == pool.num_gpu_blocks and inputs.null_block_id == 0
+        assert inputs.free_block_ids.tolist() == [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+        assert sorted(inputs.cached_block_ids.tolist()) == sorted(b.block_id for b in pool.blocks if b.block_hash is not None)
+        expected = [(b.block_id, g, rid, j * m.block_size) for g, m in enumerate(managers)
+                    for rid, blocks in m.req_to_blocks.items() for j, b in enumerate(blocks) if not b.is_null]
+        ids = inputs.held_request_ids
+        got = list(zip(inputs.held_block_ids.tolist(), inputs.held_groups.tolist(),
+                       [ids[r] for r in inputs.held_rows.tolist()], inputs.held_positions.tolist()))
+        assert got == expected
+        assert all(t.dtype == torch.int64 for t in (inputs.free_block_ids, inputs.held_block_ids))
+        seen["cached_free"] += len(set(inputs.free_block_ids.tolist()) & set(inputs.cached_block_ids.tolist()))
+        seen["null_skipped"] += sum(b.is_null for m in managers for bl in m.req_to_blocks.values() for b in bl)
+        seen["groups"] |= set(inputs.held_groups.tolist())
+
+    SchedulerDriver(scheduler, on_schedule=on_schedule).run(trace_requests(v))
+    assert seen["cached_free"] > 0 and seen["null_skipped"] > 0 and seen["groups"] == {0, 1}
+
+
+def test_block_audit_inputs_refuse_what_is_not_a_kv_cache_manager():
+    with pytest.raises(TypeError, match="is not vLLM's KVCacheManager"):
+        vllm_view.kv_block_audit_inputs(object())
+
+
+# ---------------------------------------------------------------------------------- clean runs
+HEALTHY = {
+    "Scheduler": dict(),
+    "Scheduler, 66 blocks (preemption)": dict(num_blocks=PREEMPTING_BLOCKS),
+    "AsyncScheduler": dict(async_scheduling=True),
+    "AsyncScheduler, prefix caching off": dict(async_scheduling=True, prefix_caching=False),
+    "Scheduler, 24 extra retained tokens": dict(extra_retained_tokens=24),
+    "AsyncScheduler, 24 extra retained tokens": dict(async_scheduling=True, extra_retained_tokens=24),
+}
+
+
+@pytest.mark.parametrize("name", list(HEALTHY))
+def test_clean_runs_have_no_fault_of_any_kind(vllm_classes, tmp_path, instrumented, name):
+    """Healthy runs of every configuration: at every forward step 0 leaked blocks, 0 blocks freed
+    while in use, 0 premature evictions and 0 late-held slots, each equal to the recount; the pool
+    gauges equal vLLM's own usage; ``otel-swa check`` passes the run's log."""
+    args = HEALTHY[name]
+    run = instrumented_run(vllm_classes, tmp_path, **args)
+    assert run.outcome == "finished"
+    assert_matches_the_recounts(run)
+    for step, record in run.records.items():
+        measured = {f: getattr(record, f) for f in FAILING + REPORTED if getattr(record, f) is not None}
+        assert measured == dict.fromkeys(MEASURED, 0), step
+        assert record.offenders == (), step
+    assert all(not run.audit[s].freed_cached and not run.audit[s].shared for s in run.audit)
+    status, output = check(run.log)
+    assert status == 0, output
+    assert run.driver.prefix_hits > 0 or args.get("prefix_caching") is False
+    if args.get("async_scheduling"):
+        assert run.driver.max_in_flight > 0  # steps were scheduled with the previous one in flight
+        # vLLM's trimming under async scheduling keeps more than a block's rounding: without the
+        # in-flight term of window_allowance these runs would count late-held slots
+        assert sum(run.window[step][2] for step in run.window) > 0
+    if args.get("extra_retained_tokens"):
+        assert sum(run.window[step][2] for step in run.window) > 0
+    if args.get("num_blocks") == PREEMPTING_BLOCKS:
+        assert run.driver.preempted
+
+
+# ------------------------------------------------------------------------------------- the zoo
+#: (fault, configuration, scheduler arguments, upstream report it re-creates)
+ZOO = (
+    ("stale_table_entry", "Scheduler, prefix caching off", dict(prefix_caching=False), "vllm#42273 (#50702, #50749)"),
+    ("stale_table_entry", "AsyncScheduler, prefix caching on", dict(async_scheduling=True), "vllm#42273 (#50702, #50749)"),
+    ("foreign_free", "Scheduler, prefix caching off", dict(prefix_caching=False), "vllm#39589 (#50702)"),
+    ("foreign_free", "AsyncScheduler, prefix caching on", dict(async_scheduling=True), "vllm#39589 (#50702)"),
+    ("leaked_tail_block", "Scheduler", dict(), "neuralmagic/vllm#71 (vllm#27073)"),
+    ("leaked_tail_block", "AsyncScheduler", dict(async_scheduling=True), "neuralmagic/vllm#71 (vllm#27073)"),
+    ("late_eviction", "AsyncScheduler", dict(async_scheduling=True), "vllm#33711"),
+)
+
+
+def row_of(run, fault: str, configuration: str, upstream: str) -> dict:
+    """The run's detection row (keys ``detection_table.KEYS``)."""
+    first: dict[str, int] = {}
+    for step in sorted(run.records):
+        for name in FAILING + REPORTED:
+            if getattr(run.records[step], name) and name not in first:
+                first[name] = step
+    order = FAILING + REPORTED
+    failing = sorted((first[f], order.index(f), f) for f in first if f in FAILING)
+    reported = sorted((first[f], order.index(f), f) for f in first if f in REPORTED)
+    signal = (failing or reported or [(None, 0, "none")])[0][2]
+    at = first.get(signal)
+    offender = run.records[at].offender(signal) if at is not None and signal in FAILING else None
+    return {
+        "engine": ENGINE, "fault": f"{fault} ({configuration})", "upstream": upstream, "signal": signal,
+        "injected_at": run.injection.injected_at, "first_forward_ct": at,
+        "offender": offender.describe() if offender is not None else None, "check_exit": check(run.log)[0],
+    }
+
+
+@pytest.fixture(scope="module")
+def zoo(vllm_classes, tmp_path_factory):
+    """Every fault of ``ZOO`` made at step ``FAULT_STEP`` in its own instrumented run."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
+    instrumentor = SwaVllmInstrumentor()
+    instrumentor.instrument()
+    runs = []
+    try:
+        for fault, configuration, args, upstream in ZOO:
+            directory = tmp_path_factory.mktemp(fault)
+            run = instrumented_run(vllm_classes, directory, fault=f"{fault}@{FAULT_STEP}", **args)
+            runs.append((run, row_of(run, fault, configuration, upstream)))
+    finally:
+        instrumentor.uninstrument()
+        mp.undo()
+    return runs
+
+
+def test_every_fault_was_made_and_every_record_equals_the_recount(zoo):
+    for run, row in zoo:
+        assert run.injection.injected_at is not None and run.injection.injected_at >= FAULT_STEP, row
+        assert_matches_the_recounts(run)
+
+
+def test_the_leak_fails_check_with_its_block_named_at_the_next_step(zoo):
+    for run, row in zoo:
+        if not row["fault"].startswith("leaked_tail_block"):
+            continue
+        leaked = sorted(run.injection.blocks)
+        assert row["signal"] == "kv_leaked_blocks" and row["first_forward_ct"] == run.injection.injected_at + 1
+        assert row["offender"] == f"block {leaked[0]}"
+        step = row["first_forward_ct"]
+        assert run.records[step].kv_leaked_blocks == len(leaked) == len(run.audit[step].leaked)
+        status, output = check(run.log)
+        assert status == 1 and f"block {leaked[0]}" in output, output
+        # leak or not, the pool gauges are vLLM's own usage (assert_matches_the_recounts); the
+        # leaked blocks count as used, not available
+        recount, usages, _ = run.pools[step]
+        assert usages[0].available == recount["full"][1]
+
+
+def test_the_late_eviction_is_reported_with_its_recount_and_not_failed(zoo):
+    (run, row), = [(r, w) for r, w in zoo if w["fault"].startswith("late_eviction")]
+    assert row["signal"] == "swa_late_held_slots" and row["first_forward_ct"] == run.injection.injected_at
+    late = {step: r.swa_late_held_slots for step, r in run.records.items()}
+    assert late == {step: run.window[step][1] for step in run.records}
+    assert all(late[s] == 0 for s in late if s < run.injection.injected_at)
+    assert sum(1 for s in late if late[s]) > 20 and row["check_exit"] == 0
+
+
+def test_early_frees_are_flagged_once_the_block_is_free_and_uncached(zoo):
+    """The early frees: ``kv_freed_blocks_in_use`` counts held entries on the free queue that the
+    prefix cache does not hold. With prefix caching off the freed blocks are that, and ``check``
+    fails naming the request, position, block and group; with it on (vLLM's default) the freed
+    blocks are cached ones, which the audit's rule does not count: the recount shows them on the
+    free queue while a table references them (``freed_cached``) from the next step on."""
+    for run, row in zoo:
+        fault = row["fault"]
+        if not fault.startswith(("stale_table_entry", "foreign_free")):
+            continue
+        made = run.injection.injected_at
+        if "prefix caching off" in fault:
+            assert row["signal"] == "kv_freed_blocks_in_use" and row["check_exit"] == 1, row
+            status, output = check(run.log)
+            assert row["offender"] in output, output
+        else:
+            assert run.audit[made + 1].freed_cached, row
+            assert row["signal"] != "kv_freed_blocks_in_use" or row["first_forward_ct"] > made + 1
+
+
+def test_the_detection_rows_are_the_docs_table(zoo):
+    rows = [row for _, row in zoo]
+    path = detection_table.write_rows(ENGINE, rows)
+    assert detection_table.read_rows(path, ENGINE) == rows
+    documented = detection_table.docs_rows(detection_table.DOCS.read_text(), ENGINE)
+    assert documented == rows, "docs/engines.md's detection table is stale: run the vLLM suite with " \
+        f"{detection_table.ROWS_VARIABLE}=DIR, then python tests/engines/detection_table.py DIR --write"
+
+
+#: What vLLM itself does after each fault of ``ZOO`` (docs/engines.md says it under the table):
+#: its own assertion (``BlockPool.get_new_blocks``: ``assert block.ref_cnt == 0``), a stall, or
+#: nothing.
+VLLM_OUTCOMES = {
+    "stale_table_entry (Scheduler, prefix caching off)": "AssertionError in block_pool.get_new_blocks",
+    "stale_table_entry (AsyncScheduler, prefix caching on)": "AssertionError in block_pool.get_new_blocks",
+    "foreign_free (Scheduler, prefix caching off)": "AssertionError in block_pool.get_new_blocks",
+    "foreign_free (AsyncScheduler, prefix caching on)": "AssertionError in block_pool.get_new_blocks",
+    "leaked_tail_block (Scheduler)": "finished",
+    "leaked_tail_block (AsyncScheduler)": "stalled",
+    "late_eviction (AsyncScheduler)": "finished",
+}
+
+
+def test_what_vllm_itself_does_after_each_fault(zoo):
+    assert {row["fault"]: run.outcome.split(" at step")[0] for run, row in zoo} == VLLM_OUTCOMES
+    for run, row in zoo:
+        if "at step" in run.outcome:  # vLLM's assertion comes after otel-swa flagged the run, or never
+            raised_at = int(run.outcome.rsplit(" ", 1)[1])
+            assert row["first_forward_ct"] is None or row["first_forward_ct"] <= raised_at, row
+
+
+# ----------------------------------------------------------------- as docs/engines.md says it
+def test_opentelemetry_instrument_with_the_documented_variables_gives_check_its_lines(vllm_classes, tmp_path):
+    """``opentelemetry-instrument`` with docs/engines.md's variables (no collector here: traces and
+    metrics off, ``OTEL_LOGS_EXPORTER=swa_logline``) over a script that runs the real
+    ``AsyncScheduler`` with a leak made through the shim's environment variable: the engine's log
+    has the lines, and ``otel-swa check`` fails it on the leaked blocks, naming the first. A log without the
+    exporter's lines has no record: ``check`` fails it too."""
+    import os
+    import subprocess
+    import sys
+
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "OTEL_SWA_DIVERGENCE_INTERVAL": "1", "OTEL_TRACES_EXPORTER": "none",
+           "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "swa_logline", "HF_HUB_OFFLINE": "1",
+           "OTEL_SWA_TEST_VLLM_FAULT": "leaked_tail_block@10"}
+    script = Path(__file__).with_name("vllm_scheduler_script.py")
+    done = subprocess.run([str(bin_dir / "opentelemetry-instrument"), sys.executable, str(script),
+                           str(tmp_path / "tiny-llama"), "async"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = dict(part.split("=") for part in done.stdout.split()[-3:])
+    steps, made, leaked = int(printed["scheduler_steps"]), int(printed["fault_at"]), printed["blocks"].split(",")
+    log = tmp_path / "engine.log"
+    log.write_text(done.stderr)
+    status, output = check(log)
+    # the exporter writes the fault lines too: check names the first leaked block
+    assert status == 1 and "leaked KV blocks" in output and f"block {min(map(int, leaked))}" in output, output
+    records = [line for line in done.stderr.splitlines() if "kv_canary_swa_divergence=" in line]
+    assert len(records) == steps and made >= 10
+    empty = tmp_path / "no-lines.log"
+    empty.write_text("".join(line + "\n" for line in done.stderr.splitlines() if "otel_swa" not in line))
+    assert check(empty)[0] != 0
