@@ -145,6 +145,7 @@ AUDIT_FIELDS = (
     "swa_read_unchecked",
     "kv_leaked_blocks",
     "kv_freed_blocks_in_use",
+    "kv_shared_blocks",
 )
 
 #: The audit fields that are faults: a sample where one is above 0 names its first offender on a
@@ -152,7 +153,7 @@ AUDIT_FIELDS = (
 #: evictions, the read check's mismatches (sliding-window attention read other KV than the mapping
 #: says), and the KV block audit of engines without a FULL-to-SWA mapping (vLLM): blocks in use that
 #: no request and no prefix-cache entry holds, blocks a running request's table references that
-#: are free and not cached.
+#: are on the free queue, blocks not in the prefix cache that two requests' tables reference.
 FAULT_FIELDS = (
     "swa_leaked_slots",
     "swa_stale_tokens",
@@ -161,6 +162,7 @@ FAULT_FIELDS = (
     "swa_read_mismatches",
     "kv_leaked_blocks",
     "kv_freed_blocks_in_use",
+    "kv_shared_blocks",
 )
 
 #: Where a fault's first offender is, in the order the fault line writes them (each only when known):
@@ -408,8 +410,10 @@ class SwaDivergenceRecord:
             variant the check does not cover, a step replayed from a CUDA graph), or ``None``.
         kv_leaked_blocks: KV blocks in use that no request and no prefix-cache entry holds (vLLM's
             block audit), unit ``{block}``, or ``None``.
-        kv_freed_blocks_in_use: KV blocks a running request's block table references that are free
-            and not cached (freed while in use; vLLM), unit ``{block}``, or ``None``.
+        kv_freed_blocks_in_use: KV blocks a running request's block table references that are on the
+            free queue (freed while in use; vLLM), unit ``{block}``, or ``None``.
+        kv_shared_blocks: KV blocks not in the prefix cache that two requests' tables reference
+            (handed out again while in use; vLLM), unit ``{block}``, or ``None``.
         offenders: the first offender of each fault the sample shows (:class:`Offender`, at most
             one per fault of :data:`FAULT_FIELDS`), on the fault lines; ``()`` when none is known.
         verify_source: what ``verify_full`` / ``verify_swa`` count, one of :data:`VERIFY_SOURCES`,
@@ -445,6 +449,7 @@ class SwaDivergenceRecord:
     swa_read_unchecked: "int | None" = field(default=None, kw_only=True)
     kv_leaked_blocks: "int | None" = field(default=None, kw_only=True)
     kv_freed_blocks_in_use: "int | None" = field(default=None, kw_only=True)
+    kv_shared_blocks: "int | None" = field(default=None, kw_only=True)
     verify_source: "str | None" = field(default=None, kw_only=True)
     micro_batch: "int | None" = field(default=None, kw_only=True)
     offenders: "tuple[Offender, ...]" = field(default=(), kw_only=True)

@@ -540,6 +540,7 @@ class SwaDivergenceReporter:
                 swa_read_unchecked=reading.read[2] if reading.read else None,
                 kv_leaked_blocks=reading.block["leaked"] if reading.block else None,
                 kv_freed_blocks_in_use=reading.block["freed_in_use"] if reading.block else None,
+                kv_shared_blocks=reading.block["shared"] if reading.block else None,
                 verify_source=self.verify_source,
                 micro_batch=pending.micro_batch,
                 offenders=_offenders(reading, pending),
@@ -616,10 +617,14 @@ def _offenders(reading: Any, pending: _Pending) -> "tuple[Offender, ...]":
     if block is not None:
         if block["leaked"] > 0:
             offenders.append(Offender("kv_leaked_blocks", block=block["leaked_block"]))
-        if block["freed_in_use"] > 0:
-            ids, row = pending.held_request_ids, block["freed_row"]
-            offenders.append(Offender(
-                "kv_freed_blocks_in_use", request=ids[row] if ids is not None and 0 <= row < len(ids) else None,
-                position=block["freed_position"], block=block["freed_block"], kv_cache_group=block["freed_group"],
-            ))
+        ids = pending.held_request_ids
+        for fault, count, prefix in (("kv_freed_blocks_in_use", "freed_in_use", "freed"),
+                                     ("kv_shared_blocks", "shared", "shared")):
+            if block[count] > 0:
+                row = block[f"{prefix}_row"]
+                offenders.append(Offender(
+                    fault, request=ids[row] if ids is not None and 0 <= row < len(ids) else None,
+                    position=block[f"{prefix}_position"], block=block[f"{prefix}_block"],
+                    kv_cache_group=block[f"{prefix}_group"],
+                ))
     return tuple(offenders)

@@ -11,16 +11,22 @@ the free queue and never returned leaks):
 
 * a block that is not free, not held and not cached, other than the null block, is **leaked**:
   nothing references it and nothing will free it;
-* a held entry whose block is free and not cached was **freed while in use**: the pool may hand it
-  to another request while this one still reads it.
+* a held entry whose block is on the free queue was **freed while in use**: the pool may hand it
+  to another request while this one still reads it (a cached block a request uses is taken off the
+  free queue when the request takes it, vLLM's ``BlockPool.touch``, so being cached does not excuse
+  it);
+* a block that is not cached and that two requests' tables reference is **shared**: only prefix
+  cache hits share blocks, and they are cached (the second request of a block freed early and
+  handed out again).
 
 Ids outside ``0 .. num_blocks - 1`` are ignored rather than read out of bounds (they go to a spare
 table cell). Work: one bool table per kind over the ``num_blocks + 1`` cells, written at the ids,
 and passes over the held entries; no atomics, no host sync.
 
-Cells (:data:`BLOCK_CELLS`): the two counts, the first leaked block (lowest id), and the first held
-entry freed while in use (in the order the entries are given): its block, KV cache group, request
-index and first position. A cell of an offender is meaningful only when its count is above 0.
+Cells (:data:`BLOCK_CELLS`): the three counts, the first leaked block (lowest id), and the first
+held entry freed while in use and the first of a shared block (in the order the entries are given):
+its block, KV cache group, request index and first position. A cell of an offender is meaningful
+only when its count is above 0.
 """
 
 from __future__ import annotations
@@ -36,12 +42,17 @@ __all__ = ["BLOCK_CELLS", "BLOCK_WIDTH", "stage_block_audit", "block_audit_field
 #: The cells :func:`stage_block_audit` writes, in order.
 BLOCK_CELLS = (
     "leaked",  # blocks not free, not held, not cached (the null block excepted)
-    "freed_in_use",  # held entries whose block is free and not cached
+    "freed_in_use",  # held entries whose block is on the free queue
+    "shared",  # uncached blocks two requests' tables reference
     "leaked_block",  # the lowest leaked block id
     "freed_block",  # the first such held entry's block id
     "freed_group",  # its KV cache group
     "freed_row",  # its request's index in held_request_ids
     "freed_position",  # the first token position its block covers
+    "shared_block",  # the first held entry of a shared uncached block: its block id
+    "shared_group",  # its KV cache group
+    "shared_row",  # its request's index in held_request_ids
+    "shared_position",  # the first token position its block covers
 )
 #: int64 cells of the block audit.
 BLOCK_WIDTH = len(BLOCK_CELLS)
@@ -73,23 +84,39 @@ def stage_block_audit(out: torch.Tensor, inputs: Any, ws: Workspace | None = Non
     free, _ = _mark(ws, "block.free", inputs.free_block_ids, n)
     held, held_keys = _mark(ws, "block.held", inputs.held_block_ids, n)
     cached, _ = _mark(ws, "block.cached", inputs.cached_block_ids, n)
-    # freed while in use: a held entry on the free queue and not cached
+    entries = [t.reshape(-1).long() for t in (inputs.held_block_ids, inputs.held_groups, inputs.held_rows,
+                                               inputs.held_positions)]
+    zero = torch.zeros((), dtype=torch.int64, device=out.device)
     if held_keys.numel():
-        exposed = free.index_select(0, held_keys).logical_and_(cached.index_select(0, held_keys).logical_not_())
+        # freed while in use: a held entry whose block is on the free queue
+        exposed = free.index_select(0, held_keys)
         freed = torch.count_nonzero(exposed)
-        first = torch.argmax(exposed.to(torch.uint8)).reshape(1)
-        entry = [t.reshape(-1).long().index_select(0, first).reshape(())
-                 for t in (inputs.held_block_ids, inputs.held_groups, inputs.held_rows, inputs.held_positions)]
+        first = torch.max(exposed, 0).indices.reshape(1)
+        freed_entry = [t.index_select(0, first).reshape(()) for t in entries]
+        # shared: an uncached block whose cell, written with each held entry's request, reads back
+        # another request for one of them (bad ids share the spare cell, never counted)
+        rows = entries[2]
+        owner = ws.get("block.owner", n + 1, torch.int64).fill_(-1)
+        owner.scatter_(0, held_keys, rows)
+        sharing = torch.ne(owner.index_select(0, held_keys), rows).logical_and_(
+            cached.index_select(0, held_keys).logical_not_()).logical_and_(held_keys < n)
+        keys = torch.where(sharing, held_keys, n)
+        marked = ws.get("block.shared", n + 1, torch.bool).zero_()
+        marked.index_fill_(0, keys, True)
+        marked[n] = False
+        shared = torch.count_nonzero(marked)
+        first = torch.max(sharing, 0).indices.reshape(1)
+        shared_entry = [t.index_select(0, first).reshape(()) for t in entries]
     else:
-        freed = torch.zeros((), dtype=torch.int64, device=out.device)
-        entry = [freed] * 4
+        freed = shared = zero
+        freed_entry = shared_entry = [zero] * 4
     # leaked: not free, not held, not cached; the null block and the spare cell never
     lost = torch.logical_or(free, held, out=ws.get("block.lost", n + 1, torch.bool)).logical_or_(cached).logical_not_()
     lost[int(inputs.null_block_id)] = False
     lost[n] = False
     leaked = torch.count_nonzero(lost)
-    leaked_block = torch.argmax(lost.to(torch.uint8))
-    torch.stack([leaked, freed, leaked_block, *entry], out=out)
+    leaked_block = torch.max(lost, 0).indices
+    torch.stack([leaked, freed, shared, leaked_block, *freed_entry, *shared_entry], out=out)
     return out
 
 

@@ -232,10 +232,17 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
     ),
     InstrumentSpec(
         sc.NAMESPACE + "blocks.freed_in_use", GAUGE, "{block}",
-        "KV blocks a running request's block table references that are free and not cached: the pool may "
+        "KV blocks a running request's block table references that are on the free queue: the pool may "
         "hand them to another request (block-pool engines: vLLM)",
         "kv_freed_blocks_in_use (when the engine gives the KV block audit's inputs)",
         _field("kv_freed_blocks_in_use"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "blocks.shared", GAUGE, "{block}",
+        "KV blocks not in the prefix cache that two requests' block tables reference: a block handed out again "
+        "while in use (block-pool engines: vLLM)",
+        "kv_shared_blocks (when the engine gives the KV block audit's inputs)",
+        _field("kv_shared_blocks"),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "reporter.delivery.delay", DELAY_HISTOGRAM, "{forward}",

@@ -117,7 +117,9 @@ AUDIT_RULES = (
     AuditRule("kv_leaked_blocks", "leaked KV blocks",
               "KV blocks in use that no request and no prefix-cache entry holds"),
     AuditRule("kv_freed_blocks_in_use", "KV blocks freed while in use",
-              "KV blocks a running request's block table references that are free and not cached"),
+              "KV blocks a running request's block table references that are on the free queue"),
+    AuditRule("kv_shared_blocks", "KV blocks handed out twice",
+              "KV blocks not in the prefix cache that two requests' block tables reference"),
 )
 
 #: Audit fields shown with their peak but never judged.

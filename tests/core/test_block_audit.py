@@ -29,8 +29,13 @@ def recount(num_blocks, free, cached, held, null=0):
     cached_set = {b for b in cached if valid(b)}
     held_set = {b for b, _, _, _ in held if valid(b)}
     leaked = [b for b in range(num_blocks) if b != null and b not in free_set | held_set | cached_set]
-    exposed = [entry for entry in held if valid(entry[0]) and entry[0] in free_set and entry[0] not in cached_set]
-    return leaked, exposed
+    exposed = [entry for entry in held if valid(entry[0]) and entry[0] in free_set]
+    requests = {}
+    for block, _, row, _ in held:
+        if valid(block) and block not in cached_set:
+            requests.setdefault(block, set()).add(row)
+    shared_blocks = {block for block, rows in requests.items() if len(rows) > 1}
+    return leaked, exposed, shared_blocks
 
 
 def _stage(inputs):
@@ -51,10 +56,14 @@ ids = st.integers(min_value=-2, max_value=40)
 )
 def test_counts_and_first_offenders_equal_the_recount(num_blocks, free, cached, held, null):
     null = min(null, num_blocks - 1)
-    leaked, exposed = recount(num_blocks, free, cached, held, null)
+    leaked, exposed, shared = recount(num_blocks, free, cached, held, null)
     cells = _stage(_inputs(num_blocks, free, cached, held, null))
     assert cells["leaked"] == len(leaked)
     assert cells["freed_in_use"] == len(exposed)
+    assert cells["shared"] == len(shared)
+    if shared:  # a held entry of a shared block, with its own group, request and position
+        entry = (cells["shared_block"], cells["shared_group"], cells["shared_row"], cells["shared_position"])
+        assert cells["shared_block"] in shared and entry in held
     if leaked:
         assert cells["leaked_block"] == leaked[0]
     if exposed:
@@ -73,19 +82,25 @@ def test_the_reporter_records_the_block_audit_and_names_the_first_offenders():
     records = []
     reporter = SwaDivergenceReporter(1, sinks=[lambda record, context: records.append(record)])
     # 10 blocks: 0 null, 1-3 free, 4-6 held by two requests, 7 cached and free (evictable), 8 and 9
-    # taken off the free queue by nobody: leaked; block 2 is also in req-1's table: freed in use
-    held = [(4, 0, 0, 0), (5, 0, 0, 16), (6, 1, 1, 0), (2, 1, 1, 16)]
+    # taken off the free queue by nobody: leaked; block 2 is also in req-1's table: freed in use;
+    # block 5 is in both requests' tables and not cached: shared
+    held = [(4, 0, 0, 0), (5, 0, 0, 16), (6, 1, 1, 0), (2, 1, 1, 16), (5, 1, 1, 32)]
     reporter.step(_view(_inputs(10, [1, 2, 3, 7], [7], held)))
-    healthy = [(4, 0, 0, 0), (5, 0, 0, 16), (6, 1, 1, 0), (8, 1, 1, 16), (9, 1, 1, 32)]
-    reporter.step(_view(_inputs(10, [1, 2, 3, 7], [7], healthy)))
+    # healthy: block 7 cached, in both tables (a prefix hit), off the free queue
+    healthy = [(7, 0, 0, 0), (4, 0, 0, 16), (5, 0, 0, 32), (7, 1, 1, 0), (6, 1, 1, 16), (8, 1, 1, 32), (9, 1, 1, 48)]
+    reporter.step(_view(_inputs(10, [1, 2, 3], [7], healthy)))
     reporter.close()
     faulty, clean = records
-    assert (faulty.kv_leaked_blocks, faulty.kv_freed_blocks_in_use) == (2, 1)
-    assert faulty.offenders == (
+    assert (faulty.kv_leaked_blocks, faulty.kv_freed_blocks_in_use, faulty.kv_shared_blocks) == (2, 1, 1)
+    assert faulty.offenders[:2] == (
         Offender("kv_leaked_blocks", block=8),
         Offender("kv_freed_blocks_in_use", request="req-1", position=16, block=2, kv_cache_group=1),
     )
-    assert (clean.kv_leaked_blocks, clean.kv_freed_blocks_in_use, clean.offenders) == (0, 0, ())
+    shared = faulty.offenders[2]
+    assert shared.fault == "kv_shared_blocks" and shared.block == 5 and (shared.request, shared.position) in (
+        ("req-0", 16), ("req-1", 32))
+    assert (clean.kv_leaked_blocks, clean.kv_freed_blocks_in_use, clean.kv_shared_blocks, clean.offenders) == (
+        0, 0, 0, ())
     assert faulty.divergence_applicable is False
 
 

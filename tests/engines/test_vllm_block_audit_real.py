@@ -75,14 +75,18 @@ def assert_matches_the_recounts(run) -> None:
         audit = run.audit[step]
         premature, late, _ = run.window[step]
         assert (record.swa_premature_evictions, record.swa_late_held_slots) == (premature, late), step
-        assert (record.kv_leaked_blocks, record.kv_freed_blocks_in_use) == (len(audit.leaked), len(audit.freed)), step
+        assert (record.kv_leaked_blocks, record.kv_freed_blocks_in_use, record.kv_shared_blocks) == (
+            len(audit.leaked), len(audit.freed), len(audit.shared)), step
         offenders = {o.fault: o for o in record.offenders}
         if audit.leaked:
             assert offenders["kv_leaked_blocks"].block == audit.leaked[0], step
         if audit.freed:
             o = offenders["kv_freed_blocks_in_use"]
             assert (o.block, o.kv_cache_group, o.request, o.position) == audit.freed[0], step
-        assert set(offenders) <= {"kv_leaked_blocks", "kv_freed_blocks_in_use"} | (
+        if audit.shared:  # an entry of a shared block (which of its requests: the audit's table keeps one)
+            o = offenders["kv_shared_blocks"]
+            assert o.block in audit.shared and (o.block, o.kv_cache_group, o.request, o.position) in audit.entries, step
+        assert set(offenders) <= {"kv_leaked_blocks", "kv_freed_blocks_in_use", "kv_shared_blocks"} | (
             {"swa_premature_evictions"} if premature else set()), step
         recount, usages, vllm_usage = run.pools[step]
         assert {u.pool: (u.used, u.available, u.evictable, u.total) for u in usages} == recount, step
@@ -248,24 +252,22 @@ def test_the_late_eviction_is_reported_with_its_recount_and_not_failed(zoo):
     assert sum(1 for s in late if late[s]) > 20 and row["check_exit"] == 0
 
 
-def test_early_frees_are_flagged_once_the_block_is_free_and_uncached(zoo):
-    """The early frees: ``kv_freed_blocks_in_use`` counts held entries on the free queue that the
-    prefix cache does not hold. With prefix caching off the freed blocks are that, and ``check``
-    fails naming the request, position, block and group; with it on (vLLM's default) the freed
-    blocks are cached ones, which the audit's rule does not count: the recount shows them on the
-    free queue while a table references them (``freed_cached``) from the next step on."""
+def test_early_frees_are_flagged_with_or_without_the_prefix_cache(zoo):
+    """The early frees: a held entry whose block is on the free queue (cached or not: a request that
+    takes a cached block takes it off the free queue) is freed while in use, and a block without a
+    hash in two requests' tables was handed out again. Both configurations fail ``check`` naming the
+    request, position, block and group, the step after the fault or earlier."""
     for run, row in zoo:
         fault = row["fault"]
         if not fault.startswith(("stale_table_entry", "foreign_free")):
             continue
         made = run.injection.injected_at
-        if "prefix caching off" in fault:
-            assert row["signal"] == "kv_freed_blocks_in_use" and row["check_exit"] == 1, row
-            status, output = check(run.log)
-            assert row["offender"] in output, output
-        else:
+        assert row["signal"] in ("kv_freed_blocks_in_use", "kv_shared_blocks") and row["check_exit"] == 1, row
+        assert row["first_forward_ct"] <= made + 1, row
+        status, output = check(run.log)
+        assert status == 1 and row["offender"] in output, output
+        if "prefix caching on" in fault:  # the freed blocks are cached ones, on the free queue while held
             assert run.audit[made + 1].freed_cached, row
-            assert row["signal"] != "kv_freed_blocks_in_use" or row["first_forward_ct"] > made + 1
 
 
 def test_the_detection_rows_are_the_docs_table(zoo):

@@ -290,11 +290,11 @@ def block_audit_recount(kv_cache_manager) -> SimpleNamespace:
     real objects: the free queue walked by vLLM's own ``FreeKVCacheBlockQueue.get_all_free_blocks``,
     the cached blocks as those with a ``block_hash``, every group's tables.
 
-    Returns ``leaked`` (ids, ascending: blocks neither free, held, cached nor the null block) and
-    ``freed`` (``(block, group, request, position)`` of each held entry whose block is free and not
-    cached, groups in order, then each group's requests, then each table's blocks), and, beyond
-    the audit's rules, ``freed_cached`` (held entries on the free queue that are cached) and
-    ``shared`` (blocks without a hash that the tables of two requests reference)."""
+    Returns ``leaked`` (ids, ascending: blocks neither free, held, cached nor the null block),
+    ``freed`` (``(block, group, request, position)`` of each held entry whose block is on the free
+    queue, cached or not, groups in order, then each group's requests, then each table's blocks),
+    ``freed_cached`` (those of them that are cached), ``shared`` (blocks without a hash that the
+    tables of two requests reference) and ``entries`` (every held entry, in that order)."""
     pool = kv_cache_manager.coordinator.block_pool
     managers = kv_cache_manager.coordinator.single_type_managers
     free = {b.block_id for b in pool.free_block_queue.get_all_free_blocks()}
@@ -308,9 +308,10 @@ def block_audit_recount(kv_cache_manager) -> SimpleNamespace:
         held.setdefault(block, set()).add(rid)
     return SimpleNamespace(
         leaked=[b for b in range(1, pool.num_gpu_blocks) if b not in free and b not in held and b not in cached],
-        freed=[e for e in entries if e[0] in free and e[0] not in cached],
+        freed=[e for e in entries if e[0] in free],
         freed_cached=[e for e in entries if e[0] in free and e[0] in cached],
         shared=sorted(b for b, rids in held.items() if b not in cached and len(rids) > 1),
+        entries=entries,
     )
 
 
