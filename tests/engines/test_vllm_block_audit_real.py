@@ -47,7 +47,7 @@ FAILING = tuple(rule.field for rule in AUDIT_RULES)
 REPORTED = tuple(rule.field for rule in REPORTED_RULES)
 #: The audit fields a vLLM record carries (the others, SGLang's slot audit and the read check, are
 #: not measured on vLLM: None).
-MEASURED = ("swa_premature_evictions", "kv_leaked_blocks", "kv_freed_blocks_in_use", "swa_late_held_slots")
+MEASURED = ("swa_premature_evictions", "kv_leaked_blocks", "kv_freed_blocks_in_use", "kv_shared_blocks", "swa_late_held_slots")
 
 
 @pytest.fixture
@@ -143,7 +143,7 @@ HEALTHY = {
 @pytest.mark.parametrize("name", list(HEALTHY))
 def test_clean_runs_have_no_fault_of_any_kind(vllm_classes, tmp_path, instrumented, name):
     """Healthy runs of every configuration: at every forward step 0 leaked blocks, 0 blocks freed
-    while in use, 0 premature evictions and 0 late-held slots, each equal to the recount; the pool
+    while in use, 0 shared blocks, 0 premature evictions and 0 late-held slots, each equal to the recount; the pool
     gauges equal vLLM's own usage; ``otel-swa check`` passes the run's log."""
     args = HEALTHY[name]
     run = instrumented_run(vllm_classes, tmp_path, **args)
