@@ -51,7 +51,13 @@ its own prefixes, which SGLang's parser never matches (neither prefix contains S
 
       otel_swa[verify=attention] otel_swa_run_start={"pid":4242}
 
-  so that a log appended to by several runs shows where each began (unknown keys ignored).
+  so that a log appended to by several runs shows where each began (unknown keys ignored);
+* a **liveness warning**, when a reporter is on and delivers no sample (:class:`LivenessWarning`,
+  :meth:`LivenessWarning.line`)::
+
+      otel_swa[verify=attention] otel_swa_liveness={"pid":4242,"forward_ct":0,"steps":0,"samples_delivered":0,...,"cause":"no_forward_step"}
+
+  (unknown keys ignored).
 
 Text is read after removing ANSI colour codes and reading CRLF or bare CR as line ends, so that
 coloured, CRLF and progress-bar-interleaved logs parse too. Line numbers count LF line ends only,
@@ -63,6 +69,7 @@ SGLang's rank tokens) is read by :func:`parse_log_prefix`.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import json
 import os
@@ -104,6 +111,10 @@ AUDIT_PREFIX = "otel_swa_audit="
 #: The prefix of otel-swa's run start marker (written before a line sink's first record).
 RUN_START_PREFIX = "otel_swa_run_start="
 _PREFIXES = (LINE_PREFIX, AUDIT_PREFIX, RUN_START_PREFIX)
+#: The prefix of otel-swa's liveness warning: a reporter that is on and delivers no sample
+#: (:class:`LivenessWarning`; never SGLang's).
+LIVENESS_PREFIX = "otel_swa_liveness="
+_PREFIXES += (LIVENESS_PREFIX,)
 
 #: The record's fields, in SGLang's order (the order of the JSON keys in the line).
 FIELDS = (
@@ -164,6 +175,7 @@ _SGLANG_PREFIX_RE = re.compile(
 _PLAIN_PREFIX_RE = re.compile(r"^\s*(?P<ts>\d{4}-\d{2}-\d{2}[ T]" + _TIME + r")(?![\d:])")
 
 _KIND_WORDS = {LINE_PREFIX: "record", AUDIT_PREFIX: "audit line", RUN_START_PREFIX: "run start line"}
+_KIND_WORDS[LIVENESS_PREFIX] = "liveness warning"
 
 
 class MalformedRecordError(ValueError):
@@ -723,6 +735,8 @@ def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefi
                 raise fail(f"divergence_applicable={json.dumps(data['divergence_applicable'])} is not true or false")
             audit["divergence_applicable"] = data["divergence_applicable"]
         return AuditMatch(data["forward_ct"], audit, shown, line_no, prefix.rank, prefix.timestamp, source)
+    if kind == LIVENESS_PREFIX:
+        return _liveness_match(data, shown, line_no, prefix, source, fail)
     return RunStartMatch(data, shown, line_no, prefix.rank, prefix.timestamp, source)
 
 
@@ -767,8 +781,11 @@ class AuditPairing:
 
     An audit line belongs to the latest record before it with the same tag (``verify_source``)
     and the same log rank, when that record has the audit line's ``forward_ct`` and no audit line
-    yet (the line sinks write it right after the record's line, through the same logger). Any
-    other audit line is an error (``MalformedRecordError`` with the reason).
+    yet (the line sinks write it right after the record's line, through the same logger). When
+    there is none, it belongs to a recent record of its tag with its ``forward_ct`` and no audit
+    line yet, of another rank or none (several processes writing one log at once can move a line's
+    log prefix to another line: :mod:`otel_swa.testing.runs`). Any other audit line is an error
+    (``MalformedRecordError`` with the reason).
 
     Use :meth:`add` for every record (or other entry) in order, into a list the caller keeps, and
     :meth:`attach` for every audit line: the record's entry in that list is replaced by one whose
@@ -779,6 +796,7 @@ class AuditPairing:
 
     def __init__(self) -> None:
         self._latest: dict[tuple[str | None, str | None], tuple[list, int, int]] = {}
+        self._waiting: dict[str | None, collections.deque] = {}  # see _attach_elsewhere
 
     def add(self, entries: list, entry: Any) -> None:
         """Append ``entry`` to ``entries``; remember it when it holds a record."""
@@ -786,6 +804,7 @@ class AuditPairing:
         record = getattr(entry, "record", None)
         if isinstance(record, SwaDivergenceRecord):
             self._latest[(record.verify_source, entry.rank)] = (entries, len(entries) - 1, record.forward_ct)
+            self._remember_waiting(entries, record, entry.rank)
 
     def attach(self, audit: AuditMatch) -> MalformedRecordError | None:
         """Attach ``audit`` to its record; return the error when it has none (nothing changed)."""
@@ -793,6 +812,8 @@ class AuditPairing:
         if slot is None or slot[2] != audit.forward_ct:
             if slot is not None:
                 self._latest[(audit.verify_source, audit.rank)] = slot
+            if self._attach_elsewhere(audit):
+                return None
             rank = f" of rank {audit.rank}" if audit.rank else ""
             return MalformedRecordError(
                 audit.text, f"no record{rank} with forward_ct={audit.forward_ct} just before this audit line",
@@ -802,7 +823,47 @@ class AuditPairing:
         entry = entries[index]
         record = _with_audit(entry.record, audit.audit)
         entries[index] = entry._replace(record=record) if hasattr(entry, "_replace") else dataclasses.replace(entry, record=record)
+        self._mark_attached(entries, index)
         return None
+
+    # -- lines written by several processes at once (their parts interleaved): an audit line whose
+    # log prefix was taken by another process's write names the wrong rank, or none
+    _WAITING = 64  # records without an audit line yet, per tag, that such an audit line may belong to
+
+    def _remember_waiting(self, entries: list, record: SwaDivergenceRecord, rank: str | None) -> None:
+        waiting = self._waiting.get(record.verify_source)
+        if waiting is None:
+            waiting = self._waiting[record.verify_source] = collections.deque(maxlen=self._WAITING)
+        waiting.append([entries, len(entries) - 1, record.forward_ct, rank, False])
+
+    def _mark_attached(self, entries: list, index: int) -> None:
+        for item in reversed(self._waiting.get(entries[index].record.verify_source, ())):
+            if item[0] is entries and item[1] == index:
+                item[4] = True
+                return
+
+    def _attach_elsewhere(self, audit: AuditMatch) -> bool:
+        """Attach ``audit`` to a recent record of its tag with its ``forward_ct`` and no audit line
+        yet, of its rank first, else the latest; ``False`` when there is none."""
+        found = None
+        for item in reversed(self._waiting.get(audit.verify_source, ())):
+            if item[2] != audit.forward_ct or item[4]:
+                continue
+            if found is None or item[3] == audit.rank:
+                found = item
+                if item[3] == audit.rank:
+                    break
+        if found is None:
+            return False
+        entries, index, _, rank, _ = found
+        latest = self._latest.get((audit.verify_source, rank))
+        if latest is not None and latest[0] is entries and latest[1] == index:
+            del self._latest[(audit.verify_source, rank)]
+        entry = entries[index]
+        record = _with_audit(entry.record, audit.audit)
+        entries[index] = entry._replace(record=record) if hasattr(entry, "_replace") else dataclasses.replace(entry, record=record)
+        found[4] = True
+        return True
 
 
 class FoundRecords(list):
@@ -872,3 +933,129 @@ def find_last(text: str) -> tuple[SwaDivergenceRecord, str] | None:
         return None
     last = found.matches[-1]
     return last.record, last.text
+
+
+# ---------------------------------------------------------------------------------- liveness warnings
+#: Why a reporter that is on delivered no sample (:attr:`LivenessWarning.cause`): ``no_forward_step``:
+#: no forward step reached it, the engine's forward-step hook never fired (reported at process exit);
+#: ``no_sample_delivered``: forward steps reached it and, for :attr:`LivenessWarning.steps` of them,
+#: no sample was delivered (every view refused, sampling skipped).
+LIVENESS_CAUSES = ("no_forward_step", "no_sample_delivered")
+_LIVENESS_COUNTS = ("forward_ct", "steps", "samples_delivered", "samples_taken", "invalid_samples", "skipped_captures")
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessWarning:
+    """otel-swa on and not working: a reporter that delivered no sample, as SGLang's KV canary says
+    "canary path is not executing" when a kernel's run counter is still 0 after its warm-up.
+
+    Written by the line sinks as otel-swa's own line (:meth:`line`), after the run start marker::
+
+        otel_swa[verify=attention] otel_swa_liveness={"pid":4242,"forward_ct":0,"steps":0,"samples_delivered":0,"samples_taken":0,"invalid_samples":0,"skipped_captures":0,"cause":"no_forward_step"}
+
+    Attributes:
+        cause: one of :data:`LIVENESS_CAUSES`.
+        forward_ct: forward steps the reporter had seen.
+        steps: forward steps since its last delivered sample (all of them when none was).
+        samples_delivered: records it delivered in its life (0 when it never worked).
+        samples_taken, invalid_samples, skipped_captures: its counts of the same names
+            (``ReporterStats``): what explains the silence.
+        verify_source: the reporter's tag (:data:`VERIFY_SOURCES`), or ``None``.
+        pid: the process id, or ``None`` (then :meth:`line` writes this process's).
+
+    Raises:
+        ValueError: an unknown ``cause`` or ``verify_source``; TypeError: a count that is no int.
+    """
+
+    cause: str
+    forward_ct: int = 0
+    steps: int = 0
+    samples_delivered: int = 0
+    samples_taken: int = 0
+    invalid_samples: int = 0
+    skipped_captures: int = 0
+    verify_source: "str | None" = None
+    pid: "int | None" = None
+
+    def __post_init__(self) -> None:
+        if self.cause not in LIVENESS_CAUSES:
+            raise ValueError(f"LivenessWarning.cause must be one of {', '.join(LIVENESS_CAUSES)}, got {self.cause!r}")
+        for name in _LIVENESS_COUNTS:
+            _check_int("LivenessWarning", name, getattr(self, name), 0)
+        if self.verify_source is not None and self.verify_source not in VERIFY_SOURCES:
+            raise ValueError(f"LivenessWarning.verify_source must be None or one of {', '.join(VERIFY_SOURCES)}, "
+                             f"got {self.verify_source!r}")
+
+    def to_dict(self) -> dict:
+        """The line's JSON object: ``pid``, the counts, ``cause``."""
+        fields: dict = {"pid": os.getpid() if self.pid is None else self.pid}
+        fields.update((name, getattr(self, name)) for name in _LIVENESS_COUNTS)
+        fields["cause"] = self.cause
+        return fields
+
+    def line(self) -> str:
+        """``otel_swa[verify=<source>] otel_swa_liveness={...}`` (compact JSON; no tag without a source)."""
+        body = LIVENESS_PREFIX + json.dumps(self.to_dict(), separators=(",", ":"))
+        return body if self.verify_source is None else f"{LINE_TAG.format(self.verify_source)} {body}"
+
+    def summary(self) -> str:
+        """The warning in words: ``instrumented, 0 samples in N steps: <why>``."""
+        return liveness_summary(self.to_dict())
+
+
+def liveness_summary(fields: dict) -> str:
+    """:meth:`LivenessWarning.summary` of a liveness line's JSON object (missing counts read as 0)."""
+    count = {name: fields.get(name) if type(fields.get(name)) is int else 0 for name in _LIVENESS_COUNTS}  # noqa: E721
+    head = f"instrumented, {count['samples_delivered']} samples in {count['steps']} steps"
+    if fields.get("cause") == "no_forward_step":
+        why = "no forward step reached the reporter (the engine's forward-step hook never fired)"
+        if count["skipped_captures"]:
+            why += f"; {count['skipped_captures']} step() call(s) during CUDA graph capture were ignored"
+        return f"{head}: {why}"
+    if count["samples_delivered"]:
+        head = f"instrumented, 0 samples in the last {count['steps']} steps ({count['samples_delivered']} before)"
+    reasons = []
+    if count["samples_taken"] == 0:
+        reasons.append("no sample was taken (every sampling step failed before its sample: a view the reporter refused?)")
+    elif count["invalid_samples"]:
+        reasons.append(f"{count['invalid_samples']} of {count['samples_taken']} sample(s) taken were refused (view "
+                       "faults or invalid values: kv_cache.swa.reporter.view_faults)")
+    if count["skipped_captures"]:
+        reasons.append(f"{count['skipped_captures']} step() call(s) during CUDA graph capture were ignored")
+    return f"{head}: " + ("; ".join(reasons) or "samples taken and not delivered")
+
+
+class LivenessMatch(NamedTuple):
+    """One liveness warning (:data:`LIVENESS_PREFIX`) found in a text.
+
+    Attributes:
+        fields: its JSON object (unknown keys kept, never required).
+        text, line_no, rank, timestamp, verify_source: as in :class:`AuditMatch`.
+    """
+
+    fields: dict
+    text: str
+    line_no: int
+    rank: str | None = None
+    timestamp: str | None = None
+    verify_source: str | None = None
+
+    @property
+    def summary(self) -> str:
+        """The warning in words (:func:`liveness_summary`)."""
+        return liveness_summary(self.fields)
+
+
+def _liveness_match(data: dict, shown: str, line_no: int | None, prefix: LogPrefix, source: str | None,
+                    fail: Any) -> LivenessMatch:
+    for name in _LIVENESS_COUNTS:
+        if name in data:
+            reason = _logged_int(name, data[name], 0)
+            if reason is not None:
+                raise fail(reason)
+    if "cause" in data and not isinstance(data["cause"], str):
+        raise fail(f"cause={json.dumps(data['cause'])} is not a string")
+    return LivenessMatch(data, shown, line_no, prefix.rank, prefix.timestamp, source)
+
+
+__all__ += ["LIVENESS_PREFIX", "LIVENESS_CAUSES", "LivenessWarning", "LivenessMatch", "liveness_summary"]

@@ -59,7 +59,8 @@ def _is_seconds(value: object) -> bool:
 def judge_snapshot(snapshot: Snapshot, describe: str, waited_s: float = 0.0, **rules) -> SwaObservation:
     """:func:`~otel_swa.testing.judge.judge` on what a source read (``rules``: its keyword arguments)."""
     return judge(snapshot.records, errors=snapshot.errors, source=describe, waited_s=waited_s,
-                 problem=snapshot.problem, empty=snapshot.empty, **rules)
+                 problem=snapshot.problem, empty=snapshot.empty, duplicates=snapshot.duplicates,
+                 first_duplicate_line_no=snapshot.first_duplicate_line_no, **rules)
 
 
 def _awaits_audit_line(records: Sequence[RunRecord]) -> bool:
@@ -72,11 +73,15 @@ def _awaits_audit_line(records: Sequence[RunRecord]) -> bool:
 
 
 def _part_counts(records: Sequence[RunRecord]) -> dict:
-    """How many records each part (place of the source) holds."""
+    """How many records (and runs without records) each part (place of the source) holds."""
     counts: dict = {}
-    for item in records:
+    for item in list(records) + list(getattr(records, "silent", ())):
         counts[item.part] = counts.get(item.part, 0) + 1
     return counts
+
+
+def _extras(records: Sequence[RunRecord]) -> RunRecords:
+    return records if isinstance(records, RunRecords) else RunRecords(records)
 
 
 def _run_being_written(snapshot: Snapshot, already: dict) -> tuple[Snapshot, tuple[str, ...]]:
@@ -90,9 +95,9 @@ def _run_being_written(snapshot: Snapshot, already: dict) -> tuple[Snapshot, tup
         before = sum(already.values())
         note = (f"new only: no record was written during the wait; the {before} record(s) already in the source "
                 "when it began were not judged" if before else "new only: no record was written during the wait")
-        return dataclasses.replace(snapshot, records=RunRecords((), getattr(records, "started_ranks", ()))), (note,)
+        return dataclasses.replace(snapshot, records=_extras(records).derive((), parts=set())), (note,)
     left_out = sum(count for part, count in counts.items() if part not in growing)
-    kept = RunRecords((item for item in records if item.part in growing), getattr(records, "started_ranks", ()))
+    kept = _extras(records).derive((item for item in records if item.part in growing), parts=growing)
     notes = (f"new only: {left_out} record(s) of places that got no record during the wait were not judged",) if left_out else ()
     return dataclasses.replace(snapshot, records=kept), notes
 

@@ -170,15 +170,13 @@ class SwaRecordCapture:
 
     def _snapshot(self, final: bool = False) -> Snapshot:
         parts, errors, problems = self._parts(final)
-        nonempty = [records for _, records in parts if records]
+        nonempty = [records for _, records in parts if records or records.silent]
+        merged = RunRecords.merge((records for _, records in parts), [item for part in nonempty for item in part])
         if len(nonempty) == 1:  # one place: no part labels in the explanation
-            records = [dataclasses.replace(item, part=None) for item in nonempty[0]]
-        else:
-            records = [item for part in nonempty for item in part]
-        started = frozenset().union(*(getattr(part, "started_ranks", frozenset()) for _, part in parts))
-        if len(nonempty) == 1:  # one place: no part labels
-            started = frozenset((None, writer, rank) for _, writer, rank in started)
-        return Snapshot(RunRecords(records, started), errors, "; ".join(problems) or None)
+            merged = merged.derive([dataclasses.replace(item, part=None) for item in merged], part=None)
+        duplicates = sum(f.duplicates.count for f in self._followers)
+        first = min((f.duplicates.first_line_no for f in self._followers if f.duplicates.first_line_no), default=None)
+        return Snapshot(merged, errors, "; ".join(problems) or None, duplicates=duplicates, first_duplicate_line_no=first)
 
     def _as_source(self) -> Source:
         capture = self

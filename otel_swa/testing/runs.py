@@ -19,6 +19,31 @@ run of the other):
   latest: a rank run begins a new run of the log when its rank already has a run in the latest
   one, and joins the latest one otherwise (ranks of one engine run start together, each at its
   own pace; a rank that is silent in one run simply has no records in it).
+* **runs from the totals.** ``verify_full`` and ``verify_swa`` are cumulative: a record whose
+  ``verify_full`` or ``verify_swa`` is below the previous record's of its rank starts a new run,
+  whatever ``forward_ct`` does (a restart whose ``forward_ct`` goes on upward, at a larger interval
+  or from a count that continues). A negative total is a 32-bit counter that wrapped, not a
+  restart (the judge's verify lag rule says so).
+* **lines written by several processes at once.** Processes that write one log file in several
+  parts per line (log prefix, message, line end as separate writes, unbuffered) interleave those
+  parts: a record can stand after another process's log prefix (it then names the wrong rank),
+  glued after another rank's record, or at the start of a line without any prefix (an orphan).
+  Each rank's records form one sequence in which ``forward_ct`` rises and the totals never fall,
+  so in a log whose lines name ranks a record is given to the rank whose sequence it continues
+  most closely (the smallest rise in ``forward_ct``, then in the totals), its log prefix's rank
+  when several are as close. A record that continues no rank starts a new run of its prefix's
+  rank, or, when that rank has just written the same ``forward_ct`` (its prefix was taken by the
+  record of a rank that has not written yet), of a rank that has not yet written in the run of
+  the log. Where the sequences cannot tell two ranks apart (their records equal, as on the tensor
+  parallel ranks of one engine) the prefixes name them: at the end, each run's ranks are named by
+  the prefixes most of their records carried. An orphan that continues no rank is left out
+  (:attr:`RunRecords.left_out`); it is never a group of its own.
+* **silent runs.** A run start marker, or a liveness warning (``otel_swa_liveness=``: the
+  reporter was on and delivered no sample), of a rank that then writes no record before its next
+  marker or the end of the log is a run of that rank without records
+  (:attr:`RunRecords.silent`), which the judge fails. Markers of one rank written back to back
+  (no record of any rank between them: processes starting at once, their prefixes interleaved)
+  count once.
 * **interleaved runs.** When a rank's ``forward_ct`` goes back and the next record goes above the
   value before the drop (``40, 20, 60``), two runs are writing that rank's lines at the same time
   (or every line was logged twice); the record that continued the earlier series is marked
@@ -28,12 +53,15 @@ run of the other):
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from otel_swa.record import SwaDivergenceRecord
+from otel_swa.record import LivenessMatch, SwaDivergenceRecord
 
-__all__ = ["OTEL_SWA_LINES", "SGLANG_LINES", "WRITERS", "RunRecord", "RunRecords", "writer_of", "split_runs"]
+__all__ = [
+    "OTEL_SWA_LINES", "SGLANG_LINES", "WRITERS", "RunRecord", "RunRecords", "SilentRun", "writer_of", "split_runs",
+]
 
 #: Writer of the lines otel-swa tagged (``otel_swa[verify=...]``).
 OTEL_SWA_LINES = "otel-swa"
@@ -72,81 +100,313 @@ class RunRecord:
     back_and_forth: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class SilentRun:
+    """A run of one rank with a run start marker or a liveness warning and no record.
+
+    Attributes:
+        writer, rank, part: as in :class:`RunRecord`.
+        run: the run of the log it belongs to (it began at its marker).
+        line_no: the line of its marker (or of its warning without a marker), ``None`` off a log.
+        warning: the liveness warning in words (``instrumented, 0 samples in N steps: ...``), or
+            ``None`` when the run wrote only its marker.
+        warning_line_no: the warning's line, or ``None``.
+    """
+
+    writer: str
+    rank: str | None
+    run: int
+    line_no: int | None = None
+    part: str | None = None
+    warning: str | None = None
+    warning_line_no: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RunWarning:
+    """A liveness warning of a rank run that has records too (samples stopped for a while)."""
+
+    writer: str
+    rank: str | None
+    run: int
+    line_no: int | None
+    part: str | None
+    warning: str
+
+
 class _RankState:
-    __slots__ = ("last_ct", "before_last_ct", "marker", "started_at_marker", "run")
+    __slots__ = ("last", "last_ct", "before_last_ct", "marker", "started_at_marker", "run", "run_records",
+                 "marker_line", "warning", "warning_line", "records_seen")
 
     def __init__(self) -> None:
         self.run = 0  # the run of the log the rank's current run belongs to
+        self.last: SwaDivergenceRecord | None = None
         self.last_ct: int | None = None
         self.before_last_ct: int | None = None
         self.marker = False  # a run start marker came after this rank's last record
         self.started_at_marker = False  # the rank's last record began a run at a marker
+        self.run_records = 0  # records of the rank's current run
+        self.marker_line: int | None = None
+        self.warning: str | None = None  # a liveness warning since the marker, no record yet
+        self.warning_line: int | None = None
+        self.records_seen = 0  # records of any rank of the writer when the marker came
 
 
 class _WriterState:
-    __slots__ = ("run", "ranks_in_run", "ranks")
+    __slots__ = ("run", "ranks_in_run", "ranks", "named", "records")
 
     def __init__(self) -> None:
         self.run = 0
         self.ranks_in_run: set = set()
         self.ranks: dict[str | None, _RankState] = {}
+        self.named: tuple = ()  # the ranks the writer's lines name, in order of first appearance
+        self.records = 0
 
 
 class RunRecords(list):
-    """The :class:`RunRecord` items of :func:`split_runs` (a ``list``), and where run start markers
-    were written: :attr:`started_ranks`, ``(part, writer, rank)`` of every marker (a rank may have
-    started and written no record: an otel-swa reporter that took no sample, a rank that died), and
-    :attr:`started`, the writers among them."""
+    """The :class:`RunRecord` items of :func:`split_runs` (a ``list``), and what else the log showed.
 
-    def __init__(self, items: Iterable[RunRecord] = (), started_ranks: Iterable[tuple] = ()) -> None:
+    Attributes:
+        started_ranks: ``(part, writer, rank)`` of every run start marker (a rank may have started
+            and written no record: an otel-swa reporter that took no sample, a rank that died).
+        started: the writers among them.
+        silent: the :class:`SilentRun` of every rank run without records.
+        warnings: the :class:`RunWarning` of liveness warnings in rank runs that have records.
+        left_out: line numbers of records without a rank prefix, in a log whose lines name ranks,
+            that continue no rank's sequence (left out of every run).
+        reattributed: records given to another rank than their log prefix names (or to a rank
+            when they had no prefix).
+    """
+
+    def __init__(self, items: Iterable[RunRecord] = (), started_ranks: Iterable[tuple] = (),
+                 silent: Iterable[SilentRun] = (), warnings: Iterable[RunWarning] = (),
+                 left_out: Iterable[int | None] = (), reattributed: int = 0) -> None:
         super().__init__(items)
         self.started_ranks = frozenset(started_ranks)
         self.started = frozenset(writer for _, writer, _ in self.started_ranks)
+        self.silent = tuple(silent)
+        self.warnings = tuple(warnings)
+        self.left_out = tuple(left_out)
+        self.reattributed = reattributed
+
+    def derive(self, items: Iterable[RunRecord], parts: Any = None, part: Any = ...) -> "RunRecords":
+        """Other items with what else this log showed: only of ``parts`` when given (a set of
+        parts), all moved to ``part`` when given (``None``: a single place, no part labels)."""
+        keep = (lambda p: True) if parts is None else (lambda p: p in parts)
+        move = (lambda x: x) if part is ... else (lambda x: dataclasses.replace(x, part=part))
+        return RunRecords(
+            items,
+            ((p if part is ... else part, w, r) for p, w, r in self.started_ranks if keep(p)),
+            (move(x) for x in self.silent if keep(x.part)),
+            (move(x) for x in self.warnings if keep(x.part)),
+            self.left_out if parts is None else (),
+            self.reattributed,
+        )
+
+    @classmethod
+    def merge(cls, parts: Iterable["RunRecords"], items: Iterable[RunRecord]) -> "RunRecords":
+        """``items`` with what else each of ``parts`` (one :class:`RunRecords` per place) showed."""
+        parts = list(parts)
+        return cls(
+            items,
+            (x for p in parts for x in p.started_ranks),
+            (x for p in parts for x in p.silent),
+            (x for p in parts for x in p.warnings),
+            (x for p in parts for x in p.left_out),
+            sum(p.reattributed for p in parts),
+        )
+
+
+def _totals_dropped(last: SwaDivergenceRecord, record: SwaDivergenceRecord) -> bool:
+    """A cumulative total below the previous record's (a restart); a negative one is a wrap."""
+    return (0 <= record.verify_full < last.verify_full) or (0 <= record.verify_swa < last.verify_swa)
+
+
+def _distance(last: SwaDivergenceRecord | None, record: SwaDivergenceRecord) -> tuple | None:
+    """How closely ``record`` continues a rank whose last record is ``last`` (smaller: closer), or
+    ``None`` when it does not (``forward_ct`` not above, a total below)."""
+    if last is None or record.forward_ct <= last.forward_ct or _totals_dropped(last, record):
+        return None
+    rise = max(0, record.verify_full - last.verify_full) + max(0, record.verify_swa - last.verify_swa)
+    return (record.forward_ct - last.forward_ct, rise)
+
+
+def _entry_kind(entry: Any) -> str:
+    if isinstance(entry, SwaDivergenceRecord):
+        return "record"
+    if isinstance(entry, LivenessMatch):
+        return "liveness"
+    record = getattr(entry, "record", None)
+    if record is None:
+        if hasattr(entry, "pid") and hasattr(entry, "verify_source"):
+            return "start"
+        if hasattr(entry, "audit") and hasattr(entry, "forward_ct"):
+            return "audit"
+        raise TypeError(f"expected log entries or SwaDivergenceRecord items, got {type(entry).__name__}: {entry!r}")
+    if not isinstance(record, SwaDivergenceRecord):
+        raise TypeError(f"expected a SwaDivergenceRecord in {type(entry).__name__}, got {type(record).__name__}")
+    return "record"
+
+
+_LEFT_OUT = object()
+
+
+def _attribute(state: _WriterState, hint: str | None, record: SwaDivergenceRecord) -> Any:
+    """The rank ``record`` belongs to (the module docstring's rule), or ``_LEFT_OUT``."""
+    best = None
+    for rank in state.named:
+        rs = state.ranks.get(rank)
+        distance = _distance(rs.last if rs is not None else None, record)
+        if distance is None or (rs.marker and rank != hint):
+            continue
+        key = (distance, rank != hint)
+        if best is None or key < best[0]:
+            best = (key, rank)
+    hinted = state.ranks.get(hint)
+    if best is not None and not (hinted is not None and hinted.marker):
+        return best[1]
+    if hint is not None:
+        took_its_step = (hinted is not None and not hinted.marker and hinted.run_records == 1
+                         and hinted.last_ct == record.forward_ct and hint in state.ranks_in_run)
+        if not took_its_step:
+            return hint
+    waiting = [rank for rank in state.named if rank not in state.ranks_in_run]
+    if waiting:
+        return waiting[0]
+    return hint if hint is not None else _LEFT_OUT
+
+
+def _name_by_prefixes(out: list, hints: list, first: int) -> int:
+    """Rename the ranks of ``out[first:]`` (one writer's records) run by run, so that each rank
+    run takes the name most of its records' log prefixes gave (a permutation of the names); return
+    how many records now carry another name than their prefix."""
+    by_run: dict[int, dict] = {}
+    ranks_of_run: dict[int, set] = {}
+    for index in range(first, len(out)):
+        item, hint = out[index], hints[index]
+        if item.rank is not None:
+            ranks_of_run.setdefault(item.run, set()).add(item.rank)
+        if hint is not None and item.rank is not None:
+            counts = by_run.setdefault(item.run, {})
+            counts[(item.rank, hint)] = counts.get((item.rank, hint), 0) + 1
+    names: dict[int, dict] = {}
+    for run, counts in by_run.items():
+        mapping: dict = {}
+        used: set = set()
+        for (rank, hint), _ in sorted(counts.items(), key=lambda kv: -kv[1]):
+            if rank not in mapping and hint not in used:
+                mapping[rank] = hint
+                used.add(hint)
+        if any(rank != name for rank, name in mapping.items()):
+            ranks = sorted(ranks_of_run[run])
+            for rank in ranks:  # the ranks no majority named keep their name when it is free
+                if rank not in mapping and rank not in used:
+                    mapping[rank] = rank
+                    used.add(rank)
+            free = sorted(set(ranks) | {hint for _, hint in counts} - used)
+            for rank in ranks:
+                if rank not in mapping:
+                    mapping[rank] = free.pop(0)
+            names[run] = mapping
+    moved = 0
+    for index in range(first, len(out)):
+        item = out[index]
+        mapping = names.get(item.run)
+        if mapping is not None and item.rank in mapping and mapping[item.rank] != item.rank:
+            out[index] = dataclasses.replace(item, rank=mapping[item.rank])
+        if hints[index] != out[index].rank:
+            moved += 1
+    return moved
 
 
 def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers: bool = True) -> RunRecords:
     """Give each record of ``entries`` its writer, rank and run (rules in the module docstring).
 
     Args:
-        entries: in log order: :class:`~otel_swa.logsource.LoggedRecord` and
-            :class:`~otel_swa.logsource.LoggedRunStart` (a log),
-            :class:`~otel_swa.record.RecordMatch` and :class:`~otel_swa.record.RunStartMatch`
-            (``find_all(text).entries``; audit matches are skipped), or plain
-            :class:`~otel_swa.record.SwaDivergenceRecord` (a sink: no rank, no line number).
+        entries: in log order: :class:`~otel_swa.logsource.LoggedRecord`,
+            :class:`~otel_swa.logsource.LoggedRunStart` and
+            :class:`~otel_swa.record.LivenessMatch` (a log), :class:`~otel_swa.record.RecordMatch`
+            and :class:`~otel_swa.record.RunStartMatch` (``find_all(text).entries``; audit
+            matches are skipped), or plain :class:`~otel_swa.record.SwaDivergenceRecord` (a sink:
+            no rank, no line number).
         part: copied to every :attr:`RunRecord.part`.
         line_numbers: keep the entries' line numbers (``False`` for text that is not one log,
             such as logging messages captured one by one).
 
     Returns:
-        one :class:`RunRecord` per record, in the order given, as :class:`RunRecords` (with the
-        writers that wrote a run start marker).
+        one :class:`RunRecord` per record, in the order given (less the orphans left out), as
+        :class:`RunRecords` (with the run start markers, silent runs and liveness warnings).
 
     Raises:
         TypeError: an entry is none of these.
     """
+    items = [(entry, _entry_kind(entry)) for entry in entries]
     writers: dict[str, _WriterState] = {}
-    out = RunRecords()
-    started: set[str] = set()
-    for entry in entries:
-        if isinstance(entry, SwaDivergenceRecord):
-            record, rank, line_no = entry, None, None
+    for entry, kind in items:  # the ranks each writer's lines name
+        if kind == "record" and not isinstance(entry, SwaDivergenceRecord):
+            writer, rank = writer_of(entry.record.verify_source), getattr(entry, "rank", None)
+        elif kind in ("start", "liveness"):
+            writer, rank = writer_of(entry.verify_source), getattr(entry, "rank", None)
         else:
-            record = getattr(entry, "record", None)
-            rank = getattr(entry, "rank", None)
-            line_no = getattr(entry, "line_no", None) if line_numbers else None
-            if record is None:
-                if hasattr(entry, "pid") and hasattr(entry, "verify_source"):  # a run start marker
-                    state = writers.setdefault(writer_of(entry.verify_source), _WriterState())
-                    state.ranks.setdefault(rank, _RankState()).marker = True
-                    started.add((part, writer_of(entry.verify_source), rank))
+            continue
+        state = writers.setdefault(writer, _WriterState())
+        if rank is not None and rank not in state.named:
+            state.named += (rank,)
+    out: list[RunRecord] = []
+    hints: list = []
+    started: set = set()
+    silent: list[SilentRun] = []
+    warnings: list[RunWarning] = []
+    left_out: list = []
+
+    def join_log_run(state: _WriterState, rank: Any) -> int:
+        if state.run == 0 or rank in state.ranks_in_run:
+            state.run += 1
+            state.ranks_in_run = set()
+        state.ranks_in_run.add(rank)
+        return state.run
+
+    def close_silent(writer: str, rank: Any, rs: _RankState) -> None:
+        if rs.marker and rs.run_records == 0 and rs.run:
+            silent.append(SilentRun(writer, rank, rs.run, rs.marker_line, part, rs.warning, rs.warning_line))
+
+    for entry, kind in items:
+        if kind == "audit":
+            continue
+        line_no = getattr(entry, "line_no", None) if line_numbers else None
+        if kind in ("start", "liveness"):
+            writer, rank = writer_of(entry.verify_source), getattr(entry, "rank", None)
+            state = writers.setdefault(writer, _WriterState())
+            rs = state.ranks.setdefault(rank, _RankState())
+            if kind == "liveness":
+                if not rs.marker and rs.run_records:  # samples stopped in a run that has records
+                    warnings.append(RunWarning(writer, rank, rs.run, line_no, part, entry.summary))
                     continue
-                if hasattr(entry, "audit") and hasattr(entry, "forward_ct"):  # an audit line, already attached
-                    continue
-                raise TypeError(f"expected log entries or SwaDivergenceRecord items, got {type(entry).__name__}: {entry!r}")
-            if not isinstance(record, SwaDivergenceRecord):
-                raise TypeError(f"expected a SwaDivergenceRecord in {type(entry).__name__}, got {type(record).__name__}")
+                if not rs.marker:  # a warning without a marker before it (a sink): it begins the run
+                    rs.marker, rs.marker_line, rs.run_records = True, line_no, 0
+                    rs.run, rs.records_seen = join_log_run(state, rank), state.records
+                if rs.warning is None:
+                    rs.warning, rs.warning_line = entry.summary, line_no
+                continue
+            started.add((part, writer, rank))
+            if rs.marker and rs.records_seen == state.records and rs.warning is None:
+                continue  # markers of one rank back to back: one start
+            if rs.marker:
+                close_silent(writer, rank, rs)
+            rs.marker, rs.marker_line, rs.warning, rs.warning_line = True, line_no, None, None
+            rs.run, rs.run_records, rs.records_seen = join_log_run(state, rank), 0, state.records
+            continue
+        if isinstance(entry, SwaDivergenceRecord):
+            record, hint = entry, None
+        else:
+            record, hint = entry.record, getattr(entry, "rank", None)
         writer = writer_of(record.verify_source)
         state = writers.setdefault(writer, _WriterState())
+        rank = _attribute(state, hint, record) if state.named else hint
+        if rank is _LEFT_OUT:
+            left_out.append(line_no)
+            continue
+        state.records += 1
         rs = state.ranks.setdefault(rank, _RankState())
         ct = record.forward_ct
         at_marker = rs.marker
@@ -158,17 +418,34 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
             and rs.last_ct <= rs.before_last_ct
             and ct > rs.before_last_ct
         )
-        new_run = rs.last_ct is None or at_marker or ct <= rs.last_ct
+        new_run = rs.last is None or at_marker or ct <= rs.last_ct or _totals_dropped(rs.last, record)
         if new_run:
-            if state.run == 0 or rank in state.ranks_in_run:
-                state.run += 1
-                state.ranks_in_run = set()
-            state.ranks_in_run.add(rank)
-            rs.run = state.run
+            if not at_marker:  # a marker already placed the rank's new run in the log's runs
+                rs.run = join_log_run(state, rank)
             rs.started_at_marker = at_marker
+            rs.run_records = 0
         else:
             rs.started_at_marker = False
         rs.marker = False
+        rs.warning = None
+        rs.run_records += 1
+        rs.last = record
         rs.before_last_ct, rs.last_ct = rs.last_ct, ct
         out.append(RunRecord(record, rs.run, rank, writer, line_no, part, back_and_forth))
-    return RunRecords(out, started)
+        hints.append(hint)
+    for writer, state in writers.items():
+        for rank, rs in state.ranks.items():
+            close_silent(writer, rank, rs)
+    moved = 0
+    if any(state.named for state in writers.values()):
+        by_writer: dict[str, list[int]] = {}
+        for index, item in enumerate(out):
+            by_writer.setdefault(item.writer, []).append(index)
+        for writer, indices in by_writer.items():
+            if writers[writer].named:
+                sub, sub_hints = [out[i] for i in indices], [hints[i] for i in indices]
+                moved += _name_by_prefixes(sub, sub_hints, 0)
+                for i, item in zip(indices, sub):
+                    out[i] = item
+    silent.sort(key=lambda run: (run.line_no is None, run.line_no or 0))
+    return RunRecords(out, started, silent, warnings, left_out, moved)

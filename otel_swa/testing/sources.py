@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, Union
 
-from otel_swa.logsource import LogFollower, logged_entries
+from otel_swa.logsource import DuplicateLines, LogFollower, logged_entries
 from otel_swa.record import LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord
 from otel_swa.testing.runs import RunRecord, split_runs
 
@@ -28,12 +28,16 @@ class Snapshot:
         errors: the malformed lines skipped (line number and reason).
         problem: why the source cannot be read, else ``None``.
         empty: the source holds no text at all.
+        duplicates, first_duplicate_line_no: exact duplicate adjacent lines read once
+            (:class:`otel_swa.logsource.DuplicateLines`).
     """
 
     records: list[RunRecord]
     errors: list[MalformedRecordError] = field(default_factory=list)
     problem: str | None = None
     empty: bool = False
+    duplicates: int = 0
+    first_duplicate_line_no: int | None = None
 
 
 class Source:
@@ -84,7 +88,9 @@ class _FileSource(Source):
     def read(self, final: bool = False) -> Snapshot:
         follower = self.follower
         follower.poll(final=final)
-        return Snapshot(split_runs(follower.entries), list(follower.errors), follower_problem(follower))
+        return Snapshot(split_runs(follower.entries), list(follower.errors), follower_problem(follower),
+                        duplicates=follower.duplicates.count,
+                        first_duplicate_line_no=follower.duplicates.first_line_no)
 
 
 class _TextSource(Source):
@@ -96,8 +102,10 @@ class _TextSource(Source):
     def read(self, final: bool = False) -> Snapshot:
         text = text_of(self.get_text())
         errors: list[MalformedRecordError] = []
-        entries = logged_entries(text, errors=errors)
-        return Snapshot(split_runs(entries), errors, empty=not text.strip())
+        duplicates = DuplicateLines()
+        entries = logged_entries(text, errors=errors, duplicates=duplicates)
+        return Snapshot(split_runs(entries), errors, empty=not text.strip(), duplicates=duplicates.count,
+                        first_duplicate_line_no=duplicates.first_line_no)
 
 
 class _RecordsSource(Source):

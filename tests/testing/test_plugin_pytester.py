@@ -132,10 +132,13 @@ def test_fixture_judges_the_last_run_and_every_rank_of_a_followed_log(pytester):
     result = run(pytester, """
         from otel_swa.record import run_start_line
 
+        def tagged(*fields):  # otel-swa's line: the record after its tag
+            return "[2025-06-01 12:00:01 TP0] " + SwaDivergenceRecord(*fields, verify_source="attention").line() + "\\n"
+
         def appended(path):
             marker = "[2025-06-01 12:00:00 TP0] " + run_start_line("attention", pid=1) + "\\n"
-            path.write_text(marker + line(20, 100, 40, 3, 5) + line(40, 200, 80, 4, 6)      # a good run
-                            + marker + line(20, 100, 100, 0, 0) + line(40, 200, 200, 0, 0))  # then a broken one
+            path.write_text(marker + tagged(20, 100, 40, 3, 5) + tagged(40, 200, 80, 4, 6)      # a good run
+                            + marker + tagged(20, 100, 100, 0, 0) + tagged(40, 200, 200, 0, 0))  # then a broken one
 
         def test_appended_log(tmp_path, swa_records):
             log = tmp_path / "server.log"
