@@ -37,6 +37,7 @@ from otel_swa.record import (
     LivenessMatch,
     LogPrefix,
     MalformedRecordError,
+    PrefixClaims,
     RecordMatch,
     RunStartMatch,
     SwaDivergenceRecord,
@@ -77,12 +78,19 @@ class LoggedRecord:
             module docstring).
         timestamp: see :class:`~otel_swa.record.LogPrefix`.
         rank: see :class:`~otel_swa.record.LogPrefix`.
+        rank_candidates: see :class:`~otel_swa.record.RecordMatch`.
     """
 
     record: SwaDivergenceRecord
     line_no: int
     timestamp: str | None = None
     rank: str | None = None
+    rank_candidates: tuple = ()
+
+    @property
+    def rank_sure(self) -> bool:
+        """Whether the rank is sure (no other process's log prefix was waiting)."""
+        return not self.rank_candidates
 
     def to_row(self, run: int | None = None) -> dict[str, int | str | None]:
         """A flat dict with the keys of :data:`ROW_FIELDS`, in that order (``run`` as given)."""
@@ -107,6 +115,7 @@ class LoggedRunStart:
         line_no, timestamp, rank: as in :class:`LoggedRecord`.
         verify_source: the tag before it (the records of that run carry the same one).
         pid: the process id it names, or ``None``.
+        rank_candidates: see :class:`~otel_swa.record.RecordMatch`.
     """
 
     line_no: int
@@ -114,6 +123,12 @@ class LoggedRunStart:
     rank: str | None = None
     verify_source: str | None = None
     pid: int | None = None
+    rank_candidates: tuple = ()
+
+    @property
+    def rank_sure(self) -> bool:
+        """Whether the rank is sure (no other process's log prefix was waiting)."""
+        return not self.rank_candidates
 
 
 LoggedEntry = Union[LoggedRecord, LoggedRunStart, LivenessMatch]
@@ -122,7 +137,7 @@ LoggedEntry = Union[LoggedRecord, LoggedRunStart, LivenessMatch]
 class DuplicateLines:
     """Exact duplicate adjacent lines, read once: an entry (record, audit line, run start marker,
     liveness warning) on the line right after one of the same kind, text, log prefix (time and
-    rank) and tag is the same log message written twice (two handlers on one logger, a log shipped
+    rank, one of them at least) and tag is the same log message written twice (two handlers on one logger, a log shipped
     to the same file twice). A reporter never writes one record twice, so such a line is skipped
     and counted here.
 
@@ -142,11 +157,19 @@ class DuplicateLines:
         return (type(entry), entry.text, entry.rank, entry.timestamp, source)
 
     def is_repeat(self, entry: Any) -> bool:
-        """Whether ``entry`` repeats the entry read just before it, on the line before (then counted)."""
+        """Whether ``entry`` repeats the entry read just before it, on the line before (then counted).
+        An entry without a log prefix (no time, no rank), or read while several processes' log
+        prefixes were waiting for their messages (:class:`~otel_swa.record.PrefixClaims`), is never
+        taken for a repeat: it may be another process's line (the same audit line of two tensor
+        parallel ranks)."""
         key, previous = self._key(entry), self._previous
-        self._previous = (key, entry.line_no)
+        self._previous = (key, entry.line_no, getattr(entry, "rank_sure", True))
         if previous is None or previous[0] != key or entry.line_no != previous[1] + 1:
             return False
+        if entry.timestamp is None and entry.rank is None:
+            return False
+        if not getattr(entry, "rank_sure", True) or not previous[2]:
+            return False  # written while several processes' prefixes were waiting: no repeat of one
         self.count += 1
         if self.first_line_no is None:
             self.first_line_no = entry.line_no
@@ -161,6 +184,7 @@ def logged_entries(
     pairing: AuditPairing | None = None,
     into: list | None = None,
     duplicates: DuplicateLines | None = None,
+    prefixes: PrefixClaims | None = None,
 ) -> list[LoggedEntry]:
     """Every record, run start marker and liveness warning in ``text`` with its line number,
     timestamp and rank, in order; each audit line attached to its record; exact duplicate adjacent
@@ -177,6 +201,7 @@ def logged_entries(
             an audit line may complete a record of an earlier chunk there).
         duplicates: to read a log in chunks, the same :class:`DuplicateLines` (it counts the
             duplicate lines skipped).
+        prefixes: to read a log in chunks, the same :class:`~otel_swa.record.PrefixClaims`.
 
     Returns:
         the new entries, in order.
@@ -185,7 +210,7 @@ def logged_entries(
     duplicates = DuplicateLines() if duplicates is None else duplicates
     out = [] if into is None else into
     begin = len(out)
-    for entry in iter_entries(text, errors, first_line_no=first_line_no):
+    for entry in iter_entries(text, errors, first_line_no=first_line_no, prefixes=prefixes):
         if duplicates.is_repeat(entry):
             continue
         if isinstance(entry, LivenessMatch):
@@ -195,9 +220,11 @@ def logged_entries(
             if error is not None and errors is not None:
                 errors.append(error)
         elif isinstance(entry, RunStartMatch):
-            out.append(LoggedRunStart(entry.line_no, entry.timestamp, entry.rank, entry.verify_source, entry.pid))
+            out.append(LoggedRunStart(entry.line_no, entry.timestamp, entry.rank, entry.verify_source, entry.pid,
+                                      entry.rank_candidates))
         else:
-            pairing.add(out, LoggedRecord(entry.record, entry.line_no, entry.timestamp, entry.rank))
+            pairing.add(out, LoggedRecord(entry.record, entry.line_no, entry.timestamp, entry.rank,
+                                          entry.rank_candidates))
     return out[begin:]
 
 
@@ -243,6 +270,7 @@ class LogFollower:
         self.error: OSError | None = None
         self._pairing = AuditPairing()
         self.duplicates = DuplicateLines()
+        self._prefixes = PrefixClaims()
         self._offset = 0
         self._next_line_no = 1
         self._pending = b""
@@ -277,6 +305,7 @@ class LogFollower:
                     self._after_cr = False
                     self._pairing = AuditPairing()
                     self.duplicates = DuplicateLines()
+                    self._prefixes = PrefixClaims()
                 handle.seek(self._offset)
                 data = handle.read()
         except FileNotFoundError:
@@ -308,7 +337,8 @@ class LogFollower:
             return []
         text = complete.decode("utf-8", errors="replace")
         new = logged_entries(text, first_line_no=self._next_line_no, errors=self.errors,
-                             pairing=self._pairing, into=self.entries, duplicates=self.duplicates)
+                             pairing=self._pairing, into=self.entries, duplicates=self.duplicates,
+                             prefixes=self._prefixes)
         self._next_line_no += text.count("\n")  # LF line ends: a bare CR does not start a numbered line
         return [entry for entry in new if isinstance(entry, LoggedRecord)]
 

@@ -537,7 +537,11 @@ class RecordMatch(NamedTuple):
         record: the parsed record (with its audit fields once its audit line was read).
         text: the matched text: the prefix and its JSON object, exactly as in the log.
         line_no: 1-based number of the line (of the cleaned text) the record was found on.
-        rank, timestamp: from the log prefix nearest before it on its line (:class:`LogPrefix`).
+        rank, timestamp: from the log prefix nearest before it on its line (:class:`LogPrefix`);
+            the rank is that of the prefix it claims (:class:`PrefixClaims`).
+        rank_candidates: when several log prefixes were waiting for their messages as it was read
+            (processes writing one log in parts), their ranks (its own among them: its ``rank`` is
+            then a guess, :class:`PrefixClaims`); empty when its rank is sure.
     """
 
     record: SwaDivergenceRecord
@@ -545,6 +549,12 @@ class RecordMatch(NamedTuple):
     line_no: int
     rank: str | None = None
     timestamp: str | None = None
+    rank_candidates: tuple = ()
+
+    @property
+    def rank_sure(self) -> bool:
+        """Whether the rank is sure (no other process's log prefix was waiting)."""
+        return not self.rank_candidates
 
 
 class AuditMatch(NamedTuple):
@@ -554,7 +564,7 @@ class AuditMatch(NamedTuple):
         forward_ct: the ``forward_ct`` of the record it belongs to.
         audit: the fields it holds besides ``forward_ct`` (``micro_batch``,
             ``divergence_applicable`` and names of :data:`AUDIT_FIELDS`; unknown keys left out).
-        text, line_no, rank, timestamp: as in :class:`RecordMatch`.
+        text, line_no, rank, timestamp, rank_candidates: as in :class:`RecordMatch`.
         verify_source: from the tag before it, ``None`` without one.
     """
 
@@ -565,6 +575,12 @@ class AuditMatch(NamedTuple):
     rank: str | None = None
     timestamp: str | None = None
     verify_source: str | None = None
+    rank_candidates: tuple = ()
+
+    @property
+    def rank_sure(self) -> bool:
+        """Whether the rank is sure (no other process's log prefix was waiting)."""
+        return not self.rank_candidates
 
 
 class RunStartMatch(NamedTuple):
@@ -573,6 +589,7 @@ class RunStartMatch(NamedTuple):
     Attributes:
         fields: its JSON object (``{"pid": 4242}``; unknown keys kept, never required).
         text, line_no, rank, timestamp, verify_source: as in :class:`AuditMatch`.
+        rank_candidates: as in :class:`RecordMatch`.
     """
 
     fields: dict
@@ -581,6 +598,12 @@ class RunStartMatch(NamedTuple):
     rank: str | None = None
     timestamp: str | None = None
     verify_source: str | None = None
+    rank_candidates: tuple = ()
+
+    @property
+    def rank_sure(self) -> bool:
+        """Whether the rank is sure (no other process's log prefix was waiting)."""
+        return not self.rank_candidates
 
     @property
     def pid(self) -> int | None:
@@ -676,9 +699,17 @@ def _decode_object(text: str, match: re.Match, line_no: int | None) -> tuple[dic
         raise fail(f"the text after the prefix is not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise fail(f"expected a JSON object, got {type(data).__name__}")
-    if end < len(payload) and _PREFIX_RE.search(text, start + end, line_end) is None:
+    if end < len(payload) and _PREFIX_RE.search(text, start + end, line_end) is None \
+            and not _glued_log_prefix(text, start + end):
         raise fail(f"text glued after the JSON object ({payload[end:][:40]!r}); SGLang's parser rejects the record")
     return data, start + end
+
+
+def _glued_log_prefix(text: str, at: int) -> bool:
+    """Whether another writer's log prefix (SGLang's ``[time ranks]``) or otel-swa tag starts at
+    ``at``: a process writing its line in parts put it right after this object (the object is
+    whole; its own line end comes later)."""
+    return _SGLANG_PREFIX_RE.match(text, at) is not None or _TAG_RE.match(text, at) is not None
 
 
 def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix, line_start: int | None = None) -> Entry:
@@ -741,16 +772,20 @@ def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefi
 
 
 def iter_entries(
-    text: str, errors: list[MalformedRecordError] | None = None, *, first_line_no: int = 1
+    text: str, errors: list[MalformedRecordError] | None = None, *, first_line_no: int = 1,
+    prefixes: "PrefixClaims | None" = None,
 ) -> Iterator[Entry]:
-    """Yield every record, audit line and run start marker in ``text``, in order, as found (an
-    audit line is not attached to its record here: see :class:`AuditPairing` and :func:`find_all`).
+    """Yield every record, audit line, run start marker and liveness warning in ``text``, in
+    order, as found (an audit line is not attached to its record here: see :class:`AuditPairing`
+    and :func:`find_all`).
 
     Malformed ones are skipped; when ``errors`` is given, their errors (with line number and
     reason) are appended to it. ``first_line_no`` is the number of the first line of ``text`` in
-    the whole log (a later chunk of a file being followed).
+    the whole log (a later chunk of a file being followed), ``prefixes`` the
+    :class:`PrefixClaims` of the chunks before it.
     """
     cleaned, bare_crs = _clean_marked(text)
+    claims = PrefixClaims() if prefixes is None else prefixes
     line_no = first_line_no
     last_pos = 0
     consumed = 0  # end of the last object decoded: a prefix inside it is not a new entry
@@ -762,14 +797,64 @@ def iter_entries(
             line_no -= bisect.bisect_left(bare_crs, match.start()) - bisect.bisect_left(bare_crs, last_pos)
         last_pos = match.start()
         line_start = cleaned.rfind("\n", 0, match.start()) + 1
+        claims.read(cleaned, consumed, match.start())
+        prefix = _nearest_prefix(cleaned[line_start:match.start()])
+        claimed, rank, candidates = claims.claim()
+        if claimed and rank != prefix.rank:
+            prefix = LogPrefix(prefix.timestamp, rank)
         try:
-            entry = _decode_at(cleaned, match, line_no, _nearest_prefix(cleaned[line_start:match.start()]), line_start)
+            entry = _decode_at(cleaned, match, line_no, prefix, line_start)
         except MalformedRecordError as exc:
             if errors is not None:
                 errors.append(exc)
+            consumed = match.end()
             continue
         consumed = match.start() + len(entry.text)
+        if candidates:
+            entry = entry._replace(rank_candidates=candidates)
         yield entry
+
+
+class PrefixClaims:
+    """Which log prefix each line otel-swa reads belongs to, when processes write one log in parts.
+
+    A process that writes its log prefix, its message and its line end in separate writes lets
+    other processes' writes land in between: ``[.. TP0] [.. TP1] <TP0's message><TP1's
+    message>``, or a message at the start of a later line. Each message belongs to one prefix
+    written before it, by its own process, and each prefix to one message. This keeps the SGLang
+    prefixes (``[time ranks]``) read and not yet claimed by a message, in order: a message claims
+    the oldest (the process that wrote its prefix first writes its message first, as often as
+    not), and its rank is sure only when that prefix was the only one waiting, written while none
+    was. A prefix followed by other text (an engine log line of its own) is no message's. At most
+    :attr:`LIMIT` prefixes wait (the oldest are forgotten).
+    """
+
+    LIMIT = 256
+
+    def __init__(self) -> None:
+        self._pending: collections.deque = collections.deque(maxlen=self.LIMIT)
+
+    def read(self, text: str, start: int, end: int) -> None:
+        """Take the prefixes of ``text[start:end]`` (the text between two entries)."""
+        if "[" not in text[start:end]:
+            return
+        found = list(_SGLANG_PREFIX_RE.finditer(text, start, end))
+        for index, match in enumerate(found):
+            gap_end = found[index + 1].start() if index + 1 < len(found) else end
+            gap = text[match.end():gap_end]
+            if gap.strip() and _TAG_RE.sub("", gap).strip():
+                continue  # the prefix of another log line
+            self._pending.append((match.group("rank").strip() or None, not self._pending))
+
+    def claim(self) -> tuple[bool, str | None, tuple]:
+        """``(claimed, rank, candidates)`` for the next message: whether a prefix was waiting, its
+        rank, and, unless it was the only one and written while none was, the ranks of the
+        prefixes waiting (the message's own among them); ``()`` when sure."""
+        if not self._pending:
+            return False, None, ()
+        candidates = tuple(dict.fromkeys(rank for rank, _ in self._pending))
+        rank, alone = self._pending.popleft()
+        return True, rank, () if alone and not self._pending else candidates
 
 
 def _with_audit(record: SwaDivergenceRecord, audit: dict) -> SwaDivergenceRecord:
@@ -796,7 +881,8 @@ class AuditPairing:
 
     def __init__(self) -> None:
         self._latest: dict[tuple[str | None, str | None], tuple[list, int, int]] = {}
-        self._waiting: dict[str | None, collections.deque] = {}  # see _attach_elsewhere
+        self._waiting: dict[tuple, list] = {}  # (tag, forward_ct) -> records without an audit line: _attach_elsewhere
+        self._order: collections.deque = collections.deque()
 
     def add(self, entries: list, entry: Any) -> None:
         """Append ``entry`` to ``entries``; remember it when it holds a record."""
@@ -827,42 +913,50 @@ class AuditPairing:
         return None
 
     # -- lines written by several processes at once (their parts interleaved): an audit line whose
-    # log prefix was taken by another process's write names the wrong rank, or none
-    _WAITING = 64  # records without an audit line yet, per tag, that such an audit line may belong to
+    # log prefix was taken by another process's write names the wrong rank, or none, and may come
+    # many lines after its record (another process wrote meanwhile)
+    _WAITING = 4096  # records without an audit line yet that such an audit line may belong to
 
     def _remember_waiting(self, entries: list, record: SwaDivergenceRecord, rank: str | None) -> None:
-        waiting = self._waiting.get(record.verify_source)
-        if waiting is None:
-            waiting = self._waiting[record.verify_source] = collections.deque(maxlen=self._WAITING)
-        waiting.append([entries, len(entries) - 1, record.forward_ct, rank, False])
+        key = (record.verify_source, record.forward_ct)
+        item = [entries, len(entries) - 1, rank, False]
+        self._waiting.setdefault(key, []).append(item)
+        order = self._order
+        order.append((key, item))
+        if len(order) > self._WAITING:
+            old_key, old_item = order.popleft()
+            items = self._waiting.get(old_key)
+            if items is not None:
+                items.remove(old_item)
+                if not items:
+                    del self._waiting[old_key]
 
     def _mark_attached(self, entries: list, index: int) -> None:
-        for item in reversed(self._waiting.get(entries[index].record.verify_source, ())):
+        record = entries[index].record
+        for item in self._waiting.get((record.verify_source, record.forward_ct), ()):
             if item[0] is entries and item[1] == index:
-                item[4] = True
+                item[3] = True
                 return
 
     def _attach_elsewhere(self, audit: AuditMatch) -> bool:
         """Attach ``audit`` to a recent record of its tag with its ``forward_ct`` and no audit line
         yet, of its rank first, else the latest; ``False`` when there is none."""
         found = None
-        for item in reversed(self._waiting.get(audit.verify_source, ())):
-            if item[2] != audit.forward_ct or item[4]:
+        for item in self._waiting.get((audit.verify_source, audit.forward_ct), ()):
+            if item[3]:
                 continue
-            if found is None or item[3] == audit.rank:
+            if found is None or item[2] == audit.rank or (found[2] != audit.rank and item[1] > found[1]):
                 found = item
-                if item[3] == audit.rank:
-                    break
         if found is None:
             return False
-        entries, index, _, rank, _ = found
+        entries, index, rank, _ = found
         latest = self._latest.get((audit.verify_source, rank))
         if latest is not None and latest[0] is entries and latest[1] == index:
             del self._latest[(audit.verify_source, rank)]
         entry = entries[index]
         record = _with_audit(entry.record, audit.audit)
         entries[index] = entry._replace(record=record) if hasattr(entry, "_replace") else dataclasses.replace(entry, record=record)
-        found[4] = True
+        found[3] = True
         return True
 
 
@@ -1031,6 +1125,7 @@ class LivenessMatch(NamedTuple):
     Attributes:
         fields: its JSON object (unknown keys kept, never required).
         text, line_no, rank, timestamp, verify_source: as in :class:`AuditMatch`.
+        rank_candidates: as in :class:`RecordMatch`.
     """
 
     fields: dict
@@ -1039,6 +1134,12 @@ class LivenessMatch(NamedTuple):
     rank: str | None = None
     timestamp: str | None = None
     verify_source: str | None = None
+    rank_candidates: tuple = ()
+
+    @property
+    def rank_sure(self) -> bool:
+        """Whether the rank is sure (no other process's log prefix was waiting)."""
+        return not self.rank_candidates
 
     @property
     def summary(self) -> str:
@@ -1058,4 +1159,5 @@ def _liveness_match(data: dict, shown: str, line_no: int | None, prefix: LogPref
     return LivenessMatch(data, shown, line_no, prefix.rank, prefix.timestamp, source)
 
 
-__all__ += ["LIVENESS_PREFIX", "LIVENESS_CAUSES", "LivenessWarning", "LivenessMatch", "liveness_summary"]
+__all__ += ["LIVENESS_PREFIX", "LIVENESS_CAUSES", "LivenessWarning", "LivenessMatch", "liveness_summary",
+            "PrefixClaims"]

@@ -187,6 +187,8 @@ class GroupVerdict:
             warning), what its lines said; the group fails ``liveness``.
         warnings: liveness warnings of this rank run that has records too (samples stopped for a
             while), in words with their lines; shown, not judged.
+        other_names: the other ranks its lines' log prefixes pointed to nearly as often (several
+            processes wrote their lines at once, in parts): its rank name is a guess among them.
     """
 
     writer: str
@@ -209,6 +211,7 @@ class GroupVerdict:
     divergence_applicable: bool = True
     liveness: str | None = None
     warnings: tuple[str, ...] = ()
+    other_names: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -320,7 +323,8 @@ def _label(group: GroupVerdict, obs: SwaObservation) -> str:
     if group.run is not None and any(n.startswith("runs:") for n in obs.notes):
         parts.append(f"run {group.run}")
     if group.rank is not None:
-        parts.append(group.rank)
+        parts.append(group.rank if not group.other_names else
+                     f"{group.rank} (or {', '.join(group.other_names)}: lines written at once, the rank is a guess)")
     elif any(n.startswith("ranks:") for n in obs.notes):
         parts.append("no rank")  # records without a rank prefix, judged beside ranked ones
     return ", ".join(parts) or "records"
@@ -606,7 +610,7 @@ def judge(
             quiet = [run for run in silent if run.part == part and run.writer == writer]
             warned = [w for w in run_warnings if w.part == part and w.writer == writer]
             groups.extend(_judge_stream(stream, writer, part, runs, ranks, notes, failures, rules, len(chosen) > 1,
-                                        quiet, warned))
+                                        quiet, warned, getattr(extras, "other_names", {})))
     if not groups:
         groups.append(_evaluate([], writer=lines if lines in (OTEL_SWA_LINES, SGLANG_LINES) else OTEL_SWA_LINES,
                                 run=None, rank=None, part=None, missing_from=(), **rules))
@@ -631,7 +635,7 @@ def judge(
                 last_item = item
     return SwaObservation(
         source=source,
-        records=len(items),
+        records=len(items) + len(getattr(extras, "left_out", ())),
         malformed=len(errors) if malformed is None else malformed,
         peak_divergence=summary.peak_divergence if summary else 0,
         peak_divergence_at=summary.peak_divergence_at if summary else None,
@@ -718,8 +722,8 @@ def _reading_notes(extras: Any, duplicates: int, first_duplicate_line_no: int | 
     if left_out:
         first = next((n for n in left_out if n is not None), None)
         where = f" (first at line {first})" if first is not None else ""
-        notes.append(f"ranks: {len(left_out)} record(s) without a log prefix continue no rank's sequence: left "
-                     f"out{where}")
+        notes.append(f"ranks: {len(left_out)} record(s) whose log prefix several processes' writes left unclear fit "
+                     f"no rank's sequence: left out{where}")
     return notes
 
 
@@ -763,10 +767,12 @@ def _judge_stream(
     several_writers: bool,
     silent: Sequence[Any] = (),
     warnings: Sequence[Any] = (),
+    other_names: dict | None = None,
 ) -> list[GroupVerdict]:
     writer_word = ("otel-swa's lines" if writer == OTEL_SWA_LINES else "SGLang's lines") if several_writers else "this log"
     if part is not None:
         writer_word = f"{writer_word} of {part}"
+    other_names = other_names or {}
     run_numbers = list(dict.fromkeys([item.run for item in stream] + [run.run for run in silent]))
     count = max(run_numbers)
     if count > 1:
@@ -819,6 +825,7 @@ def _judge_stream(
             continue
         for rank in rank_list:
             of_rank = [item for item in in_run if item.rank == rank]
+            others = other_names.get((part, writer, run, rank), ())
             if not of_rank:
                 q = next((q for q in quiet if q.rank == rank), None)
                 if q is not None:
@@ -828,6 +835,8 @@ def _judge_stream(
                     continue  # silent in another run only
             missing = tuple(runs_of_rank[rank]) if not of_rank else ()
             group = _evaluate(of_rank, writer=writer, run=run, rank=rank, part=part, missing_from=missing, **rules)
+            if others:
+                group = dataclasses.replace(group, other_names=others)
             groups.append(_with_warnings(group, [w for w in said if w.rank == rank]))
     return groups
 
