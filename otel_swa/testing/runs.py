@@ -170,7 +170,9 @@ class _WriterState:
         rs = self.ranks.get(rank)
         if rs is None or not rs.guessed or not self.began(rank):
             return
-        other = next((r for r in self.named if r != rank and not self.began(r)), None)
+        others = [r for r in self.named if r != rank and not self.began(r)]
+        others += [r for r in self.named if r != rank and self.began(r) and not self.ranks[r].run_records]
+        other = others[0] if others else None  # a rank that has not begun, or whose run has only its marker
         if other is not None:
             self.ranks[other], self.ranks[rank] = rs, _RankState()
         elif rs.run_records == 0:  # only a marker taken for this rank's: this line's supersedes it
