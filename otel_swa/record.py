@@ -1056,9 +1056,12 @@ class LivenessWarning:
             (``ReporterStats``): what explains the silence.
         verify_source: the reporter's tag (:data:`VERIFY_SOURCES`), or ``None``.
         pid: the process id, or ``None`` (then :meth:`line` writes this process's).
+        hook: where the engine was expected to step the reporter (``"SGLang
+            ModelRunner.forward"``), or ``None``.
 
     Raises:
-        ValueError: an unknown ``cause`` or ``verify_source``; TypeError: a count that is no int.
+        ValueError: an unknown ``cause`` or ``verify_source``; TypeError: a count that is no int,
+            a ``hook`` that is no string.
     """
 
     cause: str
@@ -1070,8 +1073,11 @@ class LivenessWarning:
     skipped_captures: int = 0
     verify_source: "str | None" = None
     pid: "int | None" = None
+    hook: "str | None" = None
 
     def __post_init__(self) -> None:
+        if self.hook is not None and not isinstance(self.hook, str):
+            raise TypeError(f"LivenessWarning.hook must be None or a str, got {self.hook!r}")
         if self.cause not in LIVENESS_CAUSES:
             raise ValueError(f"LivenessWarning.cause must be one of {', '.join(LIVENESS_CAUSES)}, got {self.cause!r}")
         for name in _LIVENESS_COUNTS:
@@ -1085,6 +1091,8 @@ class LivenessWarning:
         fields: dict = {"pid": os.getpid() if self.pid is None else self.pid}
         fields.update((name, getattr(self, name)) for name in _LIVENESS_COUNTS)
         fields["cause"] = self.cause
+        if self.hook is not None:
+            fields["hook"] = self.hook
         return fields
 
     def line(self) -> str:
@@ -1102,7 +1110,8 @@ def liveness_summary(fields: dict) -> str:
     count = {name: fields.get(name) if type(fields.get(name)) is int else 0 for name in _LIVENESS_COUNTS}  # noqa: E721
     head = f"instrumented, {count['samples_delivered']} samples in {count['steps']} steps"
     if fields.get("cause") == "no_forward_step":
-        why = "no forward step reached the reporter (the engine's forward-step hook never fired)"
+        hook = fields.get("hook") if isinstance(fields.get("hook"), str) else "the engine's forward-step hook"
+        why = f"no forward step reached the reporter ({hook} never fired)"
         if count["skipped_captures"]:
             why += f"; {count['skipped_captures']} step() call(s) during CUDA graph capture were ignored"
         return f"{head}: {why}"
@@ -1154,8 +1163,9 @@ def _liveness_match(data: dict, shown: str, line_no: int | None, prefix: LogPref
             reason = _logged_int(name, data[name], 0)
             if reason is not None:
                 raise fail(reason)
-    if "cause" in data and not isinstance(data["cause"], str):
-        raise fail(f"cause={json.dumps(data['cause'])} is not a string")
+    for name in ("cause", "hook"):
+        if name in data and not isinstance(data[name], str):
+            raise fail(f"{name}={json.dumps(data[name])} is not a string")
     return LivenessMatch(data, shown, line_no, prefix.rank, prefix.timestamp, source)
 
 

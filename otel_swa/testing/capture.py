@@ -14,9 +14,12 @@ from otel_swa.logsource import LogFollower, logged_entries
 from otel_swa.record import (
     AUDIT_PREFIX,
     LINE_PREFIX,
+    LIVENESS_PREFIX,
     RUN_START_PREFIX,
     AuditMatch,
     AuditPairing,
+    LivenessMatch,
+    LivenessWarning,
     MalformedRecordError,
     SwaDivergenceRecord,
     iter_entries,
@@ -40,7 +43,7 @@ class _RecordLogHandler(logging.Handler):
             message = log_record.getMessage()
         except Exception:  # a message whose arguments do not format is not ours to judge
             return
-        if LINE_PREFIX in message or AUDIT_PREFIX in message or RUN_START_PREFIX in message:
+        if LINE_PREFIX in message or AUDIT_PREFIX in message or RUN_START_PREFIX in message or LIVENESS_PREFIX in message:
             self._capture._add_logged(message)
 
 
@@ -65,7 +68,13 @@ class SwaRecordCapture:
     too (an audit line attached to the record logged just before it).
 
     The sink is thread-safe; it raises ``TypeError`` for anything but a record (the reporter catches
-    and counts sink errors).
+    and counts sink errors). It takes the reporter's liveness warnings too (:meth:`liveness`): a
+    capture whose reporter was on and delivered nothing fails with "instrumented, 0 samples".
+
+    The ``swa_records`` fixture fails a test that collected records (or set the capture to read
+    ``logging``, a file or output) and never judged them nor read them: :meth:`assert_observed`,
+    :func:`~otel_swa.testing.assert_swa_divergence_observed` on the capture, or reading
+    :attr:`records`, :attr:`contexts`, :attr:`malformed` count (:attr:`looked_at`).
     """
 
     def __init__(self) -> None:
@@ -78,6 +87,8 @@ class SwaRecordCapture:
         self._followers: list[LogFollower] = []
         self._outputs: list[Callable[[], str | bytes]] = []
         self._handlers: list[tuple[logging.Logger, _RecordLogHandler, int]] = []
+        self._looked_at = False
+        self._fed = False  # something was handed to it or it was told where to read
 
     # ------------------------------------------------------------------ inputs
     def __call__(self, record: SwaDivergenceRecord, context: Context | None = None) -> None:
@@ -87,7 +98,28 @@ class SwaRecordCapture:
         with self._lock:
             self._sunk.append(record)
             self._contexts.append(context)
+            self._fed = True
 
+    def liveness(self, warning: LivenessWarning, context: Context | None = None) -> None:
+        """The reporter's liveness warning (on, and no sample delivered): kept in order with the
+        sink's records, judged as otel-swa's ``otel_swa_liveness=`` line is."""
+        if not isinstance(warning, LivenessWarning):
+            raise TypeError(f"expected a LivenessWarning, got {type(warning).__name__}: {warning!r}")
+        entry = LivenessMatch(warning.to_dict(), warning.line(), None, None, None, warning.verify_source)
+        with self._lock:
+            self._sunk.append(entry)
+            self._fed = True
+
+    @property
+    def looked_at(self) -> bool:
+        """Whether what the capture collected was judged or read (the fixture fails a test that
+        collected and never looked)."""
+        return self._looked_at
+
+    @property
+    def unjudged(self) -> bool:
+        """Whether the capture was fed (records, a warning, or places to read) and never looked at."""
+        return self._fed and not self._looked_at
     def _add_logged(self, message: str) -> None:
         errors: list[MalformedRecordError] = []
         entries = list(iter_entries(message, errors))
@@ -114,6 +146,7 @@ class SwaRecordCapture:
         """
         target = logger if isinstance(logger, logging.Logger) else logging.getLogger(logger)
         handler = _RecordLogHandler(self, level)
+        self._fed = True
         old_level = target.level
         if target.getEffectiveLevel() > level:
             target.setLevel(level)
@@ -127,6 +160,7 @@ class SwaRecordCapture:
         follower = LogFollower(path)
         with self._lock:
             self._followers.append(follower)
+            self._fed = True
         return follower
 
     def follow_output(self, get_text: Callable[[], str | bytes]) -> None:
@@ -139,6 +173,7 @@ class SwaRecordCapture:
             raise TypeError(f"get_text must be a callable returning the output so far, got {get_text!r}")
         with self._lock:
             self._outputs.append(get_text)
+            self._fed = True
 
     # ------------------------------------------------------------------ outputs
     def _parts(self, final: bool = False) -> tuple[list[tuple[str, list[RunRecord]]], list, list[str]]:
@@ -149,7 +184,7 @@ class SwaRecordCapture:
             errors: list[MalformedRecordError] = list(self._logged_errors)
             followers = list(self._followers)
             outputs = list(self._outputs)
-        parts = [("sink", split_runs(sunk, part="sink")),
+        parts = [("sink", split_runs(sunk, part="sink", line_numbers=False)),
                  ("logging", split_runs(logged, part="logging", line_numbers=False))]
         problems = []
         for follower in followers:
@@ -180,6 +215,7 @@ class SwaRecordCapture:
 
     def _as_source(self) -> Source:
         capture = self
+        self._looked_at = True  # handed to the assertion
 
         class _CaptureSource(Source):
             describe = "the captured records (" + capture._describe() + ")"
@@ -203,18 +239,21 @@ class SwaRecordCapture:
     def records(self) -> list[SwaDivergenceRecord]:
         """Every record captured so far (files and output read again now), merged in ``forward_ct``
         order (stable)."""
+        self._looked_at = True
         parts, _, _ = self._parts()
         return sorted((item.record for _, part in parts for item in part), key=lambda r: r.forward_ct)
 
     @property
     def contexts(self) -> list[Context | None]:
         """The OpenTelemetry context handed to the sink with each of its records, in order."""
+        self._looked_at = True
         with self._lock:
             return list(self._contexts)
 
     @property
     def malformed(self) -> int:
         """Malformed lines skipped in logged messages, files and output."""
+        self._looked_at = True
         return len(self._parts()[1])
 
     def assert_observed(
