@@ -125,6 +125,9 @@ def expect_forward_steps(reporter: Any, hook: str) -> None:
     ``hook`` when no forward step reached it. ``reporter`` is held by a weak reference."""
     with _lock:
         _expected[reporter] = hook
+    expect = getattr(reporter, "expect_steps_from", None)
+    if callable(expect):
+        expect(hook)  # and when it is closed (an engine's shutdown, its garbage collection)
 
 
 def check_liveness() -> int:

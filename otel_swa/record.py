@@ -1110,8 +1110,10 @@ def liveness_summary(fields: dict) -> str:
     count = {name: fields.get(name) if type(fields.get(name)) is int else 0 for name in _LIVENESS_COUNTS}  # noqa: E721
     head = f"instrumented, {count['samples_delivered']} samples in {count['steps']} steps"
     if fields.get("cause") == "no_forward_step":
-        hook = fields.get("hook") if isinstance(fields.get("hook"), str) else "the engine's forward-step hook"
-        why = f"no forward step reached the reporter ({hook} never fired)"
+        hook = fields.get("hook")
+        why = "no forward step reached the reporter (" + (
+            f"the engine was to step it from {hook}" if isinstance(hook, str) else "the engine's forward-step hook never "
+            "stepped it") + ")"
         if count["skipped_captures"]:
             why += f"; {count['skipped_captures']} step() call(s) during CUDA graph capture were ignored"
         return f"{head}: {why}"

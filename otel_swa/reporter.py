@@ -202,6 +202,7 @@ class SwaDivergenceReporter:
         self._ring = DeviceToHostRing(ring_size, STAGE_WIDTH, self.device)
         self._workspace = Workspace(self.device)
         self._sinks: list[Sink] = list(sinks)
+        self._liveness_hook: "str | None" = None  # set by expect_steps_from
         self._init_state()
 
     def _init_state(self) -> None:
@@ -361,14 +362,25 @@ class SwaDivergenceReporter:
 
     def close(self) -> None:
         """Flush, then stop: later ``observe`` still works, later ``step`` does nothing. Idempotent.
-        Inside CUDA graph capture it does nothing (the reporter stays open)."""
+        Inside CUDA graph capture it does nothing (the reporter stays open). A reporter an engine
+        was to step (:meth:`expect_steps_from`) that delivered no sample gives its liveness
+        warning first."""
         if self._capturing("close"):
             return
         with self._lock:
             if self._closed:
                 return
+            if self._liveness_hook is not None:
+                self.liveness_warning(final=True, hook=self._liveness_hook)
             self.flush()
             self._closed = True
+
+    def expect_steps_from(self, hook: str) -> None:
+        """Expect the engine to step this reporter from ``hook`` (the engine method an instrumentor
+        wrapped): when it is closed having delivered no sample, it gives its liveness warning naming
+        ``hook`` (:meth:`liveness_warning`; :mod:`otel_swa.lifecycle` does the same at the end of
+        the process)."""
+        self._liveness_hook = hook
 
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's state (totals, forward count, pending samples,

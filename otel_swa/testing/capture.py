@@ -24,7 +24,7 @@ from otel_swa.record import (
     SwaDivergenceRecord,
     iter_entries,
 )
-from otel_swa.testing.assertions import DEFAULT_POLL_S, SwaObservation, assert_swa_divergence_observed
+from otel_swa.testing.assertions import DEFAULT_POLL_S, DEFAULT_QUIET_S, SwaObservation, assert_swa_divergence_observed
 from otel_swa.testing.runs import RunRecord, RunRecords, split_runs
 from otel_swa.testing.sources import Snapshot, Source, follower_problem, text_of
 
@@ -268,6 +268,8 @@ class SwaRecordCapture:
         lines: str = "auto",
         timeout_s: float | None = None,
         poll_s: float = DEFAULT_POLL_S,
+        until: str = "pass",
+        quiet_s: float = DEFAULT_QUIET_S,
     ) -> SwaObservation:
         """:func:`~otel_swa.testing.assert_swa_divergence_observed` on this capture (same rules
         and arguments).
@@ -286,6 +288,8 @@ class SwaRecordCapture:
             lines=lines,
             timeout_s=timeout_s,
             poll_s=poll_s,
+            until=until,
+            quiet_s=quiet_s,
         )
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ from otel_swa.logsource import DuplicateLines, LogFollower, logged_entries
 from otel_swa.record import LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord
 from otel_swa.testing.runs import RunRecord, split_runs
 
-__all__ = ["Snapshot", "Source", "SourceLike", "open_source", "text_of", "follower_problem"]
+__all__ = ["Snapshot", "Source", "SourceLike", "open_source", "text_source", "text_of", "follower_problem"]
 
 
 @dataclass
@@ -108,6 +108,11 @@ class _TextSource(Source):
                         first_duplicate_line_no=duplicates.first_line_no)
 
 
+def text_source(text: str | bytes, describe: str) -> Source:
+    """A fixed source of log text read once (``describe``: the text in words, e.g. "standard input")."""
+    return _TextSource(lambda: text, describe, growing=False)
+
+
 class _RecordsSource(Source):
     def __init__(self, items: Sequence[SwaDivergenceRecord], describe: str) -> None:
         for record in items:
@@ -130,6 +135,7 @@ def open_source(source: SourceLike) -> Source:
     """Adapt what the caller has to a record source.
 
     Accepted:
+        * a :class:`Source` (returned as it is);
         * a :class:`~otel_swa.testing.SwaRecordCapture` (the ``swa_records`` fixture): its sink,
           captured logging and followed files; grows when it follows a file or captured output;
         * a path (``str`` or ``os.PathLike``) of a log file, possibly still being written (grows);
@@ -144,6 +150,8 @@ def open_source(source: SourceLike) -> Source:
     Raises:
         TypeError: ``source`` is none of these, or an iterable holds something else than records.
     """
+    if isinstance(source, Source):
+        return source
     as_source = getattr(source, "_as_source", None)
     if callable(as_source):
         return as_source()

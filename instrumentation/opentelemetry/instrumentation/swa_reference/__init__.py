@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from types import SimpleNamespace
 from typing import Any, Collection
 
@@ -127,6 +128,7 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
             sink.attach(engine.reporter)
             lifecycle.track(engine.reporter, self._providers)  # delivered at exit, before the SDK shuts down
             lifecycle.expect_forward_steps(engine.reporter, "ReferenceEngine.step")  # or said to be silent
+            weakref.finalize(engine, engine.reporter.close)  # an engine dropped before the process ends
             bytes_per_token = swa_kv_bytes_per_token(engine)
             if bytes_per_token:
                 engine.reporter.add_sink(self._pools.savings_sink(bytes_per_token))
