@@ -39,6 +39,7 @@ from otel_swa.record import (
     MalformedRecordError,
     PrefixClaims,
     RecordMatch,
+    _rank_sure,
     RunStartMatch,
     SwaDivergenceRecord,
     _clean,
@@ -87,10 +88,7 @@ class LoggedRecord:
     rank: str | None = None
     rank_candidates: tuple = ()
 
-    @property
-    def rank_sure(self) -> bool:
-        """Whether the rank is sure (no other process's log prefix was waiting)."""
-        return not self.rank_candidates
+    rank_sure = property(_rank_sure)
 
     def to_row(self, run: int | None = None) -> dict[str, int | str | None]:
         """A flat dict with the keys of :data:`ROW_FIELDS`, in that order (``run`` as given)."""
@@ -125,10 +123,7 @@ class LoggedRunStart:
     pid: int | None = None
     rank_candidates: tuple = ()
 
-    @property
-    def rank_sure(self) -> bool:
-        """Whether the rank is sure (no other process's log prefix was waiting)."""
-        return not self.rank_candidates
+    rank_sure = property(_rank_sure)
 
 
 LoggedEntry = Union[LoggedRecord, LoggedRunStart, LivenessMatch]

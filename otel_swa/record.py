@@ -530,6 +530,12 @@ def parse_log_prefix(text: str) -> LogPrefix:
 
 
 # ---------------------------------------------------------------------------------- entries
+def _rank_sure(entry: Any) -> bool:
+    """Whether the entry's rank is sure: no other process's log prefix was waiting when it was
+    read (``rank_candidates`` empty, :class:`PrefixClaims`)."""
+    return not entry.rank_candidates
+
+
 class RecordMatch(NamedTuple):
     """One record found in a text.
 
@@ -551,10 +557,7 @@ class RecordMatch(NamedTuple):
     timestamp: str | None = None
     rank_candidates: tuple = ()
 
-    @property
-    def rank_sure(self) -> bool:
-        """Whether the rank is sure (no other process's log prefix was waiting)."""
-        return not self.rank_candidates
+    rank_sure = property(_rank_sure)
 
 
 class AuditMatch(NamedTuple):
@@ -577,10 +580,7 @@ class AuditMatch(NamedTuple):
     verify_source: str | None = None
     rank_candidates: tuple = ()
 
-    @property
-    def rank_sure(self) -> bool:
-        """Whether the rank is sure (no other process's log prefix was waiting)."""
-        return not self.rank_candidates
+    rank_sure = property(_rank_sure)
 
 
 class RunStartMatch(NamedTuple):
@@ -600,10 +600,7 @@ class RunStartMatch(NamedTuple):
     verify_source: str | None = None
     rank_candidates: tuple = ()
 
-    @property
-    def rank_sure(self) -> bool:
-        """Whether the rank is sure (no other process's log prefix was waiting)."""
-        return not self.rank_candidates
+    rank_sure = property(_rank_sure)
 
     @property
     def pid(self) -> int | None:
@@ -1147,10 +1144,7 @@ class LivenessMatch(NamedTuple):
     verify_source: str | None = None
     rank_candidates: tuple = ()
 
-    @property
-    def rank_sure(self) -> bool:
-        """Whether the rank is sure (no other process's log prefix was waiting)."""
-        return not self.rank_candidates
+    rank_sure = property(_rank_sure)
 
     @property
     def summary(self) -> str:

@@ -116,16 +116,7 @@ class SampleEvents:
         attributes = record_attributes(record)
         if extra:
             attributes.update(extra)
-        if self._logger is not None:
-            self._logger.emit(
-                timestamp=time.time_ns(),
-                event_name=sc.EVENT_NAME,
-                body=record.line(),
-                attributes=attributes,
-                severity_number=SeverityNumber.INFO,
-                severity_text="INFO",
-                context=context,
-            )
+        self._emit(sc.EVENT_NAME, record.line(), attributes, SeverityNumber.INFO, context)
         if self._tracer is not None and context is not None:
             self._span_event(record, attributes, context)
 
@@ -133,19 +124,17 @@ class SampleEvents:
         """Emit the Logs API event of a liveness warning (:data:`~otel_swa.telemetry.semconv.LIVENESS_EVENT_NAME`,
         severity WARN, body its line); ``extra``: attributes added (the reporter's process ranks).
         No span event: no forward step holds it."""
-        if self._logger is None:
-            return
         attributes = liveness_attributes(warning)
         if extra:
             attributes.update(extra)
-        self._logger.emit(
-            timestamp=time.time_ns(),
-            event_name=sc.LIVENESS_EVENT_NAME,
-            body=warning.line(),
-            attributes=attributes,
-            severity_number=SeverityNumber.WARN,
-            severity_text="WARN",
-        )
+        self._emit(sc.LIVENESS_EVENT_NAME, warning.line(), attributes, SeverityNumber.WARN, None)
+
+    def _emit(self, name: str, body: str, attributes: dict, severity: SeverityNumber, context: Context | None) -> None:
+        """One Logs API event, timestamped now (nothing without a logger)."""
+        if self._logger is None:
+            return
+        self._logger.emit(timestamp=time.time_ns(), event_name=name, body=body, attributes=attributes,
+                          severity_number=severity, severity_text=severity.name, context=context)
 
     def _span_event(self, record: SwaDivergenceRecord, attributes: dict[str, int], context: Context) -> None:
         span = trace.get_current_span(context)

@@ -13,7 +13,6 @@ Time: 9 trials, about 25 s on 2 CPU cores (process start-up, 150 records per ran
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys

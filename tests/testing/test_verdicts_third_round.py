@@ -13,12 +13,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from test_ci_verdicts import CLEAN, R, assert_all_fail, assert_all_pass, good, idle, log_of
+from test_wait_on_appended_log import _append_later
 
 from otel_swa import config
 from otel_swa.cli import main
@@ -26,7 +26,7 @@ from otel_swa.logline import LogLineSink
 from otel_swa.logsource import logged_entries
 from otel_swa.record import LivenessWarning, SwaDivergenceRecord, run_start_line
 from otel_swa.reporter import KVPool, SwaDivergenceReporter
-from otel_swa.testing import SwaDivergenceNotObserved, SwaRecordCapture, assert_swa_divergence_observed, judge
+from otel_swa.testing import SwaDivergenceNotObserved, SwaRecordCapture, assert_swa_divergence_observed
 from otel_swa.testing.runs import split_runs
 from otel_swa.views import SwaBatch
 
@@ -238,15 +238,7 @@ def test_a_record_without_its_audit_line_fails_the_audit(tmp_path, capsys):
 def write_later(path: Path, first: str, then: str, after_s: float) -> threading.Thread:
     """Write ``first`` now, ``then`` ``after_s`` seconds later (an engine still serving)."""
     path.write_text(first)
-
-    def later():
-        time.sleep(after_s)
-        with open(path, "a") as handle:
-            handle.write(then)
-
-    thread = threading.Thread(target=later)
-    thread.start()
-    return thread
+    return _append_later(path, then, after_s)
 
 
 LEAK = {**CLEAN, "swa_leaked_slots": 3, "swa_pages_referenced": 47}
