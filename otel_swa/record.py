@@ -880,6 +880,7 @@ class AuditPairing:
         self._latest: dict[tuple[str | None, str | None], tuple[list, int, int]] = {}
         self._waiting: dict[tuple, list] = {}  # (tag, forward_ct) -> records without an audit line: _attach_elsewhere
         self._order: collections.deque = collections.deque()
+        self._outstanding = 0
 
     def add(self, entries: list, entry: Any) -> None:
         """Append ``entry`` to ``entries``; remember it when it holds a record."""
@@ -911,8 +912,8 @@ class AuditPairing:
 
     # -- lines written by several processes at once (their parts interleaved): an audit line whose
     # log prefix was taken by another process's write names the wrong rank, or none, and may come
-    # many lines after its record (another process wrote meanwhile)
-    _WAITING = 4096  # records without an audit line yet that such an audit line may belong to
+    # many lines after its record (its process was descheduled while the others wrote on)
+    _WAITING = 65536  # records without an audit line yet that such an audit line may belong to
 
     def _remember_waiting(self, entries: list, record: SwaDivergenceRecord, rank: str | None) -> None:
         key = (record.verify_source, record.forward_ct)
@@ -920,28 +921,37 @@ class AuditPairing:
         self._waiting.setdefault(key, []).append(item)
         order = self._order
         order.append((key, item))
-        if len(order) > self._WAITING:
+        self._outstanding += 1
+        while self._outstanding > self._WAITING:  # the oldest records still without one are let go
             old_key, old_item = order.popleft()
-            items = self._waiting.get(old_key)
-            if items is not None:
-                items.remove(old_item)
-                if not items:
-                    del self._waiting[old_key]
+            if not old_item[3]:
+                self._forget(old_key, old_item)
+        if len(order) > 2 * self._WAITING:
+            self._order = collections.deque(pair for pair in order if not pair[1][3])
+
+    def _forget(self, key: tuple, item: list) -> None:
+        item[3] = True
+        self._outstanding -= 1
+        items = self._waiting.get(key)
+        if items is not None:
+            items.remove(item)
+            if not items:
+                del self._waiting[key]
 
     def _mark_attached(self, entries: list, index: int) -> None:
         record = entries[index].record
-        for item in self._waiting.get((record.verify_source, record.forward_ct), ()):
+        key = (record.verify_source, record.forward_ct)
+        for item in self._waiting.get(key, ()):
             if item[0] is entries and item[1] == index:
-                item[3] = True
+                self._forget(key, item)
                 return
 
     def _attach_elsewhere(self, audit: AuditMatch) -> bool:
-        """Attach ``audit`` to a recent record of its tag with its ``forward_ct`` and no audit line
-        yet, of its rank first, else the latest; ``False`` when there is none."""
+        """Attach ``audit`` to a record of its tag with its ``forward_ct`` and no audit line yet,
+        of its rank first, else the latest; ``False`` when there is none."""
+        key = (audit.verify_source, audit.forward_ct)
         found = None
-        for item in self._waiting.get((audit.verify_source, audit.forward_ct), ()):
-            if item[3]:
-                continue
+        for item in self._waiting.get(key, ()):
             if found is None or item[2] == audit.rank or (found[2] != audit.rank and item[1] > found[1]):
                 found = item
         if found is None:
@@ -953,7 +963,7 @@ class AuditPairing:
         entry = entries[index]
         record = _with_audit(entry.record, audit.audit)
         entries[index] = entry._replace(record=record) if hasattr(entry, "_replace") else dataclasses.replace(entry, record=record)
-        found[3] = True
+        self._forget(key, found)
         return True
 
 

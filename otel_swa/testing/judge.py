@@ -59,7 +59,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from otel_swa.record import AUDIT_PREFIX, LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord
+from otel_swa.record import AUDIT_FIELDS, AUDIT_PREFIX, LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord
 from otel_swa.testing.runs import OTEL_SWA_LINES, SGLANG_LINES, RunRecord, RunRecords, split_runs
 
 __all__ = [
@@ -690,10 +690,10 @@ def _add_missing_audit_lines(failures: list[Failure], items: Sequence[RunRecord]
     records carry one (lost: its faults cannot be ruled out), but the log's very last line (an
     audit line still to be written)."""
     logged = [item for item in items if item.line_no is not None and item.record.verify_source is not None]
-    if not any(item.record.audit_line() is not None for item in logged):
+    carries = [_has_audit_line(item.record) for item in logged]
+    if not any(carries):
         return
-    missing = [item for item in logged if item.record.audit_line() is None
-               and item.line_no != (log_end or {}).get(item.part)]
+    missing = [item for item, has in zip(logged, carries) if not has and item.line_no != (log_end or {}).get(item.part)]
     if not missing:
         return
     reason = f"audit line missing for the record at line {missing[0].line_no}: its faults cannot be ruled out"
@@ -704,6 +704,13 @@ def _add_missing_audit_lines(failures: list[Failure], items: Sequence[RunRecord]
             failures[index] = Failure("audit", f"{failure.reason}; {reason}")
             return
     failures.append(Failure("audit", reason))
+
+
+def _has_audit_line(record: SwaDivergenceRecord) -> bool:
+    """Whether ``record`` came with an audit line (:meth:`SwaDivergenceRecord.audit_line` is not
+    ``None``), without formatting it."""
+    return (record.micro_batch is not None or not record.divergence_applicable
+            or any(getattr(record, name) is not None for name in AUDIT_FIELDS))
 
 
 def _reading_notes(extras: Any, duplicates: int, first_duplicate_line_no: int | None) -> list[str]:
