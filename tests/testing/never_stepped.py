@@ -6,8 +6,8 @@ its "canary path is not executing" check. The reference engine is instrumented a
 ``opentelemetry-instrument`` (its instrumentor gives it a reporter from
 ``OTEL_SWA_DIVERGENCE_INTERVAL``, the ``swa_logline`` exporter writes otel-swa's lines); this
 engine's ``step`` runs each forward step with the reporter detached, so its reporter's
-``forward_ct`` stays 0 whatever the number of steps. The lines go to standard error with an
-SGLang-style prefix.
+``forward_ct`` stays 0 whatever the number of steps (the attention math is skipped: the KV cache
+bookkeeping runs as usual). The lines go to standard error with an SGLang-style prefix.
 
 Usage: ``OTEL_SWA_DIVERGENCE_INTERVAL=20 python never_stepped.py STEPS``.
 """
@@ -38,7 +38,7 @@ def main(steps: int) -> int:
     configure(exporters="logline")  # the global providers the instrumentor uses
     SwaReferenceInstrumentor().instrument()
     engine = BypassingEngine(EngineConfig(window=16, full_pool_size=4096, swa_pool_size=256, max_running=4,
-                                          token_budget=64, max_context_len=512, step_time_s=0.0))
+                                          token_budget=64, max_context_len=512, step_time_s=0.0, run_model=False))
     assert engine.reporter is not None, "the instrumentor gave the engine no reporter (interval unset?)"
     for _ in range(8):
         engine.submit(SimpleNamespace(context_tokens=60, generated_tokens=400), arrival_s=0.0)
