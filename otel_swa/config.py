@@ -26,6 +26,8 @@ __all__ = [
     "prometheus_address",
     "prometheus_linger",
     "DEFAULT_PROMETHEUS_PORT",
+    "liveness_steps",
+    "DEFAULT_LIVENESS_INTERVALS",
 ]
 
 DEFAULT_RING_SIZE = 4
@@ -107,6 +109,23 @@ def ring_size(environ: Mapping[str, str] | None = None) -> int:
     env = os.environ if environ is None else environ
     name = ev.OTEL_SWA_RING_SIZE
     return read_int(name, env.get(name), default=DEFAULT_RING_SIZE, minimum=1, maximum=MAX_RING_SIZE)
+
+
+#: Sampling intervals without a delivered sample after which the reporter warns (liveness).
+DEFAULT_LIVENESS_INTERVALS = 10
+
+
+def liveness_steps(interval: int, environ: Mapping[str, str] | None = None) -> int:
+    """Forward steps without a delivered sample before the liveness warning
+    (``OTEL_SWA_LIVENESS_STEPS``; default :data:`DEFAULT_LIVENESS_INTERVALS` x ``interval``; 0:
+    never).
+
+    Raises:
+        ConfigError: not an integer >= 0.
+    """
+    env = os.environ if environ is None else environ
+    name = ev.OTEL_SWA_LIVENESS_STEPS
+    return read_int(name, env.get(name), default=DEFAULT_LIVENESS_INTERVALS * interval, minimum=0)
 
 
 #: Parallel dimension -> the variable holding this process's rank in it.

@@ -278,6 +278,8 @@ class EngineInstrumentor(BaseInstrumentor):
             self._sink.for_another_reporter(attributes).attach(reporter)
             self._reporters.add(reporter)
             lifecycle.track(reporter, self._providers)
+            _, cls, method, _ = self.wrapped[0]
+            lifecycle.expect_forward_steps(reporter, f"{self.engine} {cls}.{method}")
         return reporter
 
     def _provide(self, cls: type, name: str, value: Any) -> None:

@@ -83,6 +83,16 @@ each other micro-batch of the pipeline's round, at their own forward steps (the 
 micro-batch index to ``reporter.step``). Without micro-batch indices both are the same.
 """
 
+OTEL_SWA_LIVENESS_STEPS = "OTEL_SWA_LIVENESS_STEPS"
+"""
+.. envvar:: OTEL_SWA_LIVENESS_STEPS
+
+Forward steps without a delivered sample after which the reporter warns that it is on and not
+working (the liveness warning: a line ``otel_swa_liveness=``, an event, the health counter
+``kv_cache.swa.reporter.liveness.warnings``): an integer >= 0, default 10 sampling intervals, 0
+switches the warning off. Checked at the sampling steps.
+"""
+
 OTEL_SWA_FORWARD_SPANS = "OTEL_SWA_FORWARD_SPANS"
 """
 .. envvar:: OTEL_SWA_FORWARD_SPANS

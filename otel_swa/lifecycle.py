@@ -27,6 +27,18 @@ One module owns these hooks so that their order is right everywhere:
   file descriptors). A child that should export calls ``configure()`` itself; a spawned child (a new
   interpreter, what SGLang and vLLM's multiprocessing use by default) starts clean anyway.
 
+* **liveness at the end** (:func:`expect_forward_steps`, called by the instrumentors for each
+  reporter they make, with the engine method that steps it): at interpreter exit, on SIGTERM and
+  in :func:`flush_all` (an engine's shutdown), before the flush, each such reporter that delivered
+  no sample in its life gives its liveness warning (``SwaDivergenceReporter.liveness_warning``:
+  "instrumented, 0 samples in N steps", cause ``no_forward_step`` when the engine's hook never
+  stepped it): an instrumented engine whose forward steps never reached otel-swa is said in its
+  log, as an event and in ``kv_cache.swa.reporter.liveness.warnings``, not silent;
+* **other objects a forked child must not use as they are** (:func:`reset_in_child`, e.g. an OTLP
+  exporter's connection pool, whose sockets belong to the parent: closing them in a child that
+  closed its descriptors fails with ``Bad file descriptor``, or closes a descriptor the child
+  opened since under the same number): their ``reset_after_fork()`` runs in the child.
+
 What a SIGKILL without either still loses: nothing the reporter delivered on CPU (a record reaches
 the sinks at the step it was sampled), but what the SDK's batching processors had not exported
 yet: up to one schedule delay of events and spans (``OTEL_BLRP_SCHEDULE_DELAY``, default 1 s;
@@ -47,7 +59,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-__all__ = ["track", "flush_all", "FlushResult", "DEFAULT_FLUSH_TIMEOUT_S"]
+__all__ = ["track", "flush_all", "FlushResult", "DEFAULT_FLUSH_TIMEOUT_S", "expect_forward_steps", "check_liveness",
+           "reset_in_child"]
 
 _log = logging.getLogger(__name__)
 
@@ -58,6 +71,8 @@ _lock = threading.Lock()
 _reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
 _providers: list["weakref.ref[Any]"] = []
 _sigterm_installed = False
+_expected: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()  # reporter -> its hook
+_in_child: "weakref.WeakSet[Any]" = weakref.WeakSet()  # objects reset in a forked child
 
 
 @dataclass(frozen=True)
@@ -89,6 +104,45 @@ def _after_fork_in_child() -> None:
             reset()
         except Exception:
             _log.exception("resetting an SWA divergence reporter in a forked child failed")
+    for item in list(_in_child):
+        try:
+            item.reset_after_fork()
+        except Exception:
+            _log.exception("resetting %s in a forked child failed", type(item).__name__)
+
+
+def reset_in_child(item: Any) -> None:
+    """Call ``item.reset_after_fork()`` in every process forked from this one (``item`` is held by
+    a weak reference)."""
+    with _lock:
+        _in_child.add(item)
+
+
+def expect_forward_steps(reporter: Any, hook: str) -> None:
+    """Expect the engine to step ``reporter`` from ``hook`` (the engine method an instrumentor
+    wrapped, e.g. ``"SGLang ModelRunner.forward"``): at the end of the process (exit, SIGTERM,
+    :func:`flush_all`) a reporter that delivered no sample gives its liveness warning, naming
+    ``hook`` when no forward step reached it. ``reporter`` is held by a weak reference."""
+    with _lock:
+        _expected[reporter] = hook
+    expect = getattr(reporter, "expect_steps_from", None)
+    if callable(expect):
+        expect(hook)  # and when it is closed (an engine's shutdown, its garbage collection)
+
+
+def check_liveness() -> int:
+    """Give the liveness warning of every expected reporter (:func:`expect_forward_steps`) that
+    delivered no sample in its life (once each); return how many warned. Never raises."""
+    with _lock:
+        expected = list(_expected.items())
+    warned = 0
+    for reporter, hook in expected:
+        try:
+            if reporter.liveness_warning(final=True, hook=hook) is not None:
+                warned += 1
+        except Exception:
+            _log.exception("the liveness check of an SWA divergence reporter failed")
+    return warned
 
 
 if hasattr(os, "register_at_fork"):
@@ -151,8 +205,12 @@ def track(reporter: Any = None, providers: Iterable[Any] = ()) -> None:
 
 def flush_all(timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, *, export: bool = True) -> FlushResult:
     """Flush every tracked reporter, then (``export``) force-flush every tracked provider, the whole
-    within about ``timeout_s`` seconds (each provider gets what is left). Never raises."""
+    within about ``timeout_s`` seconds (each provider gets what is left). First, the reporters an
+    instrumentor expects to be stepped that delivered no sample give their liveness warning
+    (:func:`check_liveness`): this is the end of the process (exit, SIGTERM, an engine's
+    shutdown). Never raises."""
     start = time.monotonic()
+    check_liveness()
     with _lock:
         reporters = list(_reporters)
         providers = [p for p in (ref() for ref in _providers) if p is not None]

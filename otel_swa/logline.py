@@ -10,7 +10,13 @@ What a line sink writes (formats in :mod:`otel_swa.record`), in order, each as o
   that several runs append to shows where each began;
 * per record, otel-swa's line ``otel_swa[verify=...] kv_canary_swa_divergence={...}`` (SGLang's
   record byte for byte after the tag);
-* right after it, for an audited record, the audit line ``otel_swa[verify=...] otel_swa_audit={...}``.
+* right after it, for an audited record, the audit line ``otel_swa[verify=...] otel_swa_audit={...}``;
+* when the reporter is on and delivers no sample, its liveness warning
+  ``otel_swa[verify=...] otel_swa_liveness={...}`` (at WARNING; the run start marker before it when
+  it is the sink's first line).
+
+A forked child's sink writes its own run start marker (the child's process id) before its first
+line: the child's reporter counts from 0 again (:mod:`otel_swa.lifecycle`), a run of its own.
 
 Neither extra line contains SGLang's prefix, so SGLang's own parser and greps read the log as
 before.
@@ -19,11 +25,12 @@ before.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 from typing import Any
 
-from otel_swa.record import SwaDivergenceRecord, run_start_line
+from otel_swa.record import LivenessWarning, SwaDivergenceRecord, run_start_line
 
 __all__ = ["LogLineSink", "LOGGER_NAME", "RecordLines", "line_logger", "write_lines"]
 
@@ -57,21 +64,35 @@ def write_lines(logger: logging.Logger, level: int, lines: list[str]) -> None:
 
 class RecordLines:
     """The lines of each record in turn, the run start marker before the first tagged one (see
-    the module docstring). Thread-safe: the marker is written once."""
+    the module docstring), in each process (a forked child writes its own). Thread-safe: the
+    marker is written once per process."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._started = False
+        self._started_in: int | None = None  # the process whose marker was written
+
+    def _first(self) -> bool:
+        pid = os.getpid()
+        if self._started_in is not None and self._started_in != pid:
+            self._lock = threading.Lock()  # a forked child: the parent's lock may be held by a thread it lost
+        with self._lock:
+            first, self._started_in = self._started_in != pid, pid
+        return first
 
     def of(self, record: SwaDivergenceRecord) -> list[str]:
-        """The lines to write for ``record``: the marker (first tagged record only), its line, its
-        audit line (audited records only)."""
+        """The lines to write for ``record``: the marker (first tagged record of the process only),
+        its line, its audit line (audited records only)."""
         lines = record.lines()
-        if record.verify_source is not None:
-            with self._lock:
-                first, self._started = not self._started, True
-            if first:
-                lines.insert(0, run_start_line(record.verify_source))
+        if record.verify_source is not None and self._first():
+            lines.insert(0, run_start_line(record.verify_source))
+        return lines
+
+    def of_liveness(self, warning: LivenessWarning) -> list[str]:
+        """The lines to write for a liveness warning: the marker (when it is the process's first
+        tagged line), then the warning's line."""
+        lines = [warning.line()]
+        if warning.verify_source is not None and self._first():
+            lines.insert(0, run_start_line(warning.verify_source))
         return lines
 
 
@@ -92,3 +113,12 @@ class LogLineSink:
 
     def __call__(self, record: SwaDivergenceRecord, context: Any = None) -> None:
         write_lines(self.logger, self.level, self._lines.of(record))
+
+    def liveness(self, warning: LivenessWarning, context: Any = None) -> None:
+        """Log the reporter's liveness warning line (after the run start marker when first), at
+        WARNING (or this sink's level when it is higher)."""
+        level = max(self.level, logging.WARNING)
+        lines = self._lines.of_liveness(warning)
+        if len(lines) > 1:
+            write_lines(self.logger, self.level, lines[:1])
+        write_lines(self.logger, level, lines[-1:])

@@ -35,8 +35,12 @@ from otel_swa.record import (
     AuditMatch,
     FaultMatch,
     AuditPairing,
+    LivenessMatch,
     LogPrefix,
     MalformedRecordError,
+    PrefixClaims,
+    RecordMatch,
+    _rank_sure,
     RunStartMatch,
     SwaDivergenceRecord,
     _clean,
@@ -48,6 +52,7 @@ __all__ = [
     "LogPrefix",
     "LoggedRecord",
     "LoggedRunStart",
+    "DuplicateLines",
     "LogFollower",
     "parse_log_prefix",
     "logged_entries",
@@ -76,12 +81,16 @@ class LoggedRecord:
             module docstring).
         timestamp: see :class:`~otel_swa.record.LogPrefix`.
         rank: see :class:`~otel_swa.record.LogPrefix`.
+        rank_candidates: see :class:`~otel_swa.record.RecordMatch`.
     """
 
     record: SwaDivergenceRecord
     line_no: int
     timestamp: str | None = None
     rank: str | None = None
+    rank_candidates: tuple = ()
+
+    rank_sure = property(_rank_sure)
 
     def to_row(self, run: int | None = None) -> "dict[str, int | str | list | None]":
         """A flat dict with the keys of :data:`ROW_FIELDS`, in that order (``run`` as given)."""
@@ -107,6 +116,7 @@ class LoggedRunStart:
         line_no, timestamp, rank: as in :class:`LoggedRecord`.
         verify_source: the tag before it (the records of that run carry the same one).
         pid: the process id it names, or ``None``.
+        rank_candidates: see :class:`~otel_swa.record.RecordMatch`.
     """
 
     line_no: int
@@ -114,9 +124,54 @@ class LoggedRunStart:
     rank: str | None = None
     verify_source: str | None = None
     pid: int | None = None
+    rank_candidates: tuple = ()
+
+    rank_sure = property(_rank_sure)
 
 
-LoggedEntry = Union[LoggedRecord, LoggedRunStart]
+LoggedEntry = Union[LoggedRecord, LoggedRunStart, LivenessMatch]
+
+
+class DuplicateLines:
+    """Exact duplicate adjacent lines, read once: an entry (record, audit line, run start marker,
+    liveness warning) on the line right after one of the same kind, text, log prefix (time and
+    rank, one of them at least) and tag is the same log message written twice (two handlers on one logger, a log shipped
+    to the same file twice). A reporter never writes one record twice, so such a line is skipped
+    and counted here.
+
+    Attributes:
+        count: duplicate lines skipped.
+        first_line_no: the line of the first one, or ``None``.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first_line_no: int | None = None
+        self._previous: tuple | None = None
+
+    @staticmethod
+    def _key(entry: Any) -> tuple:
+        source = entry.record.verify_source if isinstance(entry, RecordMatch) else getattr(entry, "verify_source", None)
+        return (type(entry), entry.text, entry.rank, entry.timestamp, source)
+
+    def is_repeat(self, entry: Any) -> bool:
+        """Whether ``entry`` repeats the entry read just before it, on the line before (then counted).
+        An entry without a log prefix (no time, no rank), or read while several processes' log
+        prefixes were waiting for their messages (:class:`~otel_swa.record.PrefixClaims`), is never
+        taken for a repeat: it may be another process's line (the same audit line of two tensor
+        parallel ranks)."""
+        key, previous = self._key(entry), self._previous
+        self._previous = (key, entry.line_no, getattr(entry, "rank_sure", True))
+        if previous is None or previous[0] != key or entry.line_no != previous[1] + 1:
+            return False
+        if entry.timestamp is None and entry.rank is None:
+            return False
+        if not getattr(entry, "rank_sure", True) or not previous[2]:
+            return False  # written while several processes' prefixes were waiting: no repeat of one
+        self.count += 1
+        if self.first_line_no is None:
+            self.first_line_no = entry.line_no
+        return True
 
 
 def logged_entries(
@@ -126,9 +181,12 @@ def logged_entries(
     errors: list[MalformedRecordError] | None = None,
     pairing: AuditPairing | None = None,
     into: list | None = None,
+    duplicates: DuplicateLines | None = None,
+    prefixes: PrefixClaims | None = None,
 ) -> list[LoggedEntry]:
-    """Every record and run start marker in ``text`` with its line number, timestamp and rank, in
-    order; each audit line attached to its record.
+    """Every record, run start marker and liveness warning in ``text`` with its line number,
+    timestamp and rank, in order; each audit line attached to its record; exact duplicate adjacent
+    lines read once (:class:`DuplicateLines`).
 
     Args:
         text: log text (any number of lines).
@@ -139,22 +197,32 @@ def logged_entries(
         pairing, into: to read a log in chunks, the same :class:`~otel_swa.record.AuditPairing`
             and the list that holds the entries read so far (the new ones are appended to it, and
             an audit line may complete a record of an earlier chunk there).
+        duplicates: to read a log in chunks, the same :class:`DuplicateLines` (it counts the
+            duplicate lines skipped).
+        prefixes: to read a log in chunks, the same :class:`~otel_swa.record.PrefixClaims`.
 
     Returns:
         the new entries, in order.
     """
     pairing = AuditPairing() if pairing is None else pairing
+    duplicates = DuplicateLines() if duplicates is None else duplicates
     out = [] if into is None else into
     begin = len(out)
-    for entry in iter_entries(text, errors, first_line_no=first_line_no):
-        if isinstance(entry, (AuditMatch, FaultMatch)):
+    for entry in iter_entries(text, errors, first_line_no=first_line_no, prefixes=prefixes):
+        if duplicates.is_repeat(entry):
+            continue
+        if isinstance(entry, LivenessMatch):
+            out.append(entry)
+        elif isinstance(entry, (AuditMatch, FaultMatch)):
             error = pairing.attach(entry)
             if error is not None and errors is not None:
                 errors.append(error)
         elif isinstance(entry, RunStartMatch):
-            out.append(LoggedRunStart(entry.line_no, entry.timestamp, entry.rank, entry.verify_source, entry.pid))
+            out.append(LoggedRunStart(entry.line_no, entry.timestamp, entry.rank, entry.verify_source, entry.pid,
+                                      entry.rank_candidates))
         else:
-            pairing.add(out, LoggedRecord(entry.record, entry.line_no, entry.timestamp, entry.rank))
+            pairing.add(out, LoggedRecord(entry.record, entry.line_no, entry.timestamp, entry.rank,
+                                          entry.rank_candidates))
     return out[begin:]
 
 
@@ -183,7 +251,9 @@ class LogFollower:
 
     Attributes:
         path: the file.
-        entries: every :class:`LoggedRecord` and :class:`LoggedRunStart` found so far, in order.
+        entries: every :class:`LoggedRecord`, :class:`LoggedRunStart` and
+            :class:`~otel_swa.record.LivenessMatch` found so far, in order.
+        duplicates: the exact duplicate adjacent lines skipped (:class:`DuplicateLines`).
         errors: a :class:`~otel_swa.record.MalformedRecordError` per malformed line skipped.
         missing: the file did not exist at the last poll.
         error: the ``OSError`` of the last poll when the file exists but cannot be read
@@ -197,6 +267,8 @@ class LogFollower:
         self.missing = False
         self.error: OSError | None = None
         self._pairing = AuditPairing()
+        self.duplicates = DuplicateLines()
+        self._prefixes = PrefixClaims()
         self._offset = 0
         self._next_line_no = 1
         self._pending = b""
@@ -230,6 +302,8 @@ class LogFollower:
                     self._next_line_no = 1
                     self._after_cr = False
                     self._pairing = AuditPairing()
+                    self.duplicates = DuplicateLines()
+                    self._prefixes = PrefixClaims()
                 handle.seek(self._offset)
                 data = handle.read()
         except FileNotFoundError:
@@ -261,7 +335,8 @@ class LogFollower:
             return []
         text = complete.decode("utf-8", errors="replace")
         new = logged_entries(text, first_line_no=self._next_line_no, errors=self.errors,
-                             pairing=self._pairing, into=self.entries)
+                             pairing=self._pairing, into=self.entries, duplicates=self.duplicates,
+                             prefixes=self._prefixes)
         self._next_line_no += text.count("\n")  # LF line ends: a bare CR does not start a numbered line
         return [entry for entry in new if isinstance(entry, LoggedRecord)]
 

@@ -60,7 +60,13 @@ its own prefixes, which SGLang's parser never matches (neither prefix contains S
 
       otel_swa[verify=attention] otel_swa_run_start={"pid":4242}
 
-  so that a log appended to by several runs shows where each began (unknown keys ignored).
+  so that a log appended to by several runs shows where each began (unknown keys ignored);
+* a **liveness warning**, when a reporter is on and delivers no sample (:class:`LivenessWarning`,
+  :meth:`LivenessWarning.line`)::
+
+      otel_swa[verify=attention] otel_swa_liveness={"pid":4242,"forward_ct":0,"steps":0,"samples_delivered":0,...,"cause":"no_forward_step"}
+
+  (unknown keys ignored).
 
 Text is read after removing ANSI colour codes and reading CRLF or bare CR as line ends, so that
 coloured, CRLF and progress-bar-interleaved logs parse too. Line numbers count LF line ends only,
@@ -72,6 +78,7 @@ SGLang's rank tokens) is read by :func:`parse_log_prefix`.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import json
 import os
@@ -119,7 +126,10 @@ AUDIT_PREFIX = "otel_swa_audit="
 RUN_START_PREFIX = "otel_swa_run_start="
 #: The prefix of otel-swa's fault line: one fault's first offender (written after the audit line).
 FAULT_PREFIX = "otel_swa_fault="
-_PREFIXES = (LINE_PREFIX, AUDIT_PREFIX, RUN_START_PREFIX, FAULT_PREFIX)
+#: The prefix of otel-swa's liveness warning: a reporter that is on and delivers no sample
+#: (:class:`LivenessWarning`; never SGLang's).
+LIVENESS_PREFIX = "otel_swa_liveness="
+_PREFIXES = (LINE_PREFIX, AUDIT_PREFIX, RUN_START_PREFIX, FAULT_PREFIX, LIVENESS_PREFIX)
 
 #: The record's fields, in SGLang's order (the order of the JSON keys in the line).
 FIELDS = (
@@ -222,7 +232,7 @@ _SGLANG_PREFIX_RE = re.compile(
 _PLAIN_PREFIX_RE = re.compile(r"^\s*(?P<ts>\d{4}-\d{2}-\d{2}[ T]" + _TIME + r")(?![\d:])")
 
 _KIND_WORDS = {LINE_PREFIX: "record", AUDIT_PREFIX: "audit line", RUN_START_PREFIX: "run start line",
-               FAULT_PREFIX: "fault line"}
+               FAULT_PREFIX: "fault line", LIVENESS_PREFIX: "liveness warning"}
 
 
 class MalformedRecordError(ValueError):
@@ -707,6 +717,12 @@ def parse_log_prefix(text: str) -> LogPrefix:
 
 
 # ---------------------------------------------------------------------------------- entries
+def _rank_sure(entry: Any) -> bool:
+    """Whether the entry's rank is sure: no other process's log prefix was waiting when it was
+    read (``rank_candidates`` empty, :class:`PrefixClaims`)."""
+    return not entry.rank_candidates
+
+
 class RecordMatch(NamedTuple):
     """One record found in a text.
 
@@ -714,7 +730,11 @@ class RecordMatch(NamedTuple):
         record: the parsed record (with its audit fields once its audit line was read).
         text: the matched text: the prefix and its JSON object, exactly as in the log.
         line_no: 1-based number of the line (of the cleaned text) the record was found on.
-        rank, timestamp: from the log prefix nearest before it on its line (:class:`LogPrefix`).
+        rank, timestamp: from the log prefix nearest before it on its line (:class:`LogPrefix`);
+            the rank is that of the prefix it claims (:class:`PrefixClaims`).
+        rank_candidates: when several log prefixes were waiting for their messages as it was read
+            (processes writing one log in parts), their ranks (its own among them: its ``rank`` is
+            then a guess, :class:`PrefixClaims`); empty when its rank is sure.
     """
 
     record: SwaDivergenceRecord
@@ -722,6 +742,9 @@ class RecordMatch(NamedTuple):
     line_no: int
     rank: str | None = None
     timestamp: str | None = None
+    rank_candidates: tuple = ()
+
+    rank_sure = property(_rank_sure)
 
 
 class AuditMatch(NamedTuple):
@@ -731,7 +754,7 @@ class AuditMatch(NamedTuple):
         forward_ct: the ``forward_ct`` of the record it belongs to.
         audit: the fields it holds besides ``forward_ct`` (``micro_batch``,
             ``divergence_applicable`` and names of :data:`AUDIT_FIELDS`; unknown keys left out).
-        text, line_no, rank, timestamp: as in :class:`RecordMatch`.
+        text, line_no, rank, timestamp, rank_candidates: as in :class:`RecordMatch`.
         verify_source: from the tag before it, ``None`` without one.
     """
 
@@ -742,6 +765,9 @@ class AuditMatch(NamedTuple):
     rank: str | None = None
     timestamp: str | None = None
     verify_source: str | None = None
+    rank_candidates: tuple = ()
+
+    rank_sure = property(_rank_sure)
 
 
 class FaultMatch(NamedTuple):
@@ -768,6 +794,7 @@ class RunStartMatch(NamedTuple):
     Attributes:
         fields: its JSON object (``{"pid": 4242}``; unknown keys kept, never required).
         text, line_no, rank, timestamp, verify_source: as in :class:`AuditMatch`.
+        rank_candidates: as in :class:`RecordMatch`.
     """
 
     fields: dict
@@ -776,6 +803,9 @@ class RunStartMatch(NamedTuple):
     rank: str | None = None
     timestamp: str | None = None
     verify_source: str | None = None
+    rank_candidates: tuple = ()
+
+    rank_sure = property(_rank_sure)
 
     @property
     def pid(self) -> int | None:
@@ -871,9 +901,17 @@ def _decode_object(text: str, match: re.Match, line_no: int | None) -> tuple[dic
         raise fail(f"the text after the prefix is not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise fail(f"expected a JSON object, got {type(data).__name__}")
-    if end < len(payload) and _PREFIX_RE.search(text, start + end, line_end) is None:
+    if end < len(payload) and _PREFIX_RE.search(text, start + end, line_end) is None \
+            and not _glued_log_prefix(text, start + end):
         raise fail(f"text glued after the JSON object ({payload[end:][:40]!r}); SGLang's parser rejects the record")
     return data, start + end
+
+
+def _glued_log_prefix(text: str, at: int) -> bool:
+    """Whether another writer's log prefix (SGLang's ``[time ranks]``) or otel-swa tag starts at
+    ``at``: a process writing its line in parts put it right after this object (the object is
+    whole; its own line end comes later)."""
+    return _SGLANG_PREFIX_RE.match(text, at) is not None or _TAG_RE.match(text, at) is not None
 
 
 def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix, line_start: int | None = None) -> Entry:
@@ -932,6 +970,8 @@ def _decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefi
         return AuditMatch(data["forward_ct"], audit, shown, line_no, prefix.rank, prefix.timestamp, source)
     if kind == FAULT_PREFIX:
         return FaultMatch(*_decode_fault(data, fail), shown, line_no, prefix.rank, prefix.timestamp, source)
+    if kind == LIVENESS_PREFIX:
+        return _liveness_match(data, shown, line_no, prefix, source, fail)
     return RunStartMatch(data, shown, line_no, prefix.rank, prefix.timestamp, source)
 
 
@@ -967,16 +1007,20 @@ def _decode_fault(data: dict, fail: Any) -> "tuple[int, Offender]":
 
 
 def iter_entries(
-    text: str, errors: list[MalformedRecordError] | None = None, *, first_line_no: int = 1
+    text: str, errors: list[MalformedRecordError] | None = None, *, first_line_no: int = 1,
+    prefixes: "PrefixClaims | None" = None,
 ) -> Iterator[Entry]:
-    """Yield every record, audit line and run start marker in ``text``, in order, as found (an
-    audit line is not attached to its record here: see :class:`AuditPairing` and :func:`find_all`).
+    """Yield every record, audit line, run start marker and liveness warning in ``text``, in
+    order, as found (an audit line is not attached to its record here: see :class:`AuditPairing`
+    and :func:`find_all`).
 
     Malformed ones are skipped; when ``errors`` is given, their errors (with line number and
     reason) are appended to it. ``first_line_no`` is the number of the first line of ``text`` in
-    the whole log (a later chunk of a file being followed).
+    the whole log (a later chunk of a file being followed), ``prefixes`` the
+    :class:`PrefixClaims` of the chunks before it.
     """
     cleaned, bare_crs = _clean_marked(text)
+    claims = PrefixClaims() if prefixes is None else prefixes
     line_no = first_line_no
     last_pos = 0
     consumed = 0  # end of the last object decoded: a prefix inside it is not a new entry
@@ -988,14 +1032,64 @@ def iter_entries(
             line_no -= bisect.bisect_left(bare_crs, match.start()) - bisect.bisect_left(bare_crs, last_pos)
         last_pos = match.start()
         line_start = cleaned.rfind("\n", 0, match.start()) + 1
+        claims.read(cleaned, consumed, match.start())
+        prefix = _nearest_prefix(cleaned[line_start:match.start()])
+        claimed, rank, candidates = claims.claim()
+        if claimed and rank != prefix.rank:
+            prefix = LogPrefix(prefix.timestamp, rank)
         try:
-            entry = _decode_at(cleaned, match, line_no, _nearest_prefix(cleaned[line_start:match.start()]), line_start)
+            entry = _decode_at(cleaned, match, line_no, prefix, line_start)
         except MalformedRecordError as exc:
             if errors is not None:
                 errors.append(exc)
+            consumed = match.end()
             continue
         consumed = match.start() + len(entry.text)
+        if candidates:
+            entry = entry._replace(rank_candidates=candidates)
         yield entry
+
+
+class PrefixClaims:
+    """Which log prefix each line otel-swa reads belongs to, when processes write one log in parts.
+
+    A process that writes its log prefix, its message and its line end in separate writes lets
+    other processes' writes land in between: ``[.. TP0] [.. TP1] <TP0's message><TP1's
+    message>``, or a message at the start of a later line. Each message belongs to one prefix
+    written before it, by its own process, and each prefix to one message. This keeps the SGLang
+    prefixes (``[time ranks]``) read and not yet claimed by a message, in order: a message claims
+    the oldest (the process that wrote its prefix first writes its message first, as often as
+    not), and its rank is sure only when that prefix was the only one waiting, written while none
+    was. A prefix followed by other text (an engine log line of its own) is no message's. At most
+    :attr:`LIMIT` prefixes wait (the oldest are forgotten).
+    """
+
+    LIMIT = 256
+
+    def __init__(self) -> None:
+        self._pending: collections.deque = collections.deque(maxlen=self.LIMIT)
+
+    def read(self, text: str, start: int, end: int) -> None:
+        """Take the prefixes of ``text[start:end]`` (the text between two entries)."""
+        if "[" not in text[start:end]:
+            return
+        found = list(_SGLANG_PREFIX_RE.finditer(text, start, end))
+        for index, match in enumerate(found):
+            gap_end = found[index + 1].start() if index + 1 < len(found) else end
+            gap = text[match.end():gap_end]
+            if gap.strip() and _TAG_RE.sub("", gap).strip():
+                continue  # the prefix of another log line
+            self._pending.append((match.group("rank").strip() or None, not self._pending))
+
+    def claim(self) -> tuple[bool, str | None, tuple]:
+        """``(claimed, rank, candidates)`` for the next message: whether a prefix was waiting, its
+        rank, and, unless it was the only one and written while none was, the ranks of the
+        prefixes waiting (the message's own among them); ``()`` when sure."""
+        if not self._pending:
+            return False, None, ()
+        candidates = tuple(dict.fromkeys(rank for rank, _ in self._pending))
+        rank, alone = self._pending.popleft()
+        return True, rank, () if alone and not self._pending else candidates
 
 
 def _with_audit(record: SwaDivergenceRecord, audit: dict) -> SwaDivergenceRecord:
@@ -1017,9 +1111,13 @@ class AuditPairing:
 
     An audit line belongs to the latest record before it with the same tag (``verify_source``)
     and the same log rank, when that record has the audit line's ``forward_ct`` and no audit line
-    yet (the line sinks write it right after the record's line, through the same logger). A fault
-    line belongs to the latest record before it with the same tag and rank, when that record has
-    its ``forward_ct`` (a record may have several). Any other audit or fault line is an error
+    yet (the line sinks write it right after the record's line, through the same logger). When
+    there is none, it belongs to a recent record of its tag with its ``forward_ct`` and no audit
+    line yet, of another rank or none (several processes writing one log at once can move a line's
+    log prefix to another line: :mod:`otel_swa.testing.runs`). A fault line belongs to the latest
+    record before it with the same tag and rank, when that record has its ``forward_ct`` (a record
+    may have several), else to the latest record of its tag with its ``forward_ct`` of any rank.
+    Any other audit or fault line is an error
     (``MalformedRecordError`` with the reason).
 
     Use :meth:`add` for every record (or other entry) in order, into a list the caller keeps, and
@@ -1032,6 +1130,9 @@ class AuditPairing:
     def __init__(self) -> None:
         self._latest: dict[tuple[str | None, str | None], tuple[list, int, int]] = {}
         self._recent: dict[tuple[str | None, str | None], tuple[list, int, int]] = {}
+        self._waiting: dict[tuple, list] = {}  # (tag, forward_ct) -> records without an audit line: _attach_elsewhere
+        self._order: collections.deque = collections.deque()
+        self._outstanding = 0
 
     def add(self, entries: list, entry: Any) -> None:
         """Append ``entry`` to ``entries``; remember it when it holds a record."""
@@ -1040,27 +1141,106 @@ class AuditPairing:
         if isinstance(record, SwaDivergenceRecord):
             key = (record.verify_source, entry.rank)
             self._latest[key] = self._recent[key] = (entries, len(entries) - 1, record.forward_ct)
+            self._remember_waiting(entries, record, entry.rank)
 
     def attach(self, line: "AuditMatch | FaultMatch") -> MalformedRecordError | None:
         """Attach an audit or fault line to its record; return the error when it has none
         (nothing changed)."""
-        key = (line.verify_source, line.rank)
-        fault = isinstance(line, FaultMatch)
-        slot = self._recent.get(key) if fault else self._latest.pop(key, None)
-        if slot is None or slot[2] != line.forward_ct:
-            if slot is not None and not fault:
-                self._latest[key] = slot
-            rank = f" of rank {line.rank}" if line.rank else ""
-            kind = "fault" if fault else "audit"
+        if isinstance(line, FaultMatch):
+            return self._attach_fault(line)
+        audit = line
+        slot = self._latest.pop((audit.verify_source, audit.rank), None)
+        if slot is None or slot[2] != audit.forward_ct:
+            if slot is not None:
+                self._latest[(audit.verify_source, audit.rank)] = slot
+            if self._attach_elsewhere(audit):
+                return None
+            rank = f" of rank {audit.rank}" if audit.rank else ""
             return MalformedRecordError(
-                line.text, f"no record{rank} with forward_ct={line.forward_ct} just before this {kind} line",
-                line.line_no, FAULT_PREFIX if fault else AUDIT_PREFIX,
+                audit.text, f"no record{rank} with forward_ct={audit.forward_ct} just before this audit line",
+                audit.line_no, AUDIT_PREFIX,
             )
         entries, index, _ = slot
-        entry = entries[index]
-        record = _with_offender(entry.record, line.offender) if fault else _with_audit(entry.record, line.audit)
-        entries[index] = entry._replace(record=record) if hasattr(entry, "_replace") else dataclasses.replace(entry, record=record)
+        self._replace_record(entries, index, _with_audit(entries[index].record, audit.audit))
+        self._mark_attached(entries, index)
         return None
+
+    def _attach_fault(self, fault: "FaultMatch") -> MalformedRecordError | None:
+        slot = self._recent.get((fault.verify_source, fault.rank))
+        if slot is None or slot[2] != fault.forward_ct:
+            # its log prefix moved by another process's write: the latest record of its tag with its
+            # forward_ct, of any rank
+            candidates = [item for (tag, _), item in self._recent.items()
+                          if tag == fault.verify_source and item[2] == fault.forward_ct]
+            slot = max(candidates, key=lambda item: item[1]) if candidates else None
+        if slot is None:
+            rank = f" of rank {fault.rank}" if fault.rank else ""
+            return MalformedRecordError(
+                fault.text, f"no record{rank} with forward_ct={fault.forward_ct} just before this fault line",
+                fault.line_no, FAULT_PREFIX,
+            )
+        entries, index, _ = slot
+        self._replace_record(entries, index, _with_offender(entries[index].record, fault.offender))
+        return None
+
+    @staticmethod
+    def _replace_record(entries: list, index: int, record: SwaDivergenceRecord) -> None:
+        entry = entries[index]
+        entries[index] = entry._replace(record=record) if hasattr(entry, "_replace") else dataclasses.replace(entry, record=record)
+
+    # -- lines written by several processes at once (their parts interleaved): an audit line whose
+    # log prefix was taken by another process's write names the wrong rank, or none, and may come
+    # many lines after its record (its process was descheduled while the others wrote on)
+    _WAITING = 65536  # records without an audit line yet that such an audit line may belong to
+
+    def _remember_waiting(self, entries: list, record: SwaDivergenceRecord, rank: str | None) -> None:
+        key = (record.verify_source, record.forward_ct)
+        item = [entries, len(entries) - 1, rank, False]
+        self._waiting.setdefault(key, []).append(item)
+        order = self._order
+        order.append((key, item))
+        self._outstanding += 1
+        while self._outstanding > self._WAITING:  # the oldest records still without one are let go
+            old_key, old_item = order.popleft()
+            if not old_item[3]:
+                self._forget(old_key, old_item)
+        if len(order) > 2 * self._WAITING:
+            self._order = collections.deque(pair for pair in order if not pair[1][3])
+
+    def _forget(self, key: tuple, item: list) -> None:
+        item[3] = True
+        self._outstanding -= 1
+        items = self._waiting.get(key)
+        if items is not None:
+            items.remove(item)
+            if not items:
+                del self._waiting[key]
+
+    def _mark_attached(self, entries: list, index: int) -> None:
+        record = entries[index].record
+        key = (record.verify_source, record.forward_ct)
+        for item in self._waiting.get(key, ()):
+            if item[0] is entries and item[1] == index:
+                self._forget(key, item)
+                return
+
+    def _attach_elsewhere(self, audit: AuditMatch) -> bool:
+        """Attach ``audit`` to a record of its tag with its ``forward_ct`` and no audit line yet,
+        of its rank first, else the latest; ``False`` when there is none."""
+        key = (audit.verify_source, audit.forward_ct)
+        found = None
+        for item in self._waiting.get(key, ()):
+            if found is None or item[2] == audit.rank or (found[2] != audit.rank and item[1] > found[1]):
+                found = item
+        if found is None:
+            return False
+        entries, index, rank, _ = found
+        latest = self._latest.get((audit.verify_source, rank))
+        if latest is not None and latest[0] is entries and latest[1] == index:
+            del self._latest[(audit.verify_source, rank)]
+        self._replace_record(entries, index, _with_audit(entries[index].record, audit.audit))
+        self._forget(key, found)
+        return True
 
 
 class FoundRecords(list):
@@ -1130,3 +1310,146 @@ def find_last(text: str) -> tuple[SwaDivergenceRecord, str] | None:
         return None
     last = found.matches[-1]
     return last.record, last.text
+
+
+# ---------------------------------------------------------------------------------- liveness warnings
+#: Why a reporter that is on delivered no sample (:attr:`LivenessWarning.cause`): ``no_forward_step``:
+#: no forward step reached it, the engine's forward-step hook never fired (reported at process exit);
+#: ``no_sample_delivered``: forward steps reached it and, for :attr:`LivenessWarning.steps` of them,
+#: no sample was delivered (every view refused, sampling skipped).
+LIVENESS_CAUSES = ("no_forward_step", "no_sample_delivered")
+_LIVENESS_COUNTS = ("forward_ct", "steps", "samples_delivered", "samples_taken", "invalid_samples", "skipped_captures")
+
+
+@dataclass(frozen=True, slots=True)
+class LivenessWarning:
+    """otel-swa on and not working: a reporter that delivered no sample, as SGLang's KV canary says
+    "canary path is not executing" when a kernel's run counter is still 0 after its warm-up.
+
+    Written by the line sinks as otel-swa's own line (:meth:`line`), after the run start marker::
+
+        otel_swa[verify=attention] otel_swa_liveness={"pid":4242,"forward_ct":0,"steps":0,"samples_delivered":0,"samples_taken":0,"invalid_samples":0,"skipped_captures":0,"cause":"no_forward_step"}
+
+    Attributes:
+        cause: one of :data:`LIVENESS_CAUSES`.
+        forward_ct: forward steps the reporter had seen.
+        steps: forward steps since its last delivered sample (all of them when none was).
+        samples_delivered: records it delivered in its life (0 when it never worked).
+        samples_taken, invalid_samples, skipped_captures: its counts of the same names
+            (``ReporterStats``): what explains the silence.
+        verify_source: the reporter's tag (:data:`VERIFY_SOURCES`), or ``None``.
+        pid: the process id, or ``None`` (then :meth:`line` writes this process's).
+        hook: where the engine was expected to step the reporter (``"SGLang
+            ModelRunner.forward"``), or ``None``.
+
+    Raises:
+        ValueError: an unknown ``cause`` or ``verify_source``; TypeError: a count that is no int,
+            a ``hook`` that is no string.
+    """
+
+    cause: str
+    forward_ct: int = 0
+    steps: int = 0
+    samples_delivered: int = 0
+    samples_taken: int = 0
+    invalid_samples: int = 0
+    skipped_captures: int = 0
+    verify_source: "str | None" = None
+    pid: "int | None" = None
+    hook: "str | None" = None
+
+    def __post_init__(self) -> None:
+        if self.hook is not None and not isinstance(self.hook, str):
+            raise TypeError(f"LivenessWarning.hook must be None or a str, got {self.hook!r}")
+        if self.cause not in LIVENESS_CAUSES:
+            raise ValueError(f"LivenessWarning.cause must be one of {', '.join(LIVENESS_CAUSES)}, got {self.cause!r}")
+        for name in _LIVENESS_COUNTS:
+            _check_int("LivenessWarning", name, getattr(self, name), 0)
+        if self.verify_source is not None and self.verify_source not in VERIFY_SOURCES:
+            raise ValueError(f"LivenessWarning.verify_source must be None or one of {', '.join(VERIFY_SOURCES)}, "
+                             f"got {self.verify_source!r}")
+
+    def to_dict(self) -> dict:
+        """The line's JSON object: ``pid``, the counts, ``cause``."""
+        fields: dict = {"pid": os.getpid() if self.pid is None else self.pid}
+        fields.update((name, getattr(self, name)) for name in _LIVENESS_COUNTS)
+        fields["cause"] = self.cause
+        if self.hook is not None:
+            fields["hook"] = self.hook
+        return fields
+
+    def line(self) -> str:
+        """``otel_swa[verify=<source>] otel_swa_liveness={...}`` (compact JSON; no tag without a source)."""
+        body = LIVENESS_PREFIX + json.dumps(self.to_dict(), separators=(",", ":"))
+        return body if self.verify_source is None else f"{LINE_TAG.format(self.verify_source)} {body}"
+
+    def summary(self) -> str:
+        """The warning in words: ``instrumented, 0 samples in N steps: <why>``."""
+        return liveness_summary(self.to_dict())
+
+
+def liveness_summary(fields: dict) -> str:
+    """:meth:`LivenessWarning.summary` of a liveness line's JSON object (missing counts read as 0)."""
+    count = {name: fields.get(name) if type(fields.get(name)) is int else 0 for name in _LIVENESS_COUNTS}  # noqa: E721
+    head = f"instrumented, {count['samples_delivered']} samples in {count['steps']} steps"
+    if fields.get("cause") == "no_forward_step":
+        hook = fields.get("hook")
+        why = "no forward step reached the reporter (" + (
+            f"the engine was to step it from {hook}" if isinstance(hook, str) else "the engine's forward-step hook never "
+            "stepped it") + ")"
+        if count["skipped_captures"]:
+            why += f"; {count['skipped_captures']} step() call(s) during CUDA graph capture were ignored"
+        return f"{head}: {why}"
+    if count["samples_delivered"]:
+        head = f"instrumented, 0 samples in the last {count['steps']} steps ({count['samples_delivered']} before)"
+    reasons = []
+    if count["samples_taken"] == 0:
+        reasons.append("no sample was taken (every sampling step failed before its sample: a view the reporter refused?)")
+    elif count["invalid_samples"]:
+        reasons.append(f"{count['invalid_samples']} of {count['samples_taken']} sample(s) taken were refused (view "
+                       "faults or invalid values: kv_cache.swa.reporter.view_faults)")
+    if count["skipped_captures"]:
+        reasons.append(f"{count['skipped_captures']} step() call(s) during CUDA graph capture were ignored")
+    return f"{head}: " + ("; ".join(reasons) or "samples taken and not delivered")
+
+
+class LivenessMatch(NamedTuple):
+    """One liveness warning (:data:`LIVENESS_PREFIX`) found in a text.
+
+    Attributes:
+        fields: its JSON object (unknown keys kept, never required).
+        text, line_no, rank, timestamp, verify_source: as in :class:`AuditMatch`.
+        rank_candidates: as in :class:`RecordMatch`.
+    """
+
+    fields: dict
+    text: str
+    line_no: int
+    rank: str | None = None
+    timestamp: str | None = None
+    verify_source: str | None = None
+    rank_candidates: tuple = ()
+
+    rank_sure = property(_rank_sure)
+
+    @property
+    def summary(self) -> str:
+        """The warning in words (:func:`liveness_summary`)."""
+        return liveness_summary(self.fields)
+
+
+def _liveness_match(data: dict, shown: str, line_no: int | None, prefix: LogPrefix, source: str | None,
+                    fail: Any) -> LivenessMatch:
+    for name in _LIVENESS_COUNTS:
+        if name in data:
+            reason = _logged_int(name, data[name], 0)
+            if reason is not None:
+                raise fail(reason)
+    for name in ("cause", "hook"):
+        if name in data and not isinstance(data[name], str):
+            raise fail(f"{name}={json.dumps(data[name])} is not a string")
+    return LivenessMatch(data, shown, line_no, prefix.rank, prefix.timestamp, source)
+
+
+__all__ += ["LIVENESS_PREFIX", "LIVENESS_CAUSES", "LivenessWarning", "LivenessMatch", "liveness_summary",
+            "PrefixClaims"]

@@ -39,7 +39,7 @@ from otel_swa.device import (
     stage_sample,
 )
 from otel_swa.device.read_check import READ_CHECK_MODES, ReadCheck
-from otel_swa.record import MICRO_BATCH_MAX, VERIFY_SOURCES, Offender, SwaDivergenceRecord
+from otel_swa.record import MICRO_BATCH_MAX, VERIFY_SOURCES, LivenessWarning, Offender, SwaDivergenceRecord
 from otel_swa.views.base import SwaBatchView, validate_view
 
 try:  # opentelemetry-api is a dependency; the reporter itself only needs its context object.
@@ -81,6 +81,9 @@ class ReporterStats:
             ``req_to_token``, a live token's FULL slot outside ``0 .. len(mapping) - 1``,
             ``seq_lens`` above ``max_context_len`` or below 0, ``seq_lens_cpu`` different from
             ``seq_lens``. Read-only mapping, every fault present.
+        liveness_warnings: liveness warnings given (:meth:`SwaDivergenceReporter.liveness_warning`:
+            on, and no sample delivered for ``liveness_steps`` forward steps, or at the end of a
+            life in which none was).
     """
 
     samples_taken: int
@@ -91,6 +94,7 @@ class ReporterStats:
     skipped_captures: int
     invalid_samples: int = 0
     view_faults: Mapping[str, int] = field(default_factory=lambda: _NO_FAULTS)
+    liveness_warnings: int = 0
 
 
 class _Pending(NamedTuple):
@@ -130,11 +134,22 @@ class SwaDivergenceReporter:
             each following forward step whose micro-batch has not been sampled since, until a
             micro-batch comes round again (the pipeline's whole round: one record per micro-batch,
             each at its own ``forward_ct``). A step without a micro-batch index ends the round.
+        liveness_steps: forward steps without a delivered sample after which the reporter gives
+            its liveness warning once (:meth:`liveness_warning`; checked at the sampling steps):
+            ``None`` (default) 10 intervals (:data:`otel_swa.config.DEFAULT_LIVENESS_INTERVALS`),
+            0 never.
 
     Raises:
         ValueError: ``interval`` or ``ring_size`` below 1 or not an int; an unknown ``verify_source``
-            or ``micro_batches``; a CUDA ``device`` where torch has no CUDA device (a CPU build, no
-            GPU visible).
+            or ``micro_batches``; ``liveness_steps`` not ``None`` nor an int >= 0; a CUDA
+            ``device`` where torch has no CUDA device (a CPU build, no GPU visible).
+
+    Liveness. Like SGLang's KV canary, which raises "canary path is not executing" when a kernel's
+    run counter is still 0 after its warm-up, the reporter says when it is on and not working: a
+    :class:`~otel_swa.record.LivenessWarning` handed to every sink that has a
+    ``liveness(warning, context)`` method (the line sinks write it as otel-swa's
+    ``otel_swa_liveness=`` line, the telemetry sink as an event; logged as a Python warning when
+    no sink takes it), counted in ``stats.liveness_warnings``.
 
     CUDA graphs. Every entry point may be called while the current stream captures a graph:
     ``observe`` with a device tensor is captured (each replay adds), ``step`` is ignored and counted
@@ -164,6 +179,7 @@ class SwaDivergenceReporter:
         sinks: Iterable[Sink] = (),
         verify_source: str = "attention",
         micro_batches: str = config.MICRO_BATCH_MODES[0],
+        liveness_steps: "int | None" = None,
     ) -> None:
         if type(interval) is not int or interval < 1:
             raise ValueError(f"interval must be an int >= 1 (forward steps between samples), got {interval!r}")
@@ -173,7 +189,12 @@ class SwaDivergenceReporter:
             raise ValueError(
                 f"micro_batches must be one of {', '.join(config.MICRO_BATCH_MODES)}, got {micro_batches!r}"
             )
+        if liveness_steps is None:
+            liveness_steps = config.DEFAULT_LIVENESS_INTERVALS * interval
+        if type(liveness_steps) is not int or liveness_steps < 0:
+            raise ValueError(f"liveness_steps must be None or an int >= 0 (forward steps), got {liveness_steps!r}")
         self.interval = interval
+        self.liveness_steps = liveness_steps
         self.verify_source = verify_source
         self.micro_batches = micro_batches
         self.device = torch.device(device)
@@ -188,6 +209,7 @@ class SwaDivergenceReporter:
         self._workspace = Workspace(self.device)
         self._sinks: list[Sink] = list(sinks)
         self._read_check: "ReadCheck | None" = None
+        self._liveness_hook: "str | None" = None  # set by expect_steps_from
         self._init_state()
 
     def _init_state(self) -> None:
@@ -203,6 +225,10 @@ class SwaDivergenceReporter:
         self._invalid_samples = 0
         self._view_faults = {name: 0 for name in FAULTS}
         self._capture_warned = False
+        self._invalid_warned = False
+        self._delivered_at = 0  # forward_ct when the last sample was delivered
+        self._silence_reported = False  # a liveness warning was given for the silence under way
+        self._liveness_warnings = 0
         # micro-batches sampled since the last interval step (micro_batches="every"), or None
         self._round: "set[int] | None" = None
         # Held while the ring and the pending queue change (sampling, delivery, flush), so that a
@@ -223,8 +249,8 @@ class SwaDivergenceReporter:
         """A reporter configured from the environment, or ``None`` when the gate is off.
 
         Reads ``OTEL_SWA_DIVERGENCE_INTERVAL`` (fallback ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``),
-        ``OTEL_SWA_RING_SIZE`` and ``OTEL_SWA_MICRO_BATCHES``. ``None`` (interval 0) means the engine
-        does no reporter work at all.
+        ``OTEL_SWA_RING_SIZE``, ``OTEL_SWA_MICRO_BATCHES`` and ``OTEL_SWA_LIVENESS_STEPS``. ``None``
+        (interval 0) means the engine does no reporter work at all.
 
         Raises:
             otel_swa.config.ConfigError: a variable holds an unusable value.
@@ -234,7 +260,7 @@ class SwaDivergenceReporter:
             return None
         return cls(
             interval, device=device, ring_size=config.ring_size(environ), sinks=sinks, verify_source=verify_source,
-            micro_batches=config.micro_batches(environ),
+            micro_batches=config.micro_batches(environ), liveness_steps=config.liveness_steps(interval, environ),
         )
 
     # ------------------------------------------------------------------ engine-facing calls
@@ -305,8 +331,13 @@ class SwaDivergenceReporter:
         if due:
             with self._lock:
                 if not self._closed:
-                    self._sample(view, context, micro_batch)
-                    self._deliver_ready()
+                    try:
+                        self._sample(view, context, micro_batch)
+                        self._deliver_ready()
+                    finally:  # a view refused at every sampling step raises here: still said once
+                        if (self.liveness_steps and not self._silence_reported
+                                and self._forward_ct - self._delivered_at >= self.liveness_steps):
+                            self.liveness_warning()
 
     # ------------------------------------------------------------------ the read check
     def enable_read_check(self, *, max_queries: int = 8, layers: str = READ_CHECK_MODES[0]) -> ReadCheck:
@@ -366,14 +397,25 @@ class SwaDivergenceReporter:
 
     def close(self) -> None:
         """Flush, then stop: later ``observe`` still works, later ``step`` does nothing. Idempotent.
-        Inside CUDA graph capture it does nothing (the reporter stays open)."""
+        Inside CUDA graph capture it does nothing (the reporter stays open). A reporter an engine
+        was to step (:meth:`expect_steps_from`) that delivered no sample gives its liveness
+        warning first."""
         if self._capturing("close"):
             return
         with self._lock:
             if self._closed:
                 return
+            if self._liveness_hook is not None:
+                self.liveness_warning(final=True, hook=self._liveness_hook)
             self.flush()
             self._closed = True
+
+    def expect_steps_from(self, hook: str) -> None:
+        """Expect the engine to step this reporter from ``hook`` (the engine method an instrumentor
+        wrapped): when it is closed having delivered no sample, it gives its liveness warning naming
+        ``hook`` (:meth:`liveness_warning`; :mod:`otel_swa.lifecycle` does the same at the end of
+        the process)."""
+        self._liveness_hook = hook
 
     def reset_after_fork(self) -> None:
         """In a forked child: forget the parent's state (totals, forward count, pending samples,
@@ -390,6 +432,46 @@ class SwaDivergenceReporter:
                     reset()
                 except Exception:
                     _log.exception("otel-swa sink %r could not be reset after a fork", sink)
+
+    def liveness_warning(self, *, final: bool = False, hook: "str | None" = None) -> "LivenessWarning | None":
+        """Say that the reporter is on and not working: hand a
+        :class:`~otel_swa.record.LivenessWarning` to the sinks that have ``liveness(warning,
+        context)`` (a Python warning when none has), count it in ``stats.liveness_warnings``, and
+        return it. Called by :meth:`step` when ``liveness_steps`` forward steps passed without a
+        delivered sample (once per such silence), and by :mod:`otel_swa.lifecycle` at the end of
+        the process for reporters an engine's instrumentor made.
+
+        Args:
+            final: the end of the reporter's life: warn only when it never delivered a sample
+                (cause ``no_forward_step`` when no forward step reached it either), and at most
+                once; returns ``None`` otherwise.
+            hook: where the engine was to step the reporter, said in the warning.
+        """
+        if final and (self._samples_delivered or self._silence_reported):
+            return None
+        cause = "no_forward_step" if self._forward_ct == 0 else "no_sample_delivered"
+        warning = LivenessWarning(
+            cause, forward_ct=self._forward_ct, steps=self._forward_ct - self._delivered_at,
+            samples_delivered=self._samples_delivered, samples_taken=self._samples_taken,
+            invalid_samples=self._invalid_samples, skipped_captures=self._skipped_captures,
+            verify_source=self.verify_source, hook=hook,
+        )
+        self._silence_reported = True
+        self._liveness_warnings += 1
+        told = False
+        for sink in list(self._sinks):
+            liveness = getattr(sink, "liveness", None)
+            if not callable(liveness):
+                continue
+            told = True
+            try:
+                liveness(warning, None)
+            except Exception:  # telemetry must never crash the engine
+                self._sink_errors += 1
+                _log.exception("otel-swa sink %r failed on a liveness warning", sink)
+        if not told:
+            _log.warning("otel-swa reporter: %s", warning.summary())
+        return warning
 
     def __enter__(self) -> "SwaDivergenceReporter":
         return self
@@ -434,6 +516,7 @@ class SwaDivergenceReporter:
             skipped_captures=self._skipped_captures,
             invalid_samples=self._invalid_samples,
             view_faults=types.MappingProxyType(dict(self._view_faults)),
+            liveness_warnings=self._liveness_warnings,
         )
 
     def _capturing(self, what: str) -> bool:
@@ -547,9 +630,14 @@ class SwaDivergenceReporter:
             )
         except (TypeError, ValueError) as exc:  # never let a bad value escape into the engine
             self._invalid_samples += 1
-            _log.error("otel-swa sample at forward_ct=%d is invalid and was not delivered: %s", pending.forward_ct, exc)
+            if not self._invalid_warned:  # the first is logged, later ones counted (never a flood)
+                self._invalid_warned = True
+                _log.error("otel-swa sample at forward_ct=%d is invalid and was not delivered: %s (later invalid "
+                           "samples are only counted: reporter.stats.invalid_samples)", pending.forward_ct, exc)
             return
         self._samples_delivered += 1
+        self._delivered_at = self._forward_ct
+        self._silence_reported = False
         for sink in self._sinks:
             try:
                 sink(record, pending.context)

@@ -13,26 +13,29 @@ Exit status: 0 observed; 1 not observed (the explanation is printed on stdout); 
 missing or unreadable file; the message is on stderr). The exit status is the verdict even when the
 explanation cannot be written (a reader that closed the pipe, a full disk). With ``--wait SECONDS`` a
 file that is still being written (or does not exist yet) is read again every ``--poll`` seconds
-until the verdict is a pass or the time is up. Standard input (``-``) is read to its end.
+until the verdict is a pass or the time is up; with ``--until end``, until the run being written
+has ended (the next run's start, or ``--quiet-period`` seconds without anything new), judged
+whole. Standard input (``-``) is read to its end. A run whose otel-swa lines are only its start
+marker or a liveness warning ("instrumented, 0 samples in N steps") fails.
 """
 
 from __future__ import annotations
 
 import argparse
 
+import sys
+
 from otel_swa.commands._loginput import (
-    InputError,
     add_source_argument,
     error,
-    load_entries,
     non_negative_int,
     positive_seconds,
     seconds,
 )
 from otel_swa.commands._output import print_result
-from otel_swa.testing.assertions import DEFAULT_POLL_S, wait_for_observation
-from otel_swa.testing.judge import LINE_MODES, RANK_MODES, RUN_MODES, judge
-from otel_swa.testing.runs import split_runs
+from otel_swa.testing.assertions import DEFAULT_POLL_S, DEFAULT_QUIET_S, UNTIL_MODES, wait_for_observation
+from otel_swa.testing.judge import LINE_MODES, RANK_MODES, RUN_MODES
+from otel_swa.testing.sources import text_source
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,6 +65,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="judge only the run being written: with --wait on a log that already holds finished "
                              "runs (--log-file appends), nothing passes until a record is written after check "
                              "starts; then the last run is judged whole, never an earlier, finished run")
+    parser.add_argument("--until", choices=UNTIL_MODES, default="pass",
+                        help="with --wait: pass (default): stop at the first read that passes (a fault logged later is "
+                             "not seen); end: wait for the end of the run being written (the next run's start, or "
+                             "--quiet-period without anything new) and judge it whole, for a server's log")
+    parser.add_argument("--quiet-period", dest="quiet_s", type=positive_seconds, default=DEFAULT_QUIET_S,
+                        metavar="SECONDS", help=f"with --until end: seconds without anything new after which the run "
+                                                f"has ended (default {DEFAULT_QUIET_S:g})")
     parser.add_argument("--poll", type=positive_seconds, default=DEFAULT_POLL_S, metavar="SECONDS",
                         help=f"pause between reads while waiting (default {DEFAULT_POLL_S})")
     parser.add_argument("-v", "--verbose", action="store_true",
@@ -81,13 +91,13 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.source == "-":
         try:
-            entries, errors = load_entries("-")
-        except InputError as exc:
-            return error(str(exc))
-        observation = judge(split_runs(entries), errors=errors, source="standard input", **rules)
+            data = sys.stdin.buffer.read()
+        except OSError as exc:
+            return error(f"standard input cannot be read ({exc.strerror or exc})")
+        observation = wait_for_observation(text_source(data, "standard input"), **rules)
     else:
         observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, new_only=args.new,
-                                           **rules)
+                                           until=args.until, quiet_s=args.quiet_s, **rules)
         if observation.problem is not None:
             return error(observation.problem)
     if not (observation.ok and args.quiet):

@@ -10,6 +10,8 @@ import enum
 
 import torch
 
+from otel_swa.record import INT64_MAX
+
 __all__ = ["KVPool", "PoolAccumulator", "pool_index"]
 
 
@@ -77,8 +79,10 @@ class PoolAccumulator:
                 replay adds it): pass a device tensor there.
 
         Raises:
-            ValueError: unknown pool, or a negative Python int ``count`` (a tensor's value is not
-                read: that would synchronise).
+            ValueError: unknown pool; a Python int ``count`` that is negative, or that would take
+                the pool's host total above int64 (:data:`otel_swa.record.INT64_MAX`, what the
+                record and OTLP carry): refused, the total unchanged (a tensor's value is not read:
+                that would synchronise).
             TypeError: ``count`` is neither an ``int`` nor a 0-dim integer tensor (a float, a
                 bool, a tensor of another shape or dtype); only metadata is checked.
         """
@@ -89,6 +93,12 @@ class PoolAccumulator:
                 index = pool_index(pool)  # raises the ValueError
             if count < 0:
                 raise ValueError(f"count of KV entries must be >= 0, got {count} for pool {pool!r}")
+            if count > INT64_MAX - self.host[index]:
+                raise ValueError(
+                    f"count of KV entries {count} for pool {pool!r} would take its total "
+                    f"{self.host[index]} above the int64 maximum 2**63 - 1 = {INT64_MAX} (records and OTLP "
+                    "carry int64); refused, the total is unchanged"
+                )
             if self._on_cuda and torch.cuda.is_current_stream_capturing():
                 self._cells[index].add_(count)
                 return

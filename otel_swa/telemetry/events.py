@@ -38,11 +38,12 @@ from opentelemetry._logs import Logger, SeverityNumber
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Tracer
 
-from otel_swa.record import FIELDS, Offender, SwaDivergenceRecord
+from otel_swa.record import FIELDS, LivenessWarning, Offender, SwaDivergenceRecord
 from otel_swa.telemetry import semconv as sc
 from otel_swa.telemetry.spans import use_system_random_ids
 
-__all__ = ["record_attributes", "record_from_attributes", "offender_attributes", "SampleEvents"]
+__all__ = ["record_attributes", "record_from_attributes", "offender_attributes", "liveness_attributes",
+           "liveness_from_attributes", "SampleEvents"]
 
 
 def record_attributes(record: SwaDivergenceRecord) -> dict[str, int | bool | str]:
@@ -109,6 +110,26 @@ def record_from_attributes(attributes) -> SwaDivergenceRecord:
     )
 
 
+def liveness_attributes(warning: LivenessWarning) -> dict[str, int | str]:
+    """The event attributes of a liveness warning: ``kv_cache.swa.liveness.<field>`` for its
+    cause, counts and hook (when known), and ``kv_cache.swa.verify_source``."""
+    fields = warning.to_dict()
+    attributes = {key: fields[name] for name, key in sc.LIVENESS_ATTRIBUTES.items() if name in fields}
+    if warning.verify_source is not None:
+        attributes[sc.ATTR_VERIFY_SOURCE] = warning.verify_source
+    return attributes
+
+
+def liveness_from_attributes(attributes) -> LivenessWarning:
+    """Rebuild the warning from an event's attributes (inverse of :func:`liveness_attributes`).
+
+    Raises:
+        KeyError: the cause attribute is missing; TypeError, ValueError: as the warning's constructor.
+    """
+    values = {name: attributes[key] for name, key in sc.LIVENESS_ATTRIBUTES.items() if key in attributes}
+    return LivenessWarning(values.pop("cause"), **values, verify_source=attributes.get(sc.ATTR_VERIFY_SOURCE))
+
+
 class SampleEvents:
     """Emits the Logs API event and the span event of each record.
 
@@ -129,34 +150,32 @@ class SampleEvents:
         attributes = record_attributes(record)
         if extra:
             attributes.update(extra)
-        if self._logger is not None:
-            self._logger.emit(
-                timestamp=time.time_ns(),
-                event_name=sc.EVENT_NAME,
-                body=record.line(),
-                attributes=attributes,
-                severity_number=SeverityNumber.INFO,
-                severity_text="INFO",
-                context=context,
-            )
+        self._emit(sc.EVENT_NAME, record.line(), attributes, SeverityNumber.INFO, context)
         faults = []
         for offender, line in zip(record.offenders, record.fault_lines()):
             fault = offender_attributes(record, offender)
             if extra:
                 fault.update(extra)
             faults.append(fault)
-            if self._logger is not None:
-                self._logger.emit(
-                    timestamp=time.time_ns(),
-                    event_name=sc.FAULT_EVENT_NAME,
-                    body=line,
-                    attributes=fault,
-                    severity_number=SeverityNumber.WARN,
-                    severity_text="WARN",
-                    context=context,
-                )
+            self._emit(sc.FAULT_EVENT_NAME, line, fault, SeverityNumber.WARN, context)
         if self._tracer is not None and context is not None:
             self._span_event(record, attributes, context, faults)
+
+    def emit_liveness(self, warning: LivenessWarning, extra: Mapping[str, Any] | None = None) -> None:
+        """Emit the Logs API event of a liveness warning (:data:`~otel_swa.telemetry.semconv.LIVENESS_EVENT_NAME`,
+        severity WARN, body its line); ``extra``: attributes added (the reporter's process ranks).
+        No span event: no forward step holds it."""
+        attributes = liveness_attributes(warning)
+        if extra:
+            attributes.update(extra)
+        self._emit(sc.LIVENESS_EVENT_NAME, warning.line(), attributes, SeverityNumber.WARN, None)
+
+    def _emit(self, name: str, body: str, attributes: dict, severity: SeverityNumber, context: Context | None) -> None:
+        """One Logs API event, timestamped now (nothing without a logger)."""
+        if self._logger is None:
+            return
+        self._logger.emit(timestamp=time.time_ns(), event_name=name, body=body, attributes=attributes,
+                          severity_number=severity, severity_text=severity.name, context=context)
 
     def _span_event(self, record: SwaDivergenceRecord, attributes: dict[str, int], context: Context,
                     faults: "list[dict]" = ()) -> None:

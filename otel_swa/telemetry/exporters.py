@@ -8,7 +8,11 @@ safety, and how often their failures are logged.
   it exports nothing and reports success: a forked child inherits the parent's SDK buffers and
   cumulative metric state (the parent's numbers) and, for OTLP over gRPC, the parent's channel,
   which a child that closes its inherited file descriptors turns into hundreds of thousands of
-  gRPC error lines a second.
+  gRPC error lines a second. For OTLP over HTTP, the child also lets go of the parent's open
+  connections (their sockets are the parent's): urllib3 closes a connection pool's sockets when
+  the pool is finalized, at the child's exit too, which after ``os.closerange`` (as daemons do)
+  prints ``OSError: [Errno 9] Bad file descriptor`` tracebacks, or closes a descriptor the child
+  has opened since under the same number.
 * :class:`RepeatedWarningFilter` lets the first exporter warning or error of each kind through
   (per logger, message and arguments, retry delays aside) and counts the repeats, so that a dead
   collector gives one line per failure kind, not one per retry of every batch of every signal.
@@ -18,11 +22,15 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["AccountedExporter", "ExportCounts", "RepeatedWarningFilter", "EXPORTER_LOGGERS", "export_success"]
+from otel_swa import lifecycle
+
+__all__ = ["AccountedExporter", "ExportCounts", "RepeatedWarningFilter", "EXPORTER_LOGGERS", "export_success",
+           "release_connections"]
 
 #: The loggers of the OTLP exporters and of the SDK's batching processors, where export failures
 #: are logged (opentelemetry-exporter-otlp-proto-grpc / -http 1.45, opentelemetry-sdk 1.45).
@@ -105,6 +113,13 @@ class AccountedExporter:
         self._lock = threading.Lock()
         self.name = name
         self.exported = self.failed = self.failed_exports = self.dropped_in_child = 0
+        lifecycle.reset_in_child(self)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child (called by :mod:`otel_swa.lifecycle`): let go of the parent's open
+        HTTP connections without closing them (module docstring); a new lock."""
+        self._lock = threading.Lock()
+        release_connections(self._exporter)
 
     @property
     def signal(self) -> str:
@@ -147,6 +162,49 @@ class AccountedExporter:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._exporter, name)
+
+
+def release_connections(exporter: Any) -> int:
+    """Take every idle connection out of the connection pools of an OTLP/HTTP exporter's
+    ``requests`` session and detach its socket without closing it: the descriptor is the
+    parent's. The session is ``exporter._client._transport._session`` in
+    opentelemetry-exporter-otlp-proto-http 1.45 (``exporter._session`` in earlier releases).
+    Returns how many were let go; an exporter without a session (gRPC, console) has none. Never
+    raises."""
+    released = 0
+    try:
+        session = getattr(exporter, "_session", None)
+        if session is None:
+            session = getattr(getattr(getattr(exporter, "_client", None), "_transport", None), "_session", None)
+        adapters = list(getattr(session, "adapters", None).values()) if session is not None else []
+    except Exception:
+        return 0
+    for adapter in adapters:
+        managers = [getattr(adapter, "poolmanager", None)] + list((getattr(adapter, "proxy_manager", None) or {}).values())
+        for manager in managers:
+            pools = getattr(manager, "pools", None)
+            if pools is None:
+                continue
+            try:
+                keys = list(pools.keys())
+            except Exception:
+                continue
+            for key in keys:
+                idle = getattr(pools.get(key), "pool", None)  # the pool's queue of idle connections
+                while idle is not None:
+                    try:
+                        connection = idle.get(block=False)
+                    except (queue.Empty, Exception):
+                        break
+                    sock = getattr(connection, "sock", None)
+                    if sock is not None:
+                        try:
+                            sock.detach()
+                        except Exception:
+                            pass
+                        connection.sock = None
+                        released += 1
+    return released
 
 
 class RepeatedWarningFilter(logging.Filter):

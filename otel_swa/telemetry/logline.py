@@ -7,7 +7,9 @@
 says otel-swa wrote it and what the verify counts are) and ignores every other log record. So the line that SGLang's CI greps for is one more
 exporter on the same pipeline as OTLP, and ``otel-swa check`` reads it back. Like the plain sink
 (:mod:`otel_swa.logline`), it writes the run start marker before its first line and, right after
-the line of an audited sample (the audit fields are event attributes), its audit line.
+the line of an audited sample (the audit fields are event attributes), its audit line; for a
+``kv_cache.swa.reporter.liveness`` event (a reporter on and delivering no sample), the liveness
+warning line ``otel_swa[verify=...] otel_swa_liveness={...}`` at WARNING.
 
 Where the line goes:
 
@@ -38,7 +40,7 @@ from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportRes
 
 from otel_swa.logline import LOGGER_NAME, RecordLines, line_logger, write_lines
 from otel_swa.telemetry import semconv as sc
-from otel_swa.telemetry.events import record_from_attributes
+from otel_swa.telemetry.events import liveness_from_attributes, record_from_attributes
 
 __all__ = ["SwaLogLineExporter", "LOGGER_NAME"]
 
@@ -84,6 +86,9 @@ class SwaLogLineExporter(LogRecordExporter):
         records = []
         for readable in batch:
             log_record = readable.log_record
+            if log_record.event_name == sc.LIVENESS_EVENT_NAME:
+                self._write_liveness(log_record.attributes or {})
+                continue
             if log_record.event_name != sc.EVENT_NAME:
                 continue
             try:
@@ -101,6 +106,21 @@ class SwaLogLineExporter(LogRecordExporter):
             _log.exception("could not write the lines of %d SWA divergence sample(s)", len(records))
             return LogRecordExportResult.FAILURE
         return LogRecordExportResult.SUCCESS
+
+    def _write_liveness(self, attributes) -> None:
+        """Write the line of a liveness warning event (after the run start marker when first)."""
+        try:
+            warning = liveness_from_attributes(attributes)
+            lines = self._lines.of_liveness(warning)
+            with self._lock:
+                if self._stream is None:
+                    if len(lines) > 1:  # the run start marker at the lines' level, the warning at WARNING
+                        write_lines(self._logger, self._level, lines[:-1])
+                    write_lines(self._logger, max(self._level, logging.WARNING), lines[-1:])
+                else:
+                    self._write(lines)
+        except Exception:  # an unwritable stream or a bad event must not break the pipeline
+            _log.exception("could not write the line of a %s event", sc.LIVENESS_EVENT_NAME)
 
     def _write(self, lines: list[str]) -> None:
         if self._stream is None:

@@ -291,6 +291,12 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
         "ReporterStats.skipped_captures", "skipped_captures",
     ),
     InstrumentSpec(
+        sc.NAMESPACE + "reporter.liveness.warnings", STATS_COUNTER, "{warning}",
+        "Liveness warnings: the reporter was on and delivered no sample for OTEL_SWA_LIVENESS_STEPS forward "
+        "steps, or in its whole life (no forward step reached it); each also an event and a log line",
+        "ReporterStats.liveness_warnings", "liveness_warnings",
+    ),
+    InstrumentSpec(
         sc.NAMESPACE + "telemetry.records.dropped", SINK_COUNTER, "{record}",
         "Records the telemetry sink could not hand to its delivery thread (its queue was full): not in "
         "the metrics, events and line; the forward step never waits for the queue",

@@ -25,6 +25,15 @@ NAMESPACE = "kv_cache.swa."
 #: Name of the event emitted for every delivered sample (Logs API event and span event).
 EVENT_NAME = NAMESPACE + "divergence_sample"
 
+#: Name of the event of a reporter that is on and delivers no sample (Logs API event, severity
+#: WARN; its body is otel-swa's ``otel_swa_liveness=`` line).
+LIVENESS_EVENT_NAME = NAMESPACE + "reporter.liveness"
+
+#: Event attribute key of each field of a liveness warning, e.g. ``kv_cache.swa.liveness.steps``.
+LIVENESS_ATTRIBUTES = {name: NAMESPACE + "liveness." + name for name in (
+    "cause", "forward_ct", "steps", "samples_delivered", "samples_taken", "invalid_samples", "skipped_captures",
+    "hook")}
+
 #: Name of the span the engine wraps around one forward step.
 FORWARD_SPAN_NAME = "forward step"
 

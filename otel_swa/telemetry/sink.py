@@ -52,7 +52,7 @@ from opentelemetry import trace
 from opentelemetry._logs import get_logger_provider
 from opentelemetry.context import Context
 
-from otel_swa.record import SwaDivergenceRecord
+from otel_swa.record import LivenessWarning, SwaDivergenceRecord
 from otel_swa.telemetry import semconv as sc
 from otel_swa.telemetry.events import SampleEvents
 from otel_swa.telemetry.metrics import SwaMetrics
@@ -184,11 +184,17 @@ class _HandOff:
                     "and line, never waited for (kv_cache.swa.telemetry.records.dropped)", _queue.capacity,
                 )
 
+    def liveness(self, warning: LivenessWarning, context: Any = None) -> None:
+        """Queue the reporter's liveness warning behind its records (its event is emitted in order)."""
+        if not _queue.put(self.sink, warning, context, None):
+            self.sink.dropped += 1
+
     def flush(self) -> None:
         _queue.flush()
 
     def reset_after_fork(self) -> None:
         _queue.reset_after_fork()
+        self.sink.reset_after_fork()
 
     def __repr__(self) -> str:
         return f"<hand-off to {self.sink!r}>"
@@ -296,6 +302,19 @@ class SwaTelemetrySink:
         """Deliver the records queued for the delivery thread now (every sink's: one queue)."""
         _queue.flush()
 
+    def liveness(self, warning: LivenessWarning, context: Context | None = None) -> None:
+        """Emit the event of a reporter's liveness warning now (:meth:`SampleEvents.emit_liveness`).
+        Never raises."""
+        self._deliver(warning, context, None)
+
+    def reset_after_fork(self) -> None:
+        """In a forked child: forget the totals of the parent's records (the child's reporter counts
+        from 0; they are not a restart to report: no "went back" warning, no reset counted). The
+        child exports nothing of its own unless it calls ``configure()`` (:mod:`otel_swa.lifecycle`)."""
+        self._store.totals.clear()
+        self._store.offsets.clear()
+        self._store.latest.clear()
+
     def __call__(self, record: SwaDivergenceRecord, context: Context | None = None) -> None:
         """Record ``record`` (sampled in the forward step of ``context``) now. Never raises."""
         reporter = self._reporter() if self._reporter is not None else None
@@ -308,6 +327,13 @@ class SwaTelemetrySink:
         self._deliver(record, context, delivered_at)
 
     def _deliver(self, record: SwaDivergenceRecord, context: Context | None, delivered_at: "int | None") -> None:
+        if isinstance(record, LivenessWarning):
+            try:
+                self.events.emit_liveness(record, self.attributes)
+            except Exception:
+                self.errors += 1
+                _log.exception("SWA divergence telemetry (liveness event) failed")
+            return
         self.records += 1
         try:
             self.metrics.record(record, context, delivered_at=delivered_at, store=self._store)

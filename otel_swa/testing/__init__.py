@@ -5,7 +5,7 @@ One line of pytest::
     from otel_swa.testing import assert_swa_divergence_observed
 
     def test_swa_path(server_log_path):
-        assert_swa_divergence_observed(server_log_path, timeout_s=60)
+        assert_swa_divergence_observed(server_log_path, until="end", timeout_s=120)  # the run, whole
 
 or, in process, with the ``swa_records`` fixture (registered by the ``pytest11`` entry point of
 this package)::

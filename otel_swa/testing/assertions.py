@@ -24,6 +24,8 @@ from otel_swa.testing.runs import RunRecord, RunRecords
 __all__ = [
     "DEFAULT_TIMEOUT_S",
     "DEFAULT_POLL_S",
+    "DEFAULT_QUIET_S",
+    "UNTIL_MODES",
     "SIGNALS",
     "SwaDivergenceNotObserved",
     "SwaObservation",
@@ -38,6 +40,10 @@ __all__ = [
 DEFAULT_TIMEOUT_S = 30.0
 #: Default pause between two reads of a growing source, in seconds.
 DEFAULT_POLL_S = 0.25
+#: With ``until="end"``: seconds without anything new in the source after which its run has ended.
+DEFAULT_QUIET_S = 5.0
+#: When a wait ends: at the first read that passes, or at the end of the run being written.
+UNTIL_MODES = ("pass", "end")
 
 
 class SwaDivergenceNotObserved(AssertionError):
@@ -59,7 +65,8 @@ def _is_seconds(value: object) -> bool:
 def judge_snapshot(snapshot: Snapshot, describe: str, waited_s: float = 0.0, **rules) -> SwaObservation:
     """:func:`~otel_swa.testing.judge.judge` on what a source read (``rules``: its keyword arguments)."""
     return judge(snapshot.records, errors=snapshot.errors, source=describe, waited_s=waited_s,
-                 problem=snapshot.problem, empty=snapshot.empty, **rules)
+                 problem=snapshot.problem, empty=snapshot.empty, duplicates=snapshot.duplicates,
+                 first_duplicate_line_no=snapshot.first_duplicate_line_no, **rules)
 
 
 def _awaits_audit_line(records: Sequence[RunRecord]) -> bool:
@@ -72,11 +79,43 @@ def _awaits_audit_line(records: Sequence[RunRecord]) -> bool:
 
 
 def _part_counts(records: Sequence[RunRecord]) -> dict:
-    """How many records each part (place of the source) holds."""
+    """How many records (and runs without records) each part (place of the source) holds."""
     counts: dict = {}
-    for item in records:
+    for item in list(records) + list(getattr(records, "silent", ())):
         counts[item.part] = counts.get(item.part, 0) + 1
     return counts
+
+
+def _extras(records: Sequence[RunRecord]) -> RunRecords:
+    return records if isinstance(records, RunRecords) else RunRecords(records)
+
+
+def _signature(snapshot: Snapshot) -> tuple:
+    """What a read found, to tell a source that grew from one that stayed quiet."""
+    records = snapshot.records
+    return (len(records), len(getattr(records, "silent", ())), len(getattr(records, "warnings", ())),
+            len(snapshot.errors), snapshot.problem)
+
+
+def _last_runs(records: Sequence[RunRecord]) -> dict:
+    """The latest run of each place and writer."""
+    last: dict = {}
+    for item in list(records) + list(getattr(records, "silent", ())):
+        key = (item.part, item.writer)
+        last[key] = max(last.get(key, 0), item.run)
+    return last
+
+
+def _up_to(snapshot: Snapshot, runs: dict) -> Snapshot:
+    """``snapshot`` without the runs that began after ``runs`` (the latest run of each place and
+    writer when the wait's run began)."""
+    records = snapshot.records
+    keep = lambda item: item.run <= runs.get((item.part, item.writer), item.run)  # noqa: E731
+    extras = records if isinstance(records, RunRecords) else RunRecords(records)
+    kept = extras.derive([item for item in records if keep(item)])
+    kept.silent = tuple(run for run in kept.silent if keep(run))
+    kept.warnings = tuple(w for w in kept.warnings if keep(w))
+    return dataclasses.replace(snapshot, records=kept)
 
 
 def _run_being_written(snapshot: Snapshot, already: dict) -> tuple[Snapshot, tuple[str, ...]]:
@@ -90,9 +129,9 @@ def _run_being_written(snapshot: Snapshot, already: dict) -> tuple[Snapshot, tup
         before = sum(already.values())
         note = (f"new only: no record was written during the wait; the {before} record(s) already in the source "
                 "when it began were not judged" if before else "new only: no record was written during the wait")
-        return dataclasses.replace(snapshot, records=RunRecords((), getattr(records, "started_ranks", ()))), (note,)
+        return dataclasses.replace(snapshot, records=_extras(records).derive((), parts=set())), (note,)
     left_out = sum(count for part, count in counts.items() if part not in growing)
-    kept = RunRecords((item for item in records if item.part in growing), getattr(records, "started_ranks", ()))
+    kept = _extras(records).derive((item for item in records if item.part in growing), parts=growing)
     notes = (f"new only: {left_out} record(s) of places that got no record during the wait were not judged",) if left_out else ()
     return dataclasses.replace(snapshot, records=kept), notes
 
@@ -110,9 +149,11 @@ def wait_for_observation(
     timeout_s: float | None = None,
     poll_s: float = DEFAULT_POLL_S,
     new_only: bool = False,
+    until: str = "pass",
+    quiet_s: float = DEFAULT_QUIET_S,
 ) -> SwaObservation:
-    """Read ``source`` until the verdict is a pass or ``timeout_s`` has passed; never raises for
-    what the source holds.
+    """Read ``source`` until the verdict is a pass (``until="pass"``) or the run being written has
+    ended (``until="end"``), or ``timeout_s`` has passed; never raises for what the source holds.
 
     A source that can grow (file, captured output, a capture following one) is read again every
     ``poll_s`` seconds until the verdict is a pass, up to ``timeout_s`` (default
@@ -130,15 +171,28 @@ def wait_for_observation(
     logged before the wait began still fails it) and a rank of an earlier run that wrote nothing
     in it is a dead rank; a finished earlier run that passes never passes for the one being written.
 
+    ``until="end"``: judge the run being written whole, once it has ended: when the source shows a
+    run that began after it (the next run's start marker or records: that later run is left out
+    and the ended one judged), or when nothing new was read for ``quiet_s`` seconds (default
+    :data:`DEFAULT_QUIET_S`: the engine stopped writing), or, at the latest, at ``timeout_s`` (the
+    explanation then says the run had not ended). A pass never ends the wait early, so a fault
+    logged after the first passing read still fails. What a server log needs: judged after the
+    requests, whole.
+
     Args:
         min_divergence, min_out_of_window, require_verify_lag, require_clean_audit, runs, ranks,
             lines: the rules and what is judged, as :func:`~otel_swa.testing.judge.judge`.
 
     Raises:
         ValueError: a threshold is not an int >= 0, a mode is not one of its choices,
-            ``timeout_s`` < 0 or ``poll_s`` <= 0 (or not finite).
+            ``timeout_s`` < 0, ``poll_s`` <= 0 or ``quiet_s`` <= 0 (or not finite), ``until`` not
+            one of :data:`UNTIL_MODES`.
         TypeError: ``source`` is of no accepted kind (see :func:`open_source`).
     """
+    if until not in UNTIL_MODES:
+        raise ValueError(f"until={until!r}; expected one of {', '.join(UNTIL_MODES)}")
+    if not _is_seconds(quiet_s) or not quiet_s > 0:
+        raise ValueError(f"quiet_s must be a finite number of seconds > 0, got {quiet_s!r}")
     rules = dict(min_divergence=min_divergence, min_out_of_window=min_out_of_window,
                  require_verify_lag=require_verify_lag, require_clean_audit=require_clean_audit,
                  runs=runs, ranks=ranks, lines=lines)
@@ -160,6 +214,8 @@ def wait_for_observation(
     deadline = start + timeout_s
     already = None  # with new_only: records in the source when the wait began
     settled = None  # the record count at which a pass waited one poll for a last audit line
+    runs_then = None  # with until="end": the latest runs when the run being judged was first read
+    seen, changed = None, start  # with until="end": the last read's findings, and when they last changed
     while True:
         now = time.monotonic()
         final = now >= deadline
@@ -170,9 +226,29 @@ def wait_for_observation(
             if already is None:
                 already = _part_counts(snapshot.records)
             snapshot, notes = _run_being_written(snapshot, already)
+        ended = None
+        if until == "end" and src.growing:
+            if seen != _signature(snapshot):
+                seen, changed = _signature(snapshot), time.monotonic()
+            if runs_then is None and (snapshot.records or getattr(snapshot.records, "silent", ())):
+                runs_then = _last_runs(snapshot.records)
+            if runs_then is not None and any(run > runs_then.get(key, run) for key, run in _last_runs(snapshot.records).items()):
+                snapshot, ended = _up_to(snapshot, runs_then), "a later run began"
+            elif time.monotonic() - changed >= quiet_s:
+                ended = f"nothing new for {quiet_s:g} s"
+            elif final:
+                notes += (f"until end: the run had not ended when the wait did ({timeout_s:g} s): judged as it "
+                          "stood (a larger timeout_s / --wait, or a shorter quiet period)",)
+            if ended is not None:
+                notes += (f"until end: the run ended ({ended}); judged whole",)
         observation = judge_snapshot(snapshot, src.describe, waited, **rules)
         if notes:
             observation = dataclasses.replace(observation, notes=observation.notes + notes)
+        if until == "end" and src.growing:
+            if ended is not None or final:
+                return observation
+            time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+            continue
         if observation.ok and not final and src.growing and _awaits_audit_line(snapshot.records):
             # the last record may be followed by its audit line in a moment (a second write):
             # read once more before passing, or a fault on that line would be missed
@@ -198,6 +274,8 @@ def assert_swa_divergence_observed(
     timeout_s: float | None = None,
     poll_s: float = DEFAULT_POLL_S,
     new_only: bool = False,
+    until: str = "pass",
+    quiet_s: float = DEFAULT_QUIET_S,
 ) -> SwaObservation:
     """Assert that a run shows the SWA path working; wait for it while the log is being written.
 
@@ -206,8 +284,12 @@ def assert_swa_divergence_observed(
     the peak ``swa_out_of_window_tokens`` is >= ``min_out_of_window``, the last record has
     ``verify_swa < verify_full`` (when ``require_verify_lag``), the SWA slot audit, where present,
     found no leaked slot, stale token or shared slot (when ``require_clean_audit``), and no rank's
-    runs are interleaved. ``source`` is any of :func:`open_source`'s kinds; waiting follows
-    :func:`wait_for_observation` (``new_only=True``: only what is written while it waits).
+    runs are interleaved, and no run of otel-swa's lines is only its start marker or liveness
+    warning. ``source`` is any of :func:`open_source`'s kinds; waiting follows
+    :func:`wait_for_observation`: by default it returns at the first read that passes (a fault
+    logged later is not seen); ``until="end"`` waits for the end of the run being written (the
+    next run's start, or ``quiet_s`` seconds without anything new) and judges it whole, the form
+    for a server log; ``new_only=True``: only what is written while it waits.
 
     Returns:
         the :class:`~otel_swa.testing.judge.SwaObservation` (groups, peaks, last record) for
@@ -231,6 +313,8 @@ def assert_swa_divergence_observed(
         timeout_s=timeout_s,
         poll_s=poll_s,
         new_only=new_only,
+        until=until,
+        quiet_s=quiet_s,
     )
     if not observation.ok:
         raise SwaDivergenceNotObserved(observation)

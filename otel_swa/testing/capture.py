@@ -15,15 +15,18 @@ from otel_swa.record import (
     AUDIT_PREFIX,
     FAULT_PREFIX,
     LINE_PREFIX,
+    LIVENESS_PREFIX,
     RUN_START_PREFIX,
     AuditMatch,
     FaultMatch,
     AuditPairing,
+    LivenessMatch,
+    LivenessWarning,
     MalformedRecordError,
     SwaDivergenceRecord,
     iter_entries,
 )
-from otel_swa.testing.assertions import DEFAULT_POLL_S, SwaObservation, assert_swa_divergence_observed
+from otel_swa.testing.assertions import DEFAULT_POLL_S, DEFAULT_QUIET_S, SwaObservation, assert_swa_divergence_observed
 from otel_swa.testing.runs import RunRecord, RunRecords, split_runs
 from otel_swa.testing.sources import Snapshot, Source, follower_problem, text_of
 
@@ -42,7 +45,8 @@ class _RecordLogHandler(logging.Handler):
             message = log_record.getMessage()
         except Exception:  # a message whose arguments do not format is not ours to judge
             return
-        if LINE_PREFIX in message or AUDIT_PREFIX in message or RUN_START_PREFIX in message or FAULT_PREFIX in message:
+        if (LINE_PREFIX in message or AUDIT_PREFIX in message or RUN_START_PREFIX in message or FAULT_PREFIX in message
+                or LIVENESS_PREFIX in message):
             self._capture._add_logged(message)
 
 
@@ -67,7 +71,13 @@ class SwaRecordCapture:
     too (an audit line attached to the record logged just before it).
 
     The sink is thread-safe; it raises ``TypeError`` for anything but a record (the reporter catches
-    and counts sink errors).
+    and counts sink errors). It takes the reporter's liveness warnings too (:meth:`liveness`): a
+    capture whose reporter was on and delivered nothing fails with "instrumented, 0 samples".
+
+    The ``swa_records`` fixture fails a test that collected records (or set the capture to read
+    ``logging``, a file or output) and never judged them nor read them: :meth:`assert_observed`,
+    :func:`~otel_swa.testing.assert_swa_divergence_observed` on the capture, or reading
+    :attr:`records`, :attr:`contexts`, :attr:`malformed` count (:attr:`looked_at`).
     """
 
     def __init__(self) -> None:
@@ -80,6 +90,8 @@ class SwaRecordCapture:
         self._followers: list[LogFollower] = []
         self._outputs: list[Callable[[], str | bytes]] = []
         self._handlers: list[tuple[logging.Logger, _RecordLogHandler, int]] = []
+        self._looked_at = False
+        self._fed = False  # something was handed to it or it was told where to read
 
     # ------------------------------------------------------------------ inputs
     def __call__(self, record: SwaDivergenceRecord, context: Context | None = None) -> None:
@@ -89,7 +101,28 @@ class SwaRecordCapture:
         with self._lock:
             self._sunk.append(record)
             self._contexts.append(context)
+            self._fed = True
 
+    def liveness(self, warning: LivenessWarning, context: Context | None = None) -> None:
+        """The reporter's liveness warning (on, and no sample delivered): kept in order with the
+        sink's records, judged as otel-swa's ``otel_swa_liveness=`` line is."""
+        if not isinstance(warning, LivenessWarning):
+            raise TypeError(f"expected a LivenessWarning, got {type(warning).__name__}: {warning!r}")
+        entry = LivenessMatch(warning.to_dict(), warning.line(), None, None, None, warning.verify_source)
+        with self._lock:
+            self._sunk.append(entry)
+            self._fed = True
+
+    @property
+    def looked_at(self) -> bool:
+        """Whether what the capture collected was judged or read (the fixture fails a test that
+        collected and never looked)."""
+        return self._looked_at
+
+    @property
+    def unjudged(self) -> bool:
+        """Whether the capture was fed (records, a warning, or places to read) and never looked at."""
+        return self._fed and not self._looked_at
     def _add_logged(self, message: str) -> None:
         errors: list[MalformedRecordError] = []
         entries = list(iter_entries(message, errors))
@@ -116,6 +149,7 @@ class SwaRecordCapture:
         """
         target = logger if isinstance(logger, logging.Logger) else logging.getLogger(logger)
         handler = _RecordLogHandler(self, level)
+        self._fed = True
         old_level = target.level
         if target.getEffectiveLevel() > level:
             target.setLevel(level)
@@ -129,6 +163,7 @@ class SwaRecordCapture:
         follower = LogFollower(path)
         with self._lock:
             self._followers.append(follower)
+            self._fed = True
         return follower
 
     def follow_output(self, get_text: Callable[[], str | bytes]) -> None:
@@ -141,6 +176,7 @@ class SwaRecordCapture:
             raise TypeError(f"get_text must be a callable returning the output so far, got {get_text!r}")
         with self._lock:
             self._outputs.append(get_text)
+            self._fed = True
 
     # ------------------------------------------------------------------ outputs
     def _parts(self, final: bool = False) -> tuple[list[tuple[str, list[RunRecord]]], list, list[str]]:
@@ -151,7 +187,7 @@ class SwaRecordCapture:
             errors: list[MalformedRecordError] = list(self._logged_errors)
             followers = list(self._followers)
             outputs = list(self._outputs)
-        parts = [("sink", split_runs(sunk, part="sink")),
+        parts = [("sink", split_runs(sunk, part="sink", line_numbers=False)),
                  ("logging", split_runs(logged, part="logging", line_numbers=False))]
         problems = []
         for follower in followers:
@@ -172,18 +208,17 @@ class SwaRecordCapture:
 
     def _snapshot(self, final: bool = False) -> Snapshot:
         parts, errors, problems = self._parts(final)
-        nonempty = [records for _, records in parts if records]
+        nonempty = [records for _, records in parts if records or records.silent]
+        merged = RunRecords.merge((records for _, records in parts), [item for part in nonempty for item in part])
         if len(nonempty) == 1:  # one place: no part labels in the explanation
-            records = [dataclasses.replace(item, part=None) for item in nonempty[0]]
-        else:
-            records = [item for part in nonempty for item in part]
-        started = frozenset().union(*(getattr(part, "started_ranks", frozenset()) for _, part in parts))
-        if len(nonempty) == 1:  # one place: no part labels
-            started = frozenset((None, writer, rank) for _, writer, rank in started)
-        return Snapshot(RunRecords(records, started), errors, "; ".join(problems) or None)
+            merged = merged.derive([dataclasses.replace(item, part=None) for item in merged], part=None)
+        duplicates = sum(f.duplicates.count for f in self._followers)
+        first = min((f.duplicates.first_line_no for f in self._followers if f.duplicates.first_line_no), default=None)
+        return Snapshot(merged, errors, "; ".join(problems) or None, duplicates=duplicates, first_duplicate_line_no=first)
 
     def _as_source(self) -> Source:
         capture = self
+        self._looked_at = True  # handed to the assertion
 
         class _CaptureSource(Source):
             describe = "the captured records (" + capture._describe() + ")"
@@ -207,18 +242,21 @@ class SwaRecordCapture:
     def records(self) -> list[SwaDivergenceRecord]:
         """Every record captured so far (files and output read again now), merged in ``forward_ct``
         order (stable)."""
+        self._looked_at = True
         parts, _, _ = self._parts()
         return sorted((item.record for _, part in parts for item in part), key=lambda r: r.forward_ct)
 
     @property
     def contexts(self) -> list[Context | None]:
         """The OpenTelemetry context handed to the sink with each of its records, in order."""
+        self._looked_at = True
         with self._lock:
             return list(self._contexts)
 
     @property
     def malformed(self) -> int:
         """Malformed lines skipped in logged messages, files and output."""
+        self._looked_at = True
         return len(self._parts()[1])
 
     def assert_observed(
@@ -233,6 +271,8 @@ class SwaRecordCapture:
         lines: str = "auto",
         timeout_s: float | None = None,
         poll_s: float = DEFAULT_POLL_S,
+        until: str = "pass",
+        quiet_s: float = DEFAULT_QUIET_S,
     ) -> SwaObservation:
         """:func:`~otel_swa.testing.assert_swa_divergence_observed` on this capture (same rules
         and arguments).
@@ -251,6 +291,8 @@ class SwaRecordCapture:
             lines=lines,
             timeout_s=timeout_s,
             poll_s=poll_s,
+            until=until,
+            quiet_s=quiet_s,
         )
 
     def close(self) -> None:

@@ -24,7 +24,14 @@ The signals, as SGLang's CI helper ``assert_swa_divergence_observed`` defines th
   (:data:`REPORTED_RULES`) are shown with their peak, never judged: an engine may keep a few by
   design, and more show as SWA pool usage first;
 * ``runs``: no rank shows runs interleaved in one log (``forward_ct`` going back and forth: two
-  runs writing the same log at once, or every line logged twice), which no rule can split.
+  runs writing the same log at once), which no rule can split;
+* ``liveness``: a rank run whose otel-swa lines are only its run start marker or a liveness
+  warning (``otel_swa_liveness=``: the reporter was on and delivered no sample, "instrumented, 0
+  samples in N steps") fails, whatever other writers' lines show: otel-swa was on and not working.
+
+A record without an audit line, in a group whose other records carry one, fails the audit signal
+("audit line missing ...": its faults cannot be ruled out), unless it is the log's very last line
+(still being written). Exact duplicate adjacent lines were read once (the explanation says so).
 
 Peaks, because under pipeline parallelism one micro-batch is sampled per interval and a single
 sample may show an idle one.
@@ -48,11 +55,12 @@ This module does not import pytest.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from otel_swa.record import AUDIT_PREFIX, LINE_PREFIX, MalformedRecordError, Offender, SwaDivergenceRecord
-from otel_swa.testing.runs import OTEL_SWA_LINES, SGLANG_LINES, RunRecord, split_runs
+from otel_swa.record import AUDIT_FIELDS, AUDIT_PREFIX, LINE_PREFIX, MalformedRecordError, Offender, SwaDivergenceRecord
+from otel_swa.testing.runs import OTEL_SWA_LINES, SGLANG_LINES, RunRecord, RunRecords, split_runs
 
 __all__ = [
     "SIGNALS",
@@ -73,6 +81,7 @@ __all__ = [
 
 #: The signals, by name, in the order they are judged and reported.
 SIGNALS = ("divergence", "out-of-window", "verify lag", "audit", "runs")
+SIGNALS += ("liveness",)  # a reporter on and delivering nothing (a run of only its marker or warning)
 RUN_MODES = ("last", "each", "all")
 RANK_MODES = ("each", "all")
 LINE_MODES = ("auto", "otel-swa", "sglang", "both")
@@ -191,6 +200,12 @@ class GroupVerdict:
         divergence_applicable: ``False`` when a record of the group says its engine has no
             FULL-to-SWA mapping (vLLM: ``"divergence_applicable":false`` on the audit line): the
             divergence rule is then not judged (its 0 is a placeholder, not a measurement).
+        liveness: for a run of this rank without records (a run start marker, or a liveness
+            warning), what its lines said; the group fails ``liveness``.
+        warnings: liveness warnings of this rank run that has records too (samples stopped for a
+            while), in words with their lines; shown, not judged.
+        other_names: the other ranks its lines' log prefixes pointed to nearly as often (several
+            processes wrote their lines at once, in parts): its rank name is a guess among them.
     """
 
     writer: str
@@ -211,6 +226,9 @@ class GroupVerdict:
     missing_from: tuple[int, ...] = ()
     reported_peaks: tuple[AuditPeak, ...] = ()
     divergence_applicable: bool = True
+    liveness: str | None = None
+    warnings: tuple[str, ...] = ()
+    other_names: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -322,7 +340,8 @@ def _label(group: GroupVerdict, obs: SwaObservation) -> str:
     if group.run is not None and any(n.startswith("runs:") for n in obs.notes):
         parts.append(f"run {group.run}")
     if group.rank is not None:
-        parts.append(group.rank)
+        parts.append(group.rank if not group.other_names else
+                     f"{group.rank} (or {', '.join(group.other_names)}: lines written at once, the rank is a guess)")
     elif any(n.startswith("ranks:") for n in obs.notes):
         parts.append("no rank")  # records without a rank prefix, judged beside ranked ones
     return ", ".join(parts) or "records"
@@ -344,6 +363,8 @@ def _group_lines(group: GroupVerdict, obs: SwaObservation) -> list[str]:
 
     at = lambda ct: "" if ct is None else f" at forward_ct={ct}"  # noqa: E731
     out = []
+    if group.liveness is not None:
+        return [f"FAILED liveness: {failed.get('liveness', group.liveness)}"]
     if group.missing_from:
         runs = ", ".join(map(str, group.missing_from))
         out.append(f"no record from {group.rank} in this run (it wrote records in run {runs}): a dead rank?")
@@ -363,7 +384,7 @@ def _group_lines(group: GroupVerdict, obs: SwaObservation) -> list[str]:
         out.append("skip   verify lag: not required")
     else:
         out.append(f"{verdict('verify lag')} verify lag: {failed.get('verify lag') or _lag_text(group.last)}")
-    if group.audited:
+    if group.audited or "audit" in failed:
         if not obs.require_clean_audit:
             out.append("skip   SWA slot audit: not required")
         elif "audit" in failed:
@@ -374,6 +395,7 @@ def _group_lines(group: GroupVerdict, obs: SwaObservation) -> list[str]:
     for peak in group.reported_peaks:
         out.append(f"info   {peak.rule.label}: peak {peak.rule.field}={peak.peak}{at(peak.peak_at)} "
                    f"({peak.rule.meaning}; reported, not judged)")
+    out.extend(f"info   liveness: {warning} (reported, not judged: the run has records)" for warning in group.warnings)
     if group.last is not None:
         line_no = group.last_line_no if group.last_line_no is not None or len(obs.groups) > 1 else obs.last_line_no
         where = f" (line {line_no})" if line_no is not None else ""
@@ -417,6 +439,7 @@ def _evaluate(
     min_out_of_window: int,
     require_verify_lag: bool,
     require_clean_audit: bool,
+    log_end: dict | None = None,
 ) -> GroupVerdict:
     peak_div, peak_div_at, peak_oow, peak_oow_at = 0, None, 0, None
     # one engine writes a rank's run: a record that says divergence is not applicable (vLLM) says it
@@ -455,6 +478,7 @@ def _evaluate(
         if faults:
             failures.append(Failure("audit", "; ".join(_audit_reason(p) for p in faults)
                                     + f" (in {len(audited)} audited record(s){where}; each must stay 0)"))
+        _add_missing_audit_lines(failures, items, log_end)
     return GroupVerdict(
         writer=writer, run=run, rank=rank, part=part, records=len(items),
         first_line_no=items[0].line_no if items else None,
@@ -494,10 +518,14 @@ def _audit_reason(peak: AuditPeak) -> str:
     return text
 
 
-def _runs_note(count: int, items: Sequence[RunRecord], judged: str, writer_word: str) -> str:
+def _runs_note(count: int, items: Sequence[RunRecord], judged: str, writer_word: str, silent: Sequence[Any] = ()) -> str:
     starts = {}
     for item in items:
         starts.setdefault(item.run, item.line_no)
+    for run in silent:
+        if run.line_no is not None and (starts.get(run.run) is None or run.line_no < starts[run.run]):
+            starts[run.run] = run.line_no
+    starts = dict(sorted(starts.items()))
     begun = [f"run {n} at line {line}" for n, line in starts.items() if line is not None and n > 1]
     if len(begun) > 4:
         begun = begun[:3] + [f"... run {count} at line {starts[count]}"]
@@ -527,6 +555,8 @@ def judge(
     problem: str | None = None,
     empty: bool = False,
     last_line_no: int | None = None,
+    duplicates: int = 0,
+    first_duplicate_line_no: int | None = None,
 ) -> SwaObservation:
     """Judge ``records`` (in log order) by the rules of the module docstring.
 
@@ -539,6 +569,8 @@ def judge(
         source, errors, malformed, waited_s, problem, empty: what the source says about itself,
             reported as they are (``malformed`` defaults to ``len(errors)``).
         last_line_no: the line of the last record when ``records`` has no line numbers.
+        duplicates, first_duplicate_line_no: exact duplicate adjacent lines the source read once
+            (:class:`otel_swa.logsource.DuplicateLines`), said in the explanation.
 
     Raises:
         ValueError: a threshold is not an int >= 0, or a mode is not one of its choices.
@@ -546,30 +578,35 @@ def judge(
     _check_threshold("min_divergence", min_divergence)
     _check_threshold("min_out_of_window", min_out_of_window)
     check_modes(runs, ranks, lines)
-    started_ranks = getattr(records, "started_ranks", frozenset())
+    extras = records if isinstance(records, RunRecords) else None
     items = list(records)
     if not all(isinstance(item, RunRecord) for item in items):
-        items = split_runs(items)
-        started_ranks = items.started_ranks
+        extras = items = split_runs(items)
+    silent = extras.silent if extras is not None else ()
+    run_warnings = extras.warnings if extras is not None else ()
     rules = dict(min_divergence=min_divergence, min_out_of_window=min_out_of_window,
                  require_verify_lag=bool(require_verify_lag), require_clean_audit=bool(require_clean_audit))
+    rules["log_end"] = _log_end(items, silent)
 
     streams: dict[tuple[str | None, str], list[RunRecord]] = {}
     for item in items:
         streams.setdefault((item.part, item.writer), []).append(item)
+    for run in silent:  # a writer whose lines are only run start markers or liveness warnings is here too
+        streams.setdefault((run.part, run.writer), [])
     parts = list(dict.fromkeys(part for part, _ in streams))
     groups: list[GroupVerdict] = []
     failures: list[Failure] = []
-    notes: list[str] = []
+    notes: list[str] = _reading_notes(extras, duplicates, first_duplicate_line_no)
     for part in parts:
         present = [w for w in (OTEL_SWA_LINES, SGLANG_LINES) if (part, w) in streams]
         if lines == "auto":
             chosen = present[:1]
-            if present == [SGLANG_LINES] and any(p == part and w == OTEL_SWA_LINES for p, w, _ in started_ranks):
-                notes.append("lines: otel-swa's line sink started (a run start marker) but wrote no record: its "
-                             "reporter took no sample (interval, run length?); judged SGLang's own lines, without "
-                             "otel-swa's SWA slot audit and window check")
-            if len(present) == 2:
+            if len(present) == 2 and not streams[(part, OTEL_SWA_LINES)]:
+                chosen = present  # otel-swa on and silent: its runs fail beside SGLang's verdict
+                notes.append("lines: otel-swa's lines here are only run start markers or liveness warnings (its "
+                             "reporter delivered no sample); judged both writers: otel-swa's runs fail, SGLang's own "
+                             "lines are judged on their own (--lines sglang judges only those)")
+            elif len(present) == 2:
                 ours, theirs = streams[(part, OTEL_SWA_LINES)], streams[(part, SGLANG_LINES)]
                 later = _run_after(theirs, ours)
                 if later is not None:
@@ -590,9 +627,10 @@ def judge(
                              f"{other[0]} lines left out")
         for writer in chosen:
             stream = streams[(part, writer)]
-            groups.extend(_judge_stream(stream, writer, part, runs, ranks, notes, failures, rules, len(chosen) > 1))
-            if ranks == "each":
-                groups.extend(_started_only(stream, writer, part, started_ranks, notes, rules))
+            quiet = [run for run in silent if run.part == part and run.writer == writer]
+            warned = [w for w in run_warnings if w.part == part and w.writer == writer]
+            groups.extend(_judge_stream(stream, writer, part, runs, ranks, notes, failures, rules, len(chosen) > 1,
+                                        quiet, warned, getattr(extras, "other_names", {})))
     if not groups:
         groups.append(_evaluate([], writer=lines if lines in (OTEL_SWA_LINES, SGLANG_LINES) else OTEL_SWA_LINES,
                                 run=None, rank=None, part=None, missing_from=(), **rules))
@@ -617,7 +655,7 @@ def judge(
                 last_item = item
     return SwaObservation(
         source=source,
-        records=len(items),
+        records=len(items) + len(getattr(extras, "left_out", ())),
         malformed=len(errors) if malformed is None else malformed,
         peak_divergence=summary.peak_divergence if summary else 0,
         peak_divergence_at=summary.peak_divergence_at if summary else None,
@@ -654,18 +692,85 @@ def _run_after(theirs: Sequence[RunRecord], ours: Sequence[RunRecord]) -> int | 
     return first
 
 
-def _started_only(stream: Sequence[RunRecord], writer: str, part: str | None, started_ranks: frozenset,
-                  notes: list[str], rules: dict) -> list[GroupVerdict]:
-    """A failing group for each rank of ``writer`` that wrote a run start marker and no record at
-    all (a rank whose reporter never sampled, or that died before its first sample)."""
-    with_records = {item.rank for item in stream}
-    silent = sorted({rank for p, w, rank in started_ranks if p == part and w == writer and rank not in with_records},
-                    key=lambda rank: (rank is None, rank or ""))
-    groups = []
-    for rank in silent:
-        notes.append(f"ranks: {rank or 'a writer without rank'} wrote a run start marker and no record")
-        groups.append(_evaluate([], writer=writer, run=None, rank=rank, part=part, missing_from=(), **rules))
-    return groups
+def _log_end(items: Sequence[RunRecord], silent: Sequence[Any]) -> dict:
+    """The last line seen in each place (part): of its records, run start markers and warnings."""
+    end: dict = {}
+    for item in items:
+        if item.line_no is not None and item.line_no > end.get(item.part, 0):
+            end[item.part] = item.line_no
+    for run in silent:
+        for line_no in (run.line_no, run.warning_line_no):
+            if line_no is not None and line_no > end.get(run.part, 0):
+                end[run.part] = line_no
+    return end
+
+
+def _add_missing_audit_lines(failures: list[Failure], items: Sequence[RunRecord], log_end: dict | None) -> None:
+    """Fail the audit signal for otel-swa records without an audit line in a group whose other
+    records carry one (lost: its faults cannot be ruled out), but the log's very last line (an
+    audit line still to be written)."""
+    logged = [item for item in items if item.line_no is not None and item.record.verify_source is not None]
+    carries = [_has_audit_line(item.record) for item in logged]
+    if not any(carries):
+        return
+    missing = [item for item, has in zip(logged, carries) if not has and item.line_no != (log_end or {}).get(item.part)]
+    if not missing:
+        return
+    reason = f"audit line missing for the record at line {missing[0].line_no}: its faults cannot be ruled out"
+    if len(missing) > 1:
+        reason += f" (and {len(missing) - 1} more record(s) without their audit line)"
+    for index, failure in enumerate(failures):
+        if failure.signal == "audit":
+            failures[index] = Failure("audit", f"{failure.reason}; {reason}")
+            return
+    failures.append(Failure("audit", reason))
+
+
+def _has_audit_line(record: SwaDivergenceRecord) -> bool:
+    """Whether ``record`` came with an audit line (:meth:`SwaDivergenceRecord.audit_line` is not
+    ``None``), without formatting it."""
+    return (record.micro_batch is not None or not record.divergence_applicable
+            or any(getattr(record, name) is not None for name in AUDIT_FIELDS))
+
+
+def _reading_notes(extras: Any, duplicates: int, first_duplicate_line_no: int | None) -> list[str]:
+    """What reading the log did beyond the records: duplicates read once, records given to the rank
+    whose sequence they continue, orphans left out."""
+    notes = []
+    if duplicates:
+        where = f" (first at line {first_duplicate_line_no})" if first_duplicate_line_no is not None else ""
+        notes.append(f"lines: {duplicates} exact duplicate line(s) read once{where}: the same line logged twice "
+                     "(two handlers on one logger?)")
+    moved = getattr(extras, "reattributed", 0)
+    if moved:
+        notes.append(f"ranks: {moved} record(s) stood after another process's log prefix or none (several processes "
+                     "writing one log, each line in parts): each was given to the rank whose sequence it continues")
+    left_out = getattr(extras, "left_out", ())
+    if left_out:
+        first = next((n for n in left_out if n is not None), None)
+        where = f" (first at line {first})" if first is not None else ""
+        notes.append(f"ranks: {len(left_out)} record(s) whose log prefix several processes' writes left unclear fit "
+                     f"no rank's sequence: left out{where}")
+    return notes
+
+
+def _silent_group(run: Any, writer: str, rank: str | None, part: str | None, judged_run: int | None) -> GroupVerdict:
+    """The failing group of a rank run whose otel-swa lines are only a run start marker or a
+    liveness warning."""
+    if run.warning is not None:
+        where = f" (line {run.warning_line_no})" if run.warning_line_no is not None else ""
+        said = f"{run.warning}{where}; otel-swa was on in this run and delivered no record"
+    else:
+        where = f" (line {run.line_no})" if run.line_no is not None else ""
+        said = (f"a run start marker{where} and no record: otel-swa's line sink started and its reporter delivered "
+                "no sample (instrumented, 0 samples)")
+    first = run.line_no if run.line_no is not None else run.warning_line_no
+    last = run.warning_line_no if run.warning_line_no is not None else run.line_no
+    return GroupVerdict(
+        writer=writer, run=judged_run, rank=rank, part=part, records=0, first_line_no=first, last_line_no=last,
+        peak_divergence=0, peak_divergence_at=None, peak_out_of_window=0, peak_out_of_window_at=None, last=None,
+        audited=0, audit_peaks=(), failures=(Failure("liveness", said),), liveness=said,
+    )
 
 
 def _group_items(items: Sequence[RunRecord], group: GroupVerdict) -> list[RunRecord]:
@@ -687,15 +792,19 @@ def _judge_stream(
     failures: list[Failure],
     rules: dict,
     several_writers: bool,
+    silent: Sequence[Any] = (),
+    warnings: Sequence[Any] = (),
+    other_names: dict | None = None,
 ) -> list[GroupVerdict]:
     writer_word = ("otel-swa's lines" if writer == OTEL_SWA_LINES else "SGLang's lines") if several_writers else "this log"
     if part is not None:
         writer_word = f"{writer_word} of {part}"
-    run_numbers = list(dict.fromkeys(item.run for item in stream))
+    other_names = other_names or {}
+    run_numbers = list(dict.fromkeys([item.run for item in stream] + [run.run for run in silent]))
     count = max(run_numbers)
     if count > 1:
-        notes.append(_runs_note(count, stream, runs, writer_word))
-    rank_list = list(dict.fromkeys(item.rank for item in stream))
+        notes.append(_runs_note(count, stream, runs, writer_word, silent))
+    rank_list = list(dict.fromkeys([item.rank for item in stream] + [run.rank for run in silent]))
     runs_of_rank: dict[str | None, list[int]] = {}
     for item in stream:
         seen = runs_of_rank.setdefault(item.rank, [])
@@ -727,12 +836,41 @@ def _judge_stream(
     groups = []
     for run in selected:
         in_run = [item for item in stream if run is None or item.run == run]
+        quiet = [q for q in silent if run is None or q.run == run]
+        said = [w for w in warnings if run is None or w.run == run]
+        for q in quiet:
+            what = "wrote a run start marker and no record" if q.warning is None else q.warning
+            notes.append(f"ranks: {q.rank or 'a writer without rank'} {what}" if q.warning is None
+                         else f"liveness: {q.rank + ': ' if q.rank else ''}{what}")
         if ranks == "all":
             label = ALL_RANKS if named else None
-            groups.append(_evaluate(in_run, writer=writer, run=run, rank=label, part=part, missing_from=(), **rules))
+            if in_run or not quiet:
+                groups.append(_with_warnings(_evaluate(in_run, writer=writer, run=run, rank=label, part=part,
+                                                       missing_from=(), **rules), said))
+            else:  # no rank of the run wrote a record
+                groups.append(_silent_group(quiet[0], writer, label, part, run))
             continue
         for rank in rank_list:
             of_rank = [item for item in in_run if item.rank == rank]
+            others = other_names.get((part, writer, run, rank), ())
+            if not of_rank:
+                q = next((q for q in quiet if q.rank == rank), None)
+                if q is not None:
+                    groups.append(_silent_group(q, writer, rank, part, run))
+                    continue
+                if rank not in runs_of_rank:
+                    continue  # silent in another run only
             missing = tuple(runs_of_rank[rank]) if not of_rank else ()
-            groups.append(_evaluate(of_rank, writer=writer, run=run, rank=rank, part=part, missing_from=missing, **rules))
+            group = _evaluate(of_rank, writer=writer, run=run, rank=rank, part=part, missing_from=missing, **rules)
+            if others:
+                group = dataclasses.replace(group, other_names=others)
+            groups.append(_with_warnings(group, [w for w in said if w.rank == rank]))
     return groups
+
+
+def _with_warnings(group: GroupVerdict, warnings: Sequence[Any]) -> GroupVerdict:
+    """``group`` with the liveness warnings of its rank run (shown, not judged)."""
+    if not warnings:
+        return group
+    texts = tuple(w.warning + (f" (line {w.line_no})" if w.line_no is not None else "") for w in warnings)
+    return dataclasses.replace(group, warnings=texts)

@@ -12,11 +12,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, Union
 
-from otel_swa.logsource import LogFollower, logged_entries
+from otel_swa.logsource import DuplicateLines, LogFollower, logged_entries
 from otel_swa.record import LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord
 from otel_swa.testing.runs import RunRecord, split_runs
 
-__all__ = ["Snapshot", "Source", "SourceLike", "open_source", "text_of", "follower_problem"]
+__all__ = ["Snapshot", "Source", "SourceLike", "open_source", "text_source", "text_of", "follower_problem"]
 
 
 @dataclass
@@ -28,12 +28,16 @@ class Snapshot:
         errors: the malformed lines skipped (line number and reason).
         problem: why the source cannot be read, else ``None``.
         empty: the source holds no text at all.
+        duplicates, first_duplicate_line_no: exact duplicate adjacent lines read once
+            (:class:`otel_swa.logsource.DuplicateLines`).
     """
 
     records: list[RunRecord]
     errors: list[MalformedRecordError] = field(default_factory=list)
     problem: str | None = None
     empty: bool = False
+    duplicates: int = 0
+    first_duplicate_line_no: int | None = None
 
 
 class Source:
@@ -84,7 +88,9 @@ class _FileSource(Source):
     def read(self, final: bool = False) -> Snapshot:
         follower = self.follower
         follower.poll(final=final)
-        return Snapshot(split_runs(follower.entries), list(follower.errors), follower_problem(follower))
+        return Snapshot(split_runs(follower.entries), list(follower.errors), follower_problem(follower),
+                        duplicates=follower.duplicates.count,
+                        first_duplicate_line_no=follower.duplicates.first_line_no)
 
 
 class _TextSource(Source):
@@ -96,8 +102,15 @@ class _TextSource(Source):
     def read(self, final: bool = False) -> Snapshot:
         text = text_of(self.get_text())
         errors: list[MalformedRecordError] = []
-        entries = logged_entries(text, errors=errors)
-        return Snapshot(split_runs(entries), errors, empty=not text.strip())
+        duplicates = DuplicateLines()
+        entries = logged_entries(text, errors=errors, duplicates=duplicates)
+        return Snapshot(split_runs(entries), errors, empty=not text.strip(), duplicates=duplicates.count,
+                        first_duplicate_line_no=duplicates.first_line_no)
+
+
+def text_source(text: str | bytes, describe: str) -> Source:
+    """A fixed source of log text read once (``describe``: the text in words, e.g. "standard input")."""
+    return _TextSource(lambda: text, describe, growing=False)
 
 
 class _RecordsSource(Source):
@@ -122,6 +135,7 @@ def open_source(source: SourceLike) -> Source:
     """Adapt what the caller has to a record source.
 
     Accepted:
+        * a :class:`Source` (returned as it is);
         * a :class:`~otel_swa.testing.SwaRecordCapture` (the ``swa_records`` fixture): its sink,
           captured logging and followed files; grows when it follows a file or captured output;
         * a path (``str`` or ``os.PathLike``) of a log file, possibly still being written (grows);
@@ -136,6 +150,8 @@ def open_source(source: SourceLike) -> Source:
     Raises:
         TypeError: ``source`` is none of these, or an iterable holds something else than records.
     """
+    if isinstance(source, Source):
+        return source
     as_source = getattr(source, "_as_source", None)
     if callable(as_source):
         return as_source()

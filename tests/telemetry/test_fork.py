@@ -101,14 +101,14 @@ SPAWN = COMMON + textwrap.dedent(
 )
 
 
-def _run(agent, tmp_path, program: str, *args: str):
+def _run(agent, tmp_path, program: str, *args: str, protocol: str = "grpc"):
     script = tmp_path / "program.py"
     script.write_text(program)
     with RotelCollector(agent, tmp_path) as collector:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
         env.update({
-            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint("grpc"),
-            "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": collector.endpoint(protocol),
+            "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
             "OTEL_EXPORTER_OTLP_INSECURE": "true",
             "OTEL_METRIC_EXPORT_INTERVAL": "500",  # the SDK's reader thread exports in the child too
         })
@@ -184,3 +184,70 @@ def test_a_reporter_attached_by_hand_starts_from_zero_in_a_forked_child(tmp_path
     out = dict(line.split(" ", 1) for line in run.stdout.strip().splitlines())
     assert out["child"] == "[1, 2] 2"  # not the parent's 4, 5: its totals are the child's own
     assert out["parent"] == "[1, 2, 3] 3"
+
+
+FORK_OVER_HTTP_CLOSING_DESCRIPTORS = COMMON + textwrap.dedent(
+    f"""
+    telemetry = configure(exporters="otlp")
+    reporter = telemetry.attach(SwaDivergenceReporter(4))
+    run(reporter, {PARENT_STEPS})
+    reporter.flush()
+    telemetry.force_flush()  # the exporters' connections to the collector are open now
+    pid = os.fork()
+    if pid == 0:  # a daemon-style child: closes what it inherited, then exits normally
+        os.closerange(3, 4096)
+        sys.exit(0)
+    os.waitpid(pid, 0)
+    """
+)
+
+
+def test_a_forked_child_over_http_exits_without_closing_the_parents_sockets(agent_binary, tmp_path):
+    # urllib3 closes a pool's sockets when the pool is finalized: in the child, after closerange,
+    # that was "OSError: [Errno 9] Bad file descriptor" twice (or a descriptor the child reopened)
+    run, seen = _run(agent_binary, tmp_path, FORK_OVER_HTTP_CLOSING_DESCRIPTORS, protocol="http/protobuf")
+    assert "Bad file descriptor" not in run.stderr and "Traceback" not in run.stderr, run.stderr[-3000:]
+    by_pid = _forward_steps_by_pid(seen)
+    assert len(by_pid) == 1 and set(next(iter(by_pid.values()))) == {float(PARENT_STEPS - PARENT_STEPS % 4)}
+
+
+FORK_LINE_SINK = COMMON + textwrap.dedent(
+    """
+    import logging
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    telemetry = configure(exporters="logline")
+    reporter = telemetry.attach(SwaDivergenceReporter(1))
+    run(reporter, 3)
+    reporter.flush()
+    pid = os.fork()
+    if pid == 0:
+        print("child", os.getpid(), file=sys.stderr, flush=True)
+        run(reporter, 2)
+        reporter.flush()
+        sys.exit(0)
+    os.waitpid(pid, 0)
+    print("parent", os.getpid(), file=sys.stderr, flush=True)
+    """
+)
+
+
+def test_a_forked_childs_line_sink_writes_its_own_run_start_marker(tmp_path):
+    script = tmp_path / "program.py"
+    script.write_text(FORK_LINE_SINK)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stderr.splitlines()
+    pids = dict(line.split(" ") for line in lines if line.split(" ")[0] in ("child", "parent"))
+    markers = [line for line in lines if "otel_swa_run_start=" in line]
+    assert markers == [f'otel_swa[verify=attention] otel_swa_run_start={{"pid":{pids["parent"]}}}',
+                       f'otel_swa[verify=attention] otel_swa_run_start={{"pid":{pids["child"]}}}']
+    child_marker = lines.index(markers[1])
+    child_records = [i for i, line in enumerate(lines) if "kv_canary_swa_divergence=" in line][3:]
+    assert len(child_records) == 2 and child_marker < child_records[0]  # its marker before its first record
+    assert "went back" not in run.stderr  # the child's counts from 0 are no restart of the parent's
+    from otel_swa.testing import judge
+    from otel_swa.testing.runs import split_runs
+    from otel_swa.logsource import logged_entries
+    observation = judge(split_runs(logged_entries(run.stderr)))
+    (group,) = observation.groups
+    assert group.run == 2 and group.records == 2 and group.last.forward_ct == 2  # the child's run

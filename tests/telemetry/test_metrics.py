@@ -300,4 +300,4 @@ def test_every_reporter_stats_field_has_one_health_instrument():
 
     observed = [spec.read for spec in INSTRUMENTS if spec.kind in ("observable_counter", "observable_gauge")]
     assert sorted(observed) == sorted(f.name for f in fields(ReporterStats))
-    assert len(observed) == 8
+    assert len(observed) == 9

@@ -55,7 +55,8 @@ def test_logged_records_keep_line_timestamp_rank():
         "swa_out_of_window_tokens": 9, "swa_leaked_slots": None, "swa_stale_tokens": None, "swa_shared_slots": None,
         "swa_pages_in_use": None, "swa_pages_referenced": None, "swa_premature_evictions": None,
         "swa_late_held_slots": None, "swa_read_checks": None, "swa_read_mismatches": None, "swa_read_unchecked": None,
-        "kv_leaked_blocks": None, "kv_freed_blocks_in_use": None, "micro_batch": None, "offenders": None,
+        "kv_leaked_blocks": None, "kv_freed_blocks_in_use": None, "kv_shared_blocks": None, "micro_batch": None,
+        "offenders": None,
     }
     groups = group_by_rank(found)
     assert list(groups) == ["DP0 TP0", "DP1 TP0", None]

@@ -132,10 +132,13 @@ def test_fixture_judges_the_last_run_and_every_rank_of_a_followed_log(pytester):
     result = run(pytester, """
         from otel_swa.record import run_start_line
 
+        def tagged(*fields):  # otel-swa's line: the record after its tag
+            return "[2025-06-01 12:00:01 TP0] " + SwaDivergenceRecord(*fields, verify_source="attention").line() + "\\n"
+
         def appended(path):
             marker = "[2025-06-01 12:00:00 TP0] " + run_start_line("attention", pid=1) + "\\n"
-            path.write_text(marker + line(20, 100, 40, 3, 5) + line(40, 200, 80, 4, 6)      # a good run
-                            + marker + line(20, 100, 100, 0, 0) + line(40, 200, 200, 0, 0))  # then a broken one
+            path.write_text(marker + tagged(20, 100, 40, 3, 5) + tagged(40, 200, 80, 4, 6)      # a good run
+                            + marker + tagged(20, 100, 100, 0, 0) + tagged(40, 200, 200, 0, 0))  # then a broken one
 
         def test_appended_log(tmp_path, swa_records):
             log = tmp_path / "server.log"
@@ -160,3 +163,40 @@ def test_fixture_judges_the_last_run_and_every_rank_of_a_followed_log(pytester):
     out = result.stdout.str()
     assert "run 2, TP0: FAILED, 2 record(s), lines 5-6" in out
     assert "TP1: FAILED, 2 record(s), lines 2-4" in out
+
+
+def test_a_test_that_collects_records_and_never_asserts_fails(pytester):
+    result = run(pytester, """
+        from otel_swa.record import LivenessWarning
+
+        def test_collects_and_forgets(swa_records):
+            swa_records(SwaDivergenceRecord(20, 100, 40, 3, 5), None)   # a record reached it: no assertion follows
+
+        def test_follows_and_forgets(tmp_path, swa_records):
+            swa_records.follow(tmp_path / "server.log")
+
+        def test_reads_the_records(swa_records):
+            swa_records(SwaDivergenceRecord(20, 100, 40, 3, 5), None)
+            assert swa_records.records[0].forward_ct == 20               # its own assertion: fine
+
+        def test_asserts(swa_records):
+            swa_records(SwaDivergenceRecord(20, 100, 40, 3, 5), None)
+            swa_records.assert_observed()
+
+        def test_never_used(swa_records):
+            pass                                                         # nothing reached it: nothing to judge
+
+        def test_already_failing(swa_records):
+            swa_records(SwaDivergenceRecord(20, 100, 40, 3, 5), None)
+            assert False, "its own failure"                              # reported once, not twice
+
+        def test_silent_reporter(swa_records):
+            swa_records.liveness(LivenessWarning("no_forward_step", verify_source="attention"), None)
+            swa_records.assert_observed()
+    """)
+    result.assert_outcomes(passed=5, failed=2, errors=2)
+    out = result.stdout.str()
+    assert out.count("swa_records collected records (or was set to read logging, a file or output) and the test "
+                     "made no assertion on them") == 2
+    assert "ERROR at teardown of test_collects_and_forgets" in out and "ERROR at teardown of test_follows_and_forgets" in out
+    assert "instrumented, 0 samples in 0 steps: no forward step reached the reporter" in out

@@ -23,7 +23,9 @@ afterwards is observed:
   front end), in which case the forward steps link to that span instead;
 * ``run_until_done`` flushes the reporter at its end, and the interpreter's exit flushes it too
   (before the SDK's providers shut down: :mod:`otel_swa.lifecycle`), so the last samples are
-  delivered and exported without a ``close()`` in the program.
+  delivered and exported without a ``close()`` in the program; a reporter that delivered no sample
+  by then gives its liveness warning (``otel_swa_liveness=``: no forward step reached it through
+  ``ReferenceEngine.step``, or none of its samples was delivered).
 
 Providers come from ``instrument(tracer_provider=..., meter_provider=..., logger_provider=...)``,
 the global ones otherwise; the instrumentor never installs providers itself. ``uninstrument()``
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from types import SimpleNamespace
 from typing import Any, Collection
 
@@ -124,6 +127,8 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
             sink = self._sink.for_another_reporter()
             sink.attach(engine.reporter)
             lifecycle.track(engine.reporter, self._providers)  # delivered at exit, before the SDK shuts down
+            lifecycle.expect_forward_steps(engine.reporter, "ReferenceEngine.step")  # or said to be silent
+            weakref.finalize(engine, engine.reporter.close)  # an engine dropped before the process ends
             bytes_per_token = swa_kv_bytes_per_token(engine)
             if bytes_per_token:
                 engine.reporter.add_sink(self._pools.savings_sink(bytes_per_token))

@@ -1,0 +1,93 @@
+"""Healthy multi-rank logs written by real concurrent processes pass; one broken rank fails, named.
+
+Each trial starts one process per rank (``concurrent_writer.py``: otel-swa's lines after an
+SGLang-style ``[time TPn]`` prefix, written in 1, 2 or 3 unbuffered writes per line, the parts
+of other ranks' lines landing in between), twice at once: a healthy log, and the same with the
+last rank's SWA path broken (no divergence, no out-of-window token, both pools read alike). Both
+logs are judged by the three fronts: ``otel-swa check``, the pytest assertion and the
+``swa_records`` fixture. The verdicts are known from how the logs were written: every healthy
+rank passes (its samples are idle 70 % of the time, its first one too), the broken rank fails.
+
+Time: 9 trials, about 25 s on 2 CPU cores (process start-up, 150 records per rank, judging).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from otel_swa.cli import main
+from otel_swa.testing import SwaDivergenceNotObserved, SwaRecordCapture, assert_swa_divergence_observed
+
+WRITER = Path(__file__).with_name("concurrent_writer.py")
+RECORDS = 150  # per rank
+YIELD = "0.3"  # the share of lines whose writer yields the processor between their parts
+_PREFIX = re.compile(r"\[2026-01-01 00:00:00 TP\d+\] ")
+
+
+def write_logs(tmp_path: Path, ranks: int, parts: int) -> tuple[Path, Path]:
+    """The healthy and the broken log, each written by ``ranks`` processes at once."""
+    healthy, broken = tmp_path / "healthy.log", tmp_path / "broken.log"
+    start_at = str(time.time() + 1.0)  # every process is up by then: they write at once
+    procs = []
+    for path in (healthy, broken):
+        for rank in range(ranks):
+            argv = [sys.executable, str(WRITER), str(path), str(rank), str(RECORDS), str(parts), "1", start_at, YIELD]
+            if path is broken and rank == ranks - 1:
+                argv.append("broken")
+            procs.append(subprocess.Popen(argv))
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0
+    return healthy, broken
+
+
+def interleaved_lines(text: str) -> int:
+    """Lines another process's write broke into: two log prefixes, or none before a message."""
+    return sum(1 for line in text.splitlines() if len(_PREFIX.findall(line)) > 1 or (line and not line.startswith("[")))
+
+
+def verdicts(path: Path, capsys) -> list[tuple[bool, str]]:
+    """``(ok, explanation)`` of the assertion, the fixture and ``otel-swa check`` on ``path``."""
+    out = []
+    for front in ("assertion", "fixture"):
+        try:
+            if front == "assertion":
+                observation = assert_swa_divergence_observed(path, timeout_s=0)
+            else:
+                capture = SwaRecordCapture()
+                capture.follow(path)
+                observation = capture.assert_observed(timeout_s=0)
+            out.append((True, observation.explain()))
+        except SwaDivergenceNotObserved as exc:
+            out.append((False, str(exc)))
+    code = main(["check", str(path)])
+    out.append((code == 0, capsys.readouterr().out))
+    return out
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_concurrent_ranks_healthy_pass_and_a_broken_rank_fails_by_name(tmp_path, capsys, ranks, parts):
+    healthy, broken = write_logs(tmp_path, ranks, parts)
+    for path in (healthy, broken):
+        text = path.read_text()
+        assert text.count("kv_canary_swa_divergence=") == ranks * RECORDS
+        if parts == 1:
+            assert interleaved_lines(text) == 0, "a line written in one write is never split"
+        else:  # the trial is only worth its name when other processes' parts landed inside lines
+            assert interleaved_lines(text) > 0, text[:2000]
+    for ok, message in verdicts(healthy, capsys):
+        assert ok, message
+        assert f"{ranks * RECORDS} record(s) seen" in message
+        assert "runs:" not in message and "FAILED" not in message
+    broken_rank = f"TP{ranks - 1}"
+    for ok, message in verdicts(broken, capsys):
+        assert not ok, message
+        failed = [line for line in message.splitlines() if re.match(r"  \S.*: FAILED, \d+ record", line)]
+        assert len(failed) == 1 and broken_rank in failed[0], message
+        assert "FAILED runs" not in message and "FAILED audit" not in message, message
