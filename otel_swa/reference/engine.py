@@ -139,7 +139,6 @@ class ReferenceEngine:
     def __init__(self, config: EngineConfig | None = None, reporter: Any = None, device: "str | torch.device" = "cpu") -> None:
         self.config = config = config if config is not None else EngineConfig()
         self.device = torch.device(device)
-        self.reporter = reporter
         self.pools = HybridKVPools(
             config.full_pool_size, config.swa_pool_size, config.page_size, config.max_running,
             config.max_context_len, self.device,
@@ -149,11 +148,7 @@ class ReferenceEngine:
             config.window, config.vocab_size, config.num_heads, config.head_dim, config.seed, self.device
         )
         self.kv = KVStorage.for_pools(self.pools, config.num_heads, config.head_dim) if config.run_model else None
-        # the read check, for a reporter that has one (any object with observe and step will do)
-        self._read_check_due = None
-        if config.run_model and config.read_check != "off" and hasattr(reporter, "enable_read_check"):
-            reporter.enable_read_check(max_queries=config.read_check_queries, layers=config.read_check)
-            self._read_check_due = reporter.read_check_due
+        self.reporter = reporter
         self.forward_span: Callable[[BatchInfo], ContextManager[Any]] = _null_span
         self.forward_ct = 0
         self.clock_s = 0.0
@@ -163,6 +158,22 @@ class ReferenceEngine:
         self._order = itertools.count()
         self._next_rid = 0
         self._last_items: list[ForwardItem] = []
+
+    @property
+    def reporter(self) -> Any:
+        """The engine's reporter (``None``: no reporter work). Setting one with the model running and
+        ``config.read_check`` not ``"off"`` switches its read check on (``reporter.enable_read_check``,
+        when it has one: any object with ``observe`` and ``step`` will do)."""
+        return self._reporter
+
+    @reporter.setter
+    def reporter(self, reporter: Any) -> None:
+        self._reporter = reporter
+        self._read_check_due = None
+        config = self.config
+        if config.run_model and config.read_check != "off" and hasattr(reporter, "enable_read_check"):
+            reporter.enable_read_check(max_queries=config.read_check_queries, layers=config.read_check)
+            self._read_check_due = reporter.read_check_due
 
     # -- input ------------------------------------------------------------------------------------
 

@@ -80,9 +80,10 @@ def test_the_block_audit_gauges():
     from otel_swa.telemetry.metrics import INSTRUMENTS
 
     record = SwaDivergenceRecord(20, 10, 5, 0, 1, divergence_applicable=False, kv_leaked_blocks=4,
-                                 kv_freed_blocks_in_use=1)
+                                 kv_freed_blocks_in_use=1, kv_shared_blocks=2)
     read = {spec.name: spec.read(record) for spec in INSTRUMENTS if spec.name.startswith("kv_cache.swa.blocks.")}
-    assert read == {"kv_cache.swa.blocks.leaked": ((4, {}),), "kv_cache.swa.blocks.freed_in_use": ((1, {}),)}
+    assert read == {"kv_cache.swa.blocks.leaked": ((4, {}),), "kv_cache.swa.blocks.freed_in_use": ((1, {}),),
+                    "kv_cache.swa.blocks.shared": ((2, {}),)}
 
 
 def test_the_logline_exporter_writes_the_fault_lines_after_the_audit_line(pipeline):
