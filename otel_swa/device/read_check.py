@@ -18,26 +18,41 @@ included) are gathered from the layer's KV buffers at the slots
 without a mapping), the attention output is recomputed in float32 (``softmax(scaling * q k^T)``,
 grouped-query heads, optional tanh logit capping ``cap * tanh(s / cap)`` and optional per-head
 attention sinks, an extra logit in the softmax denominator with no value), and compared with the
-engine's output for that token. A query disagrees when, for some head, ``max |ours - engine's|``
-exceeds ``tolerance(dtype) x max |V|`` over its window (a non-finite output always disagrees);
-:func:`tolerance` gives the factor for the lower precision of the output and the KV buffers.
+engine's output for that token, element by element.
+
+The tolerance is what a correct kernel's rounding can move the output by: ``4 u (|o| + max|V| x
+||w||_2)`` per element, ``o`` the recomputed output, ``max|V|`` the largest value in the window,
+``||w||_2`` the 2-norm of the attention weights (``1/sqrt(W)`` for attention spread evenly over
+``W`` keys, 1 for attention on one key: the error of weights rounded to the dtype before the
+weighted sum, as flash kernels do, grows so), and ``u`` the unit roundoff of the least precise of
+the output's and the KV buffers' dtypes, at least ``2**-11`` (:func:`rounding`: TF32, in which
+float32 products are often made on GPUs). A non-finite output always disagrees.
 
 Sensitivity, from the tolerance: a read that differs from the mapping's in keys carrying a total
-attention weight ``a`` changes the output by about ``a x |v - v'|``; it is seen when that exceeds
-the tolerance times ``max |V|``: any misread of a whole window (raw FULL slots once the SWA
-allocator remaps, freed and reused slots), and a window one position short or long when the edge
-key's weight is above the tolerance (``2**-13`` for float32, ``4 x eps`` for float16 / bfloat16).
+attention weight ``a`` changes the output by about ``a |v - v'|``; it is seen when that exceeds the
+tolerance. A misread of a whole window (raw FULL slots once the SWA allocator remaps, a slot
+reused by another request) always is. A single key misread, or a window one position short or
+long, moves the output by about ``max|V| / W`` under evenly spread attention, against a tolerance
+of about ``4 u max|V| / sqrt(W)``: seen while ``sqrt(W) < 1 / (4 u)``, i.e. at every window in
+float32 (``u = 2**-11``: ``W`` up to about 260,000), up to ``W`` of about 1,000 in bfloat16 and
+16,000 in float16, and beyond that as attention is sharper than even (as it is in trained models:
+``||w||_2`` larger and the key's weight larger than ``1/W``). ``benchmarks/bench_read_check.py``
+prints the measured detection of such faults at several shapes.
 
 Results accumulate over the layers checked in one forward step into :attr:`ReadCheck.cells`
 (``int64 [READ_WIDTH]`` on the device, layout :data:`READ_CELLS`): queries checked, queries that
 disagreed, queries that could not be checked, and the first disagreeing query (the first in call
 order: layer by layer, then query by query): its batch entry, ``req_to_token`` row, position,
-FULL and SWA slot and layer. The reporter copies the cells with the step's sample and clears them
+its own FULL and SWA slot (the query's, not the misread key's: which key was misread is not known)
+and the layer. The reporter copies the cells with the step's sample and clears them
 (:meth:`ReadCheck.take`).
 
-Cost per checked layer: about 25 device operations on ``Q x W`` keys (the gathers of ``Q x W x
-heads x head_dim`` K and V values and two small batched products); ``Q`` is capped so that the
-gathered K and V stay within ``kv_budget_bytes`` (default 16 MiB).
+Cost per checked layer: about 30 device operations on ``Q x W`` keys (the gathers of ``Q x W x
+kv_heads x head_dim`` K and V values and two batched products), ``Q = max_queries`` (8) or the
+batch when smaller. The window is taken in chunks that keep the gathered K and V within
+``kv_budget_bytes`` (default 16 MiB; one chunk unless ``Q x W x kv_heads x (head_dim +
+v_head_dim) x 4`` bytes exceed it), with an online softmax over the chunks: the memory is bounded
+at every window, each further chunk about 20 more operations.
 """
 
 from __future__ import annotations
@@ -46,7 +61,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["READ_WIDTH", "READ_CELLS", "READ_CHECK_MODES", "ReadCheck", "tolerance", "read_counts", "read_offender_fields"]
+__all__ = ["READ_WIDTH", "READ_CELLS", "READ_CHECK_MODES", "ReadCheck", "rounding", "read_counts", "read_offender_fields"]
 
 #: The cells of :attr:`ReadCheck.cells`, in order.
 READ_CELLS = (
@@ -74,19 +89,18 @@ READ_CHECK_MODES = ("rotate", "all")
 _CHECKED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def tolerance(*dtypes: torch.dtype) -> float:
-    """The relative tolerance of the comparison for outputs and KV buffers of ``dtypes``: ``4 x
-    eps`` of the least precise one, at least ``2**-13`` (float32 kernels accumulate in other
-    orders than this check: measured differences stay below ``1e-6`` of ``max |V|``).
+def rounding(*dtypes: torch.dtype) -> float:
+    """The unit roundoff the comparison allows for outputs and KV buffers of ``dtypes``: the
+    largest ``eps`` among them, and at least ``2**-11`` (TF32, in which float32 matrix products on
+    GPUs are often made: Triton's ``tl.dot`` default, ``torch.set_float32_matmul_precision("high")``).
 
     Raises:
         ValueError: a dtype that is not a floating-point one.
     """
     for dtype in dtypes:
         if not dtype.is_floating_point:
-            raise ValueError(f"tolerance: {dtype} is not a floating-point dtype")
-    eps = max(torch.finfo(dtype).eps for dtype in dtypes)
-    return max(4.0 * eps, 2.0**-13)
+            raise ValueError(f"rounding: {dtype} is not a floating-point dtype")
+    return max(max(torch.finfo(dtype).eps for dtype in dtypes), 2.0**-11)
 
 
 class ReadCheck:
@@ -98,9 +112,9 @@ class ReadCheck:
         max_queries: queries checked per layer (int >= 1; the batch's requests in turn across
             sampled steps, the last token of each).
         layers: :data:`READ_CHECK_MODES`.
-        kv_budget_bytes: the most float32 K and V bytes one layer's check gathers (int >= 1):
-            fewer queries are checked when ``max_queries x W x kv_heads x (head_dim + v_head_dim)
-            x 4`` would exceed it (at least one).
+        kv_budget_bytes: the most float32 K and V bytes one gather of the check holds (int >= 1):
+            the window is taken in chunks of that size (module docstring); the queries checked are
+            always ``max_queries`` or the batch when smaller.
 
     Raises:
         ValueError: a bad argument (named, with the value).
@@ -130,6 +144,9 @@ class ReadCheck:
         self._seen: list[int] = []  # sliding-window layer ids in the order first called
         self._arange = torch.arange(max_queries, dtype=torch.int64, device=self.device)
         self._window_offsets: dict[int, torch.Tensor] = {}
+        #: ``check_layer`` calls since the last :meth:`take` (host): 0 at a sampled step means no
+        #: layer was checked (the step was replayed from a CUDA graph, or no sliding-window layer ran).
+        self.layer_calls = 0
 
     # ------------------------------------------------------------------ which layers, which queries
     def wants(self, layer_id: int) -> bool:
@@ -147,10 +164,6 @@ class ReadCheck:
         if cached is None:
             cached = self._window_offsets[window] = (torch.arange(window, device=device) - (window - 1)).unsqueeze(0)
         return cached
-
-    def _queries(self, batch: int, window: int, kv_heads: int, dims: int) -> int:
-        per_query = window * kv_heads * dims * 4
-        return max(1, min(self.max_queries, batch, self.kv_budget_bytes // max(per_query, 1)))
 
     # ------------------------------------------------------------------ the check
     def unchecked(self, queries: int) -> None:
@@ -205,20 +218,25 @@ class ReadCheck:
             sinks: ``float [num_q_heads]`` attention sink logits, or ``None``.
 
         Unsupported inputs (a KV or output dtype outside float32/64/16/bfloat16, heads that do not
-        divide, a ``q``/``out`` row count below the batch's tokens) are counted as unchecked, never
-        raised: the engine's forward goes on.
+        divide, a ``q``/``out`` with fewer rows than the batch's requests, sinks that are not one
+        per query head) are counted as unchecked, never raised: the engine's forward goes on.
+        ``req_to_token`` may have any strides (a column slice of a wider table).
         """
+        self.layer_calls += 1
         batch = int(req_pool_indices.shape[0])
         if batch == 0:
             return 0
+        checked = min(self.max_queries, batch)
         kv_heads = int(k_buffer.shape[1]) if k_buffer.dim() == 3 else 0
         head_dim = int(k_buffer.shape[2]) if k_buffer.dim() == 3 else 0
         v_dim = int(v_buffer.shape[2]) if v_buffer.dim() == 3 else 0
-        checked = self._queries(batch, window, max(kv_heads, 1), head_dim + v_dim)
+        rows_needed = batch * num_q_heads  # every request has a query row (its last token) at least
         supported = (
-            kv_heads > 0 and num_q_heads % kv_heads == 0 and window >= 1
+            kv_heads > 0 and num_q_heads % kv_heads == 0 and window >= 1 and req_to_token.dim() == 2
             and all(t.dtype in _CHECKED_DTYPES for t in (q, out, k_buffer, v_buffer))
             and q.numel() % (num_q_heads * head_dim) == 0 and out.numel() % (num_q_heads * v_dim) == 0
+            and q.numel() // head_dim >= rows_needed and out.numel() // v_dim >= rows_needed
+            and (sinks is None or sinks.numel() == num_q_heads)
         )
         if not supported:
             self.unchecked(checked)
@@ -227,50 +245,87 @@ class ReadCheck:
         cells = self.cells
         start = (self._turn * self.max_queries) % batch
         entries = torch.remainder(self._arange[:checked] + start, batch)  # [Q], no host data
-        rows = req_pool_indices.index_select(0, entries).long()
+        rows = req_pool_indices.index_select(0, entries).long().clamp_(0, req_to_token.shape[0] - 1)
         position = seq_lens.index_select(0, entries).long() - 1  # the last token
         qrow = entries if query_rows is None else query_rows.index_select(0, entries).long()
         q3 = q.reshape(-1, num_q_heads, head_dim)
         o3 = out.reshape(-1, num_q_heads, v_dim)
-        # keys: positions p - W + 1 .. p (those below 0 are masked)
-        keys = position.unsqueeze(1) + self._offsets(window, dev)  # [Q, W]
-        valid = keys.ge(0)
-        width = req_to_token.shape[1]
-        flat = (rows.clamp(0, req_to_token.shape[0] - 1) * req_to_token.stride(0)).unsqueeze(1) + keys.clamp(0, width - 1)
-        full = req_to_token.reshape(-1).index_select(0, flat.reshape(-1)).long().view(checked, window)
-        if full_to_swa_index_mapping is not None:
-            size = full_to_swa_index_mapping.shape[0]
-            slots = full_to_swa_index_mapping.index_select(0, full.clamp(0, size - 1).reshape(-1)).long().view(checked, window)
-        else:
-            slots = full
-        slots_c = slots.clamp(0, k_buffer.shape[0] - 1).reshape(-1)
         group = num_q_heads // kv_heads
-        # [Q, Hkv, W, D] keys and values, [Q, Hkv, g, D] queries: two batched products
-        k = k_buffer.index_select(0, slots_c).float().view(checked, window, kv_heads, head_dim).transpose(1, 2)
-        v = v_buffer.index_select(0, slots_c).float().view(checked, window, kv_heads, v_dim).transpose(1, 2)
+        width = req_to_token.shape[1]
+        mapping = full_to_swa_index_mapping
         qq = q3.index_select(0, qrow.clamp(0, q3.shape[0] - 1)).float().view(checked, kv_heads, group, head_dim)
-        scores = torch.matmul(qq, k.transpose(2, 3)).mul_(float(scaling))  # [Q, Hkv, g, W]
-        if logit_cap and logit_cap > 0:
-            scores = torch.tanh(scores.div_(float(logit_cap))).mul_(float(logit_cap))
-        # positions before the request's first token: -inf (a bias, added: cheaper than masked_fill)
-        scores.add_(torch.where(valid, 0.0, float("-inf")).view(checked, 1, 1, window))
-        if sinks is not None:
-            sink = sinks.float().reshape(1, kv_heads, group, 1).expand(checked, kv_heads, group, 1)
-            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :window]
-        else:
-            probs = scores.softmax(-1)
-        ours = torch.matmul(probs, v)  # [Q, Hkv, g, Dv]
-        theirs = o3.index_select(0, qrow.clamp(0, o3.shape[0] - 1)).float().view(checked, kv_heads, group, v_dim)
-        # the scale: the largest |V| over the gathered window (a masked position holds a real key of
-        # the request, position 0's: at most a slightly looser bound)
-        scale = v.abs().amax(dim=(2, 3))  # [Q, Hkv]
-        bound = scale.mul_(tolerance(q.dtype, out.dtype, k_buffer.dtype)).add_(1e-30).view(checked, kv_heads, 1)
-        error = (ours - theirs).abs_().amax(-1)  # [Q, Hkv, g]; NaN where either is not finite
-        agree = error.le(bound).view(checked, -1).all(-1)  # NaN compares False: a non-finite output disagrees
+        # the window in chunks that keep the gathered K and V within the budget (one chunk normally)
+        chunk = max(1, min(window, self.kv_budget_bytes // (checked * kv_heads * (head_dim + v_dim) * 4)))
+        shape = (checked, kv_heads, group)
+        offsets = self._offsets(window, dev)
+
+        def gather(begin: int, span: int):
+            """Scores ``[Q, Hkv, g, C]`` and values ``[Q, Hkv, C, Dv]`` of keys ``begin ..``."""
+            keys = position.unsqueeze(1) + offsets[:, begin:begin + span]  # [Q, C]
+            full = req_to_token[rows.unsqueeze(1), keys.clamp(0, width - 1)].long()  # any strides
+            slots = full if mapping is None else mapping.index_select(
+                0, full.clamp(0, mapping.shape[0] - 1).reshape(-1)).long().view(checked, span)
+            slots_c = slots.clamp(0, k_buffer.shape[0] - 1).reshape(-1)
+            k = k_buffer.index_select(0, slots_c).float().view(checked, span, kv_heads, head_dim).transpose(1, 2)
+            v = v_buffer.index_select(0, slots_c).float().view(checked, span, kv_heads, v_dim).transpose(1, 2)
+            scores = torch.matmul(qq, k.transpose(2, 3)).mul_(float(scaling))
+            if logit_cap and logit_cap > 0:
+                scores = torch.tanh(scores.div_(float(logit_cap))).mul_(float(logit_cap))
+            # positions before the request's first token: -inf (a bias, added: cheaper than masked_fill)
+            scores.add_(torch.where(keys.ge(0), 0.0, float("-inf")).view(checked, 1, 1, span))
+            return scores, v
+
+        sink = None if sinks is None else sinks.float().reshape(1, kv_heads, group, 1).expand(shape + (1,))
+        if chunk >= window:  # one gather: a plain softmax, the sink as one more logit
+            scores, v = gather(0, window)
+            if sink is not None:
+                scores = torch.cat([scores, sink], dim=-1)
+            w = torch.softmax(scores, dim=-1)
+            if sink is not None:
+                w = w[..., :window]
+            ours = torch.matmul(w, v)  # [Q, Hkv, g, Dv]
+            spread = torch.linalg.vector_norm(w, dim=-1)  # the attention weights' 2-norm, [Q, Hkv, g]
+            vmax = v.abs().amax(dim=(2, 3))
+        else:  # an online softmax over the chunks: running max, sum of weights and of their squares
+            top = torch.full(shape, float("-inf"), device=dev)
+            weight = torch.zeros(shape, device=dev)
+            squares = torch.zeros(shape, device=dev)
+            acc = torch.zeros(shape + (v_dim,), device=dev)
+            vmax = torch.zeros((checked, kv_heads), device=dev)
+            for begin in range(0, window, chunk):
+                scores, v = gather(begin, min(chunk, window - begin))
+                new_top = torch.maximum(top, scores.amax(-1))
+                base = torch.where(torch.isinf(new_top), 0.0, new_top)  # every key so far masked: nothing yet
+                decay = torch.exp(top - base)
+                p = torch.exp(scores - base.unsqueeze(-1))
+                weight = weight * decay + p.sum(-1)
+                squares = squares * decay.square() + p.square().sum(-1)
+                acc = acc * decay.unsqueeze(-1) + torch.matmul(p, v)
+                vmax = torch.maximum(vmax, v.abs().amax(dim=(2, 3)))
+                top = new_top
+            if sink is not None:  # an extra logit per head in the denominator, with no value
+                sink = sink[..., 0]
+                new_top = torch.maximum(top, sink)
+                decay = torch.exp(top - new_top)
+                weight = weight * decay + torch.exp(sink - new_top)
+                squares = squares * decay.square()
+                acc = acc * decay.unsqueeze(-1)
+            ours = acc / weight.unsqueeze(-1)  # [Q, Hkv, g, Dv]
+            spread = squares.sqrt() / weight  # the attention weights' 2-norm, [Q, Hkv, g]
+        theirs = o3.index_select(0, qrow.clamp(0, o3.shape[0] - 1)).float().view(shape + (v_dim,))
+        # what a kernel's rounding can move the output by (the tolerance, module docstring)
+        bound = (vmax.unsqueeze(-1) * spread).unsqueeze(-1) + ours.abs()
+        bound.mul_(4.0 * rounding(q.dtype, out.dtype, k_buffer.dtype, v_buffer.dtype)).add_(1e-30)
+        agree = (ours - theirs).abs_().le(bound).view(checked, -1).all(-1)  # NaN compares False
         disagree = agree.logical_not_().logical_and_(position.ge(0))  # a request without tokens has no query
         count = disagree.sum()
+        if dev.type == "cpu" and not int(count):  # on the CPU a host read costs no sync: no offender to keep
+            cells[_C["checked"]] += checked
+            return checked
         first = torch.max(disagree, 0).indices.reshape(1)  # the first disagreeing query (0 when none)
-        where = torch.stack([entries, rows, position, full[:, window - 1], slots[:, window - 1],
+        own = req_to_token[rows, position.clamp(0, width - 1)].long()  # the query's own FULL slot
+        own_slot = own if mapping is None else mapping.index_select(0, own.clamp(0, mapping.shape[0] - 1)).long()
+        where = torch.stack([entries, rows, position, own, own_slot,
                              entries.new_full((checked,), int(layer_id))]).index_select(1, first).reshape(-1)
         new = cells[_C["found"]].eq(0).logical_and_(count > 0)
         lo, hi = _C["entry"], _C["layer"] + 1
@@ -290,11 +345,13 @@ class ReadCheck:
         out.copy_(self.cells)
         self.cells.zero_()
         self._turn += 1
+        self.layer_calls = 0
         return out
 
     def reset(self) -> None:
         """Forget this step's results (a forward that raised; a forked child)."""
         self.cells.zero_()
+        self.layer_calls = 0
 
 
 def read_offender_fields(values: Sequence[int]) -> "dict[str, int] | None":

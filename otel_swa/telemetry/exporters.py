@@ -164,46 +164,62 @@ class AccountedExporter:
         return getattr(self._exporter, name)
 
 
+def _pool_managers(exporter: Any) -> list:
+    """The urllib3 pool managers behind an OTLP/HTTP exporter: its transport's ``requests``
+    session's adapters (``exporter._client._transport._session``, opentelemetry-exporter-otlp-proto-
+    http 1.45.2 with opentelemetry-exporter-http-transport 0.66b2; ``exporter._session`` in earlier
+    releases) or its transport's own urllib3 ``PoolManager`` (``exporter._client._transport._pool``,
+    1.45.0 with 0.66b0). Empty for an exporter with neither (gRPC, console)."""
+    transport = getattr(getattr(exporter, "_client", None), "_transport", None)
+    pool = getattr(transport, "_pool", None)
+    if pool is not None and hasattr(pool, "pools"):
+        return [pool]
+    session = getattr(exporter, "_session", None)
+    if session is None:
+        session = getattr(transport, "_session", None)
+    adapters = getattr(session, "adapters", None)
+    if adapters is None:
+        return []
+    managers = []
+    for adapter in list(adapters.values()):
+        managers.append(getattr(adapter, "poolmanager", None))
+        managers.extend(list((getattr(adapter, "proxy_manager", None) or {}).values()))
+    return [manager for manager in managers if manager is not None]
+
+
 def release_connections(exporter: Any) -> int:
-    """Take every idle connection out of the connection pools of an OTLP/HTTP exporter's
-    ``requests`` session and detach its socket without closing it: the descriptor is the
-    parent's. The session is ``exporter._client._transport._session`` in
-    opentelemetry-exporter-otlp-proto-http 1.45 (``exporter._session`` in earlier releases).
-    Returns how many were let go; an exporter without a session (gRPC, console) has none. Never
-    raises."""
+    """Take every idle connection out of the urllib3 connection pools of an OTLP/HTTP exporter
+    (:func:`_pool_managers`: through a ``requests`` session or a bare urllib3 transport) and
+    detach its socket without closing it: the descriptor is the parent's. Returns how many were
+    let go; an exporter without pools (gRPC, console) has none. Never raises."""
     released = 0
     try:
-        session = getattr(exporter, "_session", None)
-        if session is None:
-            session = getattr(getattr(getattr(exporter, "_client", None), "_transport", None), "_session", None)
-        adapters = list(getattr(session, "adapters", None).values()) if session is not None else []
+        managers = _pool_managers(exporter)
     except Exception:
         return 0
-    for adapter in adapters:
-        managers = [getattr(adapter, "poolmanager", None)] + list((getattr(adapter, "proxy_manager", None) or {}).values())
-        for manager in managers:
-            pools = getattr(manager, "pools", None)
-            if pools is None:
-                continue
-            try:
-                keys = list(pools.keys())
-            except Exception:
-                continue
-            for key in keys:
-                idle = getattr(pools.get(key), "pool", None)  # the pool's queue of idle connections
-                while idle is not None:
+    for manager in managers:
+        pools = getattr(manager, "pools", None)
+        if pools is None:
+            continue
+        try:
+            keys = list(pools.keys())
+        except Exception:
+            continue
+        for key in keys:
+            idle = getattr(pools.get(key), "pool", None)  # the pool's queue of idle connections
+            while idle is not None:
+                try:
+                    connection = idle.get(block=False)
+                except (queue.Empty, Exception):
+                    break
+                sock = getattr(connection, "sock", None)
+                if sock is not None:
                     try:
-                        connection = idle.get(block=False)
-                    except (queue.Empty, Exception):
-                        break
-                    sock = getattr(connection, "sock", None)
-                    if sock is not None:
-                        try:
-                            sock.detach()
-                        except Exception:
-                            pass
-                        connection.sock = None
-                        released += 1
+                        sock.detach()
+                    except Exception:
+                        pass
+                    connection.sock = None
+                    released += 1
     return released
 
 

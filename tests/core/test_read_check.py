@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from otel_swa.device.read_check import READ_CELLS, ReadCheck, read_counts, read_offender_fields, tolerance
+from otel_swa.device.read_check import READ_CELLS, ReadCheck, read_counts, read_offender_fields, rounding
 
 
 class Pool:
@@ -173,17 +173,46 @@ def test_unsupported_variants_are_counted_unchecked_never_faults():
     assert (checked, mismatched) == (0, 0) and unchecked == (10 if fp8 is not None else 5)
 
 
-def test_the_kv_budget_caps_the_queries():
+@pytest.mark.parametrize("budget_windows", [1, 3, 8])  # chunks of 1 key, of 3, the whole window
+def test_a_small_kv_budget_checks_every_query_in_chunks_with_the_same_verdict(budget_windows):
     pool = Pool(batch=5, kv_heads=2, head_dim=8, v_dim=8)
-    check = ReadCheck("cpu", max_queries=8, kv_budget_bytes=2 * 8 * 2 * 16 * 4)  # two queries of window 8
-    assert pool.check(pool.engine_output(8), 8, check=check)[READ_CELLS.index("checked")] == 2
+    budget = 5 * budget_windows * 2 * 16 * 4  # 5 queries x keys x heads x (head_dim + v_dim) x float32
+    for read, expected in ((None, 0), (lambda full: full, 5)):
+        out = pool.engine_output(8, read=read)
+        cells = pool.check(out, 8, check=ReadCheck("cpu", max_queries=8, kv_budget_bytes=budget))
+        assert read_counts(cells) == (5, expected, 0), (budget_windows, read)
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0])
+    out = pool.engine_output(8, logit_cap=3.0, sinks=sinks)
+    cells = pool.check(out, 8, check=ReadCheck("cpu", kv_budget_bytes=budget), logit_cap=3.0, sinks=sinks)
+    assert read_counts(cells) == (5, 0, 0)
 
 
-def test_tolerance_follows_the_least_precise_dtype():
-    assert tolerance(torch.float32) == 2.0**-13
-    assert tolerance(torch.float32, torch.bfloat16) == 4 * torch.finfo(torch.bfloat16).eps
+def test_a_column_slice_of_a_wider_table_is_read_as_it_is():
+    pool = Pool()
+    wide = torch.zeros((pool.req_to_token.shape[0], pool.req_to_token.shape[1] + 24), dtype=torch.int32)
+    wide[:, : pool.req_to_token.shape[1]] = pool.req_to_token
+    pool.req_to_token = wide[:, : pool.req_to_token.shape[1]]  # not contiguous
+    assert read_counts(pool.check(pool.engine_output(8), 8)) == (5, 0, 0)
+    assert read_counts(pool.check(pool.engine_output(8, read=lambda full: full), 8)) == (5, 5, 0)
+
+
+def test_short_q_and_sinks_of_another_length_are_unchecked():
+    pool = Pool()
+    out = pool.engine_output(8)
+    check = ReadCheck("cpu")
+    for q, o, sinks in ((pool.q[:3], out[:3], None), (pool.q, out, torch.zeros(3))):
+        check.check_layer(layer_id=0, q=q, out=o, k_buffer=pool.k, v_buffer=pool.v, req_to_token=pool.req_to_token,
+                          full_to_swa_index_mapping=pool.mapping, req_pool_indices=pool.rows, seq_lens=pool.seq_lens,
+                          query_rows=None, window=8, scaling=pool.scaling, num_q_heads=pool.q_heads, sinks=sinks)
+    assert read_counts(check.take().tolist()) == (0, 0, 10)
+
+
+def test_rounding_follows_the_least_precise_dtype_and_tf32():
+    assert rounding(torch.float32) == 2.0**-11  # TF32 products on GPUs
+    assert rounding(torch.float32, torch.bfloat16) == torch.finfo(torch.bfloat16).eps
+    assert rounding(torch.float16) == torch.finfo(torch.float16).eps
     with pytest.raises(ValueError, match="int64 is not a floating-point dtype"):
-        tolerance(torch.int64)
+        rounding(torch.int64)
 
 
 def test_bad_arguments_are_refused():
