@@ -47,12 +47,9 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-__all__ = ["track", "flush_all", "FlushResult", "DEFAULT_FLUSH_TIMEOUT_S"]
+__all__ = ["track", "flush_all", "FlushResult", "sigterm_flush_timeout_s"]
 
 _log = logging.getLogger(__name__)
-
-#: Time bound of :func:`flush_all` when none is given: the OTLP exporters' default timeout.
-DEFAULT_FLUSH_TIMEOUT_S = 10.0
 
 _lock = threading.Lock()
 _reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -97,7 +94,7 @@ if hasattr(os, "register_at_fork"):
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     try:
-        flush_all()
+        flush_all(sigterm_flush_timeout_s())
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -149,10 +146,17 @@ def track(reporter: Any = None, providers: Iterable[Any] = ()) -> None:
     _install_sigterm_flush()
 
 
-def flush_all(timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, *, export: bool = True) -> FlushResult:
+def flush_all(timeout_s: "float | None" = None, *, export: bool = True) -> FlushResult:
     """Flush every tracked reporter, then (``export``) force-flush every tracked provider, the whole
-    within about ``timeout_s`` seconds (each provider gets what is left). Never raises."""
+    within about ``timeout_s`` seconds (default: the OTLP exporters' timeout,
+    :func:`otel_swa.config.otlp_timeout_s`). Never raises.
+
+    The providers are flushed side by side (:func:`_force_flush_within`): the SDK's ``force_flush``
+    exports in the calling thread and does not stop at its ``timeout_millis``, so a collector that is
+    down would otherwise hold each provider for a whole export timeout, one after the other."""
     start = time.monotonic()
+    if timeout_s is None:
+        timeout_s = _otlp_timeout_s()
     with _lock:
         reporters = list(_reporters)
         providers = [p for p in (ref() for ref in _providers) if p is not None]
@@ -163,15 +167,49 @@ def flush_all(timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, *, export: bool = True
             _log.exception("flushing an SWA divergence reporter failed")
     flushed = failed = 0
     if export:
-        for provider in providers:
-            left_ms = int(max(0.0, timeout_s - (time.monotonic() - start)) * 1000)
-            try:
-                ok = provider.force_flush(left_ms) if left_ms > 0 else False
-            except Exception:
-                _log.exception("force_flush of %s failed", type(provider).__name__)
-                ok = False
-            if ok is False:
-                failed += 1
-            else:
-                flushed += 1
+        flushed, failed = _force_flush_within(providers, start + timeout_s)
     return FlushResult(len(reporters), flushed, failed, round(time.monotonic() - start, 3))
+
+
+def _otlp_timeout_s() -> float:
+    from otel_swa import config
+
+    return config.otlp_timeout_s()
+
+
+#: What a SIGTERM flush leaves of the OTLP timeout for the process to end (seconds).
+SIGTERM_EXIT_MARGIN_S = 0.5
+
+
+def sigterm_flush_timeout_s() -> float:
+    """How long the SIGTERM handler flushes: the OTLP timeout less :data:`SIGTERM_EXIT_MARGIN_S`
+    (at least a tenth of it), so that a process told to stop ends within the OTLP timeout even when
+    the collector is down."""
+    timeout = _otlp_timeout_s()
+    return max(timeout - SIGTERM_EXIT_MARGIN_S, timeout / 10)
+
+
+def _force_flush_within(providers: list, deadline: float) -> tuple[int, int]:
+    """``force_flush`` every provider, each in a daemon thread of its own, and wait for them until
+    ``deadline`` (``time.monotonic()``); returns ``(flushed, failed)``, a provider still exporting at
+    the deadline counting as failed (it goes on in the background and ends with the process)."""
+    if not providers:
+        return 0, 0
+    outcome: dict[int, bool] = {}
+
+    def flush(index: int, provider: Any) -> None:
+        left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+        try:
+            outcome[index] = provider.force_flush(left_ms) is not False if left_ms > 0 else False
+        except Exception:
+            _log.exception("force_flush of %s failed", type(provider).__name__)
+            outcome[index] = False
+
+    threads = [threading.Thread(target=flush, args=(i, p), name=f"otel-swa-flush-{i}", daemon=True)
+               for i, p in enumerate(providers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    flushed = sum(1 for i in range(len(providers)) if outcome.get(i) is True)
+    return flushed, len(providers) - flushed
