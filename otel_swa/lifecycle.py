@@ -47,7 +47,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-__all__ = ["track", "flush_all", "FlushResult", "sigterm_flush_timeout_s"]
+__all__ = ["track", "flush_all", "FlushResult", "sigterm_flush_timeout_s", "after_exit_flush"]
 
 _log = logging.getLogger(__name__)
 
@@ -122,6 +122,30 @@ def _install_sigterm_flush() -> None:
 
 def _at_exit() -> None:
     flush_all(export=False)  # the SDK's own exit hooks, which run next, export and shut down
+    _run_after_exit_flush()
+
+
+_after_exit_flush: list = []
+
+
+def after_exit_flush(callback: Any) -> None:
+    """Run ``callback()`` at interpreter exit right after otel-swa's own flush of the tracked
+    reporters, before the SDK's providers shut down (an instrumentor that must tell another process
+    its flush is done: SGLang's scheduler answering a pending flush request). Each callback once, in
+    registration order; one that raises is logged."""
+    with _lock:
+        if callback not in _after_exit_flush:
+            _after_exit_flush.append(callback)
+        atexit.unregister(_at_exit)
+        atexit.register(_at_exit)
+
+
+def _run_after_exit_flush() -> None:
+    for callback in list(_after_exit_flush):
+        try:
+            callback()
+        except Exception:
+            _log.exception("an otel-swa exit callback failed")
 
 
 def track(reporter: Any = None, providers: Iterable[Any] = ()) -> None:

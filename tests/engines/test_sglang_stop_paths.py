@@ -205,3 +205,73 @@ def test_an_absent_vllm_is_a_debug_message_where_sglang_is_instrumented(sglang_m
     assert [r.levelno for r in ours] == [logging.DEBUG]
     assert "vllm is not installed" in ours[0].getMessage() and "swa_sglang is" in ours[0].getMessage()
     assert "OTEL_SWA_WARNED" not in os.environ or "swa_vllm" not in os.environ["OTEL_SWA_WARNED"]
+
+
+def _rpc_pair():
+    """The main process's bound DEALER and rank 0's connected one, as SGLang makes them."""
+    import zmq
+
+    endpoint = f"ipc://{tempfile.mktemp(prefix='otel-swa-rpc-')}"
+    context = zmq.Context(1)
+    main = context.socket(zmq.DEALER)
+    main.bind(endpoint)
+    scheduler = context.socket(zmq.DEALER)
+    scheduler.connect(endpoint)
+    return context, main, scheduler
+
+
+@pytest.mark.parametrize("request_sent", [True, False])
+def test_a_scheduler_answers_a_flush_request_left_pending_at_its_exit(sglang_modules, monkeypatch, request_sent):
+    from types import SimpleNamespace
+
+    import zmq
+    from sglang.srt.managers.io_struct import RpcReqInput, sock_recv, sock_send
+
+    from opentelemetry.instrumentation.swa_sglang import stop_paths
+
+    context, main, scheduler_sock = _rpc_pair()
+    scheduler = SimpleNamespace(ipc_channels=SimpleNamespace(recv_from_rpc=scheduler_sock), gracefully_exit=False)
+    monkeypatch.setitem(stop_paths._scheduler, "ref", lambda: scheduler)
+    try:
+        if request_sent:  # the main process asked while the scheduler was leaving its loop
+            sock_send(main, RpcReqInput(method="otel_swa_flush"))
+            assert stop_paths.answer_pending_flush(wait_s=30.0) == "answered"
+            assert main.poll(5000, zmq.POLLIN)
+            reply = sock_recv(main)
+            assert reply.success and reply.message == f"{stop_paths.EXIT_ANSWER}{os.getpid()}"
+        else:  # nobody asks: the exit goes on after the wait
+            assert stop_paths.answer_pending_flush(wait_s=0.2) is None
+            scheduler.gracefully_exit = True  # after SGLang's ShutdownReq: no wait at all
+            assert stop_paths.answer_pending_flush(wait_s=3600.0) is None
+    finally:
+        main.close(linger=0)
+        scheduler_sock.close(linger=0)
+        context.term()
+
+
+def test_an_answer_from_rank_0s_exit_still_waits_for_the_other_ranks(sglang_modules, children):
+    import psutil
+    from sglang.srt.managers.io_struct import RpcReqOutput, sock_recv, sock_send
+
+    from opentelemetry.instrumentation.swa_sglang import stop_paths
+
+    context, main, scheduler_sock = _rpc_pair()
+    rank0 = psutil.Process(children("sglang::scheduler_TP0").pid)
+    rank1_proc = children("sglang::scheduler_TP1", seconds=1.0)
+    rank1 = psutil.Process(rank1_proc.pid)
+
+    def rank0_exits():
+        sock_recv(scheduler_sock)
+        sock_send(scheduler_sock, RpcReqOutput(success=True, message=f"{stop_paths.EXIT_ANSWER}{rank0.pid}"))
+
+    thread = threading.Thread(target=rank0_exits, daemon=True)
+    thread.start()
+    try:
+        # rank 1 flushes at its own exit, a second later: the wait goes on until it has ended
+        assert stop_paths.flush_schedulers(main, [rank0, rank1], timeout_s=60.0) == "flushed at exit"
+        assert rank1_proc.poll() is not None
+    finally:
+        thread.join(5)
+        main.close(linger=0)
+        scheduler_sock.close(linger=0)
+        context.term()

@@ -157,11 +157,14 @@ def _alive(processes: list) -> list:
     return alive
 
 
-def stop_server(proc: subprocess.Popen, stop: str, timeout_s: float) -> tuple[float, list]:
-    """Stop the server ``stop``'s way (:data:`STOPS`); returns the seconds until every process of its
-    tree had ended and those still alive then (killed afterwards)."""
+def stop_server(proc: subprocess.Popen, stop: str, timeout_s: float) -> tuple[float, float, list]:
+    """Stop the server ``stop``'s way (:data:`STOPS`); returns the wall-clock time of the stop
+    (``time.time()``), the seconds until every process of its tree had ended and those still alive
+    then (killed afterwards)."""
+    if stop == "kill_process_tree":
+        from sglang.srt.utils import kill_process_tree  # imported before the clock starts (seconds)
     tree = _server_tree(proc.pid)
-    start = time.monotonic()
+    stop_time, start = time.time(), time.monotonic()
     if stop == "sigterm":
         proc.send_signal(signal.SIGTERM)
     elif stop in ("sigint_group", "sigint_children_ignore"):
@@ -169,8 +172,6 @@ def stop_server(proc: subprocess.Popen, stop: str, timeout_s: float) -> tuple[fl
     elif stop == "sigint_main":
         proc.send_signal(signal.SIGINT)
     elif stop == "kill_process_tree":
-        from sglang.srt.utils import kill_process_tree
-
         kill_process_tree(proc.pid, include_parent=True, wait_timeout=timeout_s)
     else:
         raise ValueError(f"stop={stop!r}; expected one of {sorted(STOPS)}")
@@ -187,7 +188,7 @@ def stop_server(proc: subprocess.Popen, stop: str, timeout_s: float) -> tuple[fl
             process.kill()
         except Exception:
             pass
-    return seconds, [p.pid for p in leftover]
+    return stop_time, seconds, [p.pid for p in leftover]
 
 
 def _ignore_sigint() -> None:
@@ -267,8 +268,7 @@ def run_server(
                     client.start()
                     time.sleep(stop_during_traffic_s)
                     served_s = time.monotonic() - start
-                stop_time = time.time()
-                stop_s, leftover = stop_server(proc, stop, stop_timeout_s)
+                stop_time, stop_s, leftover = stop_server(proc, stop, stop_timeout_s)
                 if stop_during_traffic_s is not None:
                     client.join(timeout=60)
                     sent = holder.get("sent", [])

@@ -85,11 +85,15 @@ slots); its records become the metrics and events of :mod:`otel_swa.telemetry` (
 otel-swa's line (``otel_swa[verify=...] kv_canary_swa_divergence={...}``, the record part
 byte-identical to SGLang's). Set only ``OTEL_SWA_DIVERGENCE_INTERVAL``: the SGLang variable also
 switches on SGLang's own reporter, which then logs its line beside ours. Pending samples are
-delivered at ``Engine.shutdown()`` (above), when the model runner is garbage-collected, at
-interpreter exit, and at ``uninstrument()``.
+delivered at every stop of the engine or server (above, and
+:mod:`~opentelemetry.instrumentation.swa_sglang.stop_paths`), when the model runner is
+garbage-collected, at interpreter exit, and at ``uninstrument()``; while the engine runs, metrics
+are exported at least every ``OTEL_SWA_METRIC_EXPORT_INTERVAL`` (5 s;
+:mod:`otel_swa.telemetry.export_schedule`), so that a kill from outside loses at most that much.
 
 When SGLang is not installed, or its version is outside ``_instruments``, ``instrument()`` logs one
-warning per process tree (logger ``opentelemetry.instrumentation.swa_sglang``) and wraps nothing, also when called as
+warning per process tree (logger ``opentelemetry.instrumentation.swa_sglang``; a debug message
+instead where another engine instrumentor has its engine) and wraps nothing, also when called as
 ``opentelemetry-instrument`` calls it (``instrument(skip_dep_check=True)``, which bypasses
 ``BaseInstrumentor``'s own version check), so the loader goes on to the other instrumentors.
 Where a supported SGLang lacks a wrapped method or its parameters differ, ``instrument()`` raises
@@ -285,8 +289,11 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             _log.exception("kv_cache.swa.memory.saved is not recorded for this model runner")
 
     def _register_pools(self, scheduler: Any) -> None:
-        """Register ``scheduler``'s pools for the pool usage gauges, once per scheduler."""
+        """Register ``scheduler``'s pools for the pool usage gauges, once per scheduler (and let it
+        answer a flush request at its exit: :func:`stop_paths.remember_scheduler`)."""
         from otel_swa.views.sglang import scheduler_pool_usage
+
+        stop_paths.remember_scheduler(scheduler)
 
         registration = None
         try:

@@ -21,9 +21,12 @@ a child's failure (SIGQUIT to the main process)   ``kill_process_tree(os.getpid(
                                                   ``ShutdownReq``: the schedulers leave       wrapper finds none alive and
                                                   their loop and exit; then                  does not wait
                                                   ``kill_process_tree``
-Ctrl-C to the whole process group                 as ``kill -INT``                           the schedulers' own exit
-                                                                                              (KeyboardInterrupt ends them);
-                                                                                              the wrapper waits for it
+Ctrl-C to the whole process group                 as ``kill -INT`` (``Engine``: its          the schedulers' own exit
+                                                  ``shutdown`` at interpreter exit)          (KeyboardInterrupt ends them):
+                                                                                              each flushes, and rank 0 answers
+                                                                                              the main process's request if it
+                                                                                              came (:func:`answer_pending_flush`);
+                                                                                              else the wait is for their end
 SIGKILL from outside, ``kill_process_tree``       nothing runs                               none: what is lost is bounded by
 from a supervisor                                                                            the export schedules
                                                                                               (:mod:`otel_swa.telemetry.export_schedule`)
@@ -35,8 +38,9 @@ runs it; the answer comes back once all have), which calls the method the instru
 (:func:`flush_rpc`). :func:`flush_schedulers` waits for that answer only while a scheduler of the
 tree to be killed is alive, and never longer than the OTLP timeout
 (:func:`otel_swa.config.otlp_timeout_s`): a scheduler that is already exiting flushes at its own
-exit, and one that is gone has nothing left to flush, so a stop never waits for processes that
-cannot answer.
+exit and answers from there, and one that is gone has nothing left to flush, so a stop never waits
+for processes that cannot answer (``Engine.shutdown`` used to wait its whole 10 s for schedulers
+that Ctrl-C had already ended).
 
 Wrapped here (the instrumentor's ``more_wrapped``), in the main process:
 
@@ -61,6 +65,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable
 
 __all__ = [
@@ -72,6 +77,8 @@ __all__ = [
     "flush_schedulers",
     "flush_engine_schedulers",
     "flush_before_kill",
+    "remember_scheduler",
+    "answer_pending_flush",
 ]
 
 _log = logging.getLogger("opentelemetry.instrumentation.swa_sglang")
@@ -110,6 +117,63 @@ def flush_rpc(scheduler: Any) -> None:
     result = lifecycle.flush_all()
     if result.failed:
         _log.warning("otel-swa flush before shutdown: %d telemetry provider(s) did not export in time", result.failed)
+
+
+#: ``RpcReqOutput.message`` of the answer a scheduler gives at its own exit (below), with its pid.
+EXIT_ANSWER = "otel-swa flushed at exit, pid "
+
+_scheduler: dict[str, Any] = {"ref": None}
+
+
+def remember_scheduler(scheduler: Any) -> None:
+    """Called at the scheduler's first batch: at this process's exit, answer a flush request the main
+    process has sent meanwhile (:func:`answer_pending_flush`)."""
+    from otel_swa import lifecycle
+
+    try:
+        _scheduler["ref"] = weakref.ref(scheduler)
+    except TypeError:
+        return
+    lifecycle.after_exit_flush(answer_pending_flush)
+
+
+#: How long a scheduler that leaves its loop on its own (Ctrl-C, an error) waits at its exit for
+#: the main process's flush request (seconds); SGLang's own shutdown (``ShutdownReq``) waits nothing.
+EXIT_REQUEST_WAIT_S = 0.5
+
+
+def answer_pending_flush(wait_s: float = EXIT_REQUEST_WAIT_S) -> "str | None":
+    """At a scheduler's exit (KeyboardInterrupt on Ctrl-C, an error, the end of its loop), after
+    otel-swa's flush of its reporters: if the main process's flush request is waiting on rank 0's
+    RPC socket (sent while this scheduler was leaving its event loop, which never reads it now), or
+    comes within ``wait_s`` while the main process lives, export the telemetry
+    (:func:`otel_swa.lifecycle.flush_all`) and answer it. The main process then goes on with its
+    stop at once instead of waiting for this process to end (the interpreter's own finalization
+    takes seconds, and SGLang then SIGKILLs it anyway). After SGLang's own ``ShutdownReq``
+    (``scheduler.gracefully_exit``) nothing is waited for: SGLang's main process waits for the exit
+    itself. Without a request the SDK's own exit hooks export as usual. Returns what was done."""
+    scheduler = _scheduler["ref"]() if _scheduler["ref"] is not None else None
+    sock = getattr(getattr(scheduler, "ipc_channels", None), "recv_from_rpc", None)
+    if sock is None:
+        return None
+    import zmq
+    from sglang.srt.managers.io_struct import RpcReqOutput, sock_recv, sock_send
+
+    from otel_swa import lifecycle
+
+    if getattr(scheduler, "gracefully_exit", False):
+        wait_s = 0.0
+    deadline = time.monotonic() + wait_s
+    parent = os.getppid()
+    while not sock.poll(20, zmq.POLLIN):
+        if time.monotonic() >= deadline or os.getppid() != parent:
+            return None
+    request = sock_recv(sock, zmq.NOBLOCK)  # an exiting scheduler answers no other request either
+    if getattr(request, "method", None) != FLUSH_RPC_METHOD:
+        return "dropped"
+    result = lifecycle.flush_all()
+    sock_send(sock, RpcReqOutput(success=result.failed == 0, message=f"{EXIT_ANSWER}{os.getpid()}"), zmq.NOBLOCK)
+    return "answered"
 
 
 # ---------------------------------------------------------------------- main process
@@ -170,9 +234,12 @@ def flush_schedulers(sock: Any, schedulers: list, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     slice_ms = 50
     sent = False
+    exit_answer: "bool | None" = None  # rank 0's answer from its exit, while the others still run
     while time.monotonic() < deadline:
         if not _alive(schedulers):
-            return "exited"
+            if exit_answer is None:
+                return "exited"
+            return "flushed at exit" if exit_answer else "failed"
         if not sent:
             # a bound socket has no peer until the scheduler's DEALER reconnects (about 100 ms)
             if sock.poll(slice_ms, zmq.POLLOUT):
@@ -181,9 +248,17 @@ def flush_schedulers(sock: Any, schedulers: list, timeout_s: float) -> str:
             continue
         if sock.poll(slice_ms, zmq.POLLIN):
             reply = sock_recv(sock)
+            message = str(getattr(reply, "message", "") or "")
+            if message.startswith(EXIT_ANSWER):
+                # rank 0 answered from its exit: its own flush is done; the other ranks flush at
+                # their own exit, which is waited for
+                answered = int(message[len(EXIT_ANSWER):])
+                schedulers = [p for p in schedulers if p.pid != answered]
+                exit_answer = bool(getattr(reply, "success", False))
+                continue
             if getattr(reply, "success", False):
                 return "flushed"
-            _log.warning("otel-swa flush in SGLang's schedulers failed: %s", getattr(reply, "message", reply))
+            _log.warning("otel-swa flush in SGLang's schedulers failed: %s", message or reply)
             return "failed"
     _log.warning("SGLang's schedulers did not confirm otel-swa's flush within %.1f s (the OTLP timeout); "
                  "stopping anyway", timeout_s)
