@@ -7,17 +7,21 @@ One module owns these hooks so that their order is right everywhere:
   its sinks) *before* the OpenTelemetry SDK's own exit hooks shut the providers down. The SDK
   registers ``provider.shutdown`` with ``atexit`` when a provider is built; ``atexit`` runs hooks
   last-in first-out, so :func:`track` (re-)registers otel-swa's hook after every provider it is
-  told about, which makes it run first;
+  told about, which makes it run first; callbacks given to :func:`after_exit_flush` run right
+  after that flush (SGLang's scheduler answering a flush request of its main process);
 * **SIGTERM** (what supervisors, ``kill`` and container runtimes send): Python's default action
   ends the process without running exit hooks, so neither otel-swa's nor the SDK's would run.
   When the first reporter is tracked, in the main thread, and SIGTERM still has its default action
   (an engine or application that installed its own handler keeps it), a handler is installed that
-  runs :func:`flush_all` and then lets SIGTERM end the process as before (same exit status).
+  runs :func:`flush_all` for at most the OTLP timeout less half a second
+  (:func:`sigterm_flush_timeout_s`) and then lets SIGTERM end the process as before (same exit
+  status), so a process told to stop ends within the OTLP timeout even with the collector down.
   ``OTEL_SWA_SIGTERM_FLUSH=0`` leaves SIGTERM alone;
 * **an engine's shutdown** (:func:`flush_all`, called by the instrumentors where the engine has a
   shutdown path: SGLang's ``Engine.shutdown`` kills its scheduler processes with SIGKILL, which
   runs no exit hook, so the instrumentor asks each scheduler to flush first): reporters are
-  flushed, then each tracked provider's ``force_flush`` exports its buffers, within a time bound.
+  flushed, then the tracked providers' ``force_flush`` export their buffers side by side, the
+  whole within the OTLP timeout (:func:`otel_swa.config.otlp_timeout_s`).
 
 * **fork** (``os.register_at_fork``): a forked child inherits the parent's reporters and SDK
   providers, their counts and buffers. In the child every tracked reporter is reset (its totals,
@@ -31,8 +35,10 @@ What a SIGKILL without either still loses: nothing the reporter delivered on CPU
 the sinks at the step it was sampled), but what the SDK's batching processors had not exported
 yet: up to one schedule delay of events and spans (``OTEL_BLRP_SCHEDULE_DELAY``, default 1 s;
 ``OTEL_BSP_SCHEDULE_DELAY``, default 5 s) and the metric points since the last periodic export
-(``OTEL_METRIC_EXPORT_INTERVAL``, default 60 s); a log line written through the OpenTelemetry
-logs pipeline (the ``swa_logline`` exporter behind a batching processor) is in the first group.
+(``OTEL_METRIC_EXPORT_INTERVAL``, default 60 s, or otel-swa's ``OTEL_SWA_METRIC_EXPORT_INTERVAL``,
+5 s, while an engine instrumentor's reporter lives: :mod:`otel_swa.telemetry.export_schedule`); a
+log line written through the OpenTelemetry logs pipeline (the ``swa_logline`` exporter behind a
+batching processor) is in the first group.
 """
 
 from __future__ import annotations
