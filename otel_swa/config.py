@@ -5,6 +5,7 @@ Names are defined in :mod:`otel_swa.environment_variables`.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Mapping, MutableMapping
 
@@ -19,6 +20,8 @@ __all__ = [
     "parallel_ranks",
     "warn_once",
     "sigterm_flush",
+    "metric_export_interval_ms",
+    "otlp_timeout_s",
     "forward_spans",
     "FORWARD_SPANS_CHOICES",
     "micro_batches",
@@ -157,6 +160,49 @@ def sigterm_flush(environ: Mapping[str, str] | None = None) -> bool:
     """
     env = os.environ if environ is None else environ
     return read_int(ev.OTEL_SWA_SIGTERM_FLUSH, env.get(ev.OTEL_SWA_SIGTERM_FLUSH), default=1, minimum=0, maximum=1) == 1
+
+
+#: Default of ``OTEL_SWA_METRIC_EXPORT_INTERVAL`` (milliseconds): the OpenTelemetry default of
+#: ``OTEL_BSP_SCHEDULE_DELAY``, so that metric points are no older than spans at a SIGKILL.
+DEFAULT_METRIC_EXPORT_INTERVAL_MS = 5000
+
+
+def metric_export_interval_ms(environ: Mapping[str, str] | None = None) -> int:
+    """``OTEL_SWA_METRIC_EXPORT_INTERVAL``: milliseconds between metric exports while an engine
+    instrumentor's reporter lives (default :data:`DEFAULT_METRIC_EXPORT_INTERVAL_MS`; 0: off).
+
+    Raises:
+        ConfigError: not an integer >= 0.
+    """
+    env = os.environ if environ is None else environ
+    name = ev.OTEL_SWA_METRIC_EXPORT_INTERVAL
+    return read_int(name, env.get(name), default=DEFAULT_METRIC_EXPORT_INTERVAL_MS, minimum=0)
+
+
+#: The OTLP exporters' timeout when no variable sets one (seconds; OpenTelemetry's default).
+DEFAULT_OTLP_TIMEOUT_S = 10.0
+
+_OTLP_TIMEOUT_VARIABLES = ("OTEL_EXPORTER_OTLP_TIMEOUT", "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+                           "OTEL_EXPORTER_OTLP_METRICS_TIMEOUT", "OTEL_EXPORTER_OTLP_LOGS_TIMEOUT")
+
+
+def otlp_timeout_s(environ: Mapping[str, str] | None = None) -> float:
+    """The longest OTLP export timeout set, in seconds as the Python exporters read
+    ``OTEL_EXPORTER_OTLP_TIMEOUT`` and ``OTEL_EXPORTER_OTLP_<SIGNAL>_TIMEOUT`` (the specification
+    says milliseconds; opentelemetry-exporter-otlp 1.45 reads seconds); :data:`DEFAULT_OTLP_TIMEOUT_S`
+    when none is set. A value that is not a finite number >= 0 is passed over here
+    (:func:`otel_swa.telemetry.otlp_env.check_otlp_environment` reports it). The bound of every
+    wait otel-swa adds to a process's stop."""
+    env = os.environ if environ is None else environ
+    timeouts = []
+    for name in _OTLP_TIMEOUT_VARIABLES:
+        try:
+            value = float(env[name])
+        except (KeyError, ValueError):
+            continue
+        if math.isfinite(value) and value >= 0:
+            timeouts.append(value)
+    return max(timeouts) if timeouts else DEFAULT_OTLP_TIMEOUT_S
 
 
 #: Values of ``OTEL_SWA_FORWARD_SPANS``, the default first.

@@ -19,6 +19,7 @@ import sys
 import weakref
 from dataclasses import dataclass
 from importlib import metadata
+from types import ModuleType
 from typing import Any, Callable, Collection, MutableMapping
 
 from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
@@ -34,6 +35,7 @@ __all__ = [
     "request_span_attributes",
     "request_span_hooks",
     "unavailable_reason",
+    "engines_available",
     "installed_version",
     "resolve_method",
 ]
@@ -57,6 +59,30 @@ def unavailable_reason(distribution: str, instruments: Collection[str]) -> str |
     return f"installed {conflict.found} is outside the supported {conflict.required}"
 
 
+#: The modules of otel-swa's own instrumentors (entry point group ``opentelemetry_instrumentor``).
+OUR_INSTRUMENTORS = "opentelemetry.instrumentation.swa_"
+
+
+def engines_available() -> list[str]:
+    """The entry-point names of otel-swa's engine instrumentors (:class:`EngineInstrumentor`
+    subclasses) whose engine is installed here at a supported version: they instrument it when the
+    process imports it. Reads installed metadata and imports only otel-swa's instrumentor modules."""
+    from opentelemetry.util._importlib_metadata import entry_points
+
+    names = []
+    for entry_point in entry_points(group="opentelemetry_instrumentor"):
+        if not entry_point.value.startswith(OUR_INSTRUMENTORS):
+            continue
+        try:
+            cls = entry_point.load()
+        except Exception:  # a broken install is reported by the loader itself
+            continue
+        if (isinstance(cls, type) and issubclass(cls, EngineInstrumentor)
+                and unavailable_reason(cls.distribution, cls.instruments) is None):
+            names.append(entry_point.name)
+    return names
+
+
 def installed_version(distribution: str) -> str:
     """The installed version of ``distribution``, or ``"unknown"``."""
     try:
@@ -76,20 +102,24 @@ def resolve_method(
     params: tuple[str, ...] = (),
 ) -> Any:
     """Import ``module_name.class_name`` and, when ``method`` is given, check that the class itself
-    defines it with ``params`` among its parameters.
+    defines it with ``params`` among its parameters. An empty ``class_name`` stands for the module
+    itself: ``method`` is then a module-level function, wrapped by replacing the module's attribute.
 
     Returns:
-        ``(cls, function)`` when ``method`` is given, else the class.
+        ``(cls, function)`` when ``method`` is given (``cls`` the module for an empty
+        ``class_name``), else the class.
 
     Raises:
         error: (a subclass of :class:`EngineVersionError`) the class, the method or a parameter is
             missing; the message names the instrumentor, the supported and installed versions and
             what was expected.
     """
-    expected = f"{module_name}.{class_name}" + (f".{method}({', '.join(params)}, ...)" if method else "")
+    owner = f"{module_name}.{class_name}" if class_name else module_name
+    expected = owner + (f".{method}({', '.join(params)}, ...)" if method else "")
     where = f"{instrumentor} supports {supported}; installed {distribution} {installed_version(distribution)}"
     try:
-        cls = getattr(importlib.import_module(module_name), class_name)
+        module = importlib.import_module(module_name)
+        cls = getattr(module, class_name) if class_name else module
         function = cls.__dict__[method] if method else None
     except (ImportError, AttributeError, KeyError) as exc:
         raise error(f"{where} has no {expected} ({exc!r})") from exc
@@ -207,7 +237,8 @@ class EngineInstrumentor(BaseInstrumentor):
     2. does nothing when the engine is not installed or its version is outside ``instruments``
        (``opentelemetry-instrument`` calls ``instrument(skip_dep_check=True)``, so the check is made
        here too), with one warning per process tree (:func:`otel_swa.config.warn_once`: an
-       engine's child processes, which load the instrumentors again, stay quiet);
+       engine's child processes, which load the instrumentors again, stay quiet), or a debug
+       message when another engine instrumentor has its engine here (:meth:`_report_absent`);
     3. for each module of ``wrapped`` the process has already imported: resolves every method of
        those modules (and :meth:`_resolve_more`) before changing anything, raising
        ``version_error`` for an unsupported build; every other module is wrapped when the process
@@ -226,7 +257,11 @@ class EngineInstrumentor(BaseInstrumentor):
         engine: the engine's name in messages (``SGLang``).
         distribution: the engine's distribution name (``sglang``).
         instruments: supported version ranges (``package._instruments``).
-        wrapped: ``(module, class, method, parameters relied on)`` per wrapped method.
+        wrapped: ``(module, class, method, parameters relied on)`` per wrapped method; an empty
+            class wraps a module-level function (:func:`resolve_method`), replaced in its module
+            and in every loaded module of the same top-level package that imported it by name.
+        more_wrapped: further entries of the same form, wrapped by :meth:`_more_wrappers` (kept in
+            a module of their own); an instance's ``wrapped`` is both tables, in this order.
         version_error: the :class:`EngineVersionError` subclass raised for unsupported builds.
     """
 
@@ -235,10 +270,17 @@ class EngineInstrumentor(BaseInstrumentor):
     distribution: str = ""
     instruments: Collection[str] = ()
     wrapped: tuple[tuple[str, str, str, tuple[str, ...]], ...] = ()
+    more_wrapped: tuple[tuple[str, str, str, tuple[str, ...]], ...] = ()
     version_error: type[EngineVersionError] = EngineVersionError
 
     def __init__(self) -> None:
+        # BaseInstrumentor is a singleton (``__new__`` returns the one instance) but Python runs
+        # __init__ at every ``Instrumentor()``: the state of a live instrumentation is kept, so that
+        # ``SwaSglangInstrumentor().uninstrument()`` restores what ``opentelemetry-instrument`` wrapped.
+        if "_originals" in self.__dict__:
+            return
         super().__init__()
+        self.wrapped = type(self).wrapped + type(self).more_wrapped
         self._originals: dict[tuple[type, str], Callable] = {}
         self._hooks: list[import_hooks.HookHandle] = []
         self._kwargs: dict = {}
@@ -255,6 +297,10 @@ class EngineInstrumentor(BaseInstrumentor):
         """One function per entry of ``wrapped``: original function -> wrapper."""
         raise NotImplementedError
 
+    def _more_wrappers(self) -> tuple[Callable[[Callable], Callable], ...]:
+        """One function per entry of ``more_wrapped``: original function -> wrapper."""
+        return ()
+
     def _resolve_more(self) -> None:
         """Resolve further classes the wrappers need (raise ``version_error`` if missing)."""
 
@@ -269,17 +315,22 @@ class EngineInstrumentor(BaseInstrumentor):
         ``None`` when the gate is off. ``verify_source``: what its ``observe`` counts are
         (:data:`otel_swa.record.VERIFY_SOURCES`); ``attributes``: added to its metric points and
         events (the engine process's ranks). The reporter is flushed at interpreter exit and by
-        :func:`otel_swa.lifecycle.flush_all` (see :mod:`otel_swa.lifecycle`)."""
+        :func:`otel_swa.lifecycle.flush_all` (see :mod:`otel_swa.lifecycle`), and the meter
+        provider's metrics are exported on a bounded schedule from then on
+        (:func:`otel_swa.telemetry.export_schedule.keep_exporting`)."""
         from otel_swa import lifecycle
         from otel_swa.reporter import SwaDivergenceReporter
 
         reporter = SwaDivergenceReporter.from_env(device=device, verify_source=verify_source)
         if reporter is not None:
+            from otel_swa.telemetry.export_schedule import keep_exporting
+
             self._sink.for_another_reporter(attributes).attach(reporter)
             self._reporters.add(reporter)
             lifecycle.track(reporter, self._providers)
-            _, cls, method, _ = self.wrapped[0]
-            lifecycle.expect_forward_steps(reporter, f"{self.engine} {cls}.{method}")
+            hook = f"{self.engine} {self.wrapped[0][1]}.{self.wrapped[0][2]}" if self.wrapped else self.engine
+            lifecycle.expect_forward_steps(reporter, hook)
+            keep_exporting(self._providers[1])  # what a kill from outside can lose is bounded
         return reporter
 
     def _provide(self, cls: type, name: str, value: Any) -> None:
@@ -303,8 +354,7 @@ class EngineInstrumentor(BaseInstrumentor):
             return  # off: nothing wrapped, no reporter work at all
         unavailable = unavailable_reason(self.distribution, self.instruments)
         if unavailable is not None:
-            if config.warn_once(self.name):
-                self._log.warning("%s: %s; %s is not instrumented", self.name, unavailable, self.engine)
+            self._report_absent(unavailable)
             return
         self._kwargs = kwargs
         self._ready = None
@@ -325,6 +375,20 @@ class EngineInstrumentor(BaseInstrumentor):
                 hook = functools.partial(self._on_import, indices)
                 self._hooks.append(import_hooks.when_imported(name, hook))
 
+    def _report_absent(self, unavailable: str) -> None:
+        """Say that this engine is not instrumented: at debug level when another engine instrumentor
+        has its engine here (:func:`engines_available`: that one is instrumented instead, and this
+        message would be noise in every process of its tree), else one warning per process tree
+        (:func:`otel_swa.config.warn_once`)."""
+        from otel_swa import config
+
+        others = [name for name in engines_available() if name != self.name]
+        if others:
+            self._log.debug("%s: %s; %s is not instrumented (%s is)", self.name, unavailable, self.engine,
+                            ", ".join(others))
+        elif config.warn_once(self.name):
+            self._log.warning("%s: %s; %s is not instrumented", self.name, unavailable, self.engine)
+
     def _on_import(self, indices: list[int], module: Any) -> None:
         """Wrap the targets of a module the process has just imported (a post-import hook: nothing
         may be raised into the engine's import, so an unsupported build is logged, not raised)."""
@@ -338,11 +402,15 @@ class EngineInstrumentor(BaseInstrumentor):
     def _wrap(self, targets: list) -> None:
         if not self._ensure_ready():
             return
-        wrappers = self._wrappers()
+        wrappers = self._wrappers() + self._more_wrappers()
         for index, (cls, function) in targets:
             method = self.wrapped[index][2]
             self._originals[(cls, method)] = function
-            setattr(cls, method, wrappers[index](function))
+            wrapper = wrappers[index](function)
+            setattr(cls, method, wrapper)
+            if not self.wrapped[index][1]:  # a module-level function: also where it was imported by name
+                for module in _rebind(cls, method, function, wrapper):
+                    self._originals[(module, method)] = function
 
     def _ensure_ready(self) -> bool:
         """Resolve the further classes and set up the telemetry, once, before the first wrap."""
@@ -377,6 +445,8 @@ class EngineInstrumentor(BaseInstrumentor):
             if function is _ABSENT:
                 delattr(cls, method)
             else:
+                if isinstance(cls, ModuleType):  # copies made by later imports of the wrapper
+                    _rebind(cls, method, getattr(cls, method, None), function)
                 setattr(cls, method, function)
         self._originals = {}
         for reporter in list(self._reporters):
@@ -384,3 +454,23 @@ class EngineInstrumentor(BaseInstrumentor):
                 reporter.close()
             except Exception:
                 self._log.exception("closing an SWA divergence reporter failed")
+
+
+def _rebind(module: ModuleType, name: str, old: Any, new: Any) -> list[ModuleType]:
+    """Put ``new`` in place of ``old`` under ``name`` in every loaded module of ``module``'s top-level
+    package other than ``module`` that holds ``old`` there (``from package.mod import name``);
+    returns those modules."""
+    if old is None or old is new:
+        return []
+    top = module.__name__.partition(".")[0]
+    rebound = []
+    for loaded_name, loaded in list(sys.modules.items()):
+        if loaded is module or loaded is None or loaded_name.partition(".")[0] != top:
+            continue
+        try:
+            if vars(loaded).get(name) is old:
+                setattr(loaded, name, new)
+                rebound.append(loaded)
+        except Exception:  # a module-like object without a usable __dict__
+            continue
+    return rebound

@@ -73,6 +73,17 @@ OTEL_SWA_SIGTERM_FLUSH = "OTEL_SWA_SIGTERM_FLUSH"
 holds before SIGTERM ends the process (see :mod:`otel_swa.lifecycle`). ``0``: SIGTERM is left alone.
 """
 
+OTEL_SWA_METRIC_EXPORT_INTERVAL = "OTEL_SWA_METRIC_EXPORT_INTERVAL"
+"""
+.. envvar:: OTEL_SWA_METRIC_EXPORT_INTERVAL
+
+Milliseconds (integer >= 0, default ``5000``) between two metric exports while an engine
+instrumentor's reporter lives: the SDK's periodic metric readers whose own interval
+(``OTEL_METRIC_EXPORT_INTERVAL``, 60 s by default) is longer are also collected and exported on this
+schedule, so that a process killed from outside (SIGKILL, an OOM kill) loses at most this much of
+its metric points. ``0``: only the SDK's own schedule. See ``otel_swa.telemetry.export_schedule``.
+"""
+
 OTEL_SWA_MICRO_BATCHES = "OTEL_SWA_MICRO_BATCHES"
 """
 .. envvar:: OTEL_SWA_MICRO_BATCHES

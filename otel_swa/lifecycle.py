@@ -7,17 +7,21 @@ One module owns these hooks so that their order is right everywhere:
   its sinks) *before* the OpenTelemetry SDK's own exit hooks shut the providers down. The SDK
   registers ``provider.shutdown`` with ``atexit`` when a provider is built; ``atexit`` runs hooks
   last-in first-out, so :func:`track` (re-)registers otel-swa's hook after every provider it is
-  told about, which makes it run first;
+  told about, which makes it run first; callbacks given to :func:`after_exit_flush` run right
+  after that flush (SGLang's scheduler answering a flush request of its main process);
 * **SIGTERM** (what supervisors, ``kill`` and container runtimes send): Python's default action
   ends the process without running exit hooks, so neither otel-swa's nor the SDK's would run.
   When the first reporter is tracked, in the main thread, and SIGTERM still has its default action
   (an engine or application that installed its own handler keeps it), a handler is installed that
-  runs :func:`flush_all` and then lets SIGTERM end the process as before (same exit status).
+  runs :func:`flush_all` for at most the OTLP timeout less half a second
+  (:func:`sigterm_flush_timeout_s`) and then lets SIGTERM end the process as before (same exit
+  status), so a process told to stop ends within the OTLP timeout even with the collector down.
   ``OTEL_SWA_SIGTERM_FLUSH=0`` leaves SIGTERM alone;
 * **an engine's shutdown** (:func:`flush_all`, called by the instrumentors where the engine has a
   shutdown path: SGLang's ``Engine.shutdown`` kills its scheduler processes with SIGKILL, which
   runs no exit hook, so the instrumentor asks each scheduler to flush first): reporters are
-  flushed, then each tracked provider's ``force_flush`` exports its buffers, within a time bound.
+  flushed, then the tracked providers' ``force_flush`` export their buffers side by side, the
+  whole within the OTLP timeout (:func:`otel_swa.config.otlp_timeout_s`).
 
 * **fork** (``os.register_at_fork``): a forked child inherits the parent's reporters and SDK
   providers, their counts and buffers. In the child every tracked reporter is reset (its totals,
@@ -43,8 +47,10 @@ What a SIGKILL without either still loses: nothing the reporter delivered on CPU
 the sinks at the step it was sampled), but what the SDK's batching processors had not exported
 yet: up to one schedule delay of events and spans (``OTEL_BLRP_SCHEDULE_DELAY``, default 1 s;
 ``OTEL_BSP_SCHEDULE_DELAY``, default 5 s) and the metric points since the last periodic export
-(``OTEL_METRIC_EXPORT_INTERVAL``, default 60 s); a log line written through the OpenTelemetry
-logs pipeline (the ``swa_logline`` exporter behind a batching processor) is in the first group.
+(``OTEL_METRIC_EXPORT_INTERVAL``, default 60 s, or otel-swa's ``OTEL_SWA_METRIC_EXPORT_INTERVAL``,
+5 s, while an engine instrumentor's reporter lives: :mod:`otel_swa.telemetry.export_schedule`); a
+log line written through the OpenTelemetry logs pipeline (the ``swa_logline`` exporter behind a
+batching processor) is in the first group.
 """
 
 from __future__ import annotations
@@ -59,13 +65,10 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-__all__ = ["track", "flush_all", "FlushResult", "DEFAULT_FLUSH_TIMEOUT_S", "expect_forward_steps", "check_liveness",
-           "reset_in_child"]
+__all__ = ["track", "flush_all", "FlushResult", "expect_forward_steps", "check_liveness",
+           "reset_in_child", "sigterm_flush_timeout_s", "after_exit_flush"]
 
 _log = logging.getLogger(__name__)
-
-#: Time bound of :func:`flush_all` when none is given: the OTLP exporters' default timeout.
-DEFAULT_FLUSH_TIMEOUT_S = 10.0
 
 _lock = threading.Lock()
 _reporters: "weakref.WeakSet[Any]" = weakref.WeakSet()
@@ -151,7 +154,7 @@ if hasattr(os, "register_at_fork"):
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     try:
-        flush_all()
+        flush_all(sigterm_flush_timeout_s())
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGTERM)
@@ -179,6 +182,30 @@ def _install_sigterm_flush() -> None:
 
 def _at_exit() -> None:
     flush_all(export=False)  # the SDK's own exit hooks, which run next, export and shut down
+    _run_after_exit_flush()
+
+
+_after_exit_flush: list = []
+
+
+def after_exit_flush(callback: Any) -> None:
+    """Run ``callback()`` at interpreter exit right after otel-swa's own flush of the tracked
+    reporters, before the SDK's providers shut down (an instrumentor that must tell another process
+    its flush is done: SGLang's scheduler answering a pending flush request). Each callback once, in
+    registration order; one that raises is logged."""
+    with _lock:
+        if callback not in _after_exit_flush:
+            _after_exit_flush.append(callback)
+        atexit.unregister(_at_exit)
+        atexit.register(_at_exit)
+
+
+def _run_after_exit_flush() -> None:
+    for callback in list(_after_exit_flush):
+        try:
+            callback()
+        except Exception:
+            _log.exception("an otel-swa exit callback failed")
 
 
 def track(reporter: Any = None, providers: Iterable[Any] = ()) -> None:
@@ -203,13 +230,19 @@ def track(reporter: Any = None, providers: Iterable[Any] = ()) -> None:
     _install_sigterm_flush()
 
 
-def flush_all(timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, *, export: bool = True) -> FlushResult:
+def flush_all(timeout_s: "float | None" = None, *, export: bool = True) -> FlushResult:
     """Flush every tracked reporter, then (``export``) force-flush every tracked provider, the whole
-    within about ``timeout_s`` seconds (each provider gets what is left). First, the reporters an
-    instrumentor expects to be stepped that delivered no sample give their liveness warning
-    (:func:`check_liveness`): this is the end of the process (exit, SIGTERM, an engine's
-    shutdown). Never raises."""
+    within about ``timeout_s`` seconds (default: the OTLP exporters' timeout,
+    :func:`otel_swa.config.otlp_timeout_s`). First, the reporters an instrumentor expects to be
+    stepped that delivered no sample give their liveness warning (:func:`check_liveness`): this is
+    the end of the process (exit, SIGTERM, an engine's shutdown). Never raises.
+
+    The providers are flushed side by side (:func:`_force_flush_within`): the SDK's ``force_flush``
+    exports in the calling thread and does not stop at its ``timeout_millis``, so a collector that is
+    down would otherwise hold each provider for a whole export timeout, one after the other."""
     start = time.monotonic()
+    if timeout_s is None:
+        timeout_s = _otlp_timeout_s()
     check_liveness()
     with _lock:
         reporters = list(_reporters)
@@ -221,15 +254,49 @@ def flush_all(timeout_s: float = DEFAULT_FLUSH_TIMEOUT_S, *, export: bool = True
             _log.exception("flushing an SWA divergence reporter failed")
     flushed = failed = 0
     if export:
-        for provider in providers:
-            left_ms = int(max(0.0, timeout_s - (time.monotonic() - start)) * 1000)
-            try:
-                ok = provider.force_flush(left_ms) if left_ms > 0 else False
-            except Exception:
-                _log.exception("force_flush of %s failed", type(provider).__name__)
-                ok = False
-            if ok is False:
-                failed += 1
-            else:
-                flushed += 1
+        flushed, failed = _force_flush_within(providers, start + timeout_s)
     return FlushResult(len(reporters), flushed, failed, round(time.monotonic() - start, 3))
+
+
+def _otlp_timeout_s() -> float:
+    from otel_swa import config
+
+    return config.otlp_timeout_s()
+
+
+#: What a SIGTERM flush leaves of the OTLP timeout for the process to end (seconds).
+SIGTERM_EXIT_MARGIN_S = 0.5
+
+
+def sigterm_flush_timeout_s() -> float:
+    """How long the SIGTERM handler flushes: the OTLP timeout less :data:`SIGTERM_EXIT_MARGIN_S`
+    (at least a tenth of it), so that a process told to stop ends within the OTLP timeout even when
+    the collector is down."""
+    timeout = _otlp_timeout_s()
+    return max(timeout - SIGTERM_EXIT_MARGIN_S, timeout / 10)
+
+
+def _force_flush_within(providers: list, deadline: float) -> tuple[int, int]:
+    """``force_flush`` every provider, each in a daemon thread of its own, and wait for them until
+    ``deadline`` (``time.monotonic()``); returns ``(flushed, failed)``, a provider still exporting at
+    the deadline counting as failed (it goes on in the background and ends with the process)."""
+    if not providers:
+        return 0, 0
+    outcome: dict[int, bool] = {}
+
+    def flush(index: int, provider: Any) -> None:
+        left_ms = int(max(0.0, deadline - time.monotonic()) * 1000)
+        try:
+            outcome[index] = provider.force_flush(left_ms) is not False if left_ms > 0 else False
+        except Exception:
+            _log.exception("force_flush of %s failed", type(provider).__name__)
+            outcome[index] = False
+
+    threads = [threading.Thread(target=flush, args=(i, p), name=f"otel-swa-flush-{i}", daemon=True)
+               for i, p in enumerate(providers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    flushed = sum(1 for i in range(len(providers)) if outcome.get(i) is True)
+    return flushed, len(providers) - flushed

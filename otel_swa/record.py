@@ -1180,7 +1180,14 @@ class AuditPairing:
                 fault.line_no, FAULT_PREFIX,
             )
         entries, index, _ = slot
-        self._replace_record(entries, index, _with_offender(entries[index].record, fault.offender))
+        record = entries[index].record
+        count = getattr(record, fault.offender.fault, None)
+        if count == 0:  # a place for a fault its record does not count: not otel-swa's line
+            return MalformedRecordError(
+                fault.text, f"a {fault.offender.fault} offender for the record with forward_ct={fault.forward_ct}, "
+                f"which counts {fault.offender.fault}=0", fault.line_no, FAULT_PREFIX,
+            )
+        self._replace_record(entries, index, _with_offender(record, fault.offender))
         return None
 
     @staticmethod

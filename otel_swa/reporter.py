@@ -690,9 +690,11 @@ def _offenders(reading: Any, pending: _Pending) -> "tuple[Offender, ...]":
                                       swa_page=swa // page if page else None))
     premature = reading.premature_where
     if premature is not None:
+        # a view without SGLang's slot mapping (vLLM: divergence not applicable) fills req_to_token
+        # with block ids, not FULL slots: no slot is named then
         offenders.append(Offender(
             "swa_premature_evictions", request=_request(pending, premature["entry"]), row=premature["row"],
-            position=premature["position"], full_slot=premature["full_slot"],
+            position=premature["position"], full_slot=premature["full_slot"] if pending.divergence_applicable else None,
         ))
     read = reading.read_offender
     if read is not None and reading.read and reading.read[1] > 0:

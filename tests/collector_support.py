@@ -53,6 +53,9 @@ def wait_for_port(port: int, proc: subprocess.Popen, timeout: float = 20.0) -> N
 def parse_debug_output(text: str) -> dict:
     """Spans, metric data points and log records from the collector's detailed debug output.
 
+    A point's ``time_unix_nano`` is its collection time, a log record's its timestamp, a span's
+    ``end_unix_nano`` its end (nanoseconds since the epoch, the exporting process's clock).
+
     Each span, log record and metric carries the ``resource`` attributes of the block it came in
     (one block per exporting process); ``"resource"`` at the top is the last block's."""
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)
@@ -103,6 +106,8 @@ def parse_debug_output(text: str) -> dict:
         elif line.startswith(("Value:", "Count:", "Sum:")) and metric is not None and metric["points"]:
             key, _, value = line.partition(":")
             metric["points"][-1][key.lower()] = float(value)
+        elif line.startswith("Timestamp:") and section == "point" and metric is not None and metric["points"]:
+            metric["points"][-1]["time_unix_nano"] = int(line.split(":", 1)[1])
         elif item is not None:
             if line.startswith("Trace ID") and section not in ("links",):
                 item["trace_id"] = line.split(":", 1)[1].strip()
@@ -112,6 +117,10 @@ def parse_debug_output(text: str) -> dict:
                 item["span_id"] = line.split(":", 1)[1].strip()
             elif line.startswith("Name ") and section is None:
                 item["name"] = line.split(":", 1)[1].strip()
+            elif line.startswith("Timestamp:"):  # a log record's (its observed time is ObservedTimestamp)
+                item["time_unix_nano"] = int(line.split(":", 1)[1])
+            elif line.startswith("End time:"):
+                item["end_unix_nano"] = int(line.split(":", 1)[1])
             elif line.startswith("EventName:"):
                 item["event_name"] = line.split(":", 1)[1].strip()
             elif line.startswith("Body:"):

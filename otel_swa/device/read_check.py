@@ -144,7 +144,7 @@ class ReadCheck:
         self._seen: list[int] = []  # sliding-window layer ids in the order first called
         self._arange = torch.arange(max_queries, dtype=torch.int64, device=self.device)
         self._window_offsets: dict[int, torch.Tensor] = {}
-        #: ``check_layer`` calls since the last :meth:`take` (host): 0 at a sampled step means no
+        #: ``check_layer`` and :meth:`unchecked` calls since the last :meth:`take` (host): 0 at a sampled step means no
         #: layer was checked (the step was replayed from a CUDA graph, or no sliding-window layer ran).
         self.layer_calls = 0
 
@@ -167,8 +167,13 @@ class ReadCheck:
 
     # ------------------------------------------------------------------ the check
     def unchecked(self, queries: int) -> None:
-        """Count ``queries`` queries of this step that could not be checked (a variant the check
-        does not cover); one in-place device add."""
+        """Count ``queries`` queries of this step that could not be checked (a layer of a variant
+        the check does not cover, a step replayed from a CUDA graph where no layer was called);
+        counts as a layer call (:attr:`layer_calls`). One in-place device add."""
+        self.layer_calls += 1
+        self._unchecked(queries)
+
+    def _unchecked(self, queries: int) -> None:
         if queries > 0:
             self.cells[_C["unchecked"]] += queries
 
@@ -239,7 +244,7 @@ class ReadCheck:
             and (sinks is None or sinks.numel() == num_q_heads)
         )
         if not supported:
-            self.unchecked(checked)
+            self._unchecked(checked)
             return 0
         dev = k_buffer.device
         cells = self.cells

@@ -41,7 +41,6 @@ plus ``resource_attributes``, ``process.pid``, and the process's ranks (:mod:`ot
 from __future__ import annotations
 
 import logging
-import math
 import os
 import threading
 import time
@@ -382,14 +381,7 @@ SHUTDOWN_MAX_S = 600.0
 
 
 def _shutdown_budget_s() -> float:
-    timeouts = []
-    for name in ["OTEL_EXPORTER_OTLP_TIMEOUT"] + [f"OTEL_EXPORTER_OTLP_{s.upper()}_TIMEOUT" for s in SIGNALS]:
-        try:
-            timeouts.append(float(os.environ[name]))
-        except (KeyError, ValueError):
-            continue
-    budget = (max(timeouts) if timeouts else 10.0) + SHUTDOWN_MARGIN_S
-    return budget if math.isfinite(budget) and budget >= 0 else SHUTDOWN_MAX_S
+    return config.otlp_timeout_s() + SHUTDOWN_MARGIN_S
 
 
 #: Standard variables the SDK validates when the providers are built: a word in the SDK's error ->

@@ -15,10 +15,10 @@ from otel_swa.record import (
 from otel_swa.testing.judge import judge
 
 
-def _record(forward_ct: int, mismatches: int, offenders=()) -> SwaDivergenceRecord:
+def _record(forward_ct: int, mismatches: int, offenders=(), stale: int = 0) -> SwaDivergenceRecord:
     return SwaDivergenceRecord(
         forward_ct, 100 * forward_ct, 40 * forward_ct, 3, 5,
-        swa_leaked_slots=0, swa_stale_tokens=0, swa_shared_slots=0, swa_pages_in_use=4, swa_pages_referenced=4,
+        swa_leaked_slots=0, swa_stale_tokens=stale, swa_shared_slots=0, swa_pages_in_use=4, swa_pages_referenced=4,
         swa_read_checks=8, swa_read_mismatches=mismatches, swa_read_unchecked=0,
         verify_source="attention", offenders=tuple(offenders),
     )
@@ -40,7 +40,7 @@ def test_fault_lines_are_written_after_the_audit_line_in_compact_json():
 
 def test_fault_lines_are_read_back_onto_their_record_per_rank():
     tp0 = _record(20, 1, [Offender("swa_read_mismatches", row=2, position=9, layer=0),
-                          Offender("swa_stale_tokens", full_slot=88, swa_slot=9, swa_page=9)])
+                          Offender("swa_stale_tokens", full_slot=88, swa_slot=9, swa_page=9)], stale=2)
     tp1 = _record(20, 0)
     lines = ([f"[12:00:00 TP0] {line}" for line in tp0.lines()[:2]] + [f"[12:00:00 TP1] {line}" for line in tp1.lines()]
              + [f"[12:00:00 TP0] {line}" for line in tp0.lines()[2:]])
@@ -56,6 +56,15 @@ def test_a_fault_line_without_its_record_is_a_malformed_line_with_its_reason():
     found = find_all('otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":"swa_stale_tokens"}')
     assert len(found) == 0 and len(found.errors) == 1
     assert "no record with forward_ct=40 just before this fault line" in str(found.errors[0])
+
+
+def test_a_fault_line_for_a_fault_its_record_counts_0_is_refused():
+    record = _record(40, 0)  # swa_read_mismatches=0 on its audit line
+    fault = 'otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":"swa_read_mismatches","layer":1}'
+    found = find_all("\n".join([record.line(), record.audit_line(), fault]))
+    assert len(found) == 1 and found[0].offenders == ()
+    assert len(found.errors) == 1
+    assert "a swa_read_mismatches offender for the record with forward_ct=40, which counts swa_read_mismatches=0" in str(found.errors[0])
 
 
 @pytest.mark.parametrize("body, reason", [

@@ -280,6 +280,9 @@ def test_the_view_counts_null_blocks_in_the_window_and_real_blocks_past_it():
     # premature: positions 8..11 of "a"; late-held: "a" below 40 - 32 - 2 = 6 with a real block:
     # positions 4, 5 (block 1); "b": none (30 < 32)
     assert (record.swa_premature_evictions, record.swa_late_held_slots) == (4, 2)
+    # the first offender: "a" (entry 0) at position 8; no FULL slot named (vLLM's table holds block ids)
+    (first,) = [o for o in record.offenders if o.fault == "swa_premature_evictions"]
+    assert (first.row, first.position, first.full_slot, first.swa_slot) == (0, 8, None, None)
     assert sample(table.view()).swa_premature_evictions is None
 
 

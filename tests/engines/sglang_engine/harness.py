@@ -115,6 +115,7 @@ def run_engine(
             # one periodic export would come after the run: every metric point the collector gets
             # was exported by the flush at the engine's shutdown
             "OTEL_METRIC_EXPORT_INTERVAL": "600000",
+            "OTEL_SWA_METRIC_EXPORT_INTERVAL": "0",  # nor otel-swa's schedule (test_sglang_server.py runs it)
             "OTEL_SWA_TEST_SGLANG_PROBE": str(probe_dir),
         })
         run_env.update(env)

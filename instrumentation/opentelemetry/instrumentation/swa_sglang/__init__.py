@@ -52,10 +52,15 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
 ``sglang.srt.entrypoints.engine.Engine.shutdown(self)``
     In the main process, before SGLang kills its schedulers with SIGKILL (which runs no exit hook
     there): calls ``otel_swa_flush`` on every scheduler over SGLang's own RPC
-    (``RpcReqInput``, ``Scheduler.handle_rpc_request``) and waits up to
-    :data:`SHUTDOWN_FLUSH_TIMEOUT_S` for the answer, so the pending samples are delivered and the
-    SDK's buffers exported (:func:`otel_swa.lifecycle.flush_all`). Only when the schedulers are
-    auto-instrumented (``opentelemetry-instrument``'s ``sitecustomize`` on ``PYTHONPATH``).
+    (``RpcReqInput``, ``Scheduler.handle_rpc_request``) and waits for the answer while a scheduler
+    is alive, at most the OTLP timeout (:func:`otel_swa.config.otlp_timeout_s`), so the pending
+    samples are delivered and the SDK's buffers exported (:func:`otel_swa.lifecycle.flush_all`).
+    Only when the schedulers are auto-instrumented (``opentelemetry-instrument``'s
+    ``sitecustomize`` on ``PYTHONPATH``).
+``sglang.srt.utils.common.kill_process_tree`` and ``sglang.srt.entrypoints.http_server._setup_and_run_http_server``
+    The other stop paths of the main process (``launch_server``'s end after SIGINT, a child's
+    failure): the same flush before SGLang SIGKILLs the schedulers; every way SGLang stops, and
+    what flushes in each, is in :mod:`opentelemetry.instrumentation.swa_sglang.stop_paths`.
 
 Ranks: each reporter's metric points, events and forward-step spans carry ``otel_swa.tp_rank``,
 ``otel_swa.pp_rank`` and ``otel_swa.dp_rank`` as SGLang published them in the process
@@ -96,11 +101,15 @@ slots); its records become the metrics and events of :mod:`otel_swa.telemetry` (
 otel-swa's line (``otel_swa[verify=...] kv_canary_swa_divergence={...}``, the record part
 byte-identical to SGLang's). Set only ``OTEL_SWA_DIVERGENCE_INTERVAL``: the SGLang variable also
 switches on SGLang's own reporter, which then logs its line beside ours. Pending samples are
-delivered at ``Engine.shutdown()`` (above), when the model runner is garbage-collected, at
-interpreter exit, and at ``uninstrument()``.
+delivered at every stop of the engine or server (above, and
+:mod:`~opentelemetry.instrumentation.swa_sglang.stop_paths`), when the model runner is
+garbage-collected, at interpreter exit, and at ``uninstrument()``; while the engine runs, metrics
+are exported at least every ``OTEL_SWA_METRIC_EXPORT_INTERVAL`` (5 s;
+:mod:`otel_swa.telemetry.export_schedule`), so that a kill from outside loses at most that much.
 
 When SGLang is not installed, or its version is outside ``_instruments``, ``instrument()`` logs one
-warning per process tree (logger ``opentelemetry.instrumentation.swa_sglang``) and wraps nothing, also when called as
+warning per process tree (logger ``opentelemetry.instrumentation.swa_sglang``; a debug message
+instead where another engine instrumentor has its engine) and wraps nothing, also when called as
 ``opentelemetry-instrument`` calls it (``instrument(skip_dep_check=True)``, which bypasses
 ``BaseInstrumentor``'s own version check), so the loader goes on to the other instrumentors.
 Where a supported SGLang lacks a wrapped method or its parameters differ, ``instrument()`` raises
@@ -130,13 +139,12 @@ import contextlib
 import functools
 import inspect
 import logging
-import os
 import threading
-import time
 import weakref
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from opentelemetry.instrumentation.swa_sglang import stop_paths
 from opentelemetry.instrumentation.swa_sglang.package import _instruments
 
 from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
@@ -171,14 +179,8 @@ WRAPPED = (
     ("sglang.srt.layers.radix_attention", "RadixAttention", "forward", ("q", "k", "v", "forward_batch")),
 )
 
-#: The ``Scheduler`` method the instrumentor adds, which ``Engine.shutdown`` calls on every scheduler
-#: process over SGLang's own RPC (``RpcReqInput(method=...)``, ``Scheduler.handle_rpc_request``)
-#: before SGLang kills them: it delivers the pending samples and exports the telemetry buffers.
-FLUSH_RPC_METHOD = "otel_swa_flush"
-
-#: Time the engine's shutdown waits for its schedulers to flush (seconds); SGLang's shutdown then
-#: goes on whatever the answer.
-SHUTDOWN_FLUSH_TIMEOUT_S = 10.0
+#: The ``Scheduler`` method the instrumentor adds (:data:`stop_paths.FLUSH_RPC_METHOD`).
+FLUSH_RPC_METHOD = stop_paths.FLUSH_RPC_METHOD
 
 
 class SglangVersionError(EngineVersionError):
@@ -219,17 +221,22 @@ class SwaSglangInstrumentor(EngineInstrumentor):
     distribution = "sglang"
     instruments = _instruments
     wrapped = WRAPPED
+    more_wrapped = stop_paths.WRAPPED  # kill_process_tree and the HTTP server (stop_paths.py)
     version_error = SglangVersionError
 
     def __init__(self) -> None:
         super().__init__()
         # The scheduler and the batch being run on this thread (set by the run_batch wrapper and
-        # read by the forward wrapper, which SGLang calls from inside run_batch).
-        self._running = threading.local()
+        # read by the forward wrapper, which SGLang calls from inside run_batch); kept when the
+        # singleton is constructed again (see EngineInstrumentor.__init__).
+        self.__dict__.setdefault("_running", threading.local())
 
     def _wrappers(self) -> tuple:
         return (self._wrap_forward, self._wrap_canary_init, self._wrap_pre_ops, self._wrap_run_batch,
                 self._wrap_shutdown, self._wrap_attention)
+
+    def _more_wrappers(self) -> tuple:
+        return stop_paths.wrappers()
 
     def _set_up_telemetry(self, kwargs: dict) -> None:
         from otel_swa.telemetry.pools import pool_metrics
@@ -241,7 +248,7 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         super()._wrap(targets)
         for index, (cls, _function) in targets:
             if self.wrapped[index][1] == "Scheduler" and self._ready:
-                self._provide(cls, FLUSH_RPC_METHOD, _flush_rpc)
+                self._provide(cls, FLUSH_RPC_METHOD, stop_paths.flush_rpc)
 
     # ------------------------------------------------------------------ reporters
     def _wire(self, runner: Any) -> Any:
@@ -303,8 +310,11 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             _log.exception("kv_cache.swa.memory.saved is not recorded for this model runner")
 
     def _register_pools(self, scheduler: Any) -> None:
-        """Register ``scheduler``'s pools for the pool usage gauges, once per scheduler."""
+        """Register ``scheduler``'s pools for the pool usage gauges, once per scheduler (and let it
+        answer a flush request at its exit: :func:`stop_paths.remember_scheduler`)."""
         from otel_swa.views.sglang import scheduler_pool_usage
+
+        stop_paths.remember_scheduler(scheduler)
 
         registration = None
         try:
@@ -390,6 +400,13 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             else:
                 reporter.observe("full", int(seq_lens.sum()))
                 reporter.observe("swa", _swa_entries_read(seq_lens, forward_batch, window))
+        check = wiring.read_check
+        if check is not None and check.layer_calls == 0 and reporter.read_check_due():
+            # a sampled step whose attention layers did not run in Python (a CUDA graph replay):
+            # its queries are counted unchecked, never silently left out
+            indices = getattr(forward_batch, "req_pool_indices", None)
+            batch = getattr(forward_batch, "batch_size", None) or (0 if indices is None else int(indices.shape[0]))
+            check.unchecked(min(check.max_queries, int(batch)))
         wiring.hooks.step(
             outer_step_counter=reporter.forward_ct + 1, maybe_inaccurate_forward_batch=forward_batch,
             micro_batch=self._micro_batch(),
@@ -485,7 +502,7 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         @functools.wraps(original)
         def shutdown(engine, *args, **kwargs):
             try:
-                _flush_schedulers(engine, SHUTDOWN_FLUSH_TIMEOUT_S)
+                stop_paths.flush_engine_schedulers(engine)
             except Exception:  # the engine's shutdown always goes on
                 _log.exception("asking SGLang's schedulers to flush otel-swa's telemetry failed")
             return original(engine, *args, **kwargs)
@@ -601,49 +618,6 @@ def _request_span_contexts(batch: Any) -> "list | None":
         traced = True
         contexts.append(trace.get_current_span(root).get_span_context())
     return contexts if traced else None
-
-
-def _flush_rpc(scheduler: Any) -> None:
-    """Added to SGLang's ``Scheduler`` as :data:`FLUSH_RPC_METHOD`: deliver and export everything
-    otel-swa holds in this scheduler process (run by ``Scheduler.handle_rpc_request``)."""
-    from otel_swa import lifecycle
-
-    result = lifecycle.flush_all(SHUTDOWN_FLUSH_TIMEOUT_S)
-    if result.failed:
-        _log.warning("otel-swa flush before shutdown: %d telemetry provider(s) did not export in time", result.failed)
-
-
-def _children_auto_instrumented() -> bool:
-    """Whether processes started from here load the instrumentors too: ``opentelemetry-instrument``
-    puts its ``sitecustomize`` directory on ``PYTHONPATH``, which SGLang's spawned schedulers inherit."""
-    try:
-        from opentelemetry.instrumentation import auto_instrumentation
-    except ImportError:
-        return False
-    directory = os.path.dirname(os.path.abspath(auto_instrumentation.__file__))
-    return directory in [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-
-def _flush_schedulers(engine: Any, timeout_s: float) -> None:
-    """Before ``Engine.shutdown`` SIGKILLs the scheduler processes (which runs no exit hook there),
-    call :data:`FLUSH_RPC_METHOD` on every scheduler through SGLang's RPC socket and wait up to
-    ``timeout_s`` for the answer. Only when the schedulers are instrumented (auto-instrumentation:
-    see :func:`_children_auto_instrumented`) and the engine owns them (not an attached engine)."""
-    sock = getattr(engine, "send_to_rpc", None)
-    if sock is None or getattr(engine, "_attached", False) or not _children_auto_instrumented():
-        return
-    from sglang.srt.managers.io_struct import RpcReqInput, sock_recv, sock_send
-
-    start = time.monotonic()
-    sock_send(sock, RpcReqInput(method=FLUSH_RPC_METHOD))
-    if not sock.poll(int(timeout_s * 1000)):
-        _log.warning("SGLang's schedulers did not confirm otel-swa's flush within %.0f s; shutting down anyway", timeout_s)
-        return
-    reply = sock_recv(sock)
-    if not getattr(reply, "success", False):
-        _log.warning("otel-swa flush in SGLang's schedulers failed: %s", getattr(reply, "message", reply))
-    else:
-        _log.debug("SGLang's schedulers flushed otel-swa's telemetry in %.3f s", time.monotonic() - start)
 
 
 def _window_check(sliding_window_size: int, allocator: Any) -> dict:
