@@ -38,7 +38,7 @@ from otel_swa.device import (
     read_sample,
     stage_sample,
 )
-from otel_swa.device.audit import AUDIT_BUDGET, SwaAuditSweep
+from otel_swa.device.audit import SwaAuditSweep
 from otel_swa.device.read_check import READ_CHECK_MODES, ReadCheck
 from otel_swa.record import MICRO_BATCH_MAX, VERIFY_SOURCES, Offender, SwaDivergenceRecord
 from otel_swa.views.base import SwaBatchView, validate_view
@@ -133,7 +133,8 @@ class SwaDivergenceReporter:
             micro-batch comes round again (the pipeline's whole round: one record per micro-batch,
             each at its own ``forward_ct``). A step without a micro-batch index ends the round.
         audit_budget: free-list ids or SWA page cells the SWA slot audit reads per sample beyond
-            the holders (int >= 1, default :data:`~otel_swa.device.audit.AUDIT_BUDGET`): a larger
+            the holders (int >= 1; default :data:`~otel_swa.device.audit.AUDIT_BUDGET` on the CPU,
+            :data:`~otel_swa.device.audit.AUDIT_BUDGET_CUDA` on CUDA): a larger
             pool is audited in passes over several samples, each pass's record carrying the audit
             of the pool at the pass's first sample (:class:`~otel_swa.device.audit.SwaAuditSweep`,
             whose docstring gives the bound on how many samples a fault can stay unseen).
@@ -171,7 +172,7 @@ class SwaDivergenceReporter:
         sinks: Iterable[Sink] = (),
         verify_source: str = "attention",
         micro_batches: str = config.MICRO_BATCH_MODES[0],
-        audit_budget: int = AUDIT_BUDGET,
+        audit_budget: "int | None" = None,
     ) -> None:
         if type(interval) is not int or interval < 1:
             raise ValueError(f"interval must be an int >= 1 (forward steps between samples), got {interval!r}")

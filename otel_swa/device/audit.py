@@ -48,7 +48,7 @@ pools (the SWA pool ``swa_full_tokens_ratio`` 0.8 of the FULL pool, mostly free)
 of ids per sample, whatever the batch. The sweep does the same audit, with the same counts and
 first offenders, as a *pass* over several samples, each sample reading the holders only at the
 first and last sample of a pass and otherwise a fixed budget of ``B`` elements
-(:data:`AUDIT_BUDGET`):
+(:data:`AUDIT_BUDGET`, 32,768 on the CPU; :data:`AUDIT_BUDGET_CUDA` on a GPU):
 
 1. first sample (``s``): the holders' FULL and SWA slots (``n``, gathered then), their pages
    stamped in a table of page cells (``held[page] = p``, ``p`` the pass's number, stamps never
@@ -93,7 +93,7 @@ import torch
 
 from otel_swa.device.workspace import Workspace
 
-__all__ = ["AUDIT_WIDTH", "AUDIT_COUNTS", "AUDIT_OFFENDER_CELLS", "AUDIT_BUDGET", "SwaSlotAudit", "SwaAuditSweep",
+__all__ = ["AUDIT_WIDTH", "AUDIT_COUNTS", "AUDIT_OFFENDER_CELLS", "AUDIT_BUDGET", "AUDIT_BUDGET_CUDA", "SwaSlotAudit", "SwaAuditSweep",
            "audit_counts", "audit_holder_slots", "audit_swa_slots", "free_id_parts", "holder_slots"]
 
 #: Values written by :func:`audit_counts` (all int64): pages in use, pages in use that live tokens
@@ -235,7 +235,7 @@ def audit_holder_slots(
     # Stale: holders whose page is on the free list (cells 0 and spare never are).
     on_free = torch.index_select(is_free, 0, page, out=ws.get("audit.on_free", n, torch.bool))
     stale = torch.count_nonzero(on_free)
-    stale_at = _first(on_free)
+    stale_at = _first_when(stale, lambda: on_free)
     stale_swa = _at(slot, stale_at)  # read before the shared-slot pass below overwrites slot
 
     in_use_cells = is_free.logical_not_()[1:spare_page]  # the free table becomes "in use"
@@ -264,9 +264,10 @@ def audit_holder_slots(
         cells.scatter_(0, page, ws.ones(page.numel(), torch.bool))
         present = cells[1:spare_page]
     referenced = torch.count_nonzero(present.logical_and_(in_use_cells))
+    leaked = in_use - referenced
     # the lowest page in use that no holder maps into: its index in the page cells 1 .. pages (the
     # reader adds the 1); referenced pages are in use, so "in use and not referenced" is "differ"
-    leaked_at = _first(torch.ne(in_use_cells, present, out=ws.get("audit.leaked", pages, torch.bool)))
+    leaked_at = _first_when(leaked, lambda: torch.ne(in_use_cells, present, out=ws.get("audit.leaked", pages, torch.bool)))
     # 1 where the holder shares, else 0, as int64: on the CPU twice as fast as a bool result, and
     # the multiplication below then needs no conversion
     back = torch.index_select(owner, 0, slot, out=ws.get("audit.back", n, owner.dtype))
@@ -280,7 +281,7 @@ def audit_holder_slots(
         marked = ws.get("audit.shared", swa_slots + 1, torch.bool).zero_()
         marked.scatter_(0, shared_slot, ws.ones(shared_slot.numel(), torch.bool))
         shared = torch.count_nonzero(marked[1:swa_slots])
-        lowest = _first(marked[1:swa_slots])
+        lowest = _first_when(shared, lambda: marked[1:swa_slots])
         shared_swa = lowest + 1
         shared_full = _at(owner[1:swa_slots], lowest)
         stale_full = _at(keys, stale_at)
@@ -288,13 +289,24 @@ def audit_holder_slots(
         first = _first_of_each_value(owner, shared_slot, ws.arange(shared_slot.numel(), owner.dtype))
         distinct = first.logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots)
         shared = torch.count_nonzero(distinct)
-        shared_at = _first(distinct)
+        shared_at = _first_when(shared, lambda: distinct)
         shared_swa = _at(shared_slot, shared_at)
         stale_full, shared_full = _at(keys, torch.stack([stale_at, shared_at]))
 
-    torch.stack([in_use, referenced, in_use - referenced, stale, shared,
+    torch.stack([in_use, referenced, leaked, stale, shared,
                  leaked_at, stale_at, stale_full, stale_swa, shared_swa, shared_full], out=out)
     return out
+
+
+def _first_when(count: torch.Tensor, mask: "Callable[[], torch.Tensor]") -> torch.Tensor:
+    """:func:`_first` of ``mask()``, an offender's index; on the CPU, where reading the 0-dim
+    ``count`` is no synchronisation, 0 without the pass over the mask when ``count`` is 0 (the
+    offender cells are read only where their count is above 0). A reduction to a first index is
+    one of the slowest passes on the CPU (about 3 ns per element here, against 0.3-0.7 for a
+    subtraction or a count)."""
+    if count.device.type == "cpu" and not int(count.numpy()):  # (a host read: no device operation)
+        return torch.zeros((), dtype=torch.int64)
+    return _first(mask())
 
 
 def _first(mask: torch.Tensor) -> torch.Tensor:
@@ -316,9 +328,14 @@ def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return picked.reshape(index.shape)
 
 
-#: Elements the sweep (:class:`SwaAuditSweep`) reads per sample beyond the holders: free-list ids
-#: or SWA page cells. A pool whose free list and page cells fit in it is audited in one sample.
-AUDIT_BUDGET = 65536
+#: Elements the sweep (:class:`SwaAuditSweep`) reads per sample beyond the holders on the CPU:
+#: free-list ids or SWA page cells. A pool whose free list and page cells fit in it is audited in
+#: one sample. Chosen from ``benchmarks/bench_sample.py`` table 1 (2 CPU cores): a budget's chunk
+#: costs a tenth of a 56K-token sample, and the pass's first and last samples (the holders' part)
+#: are spread over the pass.
+AUDIT_BUDGET = 32768
+#: The budget on CUDA devices, where a pass over millions of ids is a few kernels of microseconds.
+AUDIT_BUDGET_CUDA = 1 << 20
 
 _STAMP_LIMIT = 2**31 - 1  # the stamp tables are int32
 
@@ -357,7 +374,7 @@ class _Pass:
         self.pages = pages
         self.page_size = page_size
         self.next_page = 1  # the first page cell not swept yet (cells 1 .. pages)
-        self.counts = None  # int64 [2]: pages in use, pages referenced (so far)
+        self.counts = None  # int64 [2]: page cells swept that are in use, and leaked (so far)
         self.leak_at = None  # 0-dim int64: the lowest leaked page so far, less 1 (_NO_LEAK: none)
         self.shared = shared  # int64 [3]: shared SWA slots, one of them, a FULL slot mapped into it
         self.n = n  # holders
@@ -374,9 +391,10 @@ class SwaAuditSweep:
 
     Args:
         device: the device of the engine's tensors.
-        budget: free-list ids or SWA page cells read per sample beyond the holders (int >= 1);
-            a pool whose free list and page cells add up to at most ``budget - 2`` is audited in
-            one sample (:func:`audit_holder_slots`).
+        budget: free-list ids or SWA page cells read per sample beyond the holders (int >= 1;
+            default :data:`AUDIT_BUDGET`, :data:`AUDIT_BUDGET_CUDA` on a CUDA device); a pool whose
+            free list and page cells add up to at most ``budget - 2`` is audited in one sample
+            (:func:`audit_holder_slots`).
 
     Attributes (host, after each :meth:`stage`):
         started: whether that sample began a pass (its holders are the ones the pass audits).
@@ -390,10 +408,12 @@ class SwaAuditSweep:
         ValueError: ``budget`` is not an int >= 1.
     """
 
-    def __init__(self, device: "torch.device | str", budget: int = AUDIT_BUDGET) -> None:
+    def __init__(self, device: "torch.device | str", budget: "int | None" = None) -> None:
+        self.device = torch.device(device)
+        if budget is None:
+            budget = AUDIT_BUDGET_CUDA if self.device.type == "cuda" else AUDIT_BUDGET
         if type(budget) is not int or budget < 1:  # noqa: E721
             raise ValueError(f"the audit budget must be an int >= 1 (elements per sample), got {budget!r}")
-        self.device = torch.device(device)
         self.budget = budget
         self._ws = Workspace(self.device)
         self._stamp = 0
@@ -500,30 +520,55 @@ class SwaAuditSweep:
             page = kept_slot
         else:
             page = torch.div(slot, page_size, rounding_mode="floor", out=ws.kept("sweep.page", n, torch.int64))
-        self._table("sweep.held", pages + 2).index_fill_(0, page, stamp)  # cells 0 and pages + 1 never swept
+        # the pages holders map into (cells 0 and pages + 1, "none" and beyond the pool, are never swept)
+        self._table("sweep.held", pages + 2).scatter_(0, page, self._stamps(stamp, n))
         self._table("sweep.free", pages + 2)  # made (zeros) before the first stamp
-        # shared SWA slots among the holders: each writes its FULL slot into its SWA slot's cell
-        # and reads it back; the distinct slots of those that read another FULL slot are shared
-        # (one per slot: each of them writes its index into the slot's cell, the one that reads
-        # its own index back counts). Only cells written here are read: no table is cleared.
-        owner = ws.kept("sweep.owner", swa_slots + 1, keys.dtype)
-        owner.scatter_(0, slot, keys)
-        back = torch.index_select(owner, 0, slot, out=ws.get("sweep.back", n, owner.dtype))
-        sharing = torch.ne(back, keys, out=ws.get("sweep.sharing", n, torch.int64))
-        shared_slot = sharing.mul_(slot)  # the others to cell 0 (a multiplication: no branch per element)
-        first = _first_of_each_value(owner, shared_slot, ws.arange(n, owner.dtype))
-        distinct = first.logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots)
-        shared_at = _first(distinct)
-        shared = torch.stack([torch.count_nonzero(distinct), _at(shared_slot, shared_at), _at(keys, shared_at)])
-        state = _Pass(stamp, parts, pages, page_size, shared, n, keys.dtype)
+        state = _Pass(stamp, parts, pages, page_size, self._shared(keys, slot, swa_slots), n, keys.dtype)
         state.counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         state.leak_at = torch.full((), _NO_LEAK, dtype=torch.int64, device=self.device)
         self._pass = state
         return state
 
+    def _stamps(self, stamp: int, n: int) -> torch.Tensor:
+        """``int32 [n]`` of ``stamp`` (a kept buffer, filled again when the stamp changes): the
+        source of the stamping scatters (``scatter_`` with a source: on the CPU twice as fast as
+        ``index_fill_`` with a scalar)."""
+        size = max(n, self.budget)
+        buffer = self._ws.kept("sweep.stamps", size, torch.int32)
+        if getattr(self, "_stamps_of", None) != (stamp, buffer.data_ptr(), size):
+            buffer.fill_(stamp)
+            self._stamps_of = (stamp, buffer.data_ptr(), size)
+        return buffer[:n]
+
+    def _shared(self, keys: torch.Tensor, slot: torch.Tensor, swa_slots: int) -> torch.Tensor:
+        """``int64 [3]``: the SWA slots that two distinct holders' FULL slots map to, one of them and
+        a FULL slot mapped into it. Each holder writes its FULL slot into its SWA slot's cell and
+        reads it back; those that read another FULL slot share their slot; the distinct slots
+        among them are counted by each writing its index into its slot's cell (the one that reads
+        its own index back counts: one per slot), less the cells of "none" (0) and beyond the pool
+        (``swa_slots``). Only cells written here are read: no table is cleared. ``slot`` is kept."""
+        ws, n = self._ws, slot.numel()
+        if n == 0:
+            return torch.zeros(3, dtype=torch.int64, device=self.device)
+        owner = ws.kept("sweep.owner", swa_slots + 1, keys.dtype)
+        owner.scatter_(0, slot, keys)
+        back = torch.index_select(owner, 0, slot, out=ws.get("sweep.back", n, owner.dtype))
+        sharing = torch.ne(back, keys, out=ws.get("sweep.sharing", n, torch.int64))
+        shared_slot = sharing.mul_(slot)  # the others to cell 0 (a multiplication: no branch per element)
+        order = ws.arange(n, owner.dtype)
+        owner.scatter_(0, shared_slot, order)
+        winner = torch.index_select(owner, 0, shared_slot, out=back).sub_(order)  # 0: one holder per value
+        # the values 0 and swa_slots are among them when the holder their cell names has that value
+        ends = torch.stack([owner[0], owner[swa_slots]]).clamp_(0, n - 1)
+        ends_value = torch.index_select(shared_slot, 0, ends)
+        present = torch.count_nonzero(ends_value[0] == 0) + torch.count_nonzero(ends_value[1] == swa_slots)
+        shared = n - torch.count_nonzero(winner) - present
+        shared_at = _first_when(shared, lambda: (winner == 0).logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots))
+        return torch.stack([shared, _at(shared_slot, shared_at), _at(keys, shared_at)])
+
     def _stamp_free(self, state: _Pass) -> None:
-        """Stamp up to ``budget`` ids of the pass's free list (``free[id] = stamp``; ids outside
-        ``1 .. pages`` to cell 0, which is cleared again with the spare cell: never free)."""
+        """Stamp up to ``budget`` ids of the pass's free list (``free[id] = stamp``; ids below 1 to
+        cell 0 and above the pool to the spare cell, both cleared again: never free)."""
         chunk, room = [], self.budget
         while room and state.part < len(state.parts):
             part = state.parts[state.part]
@@ -534,28 +579,37 @@ class SwaAuditSweep:
             if state.offset >= part.numel():
                 state.part, state.offset = state.part + 1, 0
         ids = chunk[0] if len(chunk) == 1 else torch.cat([c.long() for c in chunk])
-        ids = ids.long() if ids.dtype != torch.int64 else ids  # index_fill_ takes int64 indices only
         spare = state.pages + 1
-        keys = ids.clamp(0, spare)
-        keys.masked_fill_(keys != ids, 0)  # a random-looking mask only on a corrupt free list
+        keys = self._ws.get("sweep.ids", ids.numel(), torch.int64)  # scatter_ takes int64 indices only
+        if ids.dtype == torch.int64:
+            torch.clamp(ids, 0, spare, out=keys)
+        else:
+            keys.copy_(ids).clamp_(0, spare)
         table = self._table("sweep.free", spare + 1)
-        table.index_fill_(0, keys, state.stamp)
+        table.scatter_(0, keys, self._stamps(state.stamp, keys.numel()))
         table[0] = 0
         table[spare] = 0
 
     def _sweep_pages(self, state: _Pass) -> None:
-        """Count up to ``budget`` page cells: in use, referenced, and the lowest leaked one so far."""
+        """Count up to ``budget`` page cells: the free ones, the ones free or referenced (every page
+        but the leaked), and the lowest leaked one so far. Every cell holds this pass's stamp or an
+        older one, so ``cell - stamp`` is 0 exactly where this pass wrote it, and ``max(free, held)
+        - stamp`` where either did (arithmetic and counts: on the CPU several times faster than
+        comparisons into booleans)."""
         start = state.next_page
         stop = min(state.pages + 1, start + self.budget)
-        stamp = state.stamp
-        in_use = self._table("sweep.free", state.pages + 2)[start:stop] != stamp
-        referenced = (self._table("sweep.held", state.pages + 2)[start:stop] == stamp).logical_and_(in_use)
-        state.counts += torch.stack([torch.count_nonzero(in_use), torch.count_nonzero(referenced)])
-        leaked = in_use.logical_xor_(referenced)  # referenced pages are in use: "in use, not referenced"
-        found = torch.max(leaked, 0)
+        stamp, ws, m = state.stamp, self._ws, stop - start
+        free = self._table("sweep.free", state.pages + 2)[start:stop]
+        held = self._table("sweep.held", state.pages + 2)[start:stop]
+        accounted = torch.maximum(free, held, out=ws.get("sweep.accounted", m, torch.int32)).sub_(stamp)
+        in_use = torch.count_nonzero(torch.sub(free, stamp, out=ws.get("sweep.in_use", m, torch.int32)))
+        leaked = torch.count_nonzero(accounted)
+        state.counts += torch.stack([in_use, leaked])
         # the first leaked cell of this range (its page less 1), or _NO_LEAK when there is none
-        at = torch.where(found.values, found.indices + (start - 1), _NO_LEAK)
-        torch.minimum(state.leak_at, at, out=state.leak_at)
+        if self.device.type != "cpu" or (int(leaked.numpy()) and int(state.leak_at.numpy()) == _NO_LEAK):
+            first = torch.max(accounted != 0, 0)
+            at = torch.where(first.values, first.indices + (start - 1), _NO_LEAK)
+            torch.minimum(state.leak_at, at, out=state.leak_at)
         state.next_page = stop
 
     def _finish(self, out: torch.Tensor, state: _Pass) -> None:
@@ -565,12 +619,12 @@ class SwaAuditSweep:
         slot = ws.kept("sweep.slot", n, torch.int64)
         page = slot if state.page_size == 1 else ws.kept("sweep.page", n, torch.int64)
         table = self._table("sweep.free", state.pages + 2)
-        on_free = torch.eq(torch.index_select(table, 0, page, out=ws.get("sweep.on_free", n, torch.int32)), state.stamp,
-                           out=ws.get("sweep.stale", n, torch.bool))
-        stale_at = _first(on_free)
-        in_use, referenced = state.counts[0], state.counts[1]
+        on_free = torch.index_select(table, 0, page, out=ws.get("sweep.on_free", n, torch.int32)).sub_(state.stamp)
+        stale = n - torch.count_nonzero(on_free)  # 0 where the holder's page is on the free list
+        stale_at = _first_when(stale, lambda: on_free == 0)
+        in_use, leaked = state.counts[0], state.counts[1]
         leak_at = torch.where(state.leak_at == _NO_LEAK, 0, state.leak_at)
-        torch.stack([in_use, referenced, in_use - referenced, torch.count_nonzero(on_free), state.shared[0],
+        torch.stack([in_use, in_use - leaked, leaked, stale, state.shared[0],
                      leak_at, stale_at, _at(keys, stale_at), _at(slot, stale_at), state.shared[1], state.shared[2]],
                     out=out)
         self._pass = None
