@@ -217,13 +217,12 @@ def audit_holder_slots(
     spare_page = pages + 1  # the cell of SWA ids beyond the pool (page 0 takes "none" and bad ids)
     swa_slots = (pages + 1) * page_size
 
-    # Free pages: a bool per page cell, written at the valid free ids (bad ids go to cell 0, which
-    # is cleared again with the spare cell: neither is ever free).
+    # Free pages: a bool per page cell, written at the free ids clamped into the cells (ids below 1
+    # go to cell 0, ids beyond the pool to the spare cell, both cleared again: neither is ever free).
     free = swa_free_page_ids.reshape(-1)
     if free.dtype != torch.int64:  # index_fill_ takes int64 indices only
         free = free.long()
-    free_keys = free.clamp(0, spare_page)
-    free_keys.masked_fill_(free_keys != free, 0)  # a random-looking mask only on a corrupt free list
+    free_keys = torch.clamp(free, 0, spare_page, out=ws.get("audit.free_keys", free.numel(), torch.int64))
     is_free = ws.get("audit.free", pages + 2, torch.bool).zero_()
     is_free.index_fill_(0, free_keys, True)
     is_free[0] = False
@@ -235,7 +234,8 @@ def audit_holder_slots(
     # Stale: holders whose page is on the free list (cells 0 and spare never are).
     on_free = torch.index_select(is_free, 0, page, out=ws.get("audit.on_free", n, torch.bool))
     stale = torch.count_nonzero(on_free)
-    stale_at = _first_when(stale, lambda: on_free)
+    zero = ws.zeros(1)[0]  # (a view: no device operation) the offender cells of a fault counted 0 on the CPU
+    stale_at = _first_when(stale, lambda: on_free, zero)
     stale_swa = _at(slot, stale_at)  # read before the shared-slot pass below overwrites slot
 
     in_use_cells = is_free.logical_not_()[1:spare_page]  # the free table becomes "in use"
@@ -267,7 +267,7 @@ def audit_holder_slots(
     leaked = in_use - referenced
     # the lowest page in use that no holder maps into: its index in the page cells 1 .. pages (the
     # reader adds the 1); referenced pages are in use, so "in use and not referenced" is "differ"
-    leaked_at = _first_when(leaked, lambda: torch.ne(in_use_cells, present, out=ws.get("audit.leaked", pages, torch.bool)))
+    leaked_at = _first_when(leaked, lambda: torch.ne(in_use_cells, present, out=ws.get("audit.leaked", pages, torch.bool)), zero)
     # 1 where the holder shares, else 0, as int64: on the CPU twice as fast as a bool result, and
     # the multiplication below then needs no conversion
     back = torch.index_select(owner, 0, slot, out=ws.get("audit.back", n, owner.dtype))
@@ -281,15 +281,15 @@ def audit_holder_slots(
         marked = ws.get("audit.shared", swa_slots + 1, torch.bool).zero_()
         marked.scatter_(0, shared_slot, ws.ones(shared_slot.numel(), torch.bool))
         shared = torch.count_nonzero(marked[1:swa_slots])
-        lowest = _first_when(shared, lambda: marked[1:swa_slots])
-        shared_swa = lowest + 1
+        lowest = _first_when(shared, lambda: marked[1:swa_slots], zero)
+        shared_swa = zero if lowest is zero else lowest + 1
         shared_full = _at(owner[1:swa_slots], lowest)
         stale_full = _at(keys, stale_at)
     else:  # a large pool of large pages against few holders: distinct values among the holders
         first = _first_of_each_value(owner, shared_slot, ws.arange(shared_slot.numel(), owner.dtype))
         distinct = first.logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots)
         shared = torch.count_nonzero(distinct)
-        shared_at = _first_when(shared, lambda: distinct)
+        shared_at = _first_when(shared, lambda: distinct, zero)
         shared_swa = _at(shared_slot, shared_at)
         stale_full, shared_full = _at(keys, torch.stack([stale_at, shared_at]))
 
@@ -298,14 +298,14 @@ def audit_holder_slots(
     return out
 
 
-def _first_when(count: torch.Tensor, mask: "Callable[[], torch.Tensor]") -> torch.Tensor:
+def _first_when(count: torch.Tensor, mask: "Callable[[], torch.Tensor]", zero: torch.Tensor) -> torch.Tensor:
     """:func:`_first` of ``mask()``, an offender's index; on the CPU, where reading the 0-dim
-    ``count`` is no synchronisation, 0 without the pass over the mask when ``count`` is 0 (the
-    offender cells are read only where their count is above 0). A reduction to a first index is
-    one of the slowest passes on the CPU (about 3 ns per element here, against 0.3-0.7 for a
-    subtraction or a count)."""
+    ``count`` is no synchronisation, ``zero`` itself (a 0-dim ``int64`` 0) without the pass over
+    the mask when ``count`` is 0 (the offender cells are read only where their count is above 0).
+    A reduction to a first index is one of the slowest passes on the CPU (about 3 ns per element
+    here, against 0.3-0.7 for a subtraction or a count)."""
     if count.device.type == "cpu" and not int(count.numpy()):  # (a host read: no device operation)
-        return torch.zeros((), dtype=torch.int64)
+        return zero
     return _first(mask())
 
 
@@ -563,7 +563,9 @@ class SwaAuditSweep:
         ends_value = torch.index_select(shared_slot, 0, ends)
         present = torch.count_nonzero(ends_value[0] == 0) + torch.count_nonzero(ends_value[1] == swa_slots)
         shared = n - torch.count_nonzero(winner) - present
-        shared_at = _first_when(shared, lambda: (winner == 0).logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots))
+        zero = ws.zeros(1)[0]
+        shared_at = _first_when(shared, lambda: (winner == 0).logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots),
+                                zero)
         return torch.stack([shared, _at(shared_slot, shared_at), _at(keys, shared_at)])
 
     def _stamp_free(self, state: _Pass) -> None:
@@ -621,11 +623,13 @@ class SwaAuditSweep:
         table = self._table("sweep.free", state.pages + 2)
         on_free = torch.index_select(table, 0, page, out=ws.get("sweep.on_free", n, torch.int32)).sub_(state.stamp)
         stale = n - torch.count_nonzero(on_free)  # 0 where the holder's page is on the free list
-        stale_at = _first_when(stale, lambda: on_free == 0)
+        zero = ws.zeros(1)[0]
+        stale_at = _first_when(stale, lambda: on_free == 0, zero)
         in_use, leaked = state.counts[0], state.counts[1]
         leak_at = torch.where(state.leak_at == _NO_LEAK, 0, state.leak_at)
         torch.stack([in_use, in_use - leaked, leaked, stale, state.shared[0],
-                     leak_at, stale_at, _at(keys, stale_at), _at(slot, stale_at), state.shared[1], state.shared[2]],
+                     leak_at, stale_at, _at(keys, stale_at), _at(slot, stale_at), state.shared[1],
+                     state.shared[2]],
                     out=out)
         self._pass = None
         self.passes += 1

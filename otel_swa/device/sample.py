@@ -550,7 +550,8 @@ def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, l
     torch.cumsum(steps[:live], 0, out=index)
     full, swa = _count(out, totals, flat, mapping, index, live, ws, fields)
     if spans is not None:
-        stage_window_live(cells, swa, up[3:7], live, ws, full, rows, int(spans[0].max()) if batch else 0)
+        stage_window_live(cells, swa, up[3:7], live, ws, full, rows, int(spans[0].max()) if batch else 0,
+                          int(spans[0].sum()))
     return full, swa, None
 
 
@@ -644,7 +645,8 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
             reach = up_window[0] if not isinstance(reach, int) else reach
             allowance = up_window[1] if not isinstance(allowance, int) else allowance
         columns, weights, window_tokens = device_columns(lens64, reach, allowance)
-    stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws, full, rows_c, span)
+    stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws, full, rows_c, span,
+                       int(np.minimum(lens, reach).sum()) if lens is not None else None)
     return gathered
 
 
