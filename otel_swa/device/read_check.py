@@ -269,6 +269,9 @@ class ReadCheck:
         agree = error.le(bound).view(checked, -1).all(-1)  # NaN compares False: a non-finite output disagrees
         disagree = agree.logical_not_().logical_and_(position.ge(0))  # a request without tokens has no query
         count = disagree.sum()
+        if dev.type == "cpu" and not int(count.numpy()):  # a host read on the CPU (no sync): no offender to keep
+            cells[_C["checked"]] += checked
+            return checked
         first = torch.max(disagree, 0).indices.reshape(1)  # the first disagreeing query (0 when none)
         where = torch.stack([entries, rows, position, full[:, window - 1], slots[:, window - 1],
                              entries.new_full((checked,), int(layer_id))]).index_select(1, first).reshape(-1)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from otel_swa.device.audit import SwaSlotAudit, audit_swa_slots
@@ -397,6 +398,9 @@ class KvCanaryHooks:
                                   holder_full_slots=self._holders, **self._window)
             except RuntimeError as exc:  # no consistent SWA free list right now: this sample is not audited
                 _log.debug("SWA slot audit skipped at forward step %d: %s", self.reporter.forward_ct, exc)
+            except TypeError as exc:  # an allocator without SGLang's SWA free lists: no audit at all
+                self._holders = None
+                _log.warning("SWA slot audit off for this model runner: %s", exc)
         return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch, **self._window)
 
     def close(self) -> None:
@@ -589,7 +593,14 @@ def scheduler_holder_full_slots(scheduler: Any, batch: Any = None) -> torch.Tens
     if not allocated.issubset(lengths):
         return None
     req_to_token = pool.req_to_token
-    parts = [req_to_token[row, :length].long() for row, length in lengths.items() if length > 0]
+    parts = []
+    held = [(row, length) for row, length in lengths.items() if length > 0]
+    if held:  # every row's first positions in one gather: flat index row * stride + position
+        rows = np.fromiter((row for row, _ in held), dtype=np.int64, count=len(held))
+        lens = np.fromiter((length for _, length in held), dtype=np.int64, count=len(held))
+        index = np.repeat(rows * req_to_token.stride(0) - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+        flat = req_to_token if req_to_token.is_contiguous() else req_to_token.contiguous()
+        parts.append(flat.view(-1).index_select(0, torch.from_numpy(index).to(req_to_token.device)).long())
     values = getattr(tree, "all_values_flatten", None)
     if callable(values):
         parts.append(values().reshape(-1).to(req_to_token.device, torch.int64))
