@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Callable, Sequence
 
-__all__ = ["machine_line", "interleaved", "ratios", "fmt", "print_table", "one_thread"]
+__all__ = ["machine_line", "load_line", "interleaved", "ratios", "fmt", "print_table", "one_thread"]
 
 
 def one_thread() -> None:
@@ -26,8 +26,19 @@ def one_thread() -> None:
     torch.set_num_threads(1)
 
 
+def load_line() -> str:
+    """The machine's load average (1, 5, 15 minutes): figures taken above about 1.5 on 2 cores are
+    not to be trusted (other processes share the cores)."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except OSError:  # pragma: no cover - not on Linux
+        return "load average n/a"
+    return f"load average {one:.2f}, {five:.2f}, {fifteen:.2f}"
+
+
 def machine_line() -> str:
-    """Date (UTC), CPU, cores, Python, torch and OpenTelemetry SDK versions, CUDA device if any."""
+    """Date (UTC), CPU, cores, Python, torch and OpenTelemetry SDK versions, CUDA device if any, and
+    the load average when the benchmark started (:func:`load_line`)."""
     import torch
 
     try:
@@ -47,7 +58,7 @@ def machine_line() -> str:
     return (
         f"{time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC | {cpu}, {os.cpu_count()} cores | "
         f"Python {sys.version.split()[0]} | torch {torch.__version__} ({torch.get_num_threads()} thread) | "
-        f"opentelemetry-sdk {sdk} | {device}"
+        f"opentelemetry-sdk {sdk} | {device} | {load_line()}"
     )
 
 

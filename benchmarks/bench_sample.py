@@ -3,14 +3,17 @@
 Prints four tables (each figure the median over interleaved rounds, spread min - max; torch on one
 thread):
 
-1. **audit / no audit**: one sampling ``reporter.step`` with the SWA slot audit over its inputs
-   against the same step without, 56K live tokens (56 requests x 1000) that are also the holders,
-   a healthy SWA pool of 8192 slots (8000 of the holders in the window, each on its own SWA slot;
-   the rest freed), FULL pools of 65K, 1M and 4M slots, with the holders listed (the audit
-   gathers each one's SWA slot, as for SGLang's view) and with the batch's tokens as the holders
-   (``holders_include_batch``: the audit takes them from the sample's own gathers, as for the
-   reference engine). The audit reads the holders and the free list only, so the ratio should not
-   grow with the pool;
+1. **audit / no audit**: sampling ``reporter.step`` calls with the SWA slot audit over its inputs
+   against the same steps without, 56K live tokens (56 requests x 1000) that are also the holders,
+   8000 of them in the window (each on its own SWA slot), the SWA pool sized as SGLang sizes it
+   (``swa_full_tokens_ratio`` 0.8 of the FULL pool, page size 1: 52K / 839K / 3.36M slots at FULL
+   pools of 65K / 1M / 4M, the free list every slot no holder maps to: 44K / 831K / 3.35M ids),
+   and an SWA pool of 128K slots with 57K holders of which 54K in the window (74K free); with the
+   holders listed (the audit gathers each one's SWA slot, as for SGLang's view) and with the
+   batch's tokens as the holders (``holders_include_batch``, as for the reference engine). Each
+   measurement is the mean step over whole passes of the audit (``SwaAuditSweep``: a pass's first
+   sample reads the holders, the others a budget of the free list and the page cells), at least 5
+   steps; the audit's ``samples / pass`` is printed beside it;
 2. **gather vs dense** at 100 % fill: the sample as chosen per sample (auto), and the live gather
    forced, each over the project's own dense (whole-row) gather of the same batch;
 3. **vs SGLang**: the dense gather SGLang's reporter does (``req_to_token[req_pool_indices]``, then
@@ -62,6 +65,27 @@ def make_batch(batch: int, width: int, live_per_request: int, pool: int, device,
     rows = list(range(1, batch + 1))
     lens = [live_per_request] * batch
     return (req_to_token.to(device), mapping.to(device), rows, lens, slots.long().to(device))
+
+
+#: Table 1's shapes: (label, FULL pool, SWA pool slots, requests x live tokens, holders in the window).
+AUDIT_SHAPES = (
+    ("SGLang-sized, FULL 65,536", 65536, int(0.8 * 65536), (56, 1000), 8000),
+    ("SGLang-sized, FULL 1,048,576", 1 << 20, int(0.8 * (1 << 20)), (56, 1000), 8000),
+    ("SGLang-sized, FULL 4,194,304", 1 << 22, int(0.8 * (1 << 22)), (56, 1000), 8000),
+    ("SWA pool 131,072, 57K holders", 163840, 131072, (57, 1000), 54 * 1024),
+)
+
+
+def audit_case(full_pool: int, swa_pages: int, shape, in_window: int, device, quick: bool = False):
+    """Table 1's inputs (also ``bench_audit_checkouts.py``'s): ``(req_to_token, mapping, rows, lens,
+    holders, free)`` of a healthy pool (:func:`healthy_swa_pool`)."""
+    batch, per_request = shape
+    if quick:
+        per_request, in_window = per_request // 10, in_window // 10
+        full_pool, swa_pages = max(full_pool // 16, 4 * batch * per_request), swa_pages // 16
+    r2t, mapping, rows, lens, holders = make_batch(batch, 4096, per_request, full_pool, device)
+    free = healthy_swa_pool(mapping, holders, swa_pages, min(in_window, holders.numel()))
+    return r2t, mapping, rows, lens, holders, free
 
 
 def healthy_swa_pool(mapping, holders, swa_pages: int, in_window: int, seed: int = 1):
@@ -164,17 +188,15 @@ def main() -> None:
     totals = torch.zeros(2, dtype=torch.int64, device=device)
 
     if "1" in sections:
-        # 1. audit / no audit, FULL pool sizes: the holders listed (every one gathered by the audit,
-        # as the SGLang view gives them), or the batch's tokens as holders through the sample's
-        # own gathers (holders_include_batch, as the reference engine gives them; none listed)
+        # 1. audit / no audit: the holders listed (every one gathered by the audit, as the SGLang
+        # view gives them), or the batch's tokens as holders through the sample's own gathers
+        # (holders_include_batch, as the reference engine gives them; none listed)
         rows_out = []
-        pools = (65536, 1 << 16, 1 << 18) if args.quick else (65536, 1 << 20, 1 << 22)
-        for pool in pools:
-            per_request = 100 if args.quick else 1000
-            r2t, mapping, rows, lens, holders = make_batch(56, 4096, per_request, pool, device)
-            free = healthy_swa_pool(mapping, holders, 8192, min(8000, holders.numel()))
-            listed = SwaAuditInputs(free, 8192, 1, holders)
-            batch_held = SwaAuditInputs(free, 8192, 1, holders[:0], holders_include_batch=True)
+        for label, full_pool, swa_pages, shape, in_window in AUDIT_SHAPES:
+            r2t, mapping, rows, lens, holders, free = audit_case(full_pool, swa_pages, shape, in_window, device, args.quick)
+            pages = swa_pages // 16 if args.quick else swa_pages
+            listed = SwaAuditInputs(free, pages, 1, holders)
+            batch_held = SwaAuditInputs(free, pages, 1, holders[:0], holders_include_batch=True)
             reporters = {name: SwaDivergenceReporter(1, device=device, ring_size=8) for name in ("listed", "batch", "plain")}
             views = {"listed": view_of(r2t, mapping, rows, lens, device, listed),
                      "batch": view_of(r2t, mapping, rows, lens, device, batch_held),
@@ -184,14 +206,21 @@ def main() -> None:
                 reporter.step(view)
                 reporter.flush()
 
+            step(reporters["listed"], views["listed"])
+            while reporters["listed"]._audit_sweep.in_progress:  # one whole pass: its length
+                step(reporters["listed"], views["listed"])
+            per_pass = reporters["listed"]._audit_sweep.last_pass_samples
+            steps = per_pass * max(1, -(-5 // per_pass))  # whole passes, at least 5 steps
             got = interleaved({
-                name: timed(lambda name=name: step(reporters[name], views[name]), 5, sync) for name in views
-            }, rounds, warmup=3)  # the first shape of a process runs slow for a few rounds (allocator, caches)
-            rows_out.append((f"{sum(lens) // 1000}K live, FULL pool {pool:,}", fmt(got["listed"], 1e3, 3),
-                             fmt(got["batch"], 1e3, 3), fmt(got["plain"], 1e3, 3),
+                name: timed(lambda name=name: step(reporters[name], views[name]), steps, sync) for name in views
+            }, rounds, warmup=2)  # the first shape of a process runs slow for a few rounds (allocator, caches)
+            rows_out.append((label, f"{sum(lens) // 1000}K / {free.numel() / 1000:.0f}K", str(per_pass),
+                             fmt(got["listed"], 1e3, 3), fmt(got["batch"], 1e3, 3), fmt(got["plain"], 1e3, 3),
                              fmt(ratios(got["listed"], got["plain"]), 1, 2, "x"), fmt(ratios(got["batch"], got["plain"]), 1, 2, "x")))
-        print_table("1. SWA slot audit / no audit (one sampling step, ms; holders listed, or the batch's tokens through the sample's gathers)",
-                    ("shape", "audit, listed", "audit, batch", "without", "listed / none", "batch / none"), rows_out)
+            del r2t, mapping, views, reporters
+        print_table("1. SWA slot audit / no audit (mean sampling step over whole passes of the audit, ms; holders listed, or the batch's tokens through the sample's gathers)",
+                    ("pool", "holders / free", "samples / pass", "audit, listed", "audit, batch", "without", "listed / none",
+                     "batch / none"), rows_out)
 
     if "2" in sections:
         # 2. gather vs dense at 100 % fill

@@ -38,6 +38,7 @@ from otel_swa.device import (
     read_sample,
     stage_sample,
 )
+from otel_swa.device.audit import SwaAuditSweep
 from otel_swa.device.read_check import READ_CHECK_MODES, ReadCheck
 from otel_swa.record import MICRO_BATCH_MAX, VERIFY_SOURCES, LivenessWarning, Offender, SwaDivergenceRecord
 from otel_swa.views.base import SwaBatchView, validate_view
@@ -109,8 +110,9 @@ class _Pending(NamedTuple):
     request_ids: "tuple[str, ...] | None" = None  # the batch's request ids (view.request_ids)
     held_request_ids: "tuple[str, ...] | None" = None  # the block audit's requests (kv_block_audit)
     # with holders_include_batch, how the batch's tokens lead the audit's holders: ("live", lengths)
-    # or ("dense", batch, max_context_len)
+    # or ("dense", batch, max_context_len); of the sample where the audit's pass began
     batch_holders: "tuple | None" = None
+    audit_request_ids: "tuple[str, ...] | None" = None  # the batch's request ids at that sample
 
 
 class SwaDivergenceReporter:
@@ -138,11 +140,17 @@ class SwaDivergenceReporter:
             its liveness warning once (:meth:`liveness_warning`; checked at the sampling steps):
             ``None`` (default) 10 intervals (:data:`otel_swa.config.DEFAULT_LIVENESS_INTERVALS`),
             0 never.
+        audit_budget: free-list ids or SWA page cells the SWA slot audit reads per sample beyond
+            the holders (int >= 1; default :data:`~otel_swa.device.audit.AUDIT_BUDGET` on the CPU,
+            :data:`~otel_swa.device.audit.AUDIT_BUDGET_CUDA` on CUDA): a larger
+            pool is audited in passes over several samples, each pass's record carrying the audit
+            of the pool at the pass's first sample (:class:`~otel_swa.device.audit.SwaAuditSweep`,
+            whose docstring gives the bound on how many samples a fault can stay unseen).
 
     Raises:
-        ValueError: ``interval`` or ``ring_size`` below 1 or not an int; an unknown ``verify_source``
-            or ``micro_batches``; ``liveness_steps`` not ``None`` nor an int >= 0; a CUDA
-            ``device`` where torch has no CUDA device (a CPU build, no GPU visible).
+        ValueError: ``interval``, ``ring_size`` or ``audit_budget`` below 1 or not an int; an unknown
+            ``verify_source`` or ``micro_batches``; ``liveness_steps`` not ``None`` nor an int >= 0; a
+            CUDA ``device`` where torch has no CUDA device (a CPU build, no GPU visible).
 
     Liveness. Like SGLang's KV canary, which raises "canary path is not executing" when a kernel's
     run counter is still 0 after its warm-up, the reporter says when it is on and not working: a
@@ -180,6 +188,7 @@ class SwaDivergenceReporter:
         verify_source: str = "attention",
         micro_batches: str = config.MICRO_BATCH_MODES[0],
         liveness_steps: "int | None" = None,
+        audit_budget: "int | None" = None,
     ) -> None:
         if type(interval) is not int or interval < 1:
             raise ValueError(f"interval must be an int >= 1 (forward steps between samples), got {interval!r}")
@@ -207,6 +216,7 @@ class SwaDivergenceReporter:
         self._accumulator = PoolAccumulator(self.device)
         self._ring = DeviceToHostRing(ring_size, STAGE_WIDTH, self.device)
         self._workspace = Workspace(self.device)
+        self._audit_sweep = SwaAuditSweep(self.device, budget=audit_budget)
         self._sinks: list[Sink] = list(sinks)
         self._read_check: "ReadCheck | None" = None
         self._liveness_hook: "str | None" = None  # set by expect_steps_from
@@ -231,6 +241,8 @@ class SwaDivergenceReporter:
         self._liveness_warnings = 0
         # micro-batches sampled since the last interval step (micro_batches="every"), or None
         self._round: "set[int] | None" = None
+        # where the audit's pass in progress began: (batch_holders, request ids) of that sample
+        self._audit_origin: "tuple | None" = None
         # Held while the ring and the pending queue change (sampling, delivery, flush), so that a
         # close() from another thread (an uninstrument, a finaliser) cannot race the engine's step().
         # Plain steps with nothing pending never take it.
@@ -424,6 +436,7 @@ class SwaDivergenceReporter:
         :mod:`otel_swa.lifecycle` for every tracked reporter."""
         self._accumulator.reset()
         self._ring.reset_after_fork()
+        self._audit_sweep.reset()
         self._init_state()
         for sink in list(self._sinks):
             reset = getattr(sink, "reset_after_fork", None)
@@ -560,22 +573,28 @@ class SwaDivergenceReporter:
             extend_lens_cpu=getattr(view, "extend_lens_cpu", None),
             read_check=self._read_check,
             kv_block_audit=getattr(view, "kv_block_audit", None),
+            audit_sweep=self._audit_sweep,
         )
         self._ring.start_copy(slot)
         applicable = getattr(view, "divergence_applicable", True) is not False
         host = self._accumulator.host
         request_ids = getattr(view, "request_ids", None)
         blocks = getattr(view, "kv_block_audit", None)
-        holder_lens = None
-        if audit is not None and audit.holders_include_batch:
-            if meta.path == "live":
-                holder_lens = ("live", tuple(int(n) for n in view.seq_lens_cpu))
-            elif meta.path == "dense":
-                holder_lens = ("dense", meta.batch, meta.width)
+        ids = tuple(str(r) for r in request_ids) if request_ids is not None else None
+        if meta.audit_started:  # the holders of the audit's pass are this sample's
+            holder_lens = None
+            if audit.holders_include_batch:
+                if meta.path == "live":
+                    holder_lens = ("live", tuple(int(n) for n in view.seq_lens_cpu))
+                elif meta.path == "dense":
+                    holder_lens = ("dense", meta.batch, meta.width)
+            self._audit_origin = (holder_lens, ids)
+        origin = self._audit_origin if meta.audited else None
         self._pending.append(_Pending(
-            slot, self._forward_ct, context, applicable, audit.page_size if audit else 0, meta, (host[0], host[1]),
-            micro_batch, tuple(str(r) for r in request_ids) if request_ids is not None else None,
-            tuple(str(r) for r in blocks.held_request_ids) if blocks is not None else None, holder_lens,
+            slot, self._forward_ct, context, applicable, audit.page_size if meta.audited else 0, meta,
+            (host[0], host[1]), micro_batch, ids,
+            tuple(str(r) for r in blocks.held_request_ids) if blocks is not None else None,
+            origin[0] if origin else None, origin[1] if origin else None,
         ))
         # Advanced only now: a sample that failed above leaves its slot free for the next one.
         self._next_slot = (slot + 1) % self._ring.slots
@@ -679,8 +698,9 @@ def _offenders(reading: Any, pending: _Pending) -> "tuple[Offender, ...]":
         if counts[3] > 0:
             token = _batch_token(pending, where["stale_holder"])
             swa = where["stale_swa_slot"]
+            ids = pending.audit_request_ids
             offenders.append(Offender(
-                "swa_stale_tokens", request=_request(pending, token[0]) if token else None,
+                "swa_stale_tokens", request=ids[token[0]] if token and ids is not None and token[0] < len(ids) else None,
                 position=token[1] if token else None, full_slot=where["stale_full_slot"], swa_slot=swa,
                 swa_page=swa // page if page else None,
             ))

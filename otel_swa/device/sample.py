@@ -51,8 +51,7 @@ from otel_swa.device.audit import (
     AUDIT_COUNTS,
     AUDIT_OFFENDER_CELLS,
     AUDIT_WIDTH,
-    audit_counts,
-    audit_holder_slots,
+    SwaAuditSweep,
     holder_slots,
 )
 from otel_swa.device.block_audit import BLOCK_WIDTH, block_audit_fields, stage_block_audit
@@ -139,7 +138,11 @@ class SampleMeta:
         mapping_size: entries of the mapping.
         host_faults: faults seen on the host (from ``seq_lens_cpu``).
         host_lengths: whether ``seq_lens_cpu`` was given.
-        audited: whether the audit counts were staged.
+        audited: whether the audit counts were staged (with an ``audit_sweep``: whether a pass of
+            the sweep ended at this sample; its counts are those of the pool at the pass's first
+            sample).
+        audit_started: whether a pass of the audit began at this sample (the holders it audits are
+            this sample's: the batch's tokens first with ``holders_include_batch``).
         host_rows: whether the rows were known on the host (then checked there).
         window: the sliding window the window cells were staged for, ``None`` when not staged.
         window_tokens: ``sum(min(len_i, window + extend_len_i - 1))`` when the host knows it, else
@@ -167,6 +170,7 @@ class SampleMeta:
     window_tokens: "int | None" = None
     read_checked: bool = False
     block_audited: bool = False
+    audit_started: bool = False
 
 
 @dataclass(frozen=True)
@@ -260,6 +264,7 @@ def stage_sample(
     extend_lens_cpu: "int | Sequence[int] | torch.Tensor | None" = None,
     read_check: "ReadCheck | None" = None,
     kv_block_audit: Any = None,
+    audit_sweep: "SwaAuditSweep | None" = None,
 ) -> SampleMeta:
     """Write one sample into ``out`` (``int64 [STAGE_WIDTH]`` on the device), in stream order.
 
@@ -289,6 +294,10 @@ def stage_sample(
             staged (and cleared: :meth:`~otel_swa.device.read_check.ReadCheck.take`), or ``None``.
         kv_block_audit: a :class:`~otel_swa.views.base.KvBlockAuditInputs`, whose audit is
             staged (:mod:`otel_swa.device.block_audit`), or ``None``.
+        audit_sweep: the reporter's :class:`~otel_swa.device.audit.SwaAuditSweep`: the SWA slot
+            audit then runs as its passes (work bounded by the holders and the sweep's budget; the
+            audit cells are staged at the last sample of each pass, ``SampleMeta.audited``).
+            ``None``: the whole audit at this sample (its work grows with the SWA pool).
 
     Returns:
         The :class:`SampleMeta` to give :func:`read_sample` with the staged values.
@@ -328,11 +337,8 @@ def stage_sample(
         allowance = 0
     cells = out[_WINDOW:_WINDOW + WINDOW_WIDTH] if window is not None else None
     with_batch = audited and bool(getattr(swa_audit, "holders_include_batch", False))
-    if audited and not with_batch:
-        audit_counts(
-            out[_AUDIT:_WINDOW], mapping, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
-            swa_audit.page_size, swa_audit.holder_full_slots, ws,
-        )
+    if audited and audit_sweep is None:
+        audit_sweep = SwaAuditSweep(out.device, budget=sys.maxsize)  # the whole audit, at this sample
     gathered = None
     if seq_lens_cpu is not None:
         given = host_lengths(seq_lens_cpu)
@@ -367,24 +373,24 @@ def stage_sample(
             gathered = _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload,
                                     ws, window, allowance, cells, reach)
             path = "dense"
-        if with_batch:
-            _audit_with_batch(out, mapping, swa_audit, gathered, ws)
-        return SampleMeta(path, live, batch, num_rows, width, size, faults, True, audited, rows_known,
-                          window, window_tokens, read_checked, block_audited)
+        done = audited and _stage_audit(out, mapping, swa_audit, gathered if with_batch else None, with_batch,
+                                        audit_sweep, ws)
+        return SampleMeta(path, live, batch, num_rows, width, size, faults, True, done, rows_known,
+                          window, window_tokens, read_checked, block_audited, audited and audit_sweep.started)
     if batch == 0 or width == 0 or num_rows == 0 or size == 0:
         _stage_empty(out, totals, rows, seq_lens, None, upload, ws)
         if window is not None:
             stage_window_empty(cells)
-        if with_batch:
-            _audit_with_batch(out, mapping, swa_audit, None, ws)
-        return SampleMeta("empty", 0, batch, num_rows, width, size, (), False, audited, False,
-                          window, 0 if window is not None else None, read_checked, block_audited)
+        done = audited and _stage_audit(out, mapping, swa_audit, None, with_batch, audit_sweep, ws)
+        return SampleMeta("empty", 0, batch, num_rows, width, size, (), False, done, False,
+                          window, 0 if window is not None else None, read_checked, block_audited,
+                          audited and audit_sweep.started)
     gathered = _stage_dense(out, totals, req_to_token, mapping, rows, None, seq_lens, None, None, upload, ws,
                             window, allowance, cells, reach)
-    if with_batch:
-        _audit_with_batch(out, mapping, swa_audit, gathered, ws)
-    return SampleMeta("dense", None, batch, num_rows, width, size, (), False, audited, False, window, None,
-                      read_checked, block_audited)
+    done = audited and _stage_audit(out, mapping, swa_audit, gathered if with_batch else None, with_batch,
+                                    audit_sweep, ws)
+    return SampleMeta("dense", None, batch, num_rows, width, size, (), False, done, False, window, None,
+                      read_checked, block_audited, audited and audit_sweep.started)
 
 
 def live_full_slots(
@@ -544,7 +550,8 @@ def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, l
     torch.cumsum(steps[:live], 0, out=index)
     full, swa = _count(out, totals, flat, mapping, index, live, ws, fields)
     if spans is not None:
-        stage_window_live(cells, swa, up[3:7], live, ws, full, rows, int(spans[0].max()) if batch else 0)
+        stage_window_live(cells, swa, up[3:7], live, ws, full, rows, int(spans[0].max()) if batch else 0,
+                          int(spans[0].sum()))
     return full, swa, None
 
 
@@ -638,40 +645,63 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
             reach = up_window[0] if not isinstance(reach, int) else reach
             allowance = up_window[1] if not isinstance(allowance, int) else allowance
         columns, weights, window_tokens = device_columns(lens64, reach, allowance)
-    stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws, full, rows_c, span)
+    stage_window_dense(cells, swa, (batch, width), columns, weights, window_tokens, ws, full, rows_c, span,
+                       int(np.minimum(lens, reach).sum()) if lens is not None else None)
     return gathered
 
 
-def _audit_with_batch(out, mapping, swa_audit, gathered, ws) -> None:
-    """The audit when the batch's live tokens are holders (``swa_audit.holders_include_batch``):
-    their FULL and SWA slots are the sample's own gathers (``gathered``: ``(full, swa, beyond)``
-    from the live or dense path, ``beyond`` the dense path's positions past ``seq_len``, or
-    ``None`` without a live token), the other holders' are gathered here. Runs after the counts
-    and the window cells: the sample's SWA buffer is taken over (clamped in place).
+def _stage_audit(out, mapping, swa_audit, gathered, with_batch, sweep, ws) -> bool:
+    """The SWA slot audit of this sample through ``sweep`` (:class:`~otel_swa.device.audit.SwaAuditSweep`):
+    whether its cells were staged. The holders are read only when a pass begins here."""
+    swa_slots = (swa_audit.num_swa_pages + 1) * swa_audit.page_size
+
+    def holders():
+        listed = swa_audit.holder_full_slots
+        if callable(listed):
+            listed = listed()
+            if listed is None:  # not all holders can be had now: no pass begins
+                return None
+            if not isinstance(listed, torch.Tensor) or listed.dtype not in (torch.int32, torch.int64) or listed.dim() != 1:
+                raise TypeError(f"swa_audit.holder_full_slots() must return a 1-D int32/int64 tensor, got {listed!r:.80}")
+        return _audit_holders(mapping, listed, gathered if with_batch else None, with_batch, swa_slots, ws)
+
+    return sweep.stage(out[_AUDIT:_WINDOW], holders, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
+                       swa_audit.page_size, ws)
+
+
+def _audit_holders(mapping, listed, gathered, with_batch, swa_slots, ws) -> "tuple[torch.Tensor, torch.Tensor]":
+    """The audit's holders as ``(keys, slot)`` (:func:`otel_swa.device.audit.holder_slots`). With
+    ``holders_include_batch`` the batch's live tokens come first, their FULL and SWA slots the
+    sample's own gathers (``gathered``: ``(full, swa, beyond)`` from the live or dense path,
+    ``beyond`` the dense path's positions past ``seq_len``, or ``None`` without a live token), then
+    the listed holders, gathered here. Runs after the counts and the window cells: the sample's
+    SWA buffer is taken over (clamped in place).
 
     A FULL slot of the batch outside the mapping makes the sample itself invalid
     (``full_slot_out_of_range``, never delivered), so the batch part needs no per-token check."""
-    swa_slots = (swa_audit.num_swa_pages + 1) * swa_audit.page_size
-    others = swa_audit.holder_full_slots
     parts = []
-    if gathered is not None:
+    if with_batch and gathered is not None:
         full, swa, beyond = gathered
         slot = swa if swa.dtype == torch.int64 else swa.long()
         slot.clamp_(0, swa_slots)
         if beyond is not None:
             slot.masked_fill_(beyond, 0)  # runs of whole rows' tails: the fill never branches wrong
         parts.append((full, slot))
-    if others.numel() or not parts:
-        parts.append(holder_slots(mapping, others, swa_slots, ws))
+    if listed.numel() or not parts:
+        parts.append(holder_slots(mapping, listed, swa_slots, ws))
+    # the FULL slots as int32 when the mapping's every index is one (always, in the engines): the
+    # audit's tables of FULL slots then take half the bytes (a random scatter into a table larger
+    # than the caches costs 2-3x less)
+    narrow = torch.int32 if mapping.shape[0] <= 2**31 else torch.int64
     if len(parts) == 1:
         keys, slot = parts[0]
-    else:
-        dtype = torch.promote_types(parts[0][0].dtype, parts[1][0].dtype)
-        n = parts[0][1].numel() + parts[1][1].numel()
-        keys = torch.cat([parts[0][0].to(dtype), parts[1][0].to(dtype)], out=ws.get("audit.all_keys", n, dtype))
-        slot = torch.cat([parts[0][1], parts[1][1]], out=ws.get("audit.all_slots", n, torch.int64))
-    audit_holder_slots(out[_AUDIT:_WINDOW], keys, slot, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
-                       swa_audit.page_size, ws)
+        if keys.dtype != narrow:
+            keys = ws.get("audit.narrow_keys", keys.numel(), narrow).copy_(keys)
+        return keys, slot
+    n = parts[0][1].numel() + parts[1][1].numel()
+    keys = torch.cat([parts[0][0].to(narrow), parts[1][0].to(narrow)], out=ws.get("audit.all_keys", n, narrow))
+    slot = torch.cat([parts[0][1], parts[1][1]], out=ws.get("audit.all_slots", n, torch.int64))
+    return keys, slot
 
 
 def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:

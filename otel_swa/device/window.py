@@ -153,6 +153,18 @@ def stage_first_premature(
                full.index_select(0, where).long()], out=out)
 
 
+def _no_premature(out: torch.Tensor, in_window: "int | torch.Tensor | None") -> bool:
+    """Whether, on the CPU, the in-window tokens with an SWA slot (``out[0]``, just written) are all
+    the in-window tokens (``in_window``: a host int, or a 0-dim CPU tensor): then there is no first
+    premature eviction to look for (its cells are read only when one is counted). Host reads of
+    CPU tensors: no device operation, no sync. ``False`` on other devices (there the search always
+    runs: fixed shapes, no host sync)."""
+    if out.device.type != "cpu" or in_window is None:
+        return False
+    total = in_window if isinstance(in_window, int) else int(in_window.numpy())
+    return int(out[0:1].numpy()[0]) == total
+
+
 def _first_true(mask: torch.Tensor) -> torch.Tensor:
     """0-dim ``int64``: the first index where the bool ``mask`` is True (0 when none or empty)."""
     if mask.numel() == 0:
@@ -161,7 +173,8 @@ def _first_true(mask: torch.Tensor) -> torch.Tensor:
 
 
 def stage_window_live(out: torch.Tensor, swa: torch.Tensor, offsets: torch.Tensor, live: int, ws: Workspace,
-                      full: "torch.Tensor | None" = None, rows: "torch.Tensor | None" = None, span: int = 0) -> None:
+                      full: "torch.Tensor | None" = None, rows: "torch.Tensor | None" = None, span: int = 0,
+                      window_tokens: "int | None" = None) -> None:
     """Live path: write [in-window tokens with a slot, late-held tokens] into ``out[0:2]``, and the
     first premature eviction into ``out[3:7]`` (:func:`stage_first_premature`) when ``full`` and
     ``rows`` are given.
@@ -175,6 +188,8 @@ def stage_window_live(out: torch.Tensor, swa: torch.Tensor, offsets: torch.Tenso
         ws: the workspace.
         full: ``[live]`` FULL slots of the live tokens; rows: ``int [batch]`` their rows; span: the
             largest ``w_i``.
+        window_tokens: ``sum(w_i)`` when the host knows it: on the CPU the first premature
+            eviction is then looked for only when there is one.
     """
     csum = ws.kept("window.csum", live + 1, torch.int64, fill=0)  # [0] stays 0: only [1:] is written
     nonzero = torch.ne(swa, 0, out=ws.get("window.nonzero", live, torch.bool))
@@ -183,7 +198,7 @@ def stage_window_live(out: torch.Tensor, swa: torch.Tensor, offsets: torch.Tenso
     gathered = torch.index_select(csum, 0, offsets.reshape(-1), out=ws.get("window.gathered", 4 * batch, torch.int64))
     sums = gathered.view(4, batch).sum(1)
     torch.sub(sums[0::2], sums[1::2], out=out[0:2])
-    if full is not None and rows is not None:
+    if full is not None and rows is not None and not _no_premature(out, window_tokens):
         per_request = gathered.view(4, batch)
         stage_first_premature(out[3:7], offsets[0] - offsets[1], per_request[0] - per_request[1], offsets[1],
                               offsets[1] - offsets[3], swa, full, rows, span, ws)
@@ -200,6 +215,7 @@ def stage_window_dense(
     full: "torch.Tensor | None" = None,
     rows: "torch.Tensor | None" = None,
     span: int = 0,
+    known_window_tokens: "int | None" = None,
 ) -> None:
     """Dense path: write the window cells from whole rows.
 
@@ -213,6 +229,8 @@ def stage_window_dense(
         ws: the workspace.
         full, rows, span: as in :func:`stage_window_live` (``full``: ``[batch * width]``, the
             gathered rows' FULL slots); the first premature eviction is staged when given.
+        known_window_tokens: ``sum(w_i)`` when the host knows it (as ``window_tokens`` of
+            :func:`stage_window_live`).
     """
     batch, width = shape
     held = torch.ne(swa, 0, out=ws.get("window.held", batch * width, torch.bool)).view(batch, width)
@@ -222,7 +240,8 @@ def stage_window_dense(
     torch.sub(sums[0:1], sums[1:2], out=out[0:1])
     out[1:2].copy_(sums[2:3])
     out[2:3].copy_(window_tokens.reshape(1) if window_tokens is not None else ws.zeros(1))
-    if full is not None and rows is not None:
+    if full is not None and rows is not None and not _no_premature(out, window_tokens if window_tokens is not None
+                                                                     else known_window_tokens):
         # a row's window starts at column len - w: col1 + weight1 (col1 = len - w - 1, or 0 with
         # weight 0 when the window reaches position 0); w = (col0 + weight0) - that
         starts = columns[:, 1] + weights[:, 1]

@@ -415,7 +415,18 @@ class ReferenceEngine:
         """The audit's inputs at a sampling step: the batch's requests are holders through the
         sample's own gathers (``holders_include_batch``); the FULL slots of the other requests
         holding KV come from host arrays built without a Python loop per token (numpy over the
-        requests) and one device gather."""
+        requests) and one device gather. Both the free list and those holders are read only when
+        the reporter's audit asks (at the first sample of a pass), inside the step."""
+        pools = self.pools
+        return SwaAuditInputs(
+            swa_free_page_ids=lambda: torch.from_numpy(pools.free_swa_page_array()).to(self.device),
+            num_swa_pages=pools.swa_pages,
+            page_size=pools.page_size,
+            holder_full_slots=self._holders_outside_batch,
+            holders_include_batch=True,
+        )
+
+    def _holders_outside_batch(self) -> torch.Tensor:
         pools = self.pools
         in_batch = {it.req.slots.row for it in self._last_items}
         holders = [slots for slots in pools.requests.values() if slots.row not in in_batch]
@@ -430,13 +441,7 @@ class ReferenceEngine:
             holder_full_slots = req_to_token.view(-1).index_select(0, torch.from_numpy(index).to(self.device))
         else:
             holder_full_slots = torch.zeros(0, dtype=torch.int64, device=self.device)
-        return SwaAuditInputs(
-            swa_free_page_ids=torch.from_numpy(pools.free_swa_page_array()).to(self.device),
-            num_swa_pages=pools.swa_pages,
-            page_size=pools.page_size,
-            holder_full_slots=holder_full_slots,
-            holders_include_batch=True,
-        )
+        return holder_full_slots
 
     @property
     def last_batch(self) -> tuple[ForwardItem, ...]:

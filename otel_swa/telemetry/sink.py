@@ -11,9 +11,14 @@ caught, logged and counted in :attr:`SwaTelemetrySink.errors`, and the other par
 
 The delivery thread. Calling the sink delivers at once, on the calling thread. A sink attached to a
 reporter (:meth:`SwaTelemetrySink.attach`) gives the reporter a hand-off instead: at the sampled
-step the engine's thread only puts the record (with its context and the reporter's forward count)
-in a bounded FIFO queue, a few microseconds, and one daemon thread per process,
-``otel-swa-telemetry``, delivers the queued records to their sinks in order. Guarantees:
+step the engine's thread only appends the record (with its context and the reporter's forward
+count) to a bounded FIFO queue, a ``deque.append`` (atomic under the GIL: no lock taken, no thread
+woken), and one daemon thread per process, ``otel-swa-telemetry``, wakes every
+:data:`DELIVERY_PERIOD_S` (or as soon as :data:`WAKE_AT` records wait) and delivers the queued
+records to their sinks in order, yielding the GIL between records. Waking the thread for every
+record (a ``Condition.notify`` under its lock) cost the engine's thread more than the append
+itself: the lock, the notify, and the GIL taken back from a thread woken while the engine runs
+(``benchmarks/bench_telemetry.py``, table 3: the engine thread's CPU time per record). Guarantees:
 
 * **in order**: one queue, one deliverer at a time (the thread or a flush), so every sink sees its
   records in ``forward_ct`` order, and the line is written in order;
@@ -31,9 +36,14 @@ in a bounded FIFO queue, a few microseconds, and one daemon thread per process,
   thread; a record put in a child without that call is noticed by the process id and handled the
   same way.
 
-What a SIGKILL can lose: the records still queued, normally none (the thread is woken at once and
-delivers a record in well under a millisecond) and at most those of the last few samples when the
-thread was stalled. The plain line sink (:class:`otel_swa.logline.LogLineSink`) does not use the
+What a SIGKILL can lose: the records still queued: those of the last :data:`DELIVERY_PERIOD_S`
+(0.05 s), more when the thread was stalled.
+
+Memory: the delivery thread's allocations come from a glibc malloc arena of its own, which returns
+freed memory to the system only from its top; over a long run its free pages in between add up
+(measured: several MiB over a million steps, ``benchmarks/bench_memory.py``). On glibc the thread
+gives them back with ``malloc_trim(0)`` every :data:`TRIM_PERIOD_S` of delivery, off the engine's
+thread (``ctypes`` releases the GIL for the call). The plain line sink (:class:`otel_swa.logline.LogLineSink`) does not use the
 thread: it writes the line on the engine's thread at the step the sample describes (on CPU), so a
 SIGKILLed process has lost no line it sampled.
 """
@@ -41,9 +51,13 @@ SIGKILLed process has lost no line it sampled.
 from __future__ import annotations
 
 import collections
+import ctypes
+import ctypes.util
 import logging
 import os
+import sys
 import threading
+import time
 import weakref
 from typing import Any, Mapping
 
@@ -58,13 +72,33 @@ from otel_swa.telemetry.events import SampleEvents
 from otel_swa.telemetry.metrics import SwaMetrics
 from otel_swa.version import __version__
 
-__all__ = ["SwaTelemetrySink", "QUEUE_CAPACITY", "reset_after_fork", "flush_queued"]
+__all__ = ["SwaTelemetrySink", "QUEUE_CAPACITY", "DELIVERY_PERIOD_S", "WAKE_AT", "TRIM_PERIOD_S", "reset_after_fork",
+           "flush_queued"]
 
 _log = logging.getLogger(__name__)
 
 #: Records the delivery queue holds at most (all sinks of the process together). Records arrive
 #: once per sampling interval; the queue fills only when the delivery thread is stalled.
 QUEUE_CAPACITY = 4096
+#: Seconds between the delivery thread's rounds (each delivers every record queued).
+DELIVERY_PERIOD_S = 0.05
+#: Records queued at which the engine's thread wakes the delivery thread before its round.
+WAKE_AT = 256
+#: Seconds of delivery between two ``malloc_trim(0)`` calls of the delivery thread (glibc only).
+TRIM_PERIOD_S = 30.0
+
+
+def _malloc_trim() -> "Any":
+    """glibc's ``malloc_trim`` (returns free heap pages of every arena to the system), or ``None``."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl has none)
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
 
 
 class _DeliveryQueue:
@@ -81,48 +115,60 @@ class _DeliveryQueue:
 
     def _init(self) -> None:
         self._items: collections.deque = collections.deque()
-        self._wake = threading.Condition(threading.Lock())
+        self._wake = threading.Event()
+        self._starting = threading.Lock()
         # Held while records are taken off the queue and delivered (the thread or a flush): order.
         self._delivering = threading.RLock()
         self._thread: threading.Thread | None = None
         self._pid = os.getpid()
 
     def put(self, sink: "SwaTelemetrySink", record: SwaDivergenceRecord, context: Any, delivered_at: "int | None") -> bool:
-        """Queue a record for ``sink``; ``False`` (not queued) when the queue is full. Never blocks
-        beyond a short lock held by no deliverer."""
+        """Queue a record for ``sink``; ``False`` (not queued) when the queue is full. Never blocks:
+        a ``deque.append``, the thread started at the first record, woken only at :data:`WAKE_AT`."""
         if self._pid != os.getpid():
             self.reset_after_fork()
-        if len(self._items) >= self.capacity:
+        items = self._items
+        if len(items) >= self.capacity:
             return False
-        self._items.append((sink, record, context, delivered_at))
-        with self._wake:
-            if self._thread is None:
-                self._start()
-            self._wake.notify()
+        items.append((sink, record, context, delivered_at))
+        if self._thread is None:
+            self._start()
+        elif len(items) >= WAKE_AT:
+            self._wake.set()
         return True
 
     def _start(self) -> None:
-        thread = threading.Thread(target=self._run, name="otel-swa-telemetry", daemon=True)
-        self._thread = thread
-        thread.start()
+        with self._starting:
+            if self._thread is not None:
+                return
+            thread = threading.Thread(target=self._run, name="otel-swa-telemetry", daemon=True)
+            self._thread = thread
+            thread.start()
 
     def _run(self) -> None:
         items, wake, delivering = self._items, self._wake, self._delivering
+        trim, trimmed = _malloc_trim(), time.monotonic()
         while True:
-            with wake:
-                while not items:
-                    wake.wait()
+            wake.wait(DELIVERY_PERIOD_S)
+            wake.clear()
+            if not items:
+                continue
             with delivering:
-                self._deliver_queued(items)
+                self._deliver_queued(items, yield_between=True)
+            if trim is not None and time.monotonic() - trimmed >= TRIM_PERIOD_S:
+                trimmed = time.monotonic()
+                trim(0)
 
     @staticmethod
-    def _deliver_queued(items: collections.deque) -> None:
+    def _deliver_queued(items: collections.deque, yield_between: bool = False) -> None:
         while items:
             try:
                 sink, record, context, delivered_at = items.popleft()
             except IndexError:  # taken by another deliverer
                 return
             sink._deliver(record, context, delivered_at)
+            if yield_between and items:
+                time.sleep(0)  # the GIL to the engine's thread, if it waits for it, between records
 
     def flush(self, timeout_s: "float | None" = None) -> bool:
         """Deliver every record queued now, on the calling thread, after the one being delivered.

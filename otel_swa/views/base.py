@@ -86,7 +86,7 @@ Engines adapt their own objects to this protocol (see ``otel_swa.views`` for the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -109,11 +109,18 @@ class SwaAuditInputs:
 
     Attributes:
         swa_free_page_ids: ``int32``/``int64 [k]`` on the reporter's device: the SWA pool's free
-            page ids (slot ids when ``page_size == 1``), every free list together.
+            page ids (slot ids when ``page_size == 1``), every free list together; or a sequence
+            of such tensors (the allocator's free lists as they are, not concatenated), or a
+            zero-argument callable returning either. The reporter's audit reads them in passes
+            over several samples when the pool is large (:class:`otel_swa.device.audit.SwaAuditSweep`):
+            give tensors the engine will not write into (engines replace their free lists).
         num_swa_pages: pages of the SWA pool (ids ``1 .. num_swa_pages``).
         page_size: slots per page.
         holder_full_slots: ``int32``/``int64 [n]`` on the reporter's device: the FULL slot of every
-            token a live holder (running request, prefix cache) still reads, not only the batch's.
+            token a live holder (running request, prefix cache) still reads, not only the batch's;
+            or a zero-argument callable returning it, or ``None`` when the holders cannot all be
+            had now (the audit reads holders only at the first sample of a pass, so an engine
+            pays for listing them only then).
         holders_include_batch: ``True`` when the live tokens of the view's batch (positions below
             ``seq_len`` of its rows) are holders too and ``holder_full_slots`` gives only the
             others (requests outside this forward step, the prefix cache); the audit then takes the
@@ -122,10 +129,10 @@ class SwaAuditInputs:
             holders). ``False`` (default): ``holder_full_slots`` is every holder.
     """
 
-    swa_free_page_ids: torch.Tensor
+    swa_free_page_ids: "torch.Tensor | Sequence[torch.Tensor] | Callable[[], Any]"
     num_swa_pages: int
     page_size: int
-    holder_full_slots: torch.Tensor
+    holder_full_slots: "torch.Tensor | Callable[[], torch.Tensor | None]"
     holders_include_batch: bool = False
 
 
@@ -249,8 +256,14 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
     if audit is not None:
         if not isinstance(audit, SwaAuditInputs):
             raise TypeError(f"view.swa_audit must be a SwaAuditInputs or None, got {type(audit).__name__}")
-        _check_tensor("swa_audit.swa_free_page_ids", audit.swa_free_page_ids, 1, _INDEX_DTYPES, device)
-        _check_tensor("swa_audit.holder_full_slots", audit.holder_full_slots, 1, _INDEX_DTYPES, device)
+        free = audit.swa_free_page_ids
+        if isinstance(free, (list, tuple)):
+            for i, part in enumerate(free):
+                _check_tensor(f"swa_audit.swa_free_page_ids[{i}]", part, 1, _INDEX_DTYPES, device)
+        elif not callable(free):  # a callable's tensors are checked when the audit calls it
+            _check_tensor("swa_audit.swa_free_page_ids", free, 1, _INDEX_DTYPES, device)
+        if not callable(audit.holder_full_slots):
+            _check_tensor("swa_audit.holder_full_slots", audit.holder_full_slots, 1, _INDEX_DTYPES, device)
         for name in ("num_swa_pages", "page_size"):
             value = getattr(audit, name)
             if type(value) is not int or value < 1:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from otel_swa.device.audit import SwaSlotAudit, audit_swa_slots
@@ -50,6 +51,7 @@ __all__ = [
     "observe_verified",
     "SwaSlotAudit",
     "swa_free_pages",
+    "swa_free_page_lists",
     "audit_swa_slots",
     "audit_sglang_swa_slots",
     "scheduler_holder_full_slots",
@@ -148,9 +150,11 @@ def batch_view(
             it the gather is dense over ``[batch, max_context_len]``, as in SGLang.
         holder_full_slots: ``int [n]`` on the allocator's device, the FULL slots of every token a
             live holder still reads (all running requests and the prefix cache, not only this
-            batch). When given, the view also carries the SWA slot audit inputs (the allocator's
-            SWA free lists, see :func:`swa_free_pages`) and each record gets leaked / stale /
-            shared SWA slot counts.
+            batch), or a zero-argument callable returning them (or ``None`` when they cannot all
+            be had): the reporter calls it only at the first sample of an audit pass. When given,
+            the view also carries the SWA slot audit inputs (the allocator's SWA free lists as
+            they are, see :func:`swa_free_page_lists`) and records get leaked / stale / shared SWA
+            slot counts.
         sliding_window, swa_eviction_allowance: the window check (see
             :class:`otel_swa.views.SwaBatchView`), e.g. from :func:`sglang_window`; ``None``: no
             window check. In an extend (prefill) batch (``forward_batch.forward_mode.is_extend()``)
@@ -236,8 +240,8 @@ def _extend_lens(forward_batch: Any, batch: int) -> "list[int] | None":
     return None
 
 
-def _audit_inputs(allocator: Any, holder_full_slots: torch.Tensor) -> SwaAuditInputs:
-    free, num_pages = swa_free_pages(allocator)
+def _audit_inputs(allocator: Any, holder_full_slots: Any) -> SwaAuditInputs:
+    free, num_pages = swa_free_page_lists(allocator)
     return SwaAuditInputs(
         swa_free_page_ids=free,
         num_swa_pages=num_pages,
@@ -388,13 +392,15 @@ class KvCanaryHooks:
     def _view(self, forward_batch: Any) -> SwaBatch:
         if self._swa_allocator is None:
             return _empty_view(self.reporter.device)
-        holders = self._holders() if self._holders is not None else None
-        if holders is not None:
-            try:
-                return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch, holder_full_slots=holders,
-                                  **self._window)
+        if self._holders is not None:
+            try:  # the holders are listed by the reporter's audit, only at the first sample of a pass
+                return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch,
+                                  holder_full_slots=self._holders, **self._window)
             except RuntimeError as exc:  # no consistent SWA free list right now: this sample is not audited
                 _log.debug("SWA slot audit skipped at forward step %d: %s", self.reporter.forward_ct, exc)
+            except TypeError as exc:  # an allocator without SGLang's SWA free lists: no audit at all
+                self._holders = None
+                _log.warning("SWA slot audit off for this model runner: %s", exc)
         return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch, **self._window)
 
     def close(self) -> None:
@@ -442,14 +448,33 @@ def _live_full_slots(
 
 
 def swa_free_pages(allocator: Any) -> tuple[torch.Tensor, int]:
-    """The SWA pool's free pages and its page count, read from SGLang's allocator.
-
-    For ``page_size == 1`` SGLang's ``TokenToKVPoolAllocator`` keeps free slots in ``free_pages``
-    and, with ``need_sort``, ``release_pages``; the paged allocator keeps free page ids in
-    ``free_pages`` and ``staged_pages``. Pool ids run ``1 .. size`` (page 1) or ``1 .. num_pages``.
+    """The SWA pool's free pages and its page count, read from SGLang's allocator: the lists of
+    :func:`swa_free_page_lists` in one ``int64`` tensor (a copy).
 
     Returns:
         ``(free_page_ids int64 [k], num_pages)``.
+
+    Raises:
+        TypeError, RuntimeError: see :func:`swa_free_page_lists`.
+    """
+    lists, num_pages = swa_free_page_lists(allocator)
+    if not lists:
+        return torch.zeros(0, dtype=torch.int64, device=allocator.full_to_swa_index_mapping.device), num_pages
+    return torch.cat([t.long() for t in lists]), num_pages
+
+
+def swa_free_page_lists(allocator: Any) -> "tuple[tuple[torch.Tensor, ...], int]":
+    """The SWA pool's free lists as SGLang keeps them (no copy) and its page count.
+
+    For ``page_size == 1`` SGLang's ``TokenToKVPoolAllocator`` keeps free slots in ``free_pages``
+    and, with ``need_sort``, ``release_pages``; the paged allocator keeps free page ids in
+    ``free_pages`` and ``staged_pages`` (a list of tensors). Pool ids run ``1 .. size`` (page 1) or
+    ``1 .. num_pages``. sglang 0.5.23 never writes into these tensors: every allocation and free
+    replaces them (a slice, a ``torch.cat``, a sort), so the audit may read them over several
+    samples (:class:`otel_swa.device.audit.SwaAuditSweep`).
+
+    Returns:
+        ``(free lists: 1-D int tensors, num_pages)``; empty lists left out.
 
     Raises:
         TypeError: not an SGLang SWA allocator.
@@ -471,7 +496,7 @@ def swa_free_pages(allocator: Any) -> tuple[torch.Tensor, int]:
     else:
         lists.extend(getattr(swa, "staged_pages", ()) or ())
         num_pages = int(swa.num_pages)
-    return torch.cat([t.reshape(-1).long() for t in lists]), num_pages
+    return tuple(t.reshape(-1) for t in lists if t.numel()), num_pages
 
 
 def audit_sglang_swa_slots(
@@ -568,7 +593,14 @@ def scheduler_holder_full_slots(scheduler: Any, batch: Any = None) -> torch.Tens
     if not allocated.issubset(lengths):
         return None
     req_to_token = pool.req_to_token
-    parts = [req_to_token[row, :length].long() for row, length in lengths.items() if length > 0]
+    parts = []
+    held = [(row, length) for row, length in lengths.items() if length > 0]
+    if held:  # every row's first positions in one gather: flat index row * stride + position
+        rows = np.fromiter((row for row, _ in held), dtype=np.int64, count=len(held))
+        lens = np.fromiter((length for _, length in held), dtype=np.int64, count=len(held))
+        index = np.repeat(rows * req_to_token.stride(0) - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
+        flat = req_to_token if req_to_token.is_contiguous() else req_to_token.contiguous()
+        parts.append(flat.view(-1).index_select(0, torch.from_numpy(index).to(req_to_token.device)).long())
     values = getattr(tree, "all_values_flatten", None)
     if callable(values):
         parts.append(values().reshape(-1).to(req_to_token.device, torch.int64))

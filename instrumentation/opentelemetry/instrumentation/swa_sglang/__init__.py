@@ -144,6 +144,7 @@ import weakref
 from types import SimpleNamespace
 from typing import Any, Callable
 
+import numpy as np
 from opentelemetry.instrumentation.swa_sglang import stop_paths
 from opentelemetry.instrumentation.swa_sglang.package import _instruments
 
@@ -352,6 +353,9 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         return forward
 
     def _span(self, wiring: Any, forward_batch: Any):
+        forward_ct = wiring.reporter.forward_ct + 1
+        if not self._forward_spans.spans_step(forward_ct):  # no span, nothing looked up
+            return self._forward_spans.forward_span(forward_ct=forward_ct)
         batch_size = getattr(forward_batch, "batch_size", None)
         num_prefill, num_decode = _forward_mode_counts(forward_batch, batch_size)
         rids = getattr(forward_batch, "rids", None) if self._traceparents is not None else None
@@ -359,7 +363,7 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         if self._traceparents is None:  # no lookup given: link to SGLang's own request spans
             link_contexts = _request_span_contexts(getattr(self._running, "batch", None))
         return self._forward_spans.forward_span(
-            forward_ct=wiring.reporter.forward_ct + 1,
+            forward_ct=forward_ct,
             batch_size=batch_size,
             num_prefill=num_prefill,
             num_decode=num_decode,
@@ -397,9 +401,10 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                 seq_lens = forward_batch.seq_lens  # device tensor: the sums stay on the device
                 reporter.observe("full", seq_lens.sum())
                 reporter.observe("swa", seq_lens.clamp(max=window).sum())
-            else:
-                reporter.observe("full", int(seq_lens.sum()))
-                reporter.observe("swa", _swa_entries_read(seq_lens, forward_batch, window))
+            else:  # host lengths: host sums (numpy over the tensor's memory, no torch operation)
+                lens = seq_lens.numpy() if hasattr(seq_lens, "numpy") else seq_lens
+                reporter.observe("full", int(np.sum(lens)))
+                reporter.observe("swa", _swa_entries_read(lens, forward_batch, window))
         check = wiring.read_check
         if check is not None and check.layer_calls == 0 and reporter.read_check_due():
             # a sampled step whose attention layers did not run in Python (a CUDA graph replay):
@@ -566,16 +571,14 @@ def _swa_entries_read(seq_lens_cpu: Any, forward_batch: Any, window: int) -> int
     tokens' windows, ``min(seq_len, window + extend_len - 1)``; ``extend_len`` from
     ``forward_batch.extend_seq_lens_cpu`` when it has one entry per request (extend and mixed
     batches), else 1 (decode)."""
-    import torch  # loaded by the engine already; not at module import (every process imports this)
-
-    lens = torch.as_tensor(seq_lens_cpu).long()
+    lens = np.asarray(seq_lens_cpu, dtype=np.int64).reshape(-1)
     extend = getattr(forward_batch, "extend_seq_lens_cpu", None)
     is_decode = getattr(getattr(forward_batch, "forward_mode", None), "is_decode", None)
     if extend is not None and not (callable(is_decode) and is_decode()):
-        extend = torch.as_tensor(extend).long().reshape(-1)
+        extend = np.asarray(extend.numpy() if hasattr(extend, "numpy") else extend, dtype=np.int64).reshape(-1)
         if extend.shape == lens.shape:
-            return int(torch.minimum(lens, extend.clamp(min=1) + (window - 1)).sum())
-    return int(lens.clamp(max=window).sum())
+            return int(np.minimum(lens, np.maximum(extend, 1) + (window - 1)).sum())
+    return int(np.minimum(lens, window).sum())
 
 
 def _ranks() -> dict[str, int]:

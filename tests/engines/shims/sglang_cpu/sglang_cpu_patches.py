@@ -149,7 +149,8 @@ _installed = False
 
 def install() -> None:
     """Register the CPU patches with otel-swa's post-import hooks (once per process); when the
-    engine tests ask for it (``OTEL_SWA_TEST_SGLANG_PROBE``), also their scheduler-process probe."""
+    engine tests ask for it (``OTEL_SWA_TEST_SGLANG_PROBE``), also their scheduler-process probe,
+    and for the engine benchmark (``OTEL_SWA_TEST_SGLANG_PROFILE``) its timers."""
     global _installed
     if _installed:
         return
@@ -161,6 +162,10 @@ def install() -> None:
         if patch is _patch_torch_native_backend and fault == "torch_native_raw_read":
             continue  # sglang 0.5.23's own read bug, left in on purpose (see sglang_faults)
         add_patch(name, patch)
+    if os.environ.get("OTEL_SWA_TEST_SGLANG_PROFILE"):  # benchmarks/bench_sglang_engine.py
+        import sglang_step_profile
+
+        sglang_step_profile.install()
     if os.environ.get("OTEL_SWA_TEST_SGLANG_PROBE"):
         import sglang_step_probe
 

@@ -1,0 +1,130 @@
+"""Engine-thread CPU per delivered record, as users pay it, side by side for several revisions.
+
+A reporter samples every forward step (interval 1) of a small batch (16 requests, up to 64 live
+tokens each) with the full OpenTelemetry sink attached (``SwaTelemetrySink.attach``: metrics, the
+Logs API event, the span event, the ``swa_logline`` line; providers as ``configure()`` builds them:
+batching span and log processors whose exporters drop, the line exporter on a simple processor
+writing to a discarded stream, a periodic metric reader collecting every second into an exporter
+that drops). The figure is ``time.thread_time()`` of the engine's thread over the whole run, the
+final ``close()`` (which delivers what is still queued) included, less the same run with no sink,
+divided by the records delivered: what the telemetry costs the engine's thread per record,
+whatever thread does the work. Two loops: steps back to back (a tight loop), and 0.5 ms of work
+per step (``time.sleep(0.0005)``: the GIL released, as a forward step's device work releases it).
+
+Each revision (``--revisions``, default the issue's: 8e6be61, 9d98197 and the working tree) runs in
+a child process of its own (``_revisions.py``), round after round in turn; a child measures each
+loop with and without the sink, interleaved, and prints its figures as JSON.
+
+Run: ``python benchmarks/bench_engine_thread.py [--rounds 5] [--steps 2000] [--revisions REV ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+LOOPS = {"tight loop": 0.0, "0.5 ms work per step": 0.0005}
+
+
+def child(steps: int) -> None:
+    """One revision (``otel_swa`` from ``PYTHONPATH``): print ``{loop: us per record}`` as JSON."""
+    import torch
+    from _drop_exporters import DropLogs, DropMetrics, DropSpans
+    from opentelemetry.sdk._logs import LoggerProvider
+    from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.telemetry import SwaTelemetrySink
+    from otel_swa.telemetry.logline import SwaLogLineExporter
+    from otel_swa.views import SwaBatch
+
+    torch.set_num_threads(1)
+    logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
+    tracer_provider = TracerProvider()
+    tracer_provider.add_span_processor(BatchSpanProcessor(DropSpans()))
+    logger_provider = LoggerProvider()
+    logger_provider.add_log_record_processor(BatchLogRecordProcessor(DropLogs()))
+    logger_provider.add_log_record_processor(SimpleLogRecordProcessor(SwaLogLineExporter(io.StringIO())))
+    meter_provider = MeterProvider(metric_readers=[PeriodicExportingMetricReader(DropMetrics(), export_interval_millis=1000)])
+    tracer = tracer_provider.get_tracer("bench")
+    width = 64
+    req_to_token = torch.arange(1, 17 * width + 1, dtype=torch.int32).reshape(17, width)
+    mapping = torch.arange(17 * width + 2) % 700
+    rows = torch.arange(1, 17)
+    views = []
+    for step in range(64):
+        lens = [(step * 7 + i * 13) % width for i in range(16)]
+        views.append(SwaBatch(req_to_token, mapping, rows, torch.tensor(lens), lens))
+    base_sink = SwaTelemetrySink(meter_provider=meter_provider, tracer_provider=tracer_provider, logger_provider=logger_provider)
+
+    def run(pause_s: float, with_sink: bool) -> float:
+        reporter = SwaDivergenceReporter(1)
+        if with_sink:
+            base_sink.for_another_reporter().attach(reporter)
+        start = time.thread_time()
+        for step in range(steps):
+            with tracer.start_as_current_span("forward step"):
+                reporter.observe("full", 100)
+                reporter.observe("swa", 30)
+                reporter.step(views[step % 64])
+            if pause_s:
+                time.sleep(pause_s)
+        reporter.close()
+        spent = time.thread_time() - start
+        assert reporter.stats.samples_delivered == steps
+        return spent
+
+    for pause_s in LOOPS.values():  # warm-up: imports, buffers, the delivery thread
+        run(pause_s, True), run(pause_s, False)
+    got = {}
+    for name, pause_s in LOOPS.items():
+        with_sink, without = run(pause_s, True), run(pause_s, False)
+        got[name] = (with_sink - without) / steps * 1e6
+    meter_provider.shutdown()
+    tracer_provider.shutdown()
+    logger_provider.shutdown()
+    print(json.dumps(got))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2000)
+    from _revisions import ISSUE_REVISIONS, label, run_child, unpacked
+
+    parser.add_argument("--revisions", nargs="+", default=list(ISSUE_REVISIONS))
+    args = parser.parse_args()
+    from _common import fmt, load_line, machine_line, one_thread, print_table
+
+    one_thread()
+    print(machine_line())
+    print(f"{args.rounds} rounds, one child process per revision in turn; {args.steps} steps at interval 1 per run; "
+          "per record: engine-thread CPU with the sink less without, median (min - max), us\n")
+    with unpacked(args.revisions) as roots:
+        got = {rev: [] for rev in roots}
+        for _ in range(args.rounds):
+            for rev, root in roots.items():
+                got[rev].append(run_child(root, [os.path.abspath(__file__), "--child", str(args.steps)]))
+    rows = [(name, *(fmt([r[name] for r in got[rev]], 1, 1) for rev in roots)) for name in LOOPS]
+    print_table("engine-thread CPU per delivered record, full OpenTelemetry sink, interval 1 (us)",
+                ("loop", *(label(rev) for rev in roots)), rows)
+    print(f"load average after: {load_line()}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(int(sys.argv[2]))
+    else:
+        main()

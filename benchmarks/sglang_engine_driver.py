@@ -1,0 +1,52 @@
+"""The engine run of ``bench_sglang_engine.py``: a real ``sglang.Engine`` on CPU with the engine suite's
+tiny hybrid-SWA model, 16 requests of 160 output tokens each, decoded together.
+
+Usage: ``python sglang_engine_driver.py CONFIG.json``; the JSON object holds ``model`` (the output of
+``tests/engines/sglang_engine/build_model.py``) and ``out`` (where the results go). Prompts: the
+first 16 requests of the packaged Azure conversation trace as the engine suite makes them (a
+16-token shared system prompt and 4-24 more tokens), each generating 160 tokens greedily
+(``ignore_eos``); the pool holds them all (4,096 FULL slots, 16 running requests), so after the
+prefill every forward step decodes the 16 requests over about 3,000 live tokens. One short
+request first warms the engine up (not timed). Writes ``{"tokens", "generate_s", "startup_s"}``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+T0 = time.monotonic()
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "engines" / "sglang_engine"))
+
+REQUESTS, OUTPUT_TOKENS = 16, 160
+
+
+def main(config_path: str) -> None:
+    with open(config_path) as f:
+        config = json.load(f)
+    import sglang as sgl
+    from drive_engine import traffic
+
+    engine = sgl.Engine(
+        model_path=config["model"], device="cpu", attention_backend="torch_native", sampling_backend="pytorch",
+        disable_cuda_graph=True, dtype="float32", max_total_tokens=4096, mem_fraction_static=0.05,
+        max_running_requests=REQUESTS, chunked_prefill_size=-1, page_size=1, random_seed=0, log_level="warning",
+    )
+    started = time.monotonic()
+    prompts, _ = traffic(REQUESTS)
+    params = {"temperature": 0.0, "max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}
+    engine.generate(input_ids=prompts[:1], sampling_params={**params, "max_new_tokens": 8})  # warm-up
+    begin = time.monotonic()
+    outputs = engine.generate(input_ids=prompts, sampling_params=[params] * REQUESTS)
+    generate_s = time.monotonic() - begin
+    tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
+    engine.shutdown()
+    with open(config["out"], "w") as f:
+        json.dump({"tokens": tokens, "generate_s": generate_s, "startup_s": started - T0}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

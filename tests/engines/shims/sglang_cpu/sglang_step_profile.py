@@ -1,0 +1,146 @@
+"""Where otel-swa's time goes inside a real SGLang scheduler process, for the engine benchmark
+(``benchmarks/bench_sglang_engine.py``; never for users).
+
+Imported in every process of the engine suite's environment through the shims' ``.pth``
+(``sglang_cpu_patches.install``) when ``OTEL_SWA_TEST_SGLANG_PROFILE`` names a directory. It wraps
+the otel-swa functions the SGLang instrumentor runs at a forward step with counters of calls, wall
+time (``time.perf_counter``) and CPU time of the calling thread (``time.thread_time``), and writes
+them to ``profile-<pid>.json`` in that directory every 200 forward steps and at otel-swa's flush
+RPC (``Engine.shutdown``), as ``{part: [calls, wall s, thread CPU s]}``. The parts nest (the
+reporter's step holds the view, the sample and the hand-off): each is its own row, not a share of
+a total. The delivery thread's parts are timed on that thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import time
+
+import sglang_cpu_patches
+
+_INSTRUMENTOR = "opentelemetry.instrumentation.swa_sglang"
+#: (module, attribute path, part): what is timed. Methods are wrapped on their class.
+PARTS = (
+    (_INSTRUMENTOR, "SwaSglangInstrumentor._after_forward", "after the forward: observe + reporter step (all below)"),
+    ("otel_swa.views.sglang", "KvCanaryHooks._view", "view of the ScheduleBatch (batch_view)"),
+    ("otel_swa.views.sglang", "scheduler_holder_full_slots", "holders (every request row and the radix tree)"),
+    ("otel_swa.views.sglang", "swa_free_page_lists", "SWA free lists"),
+    ("otel_swa.reporter", "validate_view", "view validation"),
+    ("otel_swa.reporter", "stage_sample", "device sample (counts, window, audit)"),
+    ("otel_swa.reporter", "SwaDivergenceReporter._deliver", "record and hand-off to the sinks"),
+    (_INSTRUMENTOR, "_check_read", "read check, per sliding-window layer call"),
+    (_INSTRUMENTOR, "_request_span_contexts", "request span contexts of the batch (links)"),
+    ("otel_swa.telemetry.sink", "SwaTelemetrySink._deliver", "delivery thread: metrics + events, per record"),
+    ("otel_swa.telemetry.events", "SampleEvents.emit", "delivery thread: Logs API event + span event"),
+    ("otel_swa.telemetry.logline", "SwaLogLineExporter.export", "delivery thread: the line"),
+)
+_SPANS = ("otel_swa.telemetry.spans", "ForwardSpans.forward_span", "forward-step span (start + end)")
+
+_TOTALS: dict[str, list] = {}
+_STATE = {"steps": 0}
+
+
+def _count(part: str, wall: float, cpu: float) -> None:
+    entry = _TOTALS.setdefault(part, [0, 0.0, 0.0])
+    entry[0] += 1
+    entry[1] += wall
+    entry[2] += cpu
+
+
+def _timed(function, part: str):
+    @functools.wraps(function)
+    def timed(*args, **kwargs):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _count(part, time.perf_counter() - wall, time.thread_time() - cpu)
+
+    return timed
+
+
+def _timed_context(function, part: str):
+    @functools.wraps(function)
+    @contextlib.contextmanager
+    def timed(*args, **kwargs):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        manager = function(*args, **kwargs)
+        value = manager.__enter__()
+        spent = [time.perf_counter() - wall, time.thread_time() - cpu]
+        try:
+            yield value
+        except BaseException as exc:  # pragma: no cover - the forward raised
+            if not manager.__exit__(type(exc), exc, exc.__traceback__):
+                raise
+        else:
+            wall, cpu = time.perf_counter(), time.thread_time()
+            manager.__exit__(None, None, None)
+            spent[0] += time.perf_counter() - wall
+            spent[1] += time.thread_time() - cpu
+        finally:
+            _count(part, *spent)
+
+    return timed
+
+
+def write() -> None:
+    out_dir = os.environ["OTEL_SWA_TEST_SGLANG_PROFILE"]
+    with open(os.path.join(out_dir, f"profile-{os.getpid()}.json"), "w") as out:
+        json.dump({"steps": _STATE["steps"], "parts": _TOTALS}, out)
+
+
+def _wrap(module, path: str, wrapper, part: str) -> None:
+    owner_name, _, name = path.rpartition(".")
+    owner = getattr(module, owner_name, None) if owner_name else module
+    if owner is not None and hasattr(owner, name):  # (an older otel-swa may lack a part)
+        setattr(owner, name, wrapper(getattr(owner, name), part))
+
+
+def _patch(entries):
+    def patch(module) -> None:
+        for _, path, part in entries:
+            _wrap(module, path, _timed_context if (path, part) == _SPANS[1:] else _timed, part)
+
+    return patch
+
+
+def _patch_model_runner(module) -> None:
+    runner_class = module.ModelRunner
+    original = runner_class.forward
+
+    def forward(self, forward_batch, *args, **kwargs):  # innermost: counts the steps
+        output = original(self, forward_batch, *args, **kwargs)
+        if not getattr(self, "is_draft_worker", False):
+            _STATE["steps"] += 1
+            if _STATE["steps"] % 200 == 0:
+                write()
+        return output
+
+    forward.__wrapped__ = original
+    runner_class.forward = forward
+
+
+def _patch_scheduler(module) -> None:
+    scheduler_class = module.Scheduler
+    handle_rpc_request = scheduler_class.handle_rpc_request
+
+    def profiled_handle_rpc_request(self, recv_req, *args, **kwargs):
+        if getattr(recv_req, "method", None) == "otel_swa_flush":
+            write()
+        return handle_rpc_request(self, recv_req, *args, **kwargs)
+
+    profiled_handle_rpc_request.__wrapped__ = handle_rpc_request
+    scheduler_class.handle_rpc_request = profiled_handle_rpc_request
+
+
+def install() -> None:
+    modules: dict[str, list] = {}
+    for entry in (*PARTS, _SPANS):
+        modules.setdefault(entry[0], []).append(entry)
+    for module_name, entries in modules.items():
+        sglang_cpu_patches.add_patch(module_name, _patch(entries))
+    sglang_cpu_patches.add_patch("sglang.srt.model_executor.model_runner", _patch_model_runner)
+    sglang_cpu_patches.add_patch("sglang.srt.managers.scheduler", _patch_scheduler)
