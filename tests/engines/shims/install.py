@@ -28,7 +28,10 @@ SHIMS = Path(__file__).resolve().parent
 
 def pth_lines() -> list[str]:
     lines = [str(SHIMS / "sgl_kernel_stub")]
-    if importlib.util.find_spec("torchvision") is None:
+    spec = importlib.util.find_spec("torchvision")
+    # our own stand-in, found through a .pth written before, is not a real torchvision: an install
+    # run again keeps it
+    if spec is None or SHIMS in Path(spec.origin or "").resolve().parents:
         lines.append(str(SHIMS / "torchvision_stub"))
     lines.append(str(SHIMS / "sglang_cpu"))
     lines.append("import sglang_cpu_patches; sglang_cpu_patches.install()")
