@@ -15,7 +15,8 @@ OpenTelemetry set-up in all four. At interval 1 every forward step is a sampling
 sliding-window layer of the step, up to 8 queries). Rounds interleave them (each round runs every variant once, the
 order turning round by round); the figure per run is output tokens per second of the timed
 ``generate`` (the 16 short prefills included, the warm-up request not), and each ratio is taken
-round by round. Then, with the timers of ``tests/engines/shims/sglang_cpu/sglang_step_profile.py``
+round by round; the CPU time each engine process spent in that ``generate`` is printed too (on a
+machine with few cores another process's CPU is the engine's wall time). Then, with the timers of ``tests/engines/shims/sglang_cpu/sglang_step_profile.py``
 in the scheduler process, one more run per interval gives the per-step cost of the instrumentor's
 parts (not timed for the throughput: the timers cost a little themselves).
 
@@ -143,12 +144,15 @@ def main() -> None:
         try:
             with installed(args.revision):
                 got: dict[str, list[float]] = {name: [] for name in VARIANTS}
+                cpu: dict[str, dict[str, list[float]]] = {}  # process -> variant -> CPU s of each timed generate
                 names = list(VARIANTS)
                 for r in range(args.rounds):
                     order = names[r % len(names):] + names[:r % len(names)]
                     for name in order:
                         result = run_engine(model, work, engine_env(endpoint, VARIANTS[name]), f"r{r}-{_slug(name)}")
                         got[name].append(result["tokens"] / result["generate_s"])
+                        for process, seconds in result.get("cpu_s", {}).items():
+                            cpu.setdefault(process, {}).setdefault(name, []).append(seconds)
                         print(f"  round {r + 1} {name:26s} {got[name][-1]:8.1f} tokens/s  ({load_line()})", flush=True)
                 profiles = {}
                 if not args.no_profile:
@@ -175,6 +179,10 @@ def main() -> None:
                 "window 9 keys, up to 8 queries, 1 sliding-window layer a step)",
                 ("sampling step with / without the read check", "ms per step added"),
                 [(fmt(ratios(got["interval 1, read check off"], got["interval 1"]), 1, 3), fmt(check_ms, 1, 2))])
+    cpu_rows = [[process] + [fmt(cpu[process].get(name, [0.0]), 1, 2) for name in VARIANTS]
+                for process in sorted(cpu) if max(max(v) for v in cpu[process].values()) >= 0.05]
+    print_table("CPU time of each engine process during the timed generate, s (user + system, psutil)",
+                ["process"] + list(VARIANTS), cpu_rows)
     for name, (steps, table) in profiles.items():
         print_table(f"the instrumentor's parts at {name}, in the scheduler process ({steps} forward steps; wall / thread CPU)",
                     ("part", "calls / step", "us / call", "us / step (wall)"), table)

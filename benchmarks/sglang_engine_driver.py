@@ -7,7 +7,9 @@ first 16 requests of the packaged Azure conversation trace as the engine suite m
 16-token shared system prompt and 4-24 more tokens), each generating 160 tokens greedily
 (``ignore_eos``); the pool holds them all (4,096 FULL slots, 16 running requests), so after the
 prefill every forward step decodes the 16 requests over about 3,000 live tokens. One short
-request first warms the engine up (not timed). Writes ``{"tokens", "generate_s", "startup_s"}``.
+request first warms the engine up (not timed). Writes ``{"tokens", "generate_s", "startup_s", "cpu_s"}``,
+``cpu_s`` the CPU time (user + system, psutil) each engine process spent during the timed generate, by
+process name (SGLang names its scheduler ``sglang::scheduler``; this script's own process is ``main``).
 """
 
 from __future__ import annotations
@@ -39,13 +41,49 @@ def main(config_path: str) -> None:
     prompts, _ = traffic(REQUESTS)
     params = {"temperature": 0.0, "max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}
     engine.generate(input_ids=prompts[:1], sampling_params={**params, "max_new_tokens": 8})  # warm-up
+    processes = _engine_processes()
+    cpu_before = _cpu_times(processes)
     begin = time.monotonic()
     outputs = engine.generate(input_ids=prompts, sampling_params=[params] * REQUESTS)
     generate_s = time.monotonic() - begin
+    cpu_after = _cpu_times(processes)
+    cpu_s = {name: round(cpu_after[name] - cpu_before.get(name, 0.0), 4) for name in cpu_after}
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     engine.shutdown()
     with open(config["out"], "w") as f:
-        json.dump({"tokens": tokens, "generate_s": generate_s, "startup_s": started - T0}, f)
+        json.dump({"tokens": tokens, "generate_s": generate_s, "startup_s": started - T0, "cpu_s": cpu_s}, f)
+
+
+def _engine_processes() -> dict:
+    """This process (``main``) and its descendants, by name (a second of a name gets ``#2``)."""
+    import psutil
+
+    me = psutil.Process()
+    named = {"main": me}
+    for child in me.children(recursive=True):
+        try:
+            name = child.name()
+        except psutil.Error:
+            continue
+        key, n = name, 1
+        while key in named:
+            n += 1
+            key = f"{name}#{n}"
+        named[key] = child
+    return named
+
+
+def _cpu_times(processes: dict) -> dict:
+    import psutil
+
+    out = {}
+    for name, process in processes.items():
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        out[name] = times.user + times.system
+    return out
 
 
 if __name__ == "__main__":
