@@ -60,9 +60,9 @@ def _int(text: str) -> int:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    from sglang_engine.server import require_engine_suite
+    from test_sglang_engine import _require as require
 
-    require_engine_suite()
+    require()
     from sglang_engine.harness import build_model
 
     return build_model(tmp_path_factory.mktemp("model"))

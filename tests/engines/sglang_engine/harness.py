@@ -68,6 +68,18 @@ def build_model(out: Path, python: str = sys.executable) -> Path:
     return out
 
 
+def prepare_run(directory: Path) -> "tuple[Path, str]":
+    """Make a run's ``directory`` and its ``probe`` folder; the probe folder and the path of the
+    ``opentelemetry-instrument`` beside this Python (``RuntimeError`` when it is not installed)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe_dir = directory / "probe"
+    probe_dir.mkdir(exist_ok=True)
+    launcher = shutil.which("opentelemetry-instrument", path=os.path.dirname(sys.executable))
+    if launcher is None:
+        raise RuntimeError("opentelemetry-instrument is not installed beside this Python (pip install opentelemetry-distro)")
+    return probe_dir, launcher
+
+
 def run_engine(
     directory: Path,
     model: Path,
@@ -84,12 +96,7 @@ def run_engine(
     of a clean environment (no inherited ``OTEL_*`` / ``SGLANG_*``). ``{otlp_grpc}`` in a value of
     ``engine`` is replaced by the collector's gRPC address (``host:port``); ``driver``: more keys of
     ``drive_engine.py``'s configuration (``sigkill_children``)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    probe_dir = directory / "probe"
-    probe_dir.mkdir(exist_ok=True)
-    launcher = shutil.which("opentelemetry-instrument", path=os.path.dirname(sys.executable))
-    if launcher is None:
-        raise RuntimeError("opentelemetry-instrument is not installed beside this Python (pip install opentelemetry-distro)")
+    probe_dir, launcher = prepare_run(directory)
     with RotelCollector(agent, directory, settle_s=1.0) as collector:
         grpc = f"127.0.0.1:{collector.grpc_port}"
         config = {

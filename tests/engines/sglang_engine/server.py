@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
 import subprocess
 import sys
@@ -32,7 +31,8 @@ from pathlib import Path
 
 from collector_support import RotelCollector, free_port
 
-from sglang_engine.harness import EngineRun
+from opentelemetry.instrumentation.swa_sglang.stop_paths import alive
+from sglang_engine.harness import EngineRun, prepare_run
 
 #: How a run ends: name -> what a user (or their supervisor) does.
 STOPS = {
@@ -144,19 +144,6 @@ def _server_tree(pid: int) -> list:
         return []
 
 
-def _alive(processes: list) -> list:
-    import psutil
-
-    alive = []
-    for process in processes:
-        try:
-            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                alive.append(process)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
 def stop_server(proc: subprocess.Popen, stop: str, timeout_s: float) -> tuple[float, float, list]:
     """Stop the server ``stop``'s way (:data:`STOPS`); returns the wall-clock time of the stop
     (``time.time()``), the seconds until every process of its tree had ended and those still alive
@@ -179,10 +166,10 @@ def stop_server(proc: subprocess.Popen, stop: str, timeout_s: float) -> tuple[fl
         proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         pass
-    while _alive(tree) and time.monotonic() - start < timeout_s:
+    while alive(tree) and time.monotonic() - start < timeout_s:
         time.sleep(0.05)
     seconds = time.monotonic() - start
-    leftover = _alive(tree)
+    leftover = alive(tree)
     for process in leftover:
         try:
             process.kill()
@@ -219,12 +206,7 @@ def run_server(
     ``stop_during_traffic_s``: stop that many seconds after the requests were sent instead, while
     they are served (their answers then go missing: ``status`` 0). ``results["stop_time"]`` is the
     wall-clock time (``time.time()``) of the stop."""
-    directory.mkdir(parents=True, exist_ok=True)
-    probe_dir = directory / "probe"
-    probe_dir.mkdir(exist_ok=True)
-    launcher = shutil.which("opentelemetry-instrument", path=os.path.dirname(sys.executable))
-    if launcher is None:
-        raise RuntimeError("opentelemetry-instrument is not installed beside this Python (pip install opentelemetry-distro)")
+    probe_dir, launcher = prepare_run(directory)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with RotelCollector(agent, directory, settle_s=1.0) as collector:
@@ -273,7 +255,7 @@ def run_server(
                     client.join(timeout=60)
                     sent = holder.get("sent", [])
             except BaseException:
-                for process in _alive(_server_tree(proc.pid)):
+                for process in alive(_server_tree(proc.pid)):
                     process.kill()
                 proc.wait(timeout=30)
                 raise
@@ -286,22 +268,3 @@ def run_server(
     run.pools = [json.loads(line) for path in sorted(probe_dir.glob("pools-*.jsonl"))
                  for line in path.read_text().splitlines()]
     return run
-
-
-def require_engine_suite() -> None:
-    """Skip (fail under ``OTEL_SWA_REQUIRE_SGLANG=1``) when sglang or the suite's CPU shims cannot be
-    imported here."""
-    import importlib.util
-
-    import pytest
-
-    from otel_swa import environment_variables as ev
-
-    missing = [name for name in ("sglang", "sglang_cpu_patches") if importlib.util.find_spec(name) is None]
-    if not missing:
-        return
-    message = (f"{', '.join(missing)} not importable; the server runs need sglang 0.5.23 and the CPU shims "
-               f"(python tests/engines/shims/install.py): run .ci/sglang-tests.sh")
-    if os.environ.get(ev.OTEL_SWA_REQUIRE_SGLANG, "").strip() == "1":
-        pytest.fail(message)
-    pytest.skip(message)

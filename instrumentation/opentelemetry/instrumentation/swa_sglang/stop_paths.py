@@ -69,6 +69,7 @@ import weakref
 from typing import Any, Callable
 
 __all__ = [
+    "alive",
     "WRAPPED",
     "wrappers",
     "FLUSH_RPC_METHOD",
@@ -188,17 +189,18 @@ def children_auto_instrumented() -> bool:
     return directory in [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
 
 
-def _alive(processes: list) -> list:
+def alive(processes: list) -> list:
+    """Those of ``processes`` (``psutil.Process``) still running and not zombies."""
     import psutil
 
-    alive = []
+    running = []
     for process in processes:
         try:
             if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
-                alive.append(process)
+                running.append(process)
         except psutil.Error:
             pass
-    return alive
+    return running
 
 
 def scheduler_processes(root_pid: "int | None" = None, include_root: bool = False) -> list:
@@ -214,7 +216,7 @@ def scheduler_processes(root_pid: "int | None" = None, include_root: bool = Fals
     except psutil.Error:
         return []
     schedulers = []
-    for process in _alive(tree):
+    for process in alive(tree):
         try:
             if " ".join(process.cmdline()).startswith(SCHEDULER_TITLE):
                 schedulers.append(process)
@@ -236,7 +238,7 @@ def flush_schedulers(sock: Any, schedulers: list, timeout_s: float) -> str:
     sent = False
     exit_answer: "bool | None" = None  # rank 0's answer from its exit, while the others still run
     while time.monotonic() < deadline:
-        if not _alive(schedulers):
+        if not alive(schedulers):
             if exit_answer is None:
                 return "exited"
             return "flushed at exit" if exit_answer else "failed"
