@@ -223,8 +223,9 @@ class ReadCheck:
             sinks: ``float [num_q_heads]`` attention sink logits, or ``None``.
 
         Unsupported inputs (a KV or output dtype outside float32/64/16/bfloat16, heads that do not
-        divide, a ``q``/``out`` with fewer rows than the batch's requests, sinks that are not one
-        per query head) are counted as unchecked, never raised: the engine's forward goes on.
+        divide or are not a positive int, a window that is not an int >= 1, ``seq_lens`` or
+        ``query_rows`` not one per request, a ``q``/``out`` with fewer rows than the batch's
+        requests, sinks that are not one per query head) are counted as unchecked, never raised: the engine's forward goes on.
         ``req_to_token`` may have any strides (a column slice of a wider table).
         """
         self.layer_calls += 1
@@ -237,7 +238,9 @@ class ReadCheck:
         v_dim = int(v_buffer.shape[2]) if v_buffer.dim() == 3 else 0
         rows_needed = batch * num_q_heads  # every request has a query row (its last token) at least
         supported = (
-            kv_heads > 0 and num_q_heads % kv_heads == 0 and window >= 1 and req_to_token.dim() == 2
+            kv_heads > 0 and type(num_q_heads) is int and num_q_heads > 0 and num_q_heads % kv_heads == 0  # noqa: E721
+            and type(window) is int and window >= 1 and req_to_token.dim() == 2  # noqa: E721
+            and tuple(seq_lens.shape) == (batch,) and (query_rows is None or tuple(query_rows.shape) == (batch,))
             and all(t.dtype in _CHECKED_DTYPES for t in (q, out, k_buffer, v_buffer))
             and q.numel() % (num_q_heads * head_dim) == 0 and out.numel() % (num_q_heads * v_dim) == 0
             and q.numel() // head_dim >= rows_needed and out.numel() // v_dim >= rows_needed

@@ -173,6 +173,20 @@ def test_unsupported_variants_are_counted_unchecked_never_faults():
     assert (checked, mismatched) == (0, 0) and unchecked == (10 if fp8 is not None else 5)
 
 
+@pytest.mark.parametrize("bad", [{"num_q_heads": 0}, {"window": 8.0}, {"seq_lens": "short"}, {"query_rows": "short"}])
+def test_arguments_of_the_wrong_kind_or_length_are_unchecked_not_raised(bad):
+    pool = Pool()
+    out = pool.engine_output(8)
+    args = dict(layer_id=0, q=pool.q, out=out, k_buffer=pool.k, v_buffer=pool.v, req_to_token=pool.req_to_token,
+                full_to_swa_index_mapping=pool.mapping, req_pool_indices=pool.rows, seq_lens=pool.seq_lens,
+                query_rows=None, window=8, scaling=pool.scaling, num_q_heads=pool.q_heads)
+    for name, value in bad.items():  # "short": one entry fewer than the batch's requests
+        args[name] = pool.seq_lens[:-1] if value == "short" else value
+    check = ReadCheck("cpu")
+    assert check.check_layer(**args) == 0
+    assert read_counts(check.take().tolist()) == (0, 0, 5)  # the batch's 5 requests, none checked
+
+
 @pytest.mark.parametrize("budget_windows", [1, 3, 8])  # chunks of 1 key, of 3, the whole window
 def test_a_small_kv_budget_checks_every_query_in_chunks_with_the_same_verdict(budget_windows):
     pool = Pool(batch=5, kv_heads=2, head_dim=8, v_dim=8)
