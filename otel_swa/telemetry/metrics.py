@@ -32,6 +32,7 @@ never go down: no false reset under cumulative temporality, no negative point un
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import threading
@@ -379,12 +380,18 @@ class SwaMetrics:
         self._lock = threading.Lock()  # the record stores
         self._stores: "weakref.WeakSet[RecordStore]" = weakref.WeakSet()
         self._retired_totals: dict[tuple, int] = {}  # totals of garbage-collected stores, per series
-        # reentrant: a reporter's finalizer may run (garbage collection) while the lock is held
-        self._stats_lock = threading.RLock()
+        # The finalizers of stores and reporters run wherever garbage collection finds them dead: on
+        # any thread, inside any allocation, this object's own locked sections included (taking a
+        # lock there deadlocks the delivery thread against itself; a reentrant one lets the
+        # finalizer change a dict the section is iterating). So a finalizer only appends here (a
+        # deque's append is atomic) and the readers fold the queue in under their lock.
+        self._dead_stores: "collections.deque[tuple[dict, dict]]" = collections.deque()
+        self._stats_lock = threading.Lock()
         # live reporter -> (its last counts seen per ReporterStats counter field, its attributes, its sink)
         self._reporters: "weakref.WeakKeyDictionary[Any, tuple[dict, tuple, Any]]" = weakref.WeakKeyDictionary()
         # counts of reporters that were garbage-collected, per (attributes, field, fault)
         self._retired: dict[tuple, int] = {}
+        self._dead_reporters: "collections.deque[tuple[dict, tuple]]" = collections.deque()
         self._counter_fields = tuple((spec.read, spec.kind) for spec in INSTRUMENTS if spec.kind in (STATS_COUNTER, SINK_COUNTER))
         self._instruments: dict[str, Any] = {}
         for spec in INSTRUMENTS:
@@ -420,12 +427,16 @@ class SwaMetrics:
         store = RecordStore(attributes)
         with self._lock:
             self._stores.add(store)
-        finalizer = weakref.finalize(store, self._retire_totals, store.totals, store.offsets)
+        finalizer = weakref.finalize(store, self._dead_stores.append, (store.totals, store.offsets))
         finalizer.atexit = False
         return store
 
-    def _retire_totals(self, totals: dict, offsets: dict) -> None:
-        with self._lock:
+    def _retire_dead_stores(self) -> None:
+        """Fold the totals of the stores garbage-collected so far into the retired totals (with
+        ``_lock`` held). A reader lists the live stores first, then calls this: a store missing
+        from that list died before it, so its finalizer has queued its totals already."""
+        while self._dead_stores:
+            totals, offsets = self._dead_stores.popleft()
             for key, total in totals.items():
                 self._retired_totals[key] = self._retired_totals.get(key, 0) + total + offsets.get(key, 0)
 
@@ -436,10 +447,12 @@ class SwaMetrics:
         def callback(options: CallbackOptions) -> Iterator[Observation]:
             sums: dict[tuple, list] = {}
             with self._lock:
+                stores = list(self._stores)  # (strong references: none of these dies meanwhile)
+                self._retire_dead_stores()
                 for key, value in self._retired_totals.items():
                     if key[0] == name:
                         sums[key[1]] = [value, None, None, 0]
-                for store in list(self._stores):
+                for store in stores:
                     for key, total in store.totals.items():
                         if key[0] != name:
                             continue
@@ -544,7 +557,8 @@ class SwaMetrics:
 
         def callback(options: CallbackOptions) -> Iterator[Observation]:
             with self._stats_lock:
-                live = list(self._reporters.items())
+                live = list(self._reporters.items())  # (strong references: none of these dies meanwhile)
+                self._retire_dead_reporters()
                 totals: dict[tuple, int] = {}
                 if cumulative:
                     for (attributes, name, part), value in self._retired.items():
@@ -571,9 +585,11 @@ class SwaMetrics:
 
         return callback
 
-    def _retire(self, seen: dict, attributes: tuple) -> None:
-        """Finalizer of an attached reporter: keep its last counts seen in the summed counters."""
-        with self._stats_lock:
+    def _retire_dead_reporters(self) -> None:
+        """Keep the last counts seen of the reporters garbage-collected so far in the summed
+        counters (with ``_stats_lock`` held; their finalizers queued them: see ``__init__``)."""
+        while self._dead_reporters:
+            seen, attributes = self._dead_reporters.popleft()
             for (field, part), value in seen.items():
                 key = (attributes, field, part)
                 self._retired[key] = self._retired.get(key, 0) + value
@@ -596,7 +612,7 @@ class SwaMetrics:
                 return
             seen: dict = {}
             self._reporters[reporter] = (seen, key, weakref.ref(sink) if sink is not None else None)
-        finalizer = weakref.finalize(reporter, self._retire, seen, key)
+        finalizer = weakref.finalize(reporter, self._dead_reporters.append, (seen, key))
         finalizer.atexit = False
 
     def note_stats(self, reporter: Any) -> None:

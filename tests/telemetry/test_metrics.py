@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import gc
+import threading
+
 import pytest
+import torch
 
 from otel_swa.record import SwaDivergenceRecord
+from otel_swa.reporter import SwaDivergenceReporter
 from otel_swa.telemetry import INSTRUMENTS, SwaTelemetrySink
 from otel_swa.telemetry.metrics import DELAY_BUCKETS
+from otel_swa.views.base import SwaBatch
 
 R = SwaDivergenceRecord
 # Three records as a reporter with interval 20 would deliver them.
@@ -234,13 +240,56 @@ def test_each_store_keeps_its_own_totals_and_the_counters_sum_them(pipeline):
     assert a.totals[("kv_cache.swa.forward_steps", ())] == 40 and b.totals[("kv_cache.swa.forward_steps", ())] == 10
     # b's reporter goes away: its totals stay in the counters (no false reset), a goes on
     del b
-    import gc
-
     gc.collect()
     sink.metrics.record(RECORDS[2], None, store=a)
     m = pipeline.metrics()
     assert value(m["kv_cache.swa.forward_steps"]["points"]) == 60 + 10
     assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 15000 + 1000
+
+
+def _die_while_locked(lock, holder: list) -> bool:
+    """Drop the last reference to ``holder[0]`` while ``lock`` is held, on another thread (as a
+    garbage collection inside the delivery thread's locked section drops a dead reporter's store);
+    True when that thread finished within 5 s."""
+    def run():
+        with lock:
+            holder.clear()  # the object's finalizer runs here, on this thread, the lock held
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(5)
+    return not thread.is_alive()
+
+
+def test_a_store_dying_inside_the_metrics_lock_neither_deadlocks_nor_loses_its_totals(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    a, b = sink.metrics.store(), sink.metrics.store()
+    sink.metrics.record(RECORDS[0], None, store=a)  # a: 20 steps, 5120 FULL entries
+    sink.metrics.record(R(10, 1000, 400, 0, 0), None, store=b)  # b: 10 steps, 1000 FULL entries
+    holder = [b]
+    del b
+    assert _die_while_locked(sink.metrics._lock, holder), "the store's finalizer deadlocked on the metrics lock"
+    m = pipeline.metrics()
+    assert value(m["kv_cache.swa.forward_steps"]["points"]) == 20 + 10
+    assert value(m["kv_cache.swa.entries.verified"]["points"], pool="full") == 5120 + 1000
+    assert "kv_cache.swa.reporter.resets" not in m
+
+
+def test_a_reporter_dying_inside_the_stats_lock_neither_deadlocks_nor_loses_its_counts(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    reporter = SwaDivergenceReporter(1, device="cpu", ring_size=2)
+    sink.attach(reporter)
+    view = SwaBatch(torch.tensor([[1, 2, 3]], dtype=torch.int32), torch.tensor([0, 1, 2, 3, 0]), torch.tensor([0]),
+                    torch.tensor([3]))
+    for _ in range(3):  # interval 1: 3 samples taken and delivered
+        reporter.step(view)
+    reporter.close()
+    holder = [reporter]
+    del reporter
+    assert _die_while_locked(sink.metrics._stats_lock, holder), "the reporter's finalizer deadlocked on the stats lock"
+    gc.collect()
+    m = pipeline.metrics()
+    assert value(m["kv_cache.swa.reporter.samples.delivered"]["points"]) == 3
 
 
 def test_values_are_read_at_collection_and_delivery_calls_the_sdk_once(pipeline, monkeypatch):
