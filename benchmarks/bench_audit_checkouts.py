@@ -15,7 +15,13 @@ Printed: per FULL pool size (65,536 / 1,048,576 / 4,194,304 slots) and revision,
 spread over the rounds of each child's medians: the step with the audit, without, their difference
 (the audit's own cost) and their ratio.
 
-Run: ``python benchmarks/bench_audit_checkouts.py [--rounds 3] [REV ...]`` from the repository
+With ``--sglang-sized`` the SWA pool is sized as SGLang sizes it (``swa_full_tokens_ratio`` 0.8 of the
+FULL pool: 52K / 839K / 3.36M slots) with every slot no holder maps to on the free list (44K / 831K /
+3.35M ids), and a fourth shape: an SWA pool of 131,072 slots, 57K holders of which 54K in the
+window; a revision whose audit runs in passes (``SwaAuditSweep``) is timed over whole passes (the
+mean step), one without over 5 steps (every step does the whole audit).
+
+Run: ``python benchmarks/bench_audit_checkouts.py [--rounds 3] [--sglang-sized] [REV ...]`` from the repository
 (default revisions: ``43e5981``, the audit over the whole FULL pool, and ``HEAD``).
 """
 
@@ -34,17 +40,24 @@ POOLS = (65536, 1 << 20, 1 << 22)
 PAIRS = 7
 
 
-def child() -> None:
-    """Time one revision (the ``otel_swa`` on ``sys.path``); print the three median ratios as JSON."""
+#: ``--sglang-sized``: (FULL pool, SWA pool slots, requests, holders in the window): the SWA pool 0.8 of
+#: the FULL pool (SGLang's ``swa_full_tokens_ratio`` default), and a 128K SWA pool with 57K holders.
+SGLANG_SIZED = tuple((pool, int(0.8 * pool), 56, 8000) for pool in POOLS) + ((163840, 131072, 57, 54 * 1024),)
+
+
+def child(sglang_sized: bool = False) -> None:
+    """Time one revision (the ``otel_swa`` on ``sys.path``); print per shape ``[with, without, ratio]``
+    medians as JSON."""
     import torch
 
     from otel_swa.reporter import SwaDivergenceReporter
     from otel_swa.views import SwaAuditInputs, SwaBatch
 
     torch.set_num_threads(1)
-    batch, width, per_request, swa_slots, in_window = 56, 4096, 1000, 8192, 8000
+    width, per_request = 4096, 1000
+    shapes = SGLANG_SIZED if sglang_sized else tuple((pool, 8192, 56, 8000) for pool in POOLS)
     medians = []
-    for pool in POOLS:
+    for pool, swa_slots, batch, in_window in shapes:
         gen = torch.Generator().manual_seed(0)
         live = batch * per_request
         held = (torch.randperm(pool - 1, generator=gen)[:live] + 1).to(torch.int32)
@@ -63,10 +76,20 @@ def child() -> None:
             return SwaBatch(req_to_token, mapping, torch.tensor(rows), torch.tensor(lens), lens, swa_audit=swa_audit)
 
         runs = {}
+        steps = 5
         for name, v in (("audit", view(audit)), ("plain", view(None))):
             reporter = SwaDivergenceReporter(1, device="cpu", ring_size=8)
+            sweep = getattr(reporter, "_audit_sweep", None)
+            if name == "audit" and sweep is not None:  # an audit in passes: time whole passes
+                reporter.step(v)
+                reporter.flush()
+                while sweep.in_progress:
+                    reporter.step(v)
+                    reporter.flush()
+                steps = sweep.last_pass_samples * max(1, -(-5 // sweep.last_pass_samples))
 
-            def run(reporter=reporter, v=v, n=5):
+            def run(reporter=reporter, v=v, n=None):
+                n = n or steps
                 start = time.perf_counter()
                 for _ in range(n):
                     reporter.step(v)
@@ -76,7 +99,7 @@ def child() -> None:
             runs[name] = run
         for _ in range(3):  # warm-up: the allocator and the caches
             runs["audit"](), runs["plain"]()
-        pairs = [(runs["audit"]() / 5, runs["plain"]() / 5) for _ in range(PAIRS)]
+        pairs = [(runs["audit"]() / steps, runs["plain"]() / steps) for _ in range(PAIRS)]
         medians.append([statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
                         statistics.median(a / b for a, b in pairs)])
     print(json.dumps(medians))
@@ -86,6 +109,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("revisions", nargs="*", default=["43e5981", "HEAD"])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--sglang-sized", action="store_true",
+                        help="SWA pools sized as SGLang sizes them (0.8 of the FULL pool, mostly free) and a 128K SWA pool")
     args = parser.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
     sys.path.insert(0, here)
@@ -107,21 +132,25 @@ def main() -> None:
         for _ in range(args.rounds):
             for rev, root in roots.items():
                 env = dict(os.environ, PYTHONPATH=root)
-                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"], env=env, check=True,
+                out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child"]
+                                     + ["--sglang-sized"] * args.sglang_sized, env=env, check=True,
                                      capture_output=True, text=True).stdout
                 got[rev].append(json.loads(out.strip().splitlines()[-1]))
     rows = []
-    for i, pool in enumerate(POOLS):
+    shapes = SGLANG_SIZED if args.sglang_sized else tuple((pool, 8192, 56, 8000) for pool in POOLS)
+    for i, (pool, swa_slots, batch, _) in enumerate(shapes):
         for rev, rounds in got.items():
             audited, plain = [r[i][0] for r in rounds], [r[i][1] for r in rounds]
-            rows.append((f"{pool:,}", rev, fmt(audited, 1e3, 3), fmt(plain, 1e3, 3),
+            label = f"{pool:,}" + (f" / SWA {swa_slots:,}" if args.sglang_sized else "")
+            rows.append((label, rev, fmt(audited, 1e3, 3), fmt(plain, 1e3, 3),
                          fmt([a - b for a, b in zip(audited, plain)], 1e3, 3), fmt([r[i][2] for r in rounds], 1, 2, "x")))
-    print_table("SWA slot audit / no audit, 56K holders listed (one sampling step, ms)",
-                ("FULL pool", "revision", "with audit", "without", "the audit's own", "with / without"), rows)
+    print_table("SWA slot audit / no audit, " + ("SWA pools as SGLang sizes them, holders listed (mean sampling step, ms)"
+                if args.sglang_sized else "56K holders listed (one sampling step, ms)"),
+                ("FULL pool" + (" / SWA pool" if args.sglang_sized else ""), "revision", "with audit", "without", "the audit's own", "with / without"), rows)
 
 
 if __name__ == "__main__":
-    if sys.argv[1:] == ["--child"]:
-        child()
+    if sys.argv[1:2] == ["--child"]:
+        child("--sglang-sized" in sys.argv[2:])
     else:
         main()

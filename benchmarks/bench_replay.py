@@ -19,12 +19,16 @@ forward-step spans of the OTLP run follow it (``OTEL_SWA_FORWARD_SPANS=sampled``
 Output goes to ``/dev/null``; each run is a fresh process (start-up included, as a user sees it),
 torch on one thread in every child (``OMP_NUM_THREADS=1``).
 
-Run: ``python benchmarks/bench_replay.py [--rounds 5] [--requests 200] [--only NAME]``
+``--revisions REV ...`` runs each pair for each revision in turn (``_revisions.py``: the revision's
+``otel_swa`` first on ``PYTHONPATH``; ``worktree`` is this working tree), a row per pair and revision.
+
+Run: ``python benchmarks/bench_replay.py [--rounds 5] [--requests 200] [--only NAME] [--revisions REV ...]``
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -36,6 +40,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt, machine_line, one_thread, print_table, ratios  # noqa: E402
+from _revisions import label, unpacked  # noqa: E402
 
 REPLAY = [sys.executable, "-m", "otel_swa.cli", "replay", "--no-progress"]
 
@@ -89,6 +94,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--only", help="run only the pairs whose name contains this text")
+    parser.add_argument("--revisions", nargs="+", help="run each pair for these revisions of otel-swa (each one's "
+                        "otel_swa unpacked from git and put first on PYTHONPATH; worktree: this working tree), in turn")
     args = parser.parse_args()
     one_thread()
     print(machine_line())
@@ -123,25 +130,37 @@ def main() -> None:
         ),
     }
     rows = []
-    try:
-        for name, (a, b) in pairs.items():
-            if args.only and args.only not in name:
-                continue
-            cpu_seconds(*a)  # warm-up (file cache, byte code)
-            cpu_seconds(*b)
-            runs_a, runs_b = [], []
-            for _ in range(args.rounds):
-                runs_a.append(cpu_seconds(*a))
-                runs_b.append(cpu_seconds(*b))
-            user_a, cpu_a = zip(*runs_a)
-            user_b, cpu_b = zip(*runs_b)
-            rows.append((name, fmt(ratios(cpu_a, cpu_b), 1, 3), fmt(ratios(user_a, user_b), 1, 3),
-                         f"{statistics.median(cpu_a):.2f}", f"{statistics.median(cpu_b):.2f}"))
-            print(f"  {name}: cpu {rows[-1][1]}, user {rows[-1][2]}", flush=True)
-    finally:
-        if collector is not None:
-            collector.kill()
-            collector.wait()
+    revisions = args.revisions or [None]
+    with contextlib.ExitStack() as stack:
+        roots = stack.enter_context(unpacked(args.revisions)) if args.revisions else {None: None}
+        try:
+            for name, (a, b) in pairs.items():
+                if args.only and args.only not in name:
+                    continue
+
+                def at(rev, run):  # the run with the revision's otel_swa first on the path
+                    argv, environment = run
+                    return (argv, environment if roots[rev] is None else {**environment, "PYTHONPATH": roots[rev]})
+
+                for rev in revisions:  # warm-up (file cache, byte code)
+                    cpu_seconds(*at(rev, a))
+                    cpu_seconds(*at(rev, b))
+                runs = {rev: ([], []) for rev in revisions}
+                for _ in range(args.rounds):
+                    for rev in revisions:
+                        runs[rev][0].append(cpu_seconds(*at(rev, a)))
+                        runs[rev][1].append(cpu_seconds(*at(rev, b)))
+                for rev in revisions:
+                    user_a, cpu_a = zip(*runs[rev][0])
+                    user_b, cpu_b = zip(*runs[rev][1])
+                    shown = name if rev is None else f"{name} ({label(rev)})"
+                    rows.append((shown, fmt(ratios(cpu_a, cpu_b), 1, 3), fmt(ratios(user_a, user_b), 1, 3),
+                                 f"{statistics.median(cpu_a):.2f}", f"{statistics.median(cpu_b):.2f}"))
+                    print(f"  {shown}: cpu {rows[-1][1]}, user {rows[-1][2]}", flush=True)
+        finally:
+            if collector is not None:
+                collector.kill()
+                collector.wait()
     print()
     print_table("replay CPU time, A / B (whole process; cpu = user + system)",
                 ("pair A / B", "cpu A / B", "user A / B", "A cpu s", "B cpu s"), rows)

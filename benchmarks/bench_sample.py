@@ -1,6 +1,6 @@
 """The sample's cost side by side: audit, live vs dense, against SGLang's gather, per live token, ops.
 
-Prints four tables (each figure the median over interleaved rounds, spread min - max; torch on one
+Prints six tables (each figure the median over interleaved rounds, spread min - max; torch on one
 thread):
 
 1. **audit / no audit**: sampling ``reporter.step`` calls with the SWA slot audit over its inputs
@@ -25,9 +25,15 @@ thread):
 5. **window check / none**: one sampling ``reporter.step`` whose view gives its ``sliding_window``
    and per-request ``extend_lens_cpu`` (premature evictions and late-held SWA slots counted, :mod:`otel_swa.device.window`) against
    the same view without one, on the live gather (1M live tokens, batch 256, fill 1/8), the dense
-   gather (fill 0.97) and the dense gather without host lengths, with the device operations of each.
+   gather (fill 0.97) and the dense gather without host lengths, with the device operations of each;
+6. **the floor**: table 4's 1M-token sample against the two reads any sample must make, each one
+   ``index_select``: the live tokens' FULL slots from ``req_to_token`` (rows read in order), and
+   their SWA slots from the mapping at those FULL slots (read at random: the costly one); the two
+   together (with the int32 -> int64 widening between them) are the floor.
 
-Run: ``python benchmarks/bench_sample.py [--rounds 7] [--device cpu] [--large] [--quick]``
+Run: ``python benchmarks/bench_sample.py [--rounds 7] [--device cpu] [--large] [--quick] [--sections 1,...]``;
+``PYTHONPATH=<an older revision's root> python benchmarks/bench_sample.py --sections 3,6`` times that
+revision's reporter the same way (tables 3, 4 and 6 use only its public API).
 (``--quick``: small shapes and 3 rounds, to check that it runs.)
 """
 
@@ -42,7 +48,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt, interleaved, machine_line, one_thread, print_table, ratios, timed  # noqa: E402
 
-from otel_swa.device import DENSE_FILL_RATIO, STAGE_WIDTH, Workspace, stage_sample  # noqa: E402
+from otel_swa.device import STAGE_WIDTH, stage_sample  # noqa: E402
+
+try:
+    from otel_swa.device import DENSE_FILL_RATIO, Workspace
+except ImportError:  # a revision before them, on PYTHONPATH: tables 3, 4 and 6 (the reporter's public API) only
+    DENSE_FILL_RATIO = Workspace = None
 from otel_swa.reporter import SwaDivergenceReporter  # noqa: E402
 from otel_swa.views import SwaAuditInputs, SwaBatch  # noqa: E402
 
@@ -104,9 +115,11 @@ def healthy_swa_pool(mapping, holders, swa_pages: int, in_window: int, seed: int
 
 
 def view_of(req_to_token, mapping, rows, lens, device, audit=None, host=True) -> SwaBatch:
+    # (an older revision's SwaBatch may lack the host rows: they are left out there)
+    rows_cpu = {"req_pool_indices_cpu": rows if host else None} if "req_pool_indices_cpu" in SwaBatch.__dataclass_fields__ else {}
     return SwaBatch(
         req_to_token, mapping, torch.tensor(rows, device=device), torch.tensor(lens, device=device),
-        lens if host else None, swa_audit=audit, req_pool_indices_cpu=rows if host else None,
+        lens if host else None, swa_audit=audit, **rows_cpu,
     )
 
 
@@ -173,7 +186,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--large", action="store_true", help="also 7M and 30M live tokens, and batch 256 x 131K")
     parser.add_argument("--quick", action="store_true", help="small shapes, 3 rounds (a dry run)")
-    parser.add_argument("--sections", default="1,2,3,4,5", help="which tables to print (default all: 1,2,3,4,5)")
+    parser.add_argument("--sections", default="1,2,3,4,5,6", help="which tables to print (default all: 1,2,3,4,5,6)")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     one_thread()
@@ -183,7 +196,7 @@ def main() -> None:
     print(machine_line())
     print(f"device {device}, {rounds} rounds, interleaved; median (min - max)\n")
 
-    ws = Workspace(device)
+    ws = Workspace(device) if Workspace is not None else None
     out = torch.zeros(STAGE_WIDTH, dtype=torch.int64, device=device)
     totals = torch.zeros(2, dtype=torch.int64, device=device)
 
@@ -329,6 +342,41 @@ def main() -> None:
             del r2t, mapping, plain, windowed
         print_table(f"5. window check / none (one sampling step, batch {batch}, {live / (1 << 20):.2f}M live tokens; ms)",
                     ("gather", "with window", "without", "window / none", "device ops"), rows_out)
+
+    if "6" in sections:
+        # 6. the sample against its floor: every live token's FULL slot must be read from req_to_token
+        # (one gather) and its SWA slot from the mapping (a second, dependent gather)
+        live = (1 << 16) if args.quick else (1 << 20)
+        one, counted = per_token_sample(live, device)
+        per_request = live // 256
+        r2t, mapping, rows, lens, _ = make_batch(256, per_request * 8, per_request, 2 * live, device)
+        flat = (torch.tensor(rows, device=device)[:, None] * r2t.shape[1]
+                + torch.arange(per_request, device=device)[None, :]).reshape(-1)
+        full = torch.empty(flat.numel(), dtype=r2t.dtype, device=device)
+        wide = torch.empty(flat.numel(), dtype=torch.int64, device=device)
+        swa = torch.empty(flat.numel(), dtype=mapping.dtype, device=device)
+        table = r2t.reshape(-1)
+
+        def one_gather():
+            torch.index_select(table, 0, flat, out=full)
+
+        def mapping_gather():
+            torch.index_select(mapping, 0, wide, out=swa)
+
+        def two_gathers():
+            torch.index_select(table, 0, flat, out=full)
+            wide.copy_(full)
+            torch.index_select(mapping, 0, wide, out=swa)
+
+        two_gathers()  # the FULL slots in ``wide`` for the mapping's gather alone
+        got = interleaved({"sample": timed(one, 1, sync), "one": timed(one_gather, 1, sync),
+                           "mapping": timed(mapping_gather, 1, sync), "two": timed(two_gathers, 1, sync)}, rounds, warmup=2)
+        print_table(f"6. the sample against its floor ({counted / (1 << 20):.0f}M live tokens, batch 256, fill 1/8; ms)",
+                    ("sample", "req_to_token gather", "mapping gather", "both gathers", "sample / mapping gather",
+                     "sample / both gathers"),
+                    [(fmt(got["sample"], 1e3, 2), fmt(got["one"], 1e3, 2), fmt(got["mapping"], 1e3, 2), fmt(got["two"], 1e3, 2),
+                      fmt(ratios(got["sample"], got["mapping"]), 1, 2, "x"), fmt(ratios(got["sample"], got["two"]), 1, 2, "x"))])
+        del one, r2t, mapping
 
 
 if __name__ == "__main__":

@@ -20,11 +20,22 @@ machine with few cores another process's CPU is the engine's wall time). Then, w
 in the scheduler process, one more run per interval gives the per-step cost of the instrumentor's
 parts (not timed for the throughput: the timers cost a little themselves).
 
+The CPU table also gives the main process's garbage collections in the timed ``generate``
+(``gc.callbacks``), and the profiled runs (``off`` too) the scheduler's, by generation: a full
+collection of a process holding SGLang and torch takes 0.4 s, and where one falls (inside the timed
+window or not) moves with how many objects each process has made since its last one: in these
+runs the main process's (SGLang's ``TokenizerManager``; otel-swa does nothing per request there)
+falls inside the timed ``generate`` with otel-swa's instrumentor loaded and outside it without. ``--freeze-gc``
+calls SGLang's ``Engine.freeze_gc()`` after the warm-up in every run, as SGLang's own long-collection
+warning advises for serving: the objects of start-up leave the collector, and a full collection
+costs little wherever it falls.
+
 ``--revision REV`` measures another revision of otel-swa instead of the working tree: it is
 installed into this environment for the run (``pip install --no-deps -e`` of its ``git archive``)
 and the working tree is installed back at the end.
 
-Run: ``.venv-sglang/bin/python benchmarks/bench_sglang_engine.py [--rounds 5] [--revision REV]``
+Run: ``.venv-sglang/bin/python benchmarks/bench_sglang_engine.py [--rounds 5] [--freeze-gc] [--variants ...]
+[--no-profile] [--revision REV]``
 """
 
 from __future__ import annotations
@@ -34,11 +45,9 @@ import contextlib
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -75,12 +84,12 @@ def _slug(name: str) -> str:
     return "".join(ch for ch in name if ch.isalnum())
 
 
-def run_engine(model: Path, work: Path, env: dict, name: str) -> dict:
-    """One engine run; its results (``tokens``, ``generate_s``) and its log's path."""
+def run_engine(model: Path, work: Path, env: dict, name: str, freeze_gc: bool = False) -> dict:
+    """One engine run; its results (``tokens``, ``generate_s``, ``cpu_s``, ``gc_main``: see the driver)."""
     directory = work / name
     directory.mkdir(parents=True, exist_ok=True)
     config = directory / "config.json"
-    config.write_text(json.dumps({"model": str(model), "out": str(directory / "results.json")}))
+    config.write_text(json.dumps({"model": str(model), "out": str(directory / "results.json"), "freeze_gc": freeze_gc}))
     launcher = shutil.which("opentelemetry-instrument", path=os.path.dirname(sys.executable))
     if launcher is None:
         raise SystemExit("opentelemetry-instrument is not beside this Python: run with .venv-sglang/bin/python")
@@ -128,6 +137,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--revision", help="measure this revision of otel-swa instead of the working tree")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
+    parser.add_argument("--freeze-gc", action="store_true",
+                        help="call SGLang's Engine.freeze_gc() after the warm-up request in every run")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="the variants to run (off is always run)")
     args = parser.parse_args()
     print(machine_line())
     with tempfile.TemporaryDirectory(prefix="otel-swa-sglang-bench-") as tmp:
@@ -140,26 +153,31 @@ def main() -> None:
         collector, endpoint = start_collector()
         print(f"{args.rounds} rounds, variants interleaved (order turning each round); 16 requests x 160 output tokens; "
               f"otel-swa {'at ' + args.revision if args.revision else 'of the working tree'}; OTLP to "
-              f"{'a local rotel-agent (blackhole)' if collector else 'a closed port (rotel-agent not installed)'} + line\n")
+              f"{'a local rotel-agent (blackhole)' if collector else 'a closed port (rotel-agent not installed)'} + line"
+              f"{'; Engine.freeze_gc() after the warm-up' if args.freeze_gc else ''}\n")
         try:
             with installed(args.revision):
-                got: dict[str, list[float]] = {name: [] for name in VARIANTS}
+                names = ["off"] + [name for name in args.variants if name != "off"]
+                got: dict[str, list[float]] = {name: [] for name in names}
                 cpu: dict[str, dict[str, list[float]]] = {}  # process -> variant -> CPU s of each timed generate
-                names = list(VARIANTS)
+                gc_main: dict[str, list[float]] = {name: [] for name in names}  # main process GC s per generate
                 for r in range(args.rounds):
                     order = names[r % len(names):] + names[:r % len(names)]
                     for name in order:
-                        result = run_engine(model, work, engine_env(endpoint, VARIANTS[name]), f"r{r}-{_slug(name)}")
+                        result = run_engine(model, work, engine_env(endpoint, VARIANTS[name]), f"r{r}-{_slug(name)}",
+                                            args.freeze_gc)
                         got[name].append(result["tokens"] / result["generate_s"])
+                        gc_main[name].append(sum(s for _, s in result.get("gc_main", {}).values()))
                         for process, seconds in result.get("cpu_s", {}).items():
                             cpu.setdefault(process, {}).setdefault(name, []).append(seconds)
                         print(f"  round {r + 1} {name:26s} {got[name][-1]:8.1f} tokens/s  ({load_line()})", flush=True)
                 profiles = {}
                 if not args.no_profile:
-                    for name in ("interval 1", "interval 20"):
+                    for name in [n for n in ("off", "interval 1", "interval 20") if n in names]:
                         profile_dir = work / f"profile-{_slug(name)}"
                         profile_dir.mkdir()
-                        run_engine(model, work, engine_env(endpoint, VARIANTS[name], str(profile_dir)), f"profiled-{_slug(name)}")
+                        run_engine(model, work, engine_env(endpoint, VARIANTS[name], str(profile_dir)), f"profiled-{_slug(name)}",
+                                   args.freeze_gc)
                         profiles[name] = profile_table(profile_dir)
         finally:
             if collector is not None:
@@ -167,24 +185,27 @@ def main() -> None:
                 collector.wait(10)
     print()
     rows = []
-    for name in VARIANTS:
+    for name in names:
         step_ms = [TOKENS_PER_STEP / tps * 1e3 for tps in got[name]]
         rows.append((name, fmt(got[name], 1, 1), fmt(ratios(got[name], got["off"]), 1, 3),
                      fmt(step_ms, 1, 2), fmt([a - b for a, b in zip(step_ms, [TOKENS_PER_STEP / t * 1e3 for t in got["off"]])], 1, 2)))
     print_table("real sglang Engine, decode tokens/s (16 requests x 160 tokens, OTLP + line)",
                 ("variant", "tokens/s", "on / off", "ms per step (16 tokens)", "ms per step added"), rows)
-    check_ms = [TOKENS_PER_STEP / a * 1e3 - TOKENS_PER_STEP / b * 1e3
-                for a, b in zip(got["interval 1"], got["interval 1, read check off"])]
-    print_table("the read check in a sampling step (interval 1 against interval 1 with OTEL_SWA_READ_CHECK=off; "
-                "window 9 keys, up to 8 queries, 1 sliding-window layer a step)",
-                ("sampling step with / without the read check", "ms per step added"),
-                [(fmt(ratios(got["interval 1, read check off"], got["interval 1"]), 1, 3), fmt(check_ms, 1, 2))])
-    cpu_rows = [[process] + [fmt(cpu[process].get(name, [0.0]), 1, 2) for name in VARIANTS]
+    if "interval 1" in names and "interval 1, read check off" in names:
+        check_ms = [TOKENS_PER_STEP / a * 1e3 - TOKENS_PER_STEP / b * 1e3
+                    for a, b in zip(got["interval 1"], got["interval 1, read check off"])]
+        print_table("the read check in a sampling step (interval 1 against interval 1 with OTEL_SWA_READ_CHECK=off; "
+                    "window 9 keys, up to 8 queries, 1 sliding-window layer a step)",
+                    ("sampling step with / without the read check", "ms per step added"),
+                    [(fmt(ratios(got["interval 1, read check off"], got["interval 1"]), 1, 3), fmt(check_ms, 1, 2))])
+    cpu_rows = [[process] + [fmt(cpu[process].get(name, [0.0]), 1, 2) for name in names]
                 for process in sorted(cpu) if max(max(v) for v in cpu[process].values()) >= 0.05]
-    print_table("CPU time of each engine process during the timed generate, s (user + system, psutil)",
-                ["process"] + list(VARIANTS), cpu_rows)
+    cpu_rows.append(["main: in garbage collection"] + [fmt(gc_main[name], 1, 2) for name in names])
+    print_table("CPU time of each engine process during the timed generate, s (user + system, psutil; "
+                "the main process's collections by gc.callbacks, wall)", ["process"] + names, cpu_rows)
     for name, (steps, table) in profiles.items():
-        print_table(f"the instrumentor's parts at {name}, in the scheduler process ({steps} forward steps; wall / thread CPU)",
+        title = ("the instrumentor's parts" if name != "off" else "otel-swa off") + f" at {name}" * (name != "off")
+        print_table(f"{title}, in the scheduler process ({steps} forward steps; wall / thread CPU)",
                     ("part", "calls / step", "us / call", "us / step (wall)"), table)
     print(f"load average after: {load_line()}")
 

@@ -9,11 +9,15 @@ first 16 requests of the packaged Azure conversation trace as the engine suite m
 prefill every forward step decodes the 16 requests over about 3,000 live tokens. One short
 request first warms the engine up (not timed). Writes ``{"tokens", "generate_s", "startup_s", "cpu_s"}``,
 ``cpu_s`` the CPU time (user + system, psutil) each engine process spent during the timed generate, by
-process name (SGLang names its scheduler ``sglang::scheduler``; this script's own process is ``main``).
+process name (SGLang names its scheduler ``sglang::scheduler``; this script's own process is ``main``),
+and ``gc_main`` this process's garbage collections in that generate (generation -> ``[collections,
+seconds]``). ``"freeze_gc": true`` in the config calls SGLang's ``Engine.freeze_gc()`` after the
+warm-up (``gc.freeze()`` in every engine process, as SGLang advises for serving).
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -41,17 +45,44 @@ def main(config_path: str) -> None:
     prompts, _ = traffic(REQUESTS)
     params = {"temperature": 0.0, "max_new_tokens": OUTPUT_TOKENS, "ignore_eos": True}
     engine.generate(input_ids=prompts[:1], sampling_params={**params, "max_new_tokens": 8})  # warm-up
+    if config.get("freeze_gc"):
+        engine.freeze_gc()  # SGLang's own call: objects made so far leave the collector's generations
     processes = _engine_processes()
     cpu_before = _cpu_times(processes)
+    collections = _GcPauses()
     begin = time.monotonic()
     outputs = engine.generate(input_ids=prompts, sampling_params=[params] * REQUESTS)
     generate_s = time.monotonic() - begin
+    collections.stop()
     cpu_after = _cpu_times(processes)
     cpu_s = {name: round(cpu_after[name] - cpu_before.get(name, 0.0), 4) for name in cpu_after}
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outputs)
     engine.shutdown()
     with open(config["out"], "w") as f:
-        json.dump({"tokens": tokens, "generate_s": generate_s, "startup_s": started - T0, "cpu_s": cpu_s}, f)
+        json.dump({"tokens": tokens, "generate_s": generate_s, "startup_s": started - T0, "cpu_s": cpu_s,
+                   "gc_main": collections.by_generation}, f)
+
+
+class _GcPauses:
+    """The garbage collections of this process (SGLang's ``TokenizerManager`` runs here) from now to
+    :meth:`stop`: ``by_generation`` maps the generation collected to ``[collections, seconds]`` (the
+    collector's own time, ``gc.callbacks``, wall clock)."""
+
+    def __init__(self) -> None:
+        self.by_generation: dict = {}
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            entry = self.by_generation.setdefault(str(info["generation"]), [0, 0.0])
+            entry[0] += 1
+            entry[1] += time.perf_counter() - self._started
+
+    def stop(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 def _engine_processes() -> dict:

@@ -5,16 +5,20 @@ Imported in every process of the engine suite's environment through the shims' `
 (``sglang_cpu_patches.install``) when ``OTEL_SWA_TEST_SGLANG_PROFILE`` names a directory. It wraps
 the otel-swa functions the SGLang instrumentor runs at a forward step with counters of calls, wall
 time (``time.perf_counter``) and CPU time of the calling thread (``time.thread_time``), and writes
-them to ``profile-<pid>.json`` in that directory every 200 forward steps and at otel-swa's flush
+them to ``profile-<pid>.json`` in that directory every 20 forward steps and at otel-swa's flush
 RPC (``Engine.shutdown``), as ``{part: [calls, wall s, thread CPU s]}``. The parts nest (the
 reporter's step holds the view, the sample and the hand-off): each is its own row, not a share of
-a total. The delivery thread's parts are timed on that thread.
+a total. The delivery thread's parts are timed on that thread. The process's garbage collections
+from its first forward step on are counted too (``gc.callbacks``, a part per generation), with or
+without otel-swa: a full collection of a process holding SGLang and torch costs tenths of a second,
+and when one falls inside a timed run it weighs more than any part above.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import json
 import os
 import time
@@ -86,6 +90,20 @@ def _timed_context(function, part: str):
     return timed
 
 
+_GC_STARTED = [0.0, 0.0]
+
+
+def _gc_callback(phase: str, info: dict) -> None:
+    if not _STATE["steps"]:
+        return  # start-up's collections are not the forward steps'
+    if phase == "start":
+        _GC_STARTED[:] = time.perf_counter(), time.thread_time()
+    elif _GC_STARTED[0]:
+        _count(f"garbage collection, generation {info['generation']}", time.perf_counter() - _GC_STARTED[0],
+               time.thread_time() - _GC_STARTED[1])
+        _GC_STARTED[0] = 0.0
+
+
 def write() -> None:
     out_dir = os.environ["OTEL_SWA_TEST_SGLANG_PROFILE"]
     with open(os.path.join(out_dir, f"profile-{os.getpid()}.json"), "w") as out:
@@ -115,7 +133,7 @@ def _patch_model_runner(module) -> None:
         output = original(self, forward_batch, *args, **kwargs)
         if not getattr(self, "is_draft_worker", False):
             _STATE["steps"] += 1
-            if _STATE["steps"] % 200 == 0:
+            if _STATE["steps"] % 20 == 0:  # (the scheduler is killed at shutdown: no exit hook runs)
                 write()
         return output
 
@@ -144,3 +162,4 @@ def install() -> None:
         sglang_cpu_patches.add_patch(module_name, _patch(entries))
     sglang_cpu_patches.add_patch("sglang.srt.model_executor.model_runner", _patch_model_runner)
     sglang_cpu_patches.add_patch("sglang.srt.managers.scheduler", _patch_scheduler)
+    gc.callbacks.append(_gc_callback)
