@@ -10,6 +10,8 @@ final ``close()`` (which delivers what is still queued) included, less the same 
 divided by the records delivered: what the telemetry costs the engine's thread per record,
 whatever thread does the work. Two loops: steps back to back (a tight loop), and 0.5 ms of work
 per step (``time.sleep(0.0005)``: the GIL released, as a forward step's device work releases it).
+Each loop is also given before ``close()``: the steps alone, without the records still queued at
+the end, which ``close()`` delivers on the calling thread.
 
 Each revision (``--revisions``, default the issue's: 8e6be61, 9d98197 and the working tree) runs in
 a child process of its own (``_revisions.py``), round after round in turn; a child measures each
@@ -69,7 +71,8 @@ def child(steps: int) -> None:
         views.append(SwaBatch(req_to_token, mapping, rows, torch.tensor(lens), lens))
     base_sink = SwaTelemetrySink(meter_provider=meter_provider, tracer_provider=tracer_provider, logger_provider=logger_provider)
 
-    def run(pause_s: float, with_sink: bool) -> float:
+    def run(pause_s: float, with_sink: bool) -> "tuple[float, float]":
+        """Engine-thread CPU s over the run, and over its steps alone (before ``close()``)."""
         reporter = SwaDivergenceReporter(1)
         if with_sink:
             base_sink.for_another_reporter().attach(reporter)
@@ -81,17 +84,19 @@ def child(steps: int) -> None:
                 reporter.step(views[step % 64])
             if pause_s:
                 time.sleep(pause_s)
+        stepped = time.thread_time() - start
         reporter.close()
         spent = time.thread_time() - start
         assert reporter.stats.samples_delivered == steps
-        return spent
+        return spent, stepped
 
     for pause_s in LOOPS.values():  # warm-up: imports, buffers, the delivery thread
         run(pause_s, True), run(pause_s, False)
     got = {}
     for name, pause_s in LOOPS.items():
         with_sink, without = run(pause_s, True), run(pause_s, False)
-        got[name] = (with_sink - without) / steps * 1e6
+        got[name] = (with_sink[0] - without[0]) / steps * 1e6
+        got[name + ", steps only"] = (with_sink[1] - without[1]) / steps * 1e6
     meter_provider.shutdown()
     tracer_provider.shutdown()
     logger_provider.shutdown()
@@ -117,7 +122,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for rev, root in roots.items():
                 got[rev].append(run_child(root, [os.path.abspath(__file__), "--child", str(args.steps)]))
-    rows = [(name, *(fmt([r[name] for r in got[rev]], 1, 1) for rev in roots)) for name in LOOPS]
+    rows = [(shown, *(fmt([r[key] for r in got[rev] if key in r] or [float("nan")], 1, 1) for rev in roots))
+            for name in LOOPS for key, shown in ((name, f"{name}, whole run"), (name + ", steps only", f"{name}, before close()"))]
     print_table("engine-thread CPU per delivered record, full OpenTelemetry sink, interval 1 (us)",
                 ("loop", *(label(rev) for rev in roots)), rows)
     print(f"load average after: {load_line()}")
