@@ -426,6 +426,7 @@ class SwaMetrics:
         is garbage-collected its totals stay in the counters (module docstring)."""
         store = RecordStore(attributes)
         with self._lock:
+            self._retire_dead_stores()  # (without a metric reader nothing else would: the queue stays short)
             self._stores.add(store)
         finalizer = weakref.finalize(store, self._dead_stores.append, (store.totals, store.offsets))
         finalizer.atexit = False
@@ -610,6 +611,7 @@ class SwaMetrics:
         with self._stats_lock:
             if reporter in self._reporters:
                 return
+            self._retire_dead_reporters()  # (as in store(): the queue stays short without a reader)
             seen: dict = {}
             self._reporters[reporter] = (seen, key, weakref.ref(sink) if sink is not None else None)
         finalizer = weakref.finalize(reporter, self._dead_reporters.append, (seen, key))

@@ -292,6 +292,17 @@ def test_a_reporter_dying_inside_the_stats_lock_neither_deadlocks_nor_loses_its_
     assert value(m["kv_cache.swa.reporter.samples.delivered"]["points"]) == 3
 
 
+def test_dead_stores_are_folded_in_when_the_next_store_is_made_without_any_collection(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    for _ in range(50):  # reporters made and dropped, no metric collection in between
+        store = sink.metrics.store()
+        sink.metrics.record(R(10, 1000, 400, 0, 0), None, store=store)
+        del store
+    assert len(sink.metrics._dead_stores) <= 1  # the last one only: each new store folded the one before
+    m = pipeline.metrics()
+    assert value(m["kv_cache.swa.forward_steps"]["points"]) == 50 * 10
+
+
 def test_values_are_read_at_collection_and_delivery_calls_the_sdk_once(pipeline, monkeypatch):
     """A delivered record only updates the store; the instruments read it when the SDK collects.
     The one SDK call per record is the delivery-delay histogram (with a known delivery step)."""
