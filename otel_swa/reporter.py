@@ -212,6 +212,10 @@ class SwaDivergenceReporter:
                 f"device {str(device)!r}: no CUDA device here (torch {torch.__version__}, "
                 "torch.cuda.is_available() is False); give the KV cache's device, e.g. device='cpu'"
             )
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" names the current device; tensors made there report "cuda:N", so the index is
+            # fixed here, once, for every device comparison that follows
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._cuda = self.device.type == "cuda"
         self._accumulator = PoolAccumulator(self.device)
         self._ring = DeviceToHostRing(ring_size, STAGE_WIDTH, self.device)
