@@ -63,8 +63,8 @@ from otel_swa.views.base import BlockHashFindings, BlockHashOffender
 __all__ = ["DEFAULT_BUDGET", "CHECKED_MANAGERS", "BlockHashCheck", "block_hash_findings", "good_entry"]
 
 #: Map entries, and table entries, read per sample by default. Measured with
-#: ``benchmarks/bench_vllm_view.py`` (the ``block hashes`` rows): see BENCHMARKS.md.
-DEFAULT_BUDGET = 4096
+#: ``benchmarks/bench_vllm_block_hashes.py`` (about 1 us an entry on 2 CPU cores): see docs/engines.md.
+DEFAULT_BUDGET = 2048
 
 #: The managers (``type(manager).__name__``, vLLM 0.33's ``single_type_kv_cache_manager.py``)
 #: whose tables are checked: entry ``j`` holds the tokens ``[j * block_size, (j + 1) * block_size)``.
