@@ -16,7 +16,7 @@ entry per cached block. Variants, interleaved round by round (torch on one threa
   the full read of the sliding-window tables, the KV block audit's inputs and the reporter's sample.
 
 The table gives the median and the spread (min - max) over the rounds in milliseconds, the ratio to
-the sampling step without the check, and the samples one pass takes (``ceil(M / B)`` for the map,
+the sampling step without the check (round by round), and the samples one pass takes (``ceil(M / B)`` for the map,
 about ``ceil(E / B)`` for the tables: a stale entry or a foreign block that stays is counted within
 two passes).
 
@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
-import time
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
-import torch
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import fmt, interleaved, machine_line, one_thread, print_table, ratios, timed  # noqa: E402
 
 from otel_swa.reporter import SwaDivergenceReporter
 from otel_swa.views import vllm as vllm_view
@@ -79,52 +80,37 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--window", type=int, default=1024)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    print(f"torch={torch.__version__} threads={torch.get_num_threads()} window={args.window} "
-          f"block_size={args.block_size} rounds={args.rounds} (vLLM KVCacheBlock / BlockPool, SHA-256 block hashes)")
-    header = f"{'requests x tokens':<18} {'variant':<27} {'median ms':>10} {'min - max ms':>17} {'x step':>7} {'pass':>12}"
-    print(header)
-    print("-" * len(header))
+    one_thread()
+    print(machine_line())
+    print(f"window={args.window} block_size={args.block_size} rounds={args.rounds} "
+          "(vLLM KVCacheBlock / BlockPool, SHA-256 block hashes)\n")
     for batch, tokens in SHAPES:
         kv, swa, requests = cached_pool(batch, tokens, args.window, args.block_size)
-        ids = list(requests)
-        lens = [tokens] * batch
+        ids, lens = list(requests), [tokens] * batch
         whole = block_hash_findings(kv, requests)
         assert (whole.stale_entries, whole.foreign_blocks) == (0, 0), whole
         map_entries = len(kv.coordinator.block_pool.cached_block_hash_to_block)
         table_entries = sum(len(t) for m in kv.coordinator.single_type_managers for t in m.req_to_blocks.values())
         reporter = SwaDivergenceReporter(1)
-
-        def step_without_check():
-            reporter.step(lambda: vllm_view.read_window_table(swa, ids, lens).view(
-                kv_block_audit=vllm_view.kv_block_audit_inputs(kv)))
-
-        variants = {"sampling step without it": step_without_check,
-                    "check, whole": lambda: block_hash_findings(kv, requests)}
-        passes = {"check, whole": "1 sample"}
+        step = "sampling step without it"
+        variants = {
+            step: timed(lambda: reporter.step(lambda: vllm_view.read_window_table(swa, ids, lens).view(
+                kv_block_audit=vllm_view.kv_block_audit_inputs(kv)))),
+            "check, whole": timed(lambda: block_hash_findings(kv, requests)),
+        }
+        passes = {step: "", "check, whole": "1 / 1"}
         for budget in args.budgets:
             check = BlockHashCheck(budget)
-            variants[f"check, budget {budget}"] = lambda check=check: check.check(kv, requests)
-            passes[f"check, budget {budget}"] = (f"{math.ceil(map_entries / budget)} / "
-                                                 f"{math.ceil(table_entries / budget)}")
-        times = {name: [] for name in variants}
-        for fn in variants.values():
-            fn()
-        for _ in range(args.rounds):
-            for name, fn in variants.items():
-                start = time.perf_counter()
-                fn()
-                times[name].append((time.perf_counter() - start) * 1e3)
+            variants[f"check, budget {budget}"] = timed(lambda check=check: check.check(kv, requests))
+            passes[f"check, budget {budget}"] = f"{math.ceil(map_entries / budget)} / {math.ceil(table_entries / budget)}"
+        times = interleaved(variants, args.rounds)
         reporter.close()
-        base = statistics.median(times["sampling step without it"])
-        for name, values in times.items():
-            median = statistics.median(values)
-            print(f"{f'{batch} x {tokens}':<18} {name:<27} {median:>10.2f} {min(values):>8.2f} - {max(values):>6.2f} "
-                  f"{median / base:>7.2f} {passes.get(name, ''):>12}")
-        print(f"{'':<18} map entries {map_entries}, table entries {table_entries} "
-              f"(compared: {whole.entries_checked}); pass = samples per map / table pass")
+        rows = [(name, fmt(values, 1e3), fmt(ratios(values, times[step])), passes[name]) for name, values in times.items()]
+        print_table(f"{batch} x {tokens}: map entries {map_entries}, table entries {table_entries} "
+                    f"(compared: {whole.entries_checked})",
+                    ("variant", "ms median (min - max)", "x step", "samples a pass (map / tables)"), rows)
 
 
 if __name__ == "__main__":

@@ -150,11 +150,8 @@ class BlockHashCheck:
             TypeError: not vLLM's ``KVCacheManager`` / ``BlockPool`` (the message names what is missing).
         """
         try:
-            coordinator = kv_cache_manager.coordinator
-            managers = coordinator.single_type_managers
-            pool = coordinator.block_pool
-            cache = pool.cached_block_hash_to_block._cache
-            secondary = pool.cached_block_hashes_by_block
+            managers, pool = kv_cache_manager.coordinator.single_type_managers, kv_cache_manager.coordinator.block_pool
+            cache, secondary = pool.cached_block_hash_to_block._cache, pool.cached_block_hashes_by_block
             hash_block_size = int(pool.hash_block_size)
         except AttributeError as exc:
             raise TypeError(f"{type(kv_cache_manager).__name__} is not vLLM 0.33's KVCacheManager: {exc}") from None
