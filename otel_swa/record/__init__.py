@@ -37,8 +37,8 @@ and reason (:class:`MalformedRecordError`):
   ``true``), or an integer outside int64 (what OTLP carries; see :data:`INT64_MAX`).
 
 **otel-swa's lines.** otel-swa logs the record after a tag, ``otel_swa[verify=attention]
-kv_canary_swa_divergence={...}`` (:meth:`SwaDivergenceRecord.line`), and writes two more lines of
-its own prefixes, which SGLang's parser never matches (neither prefix contains SGLang's):
+kv_canary_swa_divergence={...}`` (:meth:`SwaDivergenceRecord.line`), and writes more lines of its
+own prefixes, which SGLang's parser never matches (none of them contains SGLang's):
 
 * the **SWA slot audit** of an audited record, right after its line, same tag, same
   ``forward_ct`` (:meth:`SwaDivergenceRecord.audit_line`)::
@@ -54,7 +54,17 @@ its own prefixes, which SGLang's parser never matches (neither prefix contains S
   version does not know are ignored, so fields can be added later, and lines without the window
   fields read as before. It is attached back to the
   latest record of the same tag and log rank when that record has the same ``forward_ct``;
-* a **fault** line per fault the sample shows, right after the audit line, same tag, same
+* the **provenance** line of a record whose engine checks the KV held in the slots, right after
+  its audit line (right after its record when it has none), same tag, same ``forward_ct``
+  (:meth:`SwaDivergenceRecord.provenance_line`)::
+
+      otel_swa[verify=attention] otel_swa_provenance={"forward_ct":40,"kv_write_checks":16,"kv_write_mismatches":0,"kv_write_unchecked":0,"kv_stamp_checks":530,"kv_foreign_tokens":0,"kv_stamp_unchecked":12,"kv_checksum_checks":530,"kv_corrupt_tokens":0}
+
+  compact JSON of ``forward_ct``, the micro-batch when known, and the provenance fields measured
+  (:data:`PROVENANCE_FIELDS`: the write check's, the provenance stamps', the content checksum's,
+  vLLM's block hashes'). An engine or configuration with provenance off writes none. Keys this
+  version does not know are ignored. It is attached back to its record as the audit line is;
+* a **fault** line per fault the sample shows, right after the provenance line, same tag, same
   ``forward_ct`` (:meth:`SwaDivergenceRecord.fault_lines`): the fault's first offender
   (:class:`Offender`: where in the batch, the pools or the layers the fault's mask was first
   true), attached back to its record as the audit line is::
@@ -62,7 +72,12 @@ its own prefixes, which SGLang's parser never matches (neither prefix contains S
       otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":"swa_read_mismatches","request":"7","row":3,"position":17,"full_slot":130,"swa_slot":12,"swa_page":12,"layer":1}
 
   compact JSON of ``forward_ct``, ``fault`` (one of :data:`FAULT_FIELDS`) and the location keys
-  known (:data:`OFFENDER_KEYS`); keys this version does not know are ignored;
+  known (:data:`OFFENDER_KEYS`); keys this version does not know are ignored. A provenance fault's
+  offender also names the pool and what the slot's stamp was expected to say and says::
+
+      otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":"kv_foreign_tokens","request":"7","row":3,"position":17,"full_slot":130,"swa_slot":12,"pool":"swa","expected_token":42,"expected_position":17,"found_token":99,"found_position":17,"other_request":"8"}
+
+  A fault line for a fault its record counts 0 is refused (not otel-swa's line);
 * a **run start** marker, before the first record a line sink writes (:func:`run_start_line`)::
 
       otel_swa[verify=attention] otel_swa_run_start={"pid":4242}
@@ -84,7 +99,7 @@ SGLang's rank tokens) is read by :func:`parse_log_prefix`.
 
 from otel_swa.record.audit_line import AUDIT_FIELDS, MICRO_BATCH_MAX, AuditMatch
 from otel_swa.record.decoding import MalformedRecordError
-from otel_swa.record.fault_line import FAULT_FIELDS, OFFENDER_KEYS, FaultMatch, Offender
+from otel_swa.record.fault_line import FAULT_FIELDS, OFFENDER_KEYS, OFFENDER_POOLS, FaultMatch, Offender
 from otel_swa.record.kinds import LINE_KINDS, LineKind
 from otel_swa.record.liveness_line import LIVENESS_CAUSES, LivenessMatch, LivenessWarning, liveness_summary
 from otel_swa.record.logtext import LogPrefix, PrefixClaims, parse_log_prefix
@@ -97,9 +112,11 @@ from otel_swa.record.prefixes import (
     LINE_PREFIX,
     LINE_TAG,
     LIVENESS_PREFIX,
+    PROVENANCE_PREFIX,
     RUN_START_PREFIX,
     VERIFY_SOURCES,
 )
+from otel_swa.record.provenance_line import PROVENANCE_FAULTS, PROVENANCE_FIELDS, ProvenanceMatch
 from otel_swa.record.run_start_line import RunStartMatch, run_start_line
 from otel_swa.record.sglang_line import FIELDS, RecordMatch, SwaDivergenceRecord
 from otel_swa.record.values import INT64_MAX, INT64_MIN
@@ -110,11 +127,15 @@ __all__ = [
     "RUN_START_PREFIX",
     "FAULT_PREFIX",
     "LIVENESS_PREFIX",
+    "PROVENANCE_PREFIX",
     "LINE_TAG",
     "FIELDS",
     "AUDIT_FIELDS",
+    "PROVENANCE_FIELDS",
+    "PROVENANCE_FAULTS",
     "FAULT_FIELDS",
     "OFFENDER_KEYS",
+    "OFFENDER_POOLS",
     "Offender",
     "MICRO_BATCH_MAX",
     "VERIFY_SOURCES",
@@ -129,6 +150,7 @@ __all__ = [
     "Entry",
     "RecordMatch",
     "AuditMatch",
+    "ProvenanceMatch",
     "FaultMatch",
     "RunStartMatch",
     "LivenessMatch",

@@ -10,7 +10,7 @@ import json
 from typing import Any, Callable
 
 from otel_swa.record.matches import LineMatch
-from otel_swa.record.values import logged_int
+from otel_swa.record.values import MICRO_BATCH_MAX, logged_counts
 
 __all__ = ["AUDIT_FIELDS", "MICRO_BATCH_MAX", "AuditMatch", "audit_line_fields", "decode_audit", "audit_changes"]
 
@@ -31,13 +31,6 @@ AUDIT_FIELDS = (
     "kv_freed_blocks_in_use",
     "kv_shared_blocks",
 )
-
-#: The largest micro-batch index a record takes (micro-batches are a pipeline's few in-flight batches,
-#: SGLang's ``mb_id`` in ``range(pp_loop_size)``; the bound keeps the metric attribute bounded).
-MICRO_BATCH_MAX = 1023
-
-_AUDIT_KEYS = ("forward_ct", "micro_batch") + AUDIT_FIELDS
-
 
 class AuditMatch(LineMatch):
     """One audit line found in a text (:class:`~otel_swa.record.LineMatch`); ``audit`` (its
@@ -71,30 +64,21 @@ def decode_audit(data: dict, fail: Callable[[str], Exception], source: str | Non
             non-negative int64, a micro-batch above :data:`MICRO_BATCH_MAX`, a
             ``divergence_applicable`` that is not ``true`` or ``false``.
     """
-    if "forward_ct" not in data:
-        raise fail("missing field forward_ct")
-    audit: dict = {}
-    for name in _AUDIT_KEYS:
-        if name in data:
-            reason = logged_int(name, data[name], 0)
-            if reason is None and name == "micro_batch" and data[name] > MICRO_BATCH_MAX:
-                reason = f"micro_batch={data[name]} is above {MICRO_BATCH_MAX}"
-            if reason is not None:
-                raise fail(reason)
-            if name != "forward_ct":
-                audit[name] = data[name]
+    audit, forward_ct = logged_counts(data, fail, AUDIT_FIELDS)
     if "divergence_applicable" in data:
         if type(data["divergence_applicable"]) is not bool:  # noqa: E721 - a JSON true/false only
             raise fail(f"divergence_applicable={json.dumps(data['divergence_applicable'])} is not true or false")
         audit["divergence_applicable"] = data["divergence_applicable"]
-    return audit, data["forward_ct"]
+    return audit, forward_ct
 
 
 def audit_changes(record: Any, audit: dict) -> dict:
     """The record fields an audit line sets on its record: every audit field (``None`` when the
-    line lacks it), the micro-batch, and ``divergence_applicable`` when the line says false."""
+    line lacks it), the micro-batch when it holds one, and ``divergence_applicable`` when it says
+    false."""
     changes: dict = {name: audit.get(name) for name in AUDIT_FIELDS}
-    changes["micro_batch"] = audit.get("micro_batch")
+    if "micro_batch" in audit:
+        changes["micro_batch"] = audit["micro_batch"]
     if audit.get("divergence_applicable") is False:
         changes["divergence_applicable"] = False
     return changes

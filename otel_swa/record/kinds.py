@@ -20,8 +20,10 @@ from otel_swa.record.prefixes import (
     LINE_PREFIX,
     LIVENESS_PREFIX,
     PREFIX_WORDS,
+    PROVENANCE_PREFIX,
     RUN_START_PREFIX,
 )
+from otel_swa.record.provenance_line import ProvenanceMatch, decode_provenance, provenance_changes
 from otel_swa.record.run_start_line import RunStartMatch, decode_run_start
 from otel_swa.record.sglang_line import RecordMatch, decode_record
 
@@ -76,6 +78,7 @@ class LineKind:
 LINE_KINDS: tuple[LineKind, ...] = (
     LineKind(LINE_PREFIX, RecordMatch, decode_record, "record"),
     LineKind(AUDIT_PREFIX, AuditMatch, decode_audit, "once", audit_changes),
+    LineKind(PROVENANCE_PREFIX, ProvenanceMatch, decode_provenance, "once", provenance_changes),
     LineKind(FAULT_PREFIX, FaultMatch, decode_fault, "each", fault_changes, fault_refusal),
     LineKind(RUN_START_PREFIX, RunStartMatch, decode_run_start, "alone"),
     LineKind(LIVENESS_PREFIX, LivenessMatch, decode_liveness, "alone"),

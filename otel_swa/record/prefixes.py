@@ -15,6 +15,7 @@ __all__ = [
     "RUN_START_PREFIX",
     "FAULT_PREFIX",
     "LIVENESS_PREFIX",
+    "PROVENANCE_PREFIX",
     "PREFIX_WORDS",
     "PREFIX_RE",
     "LINE_TAG",
@@ -28,11 +29,15 @@ LINE_PREFIX = "kv_canary_swa_divergence="
 AUDIT_PREFIX = "otel_swa_audit="
 #: The prefix of otel-swa's run start marker (written before a line sink's first record).
 RUN_START_PREFIX = "otel_swa_run_start="
-#: The prefix of otel-swa's fault line: one fault's first offender (written after the audit line).
+#: The prefix of otel-swa's fault line: one fault's first offender (written after the audit and
+#: provenance lines).
 FAULT_PREFIX = "otel_swa_fault="
 #: The prefix of otel-swa's liveness warning: a reporter that is on and delivers no sample
 #: (:class:`~otel_swa.record.LivenessWarning`; never SGLang's).
 LIVENESS_PREFIX = "otel_swa_liveness="
+#: The prefix of otel-swa's provenance line: what the checks of the KV in the slots found (written
+#: after the audit line, or after the record without one; never SGLang's).
+PROVENANCE_PREFIX = "otel_swa_provenance="
 
 #: Every prefix and what its line is called (in :class:`~otel_swa.record.MalformedRecordError`).
 #: No prefix contains another, and none of otel-swa's contains SGLang's.
@@ -42,6 +47,7 @@ PREFIX_WORDS = {
     RUN_START_PREFIX: "run start line",
     FAULT_PREFIX: "fault line",
     LIVENESS_PREFIX: "liveness warning",
+    PROVENANCE_PREFIX: "provenance line",
 }
 
 #: Any of the prefixes, wherever it stands.

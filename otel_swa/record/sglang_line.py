@@ -17,7 +17,16 @@ from otel_swa.record.decoding import MalformedRecordError
 from otel_swa.record.fault_line import Offender, fault_line_fields
 from otel_swa.record.logtext import NO_PREFIX, clean
 from otel_swa.record.matches import LineMatch
-from otel_swa.record.prefixes import AUDIT_PREFIX, FAULT_PREFIX, LINE_PREFIX, PREFIX_RE, VERIFY_SOURCES, tagged
+from otel_swa.record.prefixes import (
+    AUDIT_PREFIX,
+    FAULT_PREFIX,
+    LINE_PREFIX,
+    PREFIX_RE,
+    PROVENANCE_PREFIX,
+    VERIFY_SOURCES,
+    tagged,
+)
+from otel_swa.record.provenance_line import PROVENANCE_FIELDS, provenance_line_fields
 from otel_swa.record.values import INT64_MIN, check_int, check_optional_ints, compact, logged_int
 
 __all__ = ["FIELDS", "SwaDivergenceRecord", "RecordMatch", "decode_record"]
@@ -91,6 +100,13 @@ class SwaDivergenceRecord:
             free queue (freed while in use; vLLM), unit ``{block}``, or ``None``.
         kv_shared_blocks: KV blocks not in the prefix cache that two requests' tables reference
             (handed out again while in use; vLLM), unit ``{block}``, or ``None``.
+        kv_write_checks, kv_write_mismatches, kv_write_unchecked, kv_stamp_checks,
+        kv_foreign_tokens, kv_stamp_unchecked, kv_checksum_checks, kv_corrupt_tokens,
+        kv_cache_entries_checked, kv_stale_cache_entries, kv_foreign_blocks: the provenance fields
+            (:data:`~otel_swa.record.PROVENANCE_FIELDS` says what each counts; the write check's
+            units ``{pair}`` (token, layer), the stamps' and checksums' ``{slot}``, vLLM's
+            ``{entry}`` and ``{block}``), each ``None`` when not measured; on the provenance line
+            (:meth:`provenance_line`), never in SGLang's line.
         offenders: the first offender of each fault the sample shows (:class:`Offender`, at most
             one per fault of :data:`FAULT_FIELDS`), on the fault lines; ``()`` when none is known.
         verify_source: what ``verify_full`` / ``verify_swa`` count, one of :data:`VERIFY_SOURCES`,
@@ -101,8 +117,8 @@ class SwaDivergenceRecord:
             gave none. On the audit line, never in SGLang's line.
 
     Raises:
-        TypeError: a field is not an ``int`` (or is a ``bool``); an audit field is neither
-            ``None`` nor an ``int``; ``divergence_applicable`` is not a ``bool``.
+        TypeError: a field is not an ``int`` (or is a ``bool``); an audit or provenance field is
+            neither ``None`` nor an ``int``; ``divergence_applicable`` is not a ``bool``.
         ValueError: a field is negative or above :data:`INT64_MAX` (the message names the field
             and the value); ``verify_source`` is not ``None`` nor one of :data:`VERIFY_SOURCES`;
             ``micro_batch`` is outside ``0 .. MICRO_BATCH_MAX``.
@@ -127,6 +143,17 @@ class SwaDivergenceRecord:
     kv_leaked_blocks: "int | None" = field(default=None, kw_only=True)
     kv_freed_blocks_in_use: "int | None" = field(default=None, kw_only=True)
     kv_shared_blocks: "int | None" = field(default=None, kw_only=True)
+    kv_write_checks: "int | None" = field(default=None, kw_only=True)
+    kv_write_mismatches: "int | None" = field(default=None, kw_only=True)
+    kv_write_unchecked: "int | None" = field(default=None, kw_only=True)
+    kv_stamp_checks: "int | None" = field(default=None, kw_only=True)
+    kv_foreign_tokens: "int | None" = field(default=None, kw_only=True)
+    kv_stamp_unchecked: "int | None" = field(default=None, kw_only=True)
+    kv_checksum_checks: "int | None" = field(default=None, kw_only=True)
+    kv_corrupt_tokens: "int | None" = field(default=None, kw_only=True)
+    kv_cache_entries_checked: "int | None" = field(default=None, kw_only=True)
+    kv_stale_cache_entries: "int | None" = field(default=None, kw_only=True)
+    kv_foreign_blocks: "int | None" = field(default=None, kw_only=True)
     verify_source: "str | None" = field(default=None, kw_only=True)
     micro_batch: "int | None" = field(default=None, kw_only=True)
     offenders: "tuple[Offender, ...]" = field(default=(), kw_only=True)
@@ -134,7 +161,7 @@ class SwaDivergenceRecord:
     def __post_init__(self) -> None:
         for name in FIELDS:
             check_int("SwaDivergenceRecord", name, getattr(self, name), 0)
-        check_optional_ints("SwaDivergenceRecord", self, AUDIT_FIELDS)
+        check_optional_ints("SwaDivergenceRecord", self, AUDIT_FIELDS + PROVENANCE_FIELDS)
         if type(self.divergence_applicable) is not bool:
             raise TypeError(f"SwaDivergenceRecord.divergence_applicable must be a bool, got {self.divergence_applicable!r}")
         if self.verify_source is not None and self.verify_source not in VERIFY_SOURCES:
@@ -194,6 +221,15 @@ class SwaDivergenceRecord:
     def audit_dict(self) -> dict[str, int]:
         """The audit fields that are present (empty when not audited)."""
         return {name: getattr(self, name) for name in AUDIT_FIELDS if getattr(self, name) is not None}
+
+    @property
+    def provenance_checked(self) -> bool:
+        """Whether any provenance field is present (the engine checks the KV in the slots)."""
+        return any(getattr(self, name) is not None for name in PROVENANCE_FIELDS)
+
+    def provenance_dict(self) -> dict[str, int]:
+        """The provenance fields that are present (empty when provenance is off)."""
+        return {name: getattr(self, name) for name in PROVENANCE_FIELDS if getattr(self, name) is not None}
 
     # ------------------------------------------------------------------ conversions
     def to_dict(self) -> dict[str, int]:
@@ -259,9 +295,21 @@ class SwaDivergenceRecord:
         audit = audit_line_fields(self)
         return self._per_record_line(AUDIT_PREFIX, audit) if audit else None
 
+    def provenance_line(self) -> str | None:
+        """The provenance line of a record, written right after :meth:`audit_line` (right after
+        :meth:`line` when there is none), or ``None`` when the record carries no provenance field
+        (provenance off): the same tag, then :data:`~otel_swa.record.PROVENANCE_PREFIX` and compact
+        JSON of ``forward_ct``, ``micro_batch`` when known, and the provenance fields present, in
+        :data:`~otel_swa.record.PROVENANCE_FIELDS` order::
+
+            otel_swa[verify=attention] otel_swa_provenance={"forward_ct":40,"kv_write_checks":16,"kv_write_mismatches":0,...}
+        """
+        provenance = provenance_line_fields(self)
+        return self._per_record_line(PROVENANCE_PREFIX, provenance) if provenance else None
+
     def fault_lines(self) -> list[str]:
         """One fault line per offender (:attr:`offenders`, in their order), written after the audit
-        line: the same tag, then :data:`FAULT_PREFIX` and compact JSON of ``forward_ct``, ``fault``
+        and provenance lines: the same tag, then :data:`FAULT_PREFIX` and compact JSON of ``forward_ct``, ``fault``
         and the locations known (:data:`OFFENDER_KEYS` order)::
 
             otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":"swa_stale_tokens","full_slot":88,"swa_slot":9,"swa_page":9}
@@ -269,10 +317,10 @@ class SwaDivergenceRecord:
         return [self._per_record_line(FAULT_PREFIX, fault_line_fields(o)) for o in self.offenders]
 
     def lines(self) -> list[str]:
-        """What a line sink logs for this record: :meth:`line`, then :meth:`audit_line` if any, then
-        :meth:`fault_lines`."""
-        audit = self.audit_line()
-        return [self.line()] + ([] if audit is None else [audit]) + self.fault_lines()
+        """What a line sink logs for this record: :meth:`line`, then :meth:`audit_line` and
+        :meth:`provenance_line` if any, then :meth:`fault_lines`."""
+        optional = (self.audit_line(), self.provenance_line())
+        return [self.line()] + [line for line in optional if line is not None] + self.fault_lines()
 
     @classmethod
     def parse(cls, line: str) -> "SwaDivergenceRecord":

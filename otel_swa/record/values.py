@@ -4,14 +4,19 @@ and of a value read from a log, and the compact JSON every line is written in.""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
-__all__ = ["INT64_MAX", "INT64_MIN", "check_int", "check_optional_ints", "logged_int", "compact"]
+__all__ = ["INT64_MAX", "INT64_MIN", "MICRO_BATCH_MAX", "check_int", "check_optional_ints", "logged_int",
+           "logged_counts", "compact"]
 
 #: Bounds of every field: int64, what OTLP carries (an OTLP integer data point is an ``sfixed64``;
 #: a larger Python int makes the whole metrics export fail with ``ValueError: Value out of range``).
 INT64_MAX = 2**63 - 1
 INT64_MIN = -(2**63)
+
+#: The largest micro-batch index a record takes (micro-batches are a pipeline's few in-flight batches,
+#: SGLang's ``mb_id`` in ``range(pp_loop_size)``; the bound keeps the metric attribute bounded).
+MICRO_BATCH_MAX = 1023
 
 
 def check_int(owner: str, name: str, value: Any, minimum: int) -> None:
@@ -52,6 +57,29 @@ def logged_int(name: str, value: Any, minimum: int) -> str | None:
     if not INT64_MIN <= value <= INT64_MAX:
         return f"{name}={value} is outside int64 (-2**63 .. 2**63 - 1, what OTLP carries)"
     return None
+
+
+def logged_counts(data: dict, fail: Callable[[str], Exception], names: tuple[str, ...]) -> tuple[dict, int]:
+    """``(counts, forward_ct)`` of the JSON object of a line that belongs to a record: its
+    ``forward_ct`` (required), its ``micro_batch`` and the fields ``names`` present, each a
+    non-negative int64 (``micro_batch`` up to :data:`MICRO_BATCH_MAX`); other keys are left out.
+
+    Raises:
+        MalformedRecordError (through ``fail``): ``forward_ct`` missing, a value out of its bounds.
+    """
+    if "forward_ct" not in data:
+        raise fail("missing field forward_ct")
+    counts: dict = {}
+    for name in ("forward_ct", "micro_batch") + names:
+        if name in data:
+            reason = logged_int(name, data[name], 0)
+            if reason is None and name == "micro_batch" and data[name] > MICRO_BATCH_MAX:
+                reason = f"micro_batch={data[name]} is above {MICRO_BATCH_MAX}"
+            if reason is not None:
+                raise fail(reason)
+            if name != "forward_ct":
+                counts[name] = data[name]
+    return counts, data["forward_ct"]
 
 
 def compact(value: Any) -> str:
