@@ -317,3 +317,50 @@ def test_requests_unknown_to_the_scheduler_are_not_read():
     w.managers[0].req_to_blocks["c"][1] = w.managers[0].req_to_blocks["a"][1]
     requests = {rid: r for rid, r in w.requests.items() if rid != "c"}
     assert block_hash_findings(w.kv, requests).foreign_blocks == 0
+
+
+def test_the_findings_reach_the_record_its_lines_and_check(tmp_path):
+    """Through the reporter: the view's findings become the record's three provenance fields and
+    one fault line per fault with its first offender; ``otel-swa check`` on the lines fails and
+    names the block; a view without findings gives a record without provenance fields (no
+    provenance line)."""
+    import contextlib
+    import io
+
+    from otel_swa.cli import main as otel_swa_cli
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.views import vllm
+
+    w = healthy()
+    full = w.managers[0]
+    full.req_to_blocks["c"][1] = full.req_to_blocks["a"][1]  # foreign: a's block in c's table
+    stale = list(w.cache)[4]  # a's sliding-window block 0: its own hash made another
+    w.cache[stale].block_hash = key(b"\5" * 32, 1)
+    found = w.findings()
+    assert (found.stale_entries, found.foreign_blocks) == (1, 2)  # the block's own table entry is foreign too
+    records = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: records.append(r)])
+    swa = w.managers[1]
+    reporter.step(vllm.read_window_table(swa, ["a"], [72]).view(kv_block_hashes=found))
+    reporter.step(vllm.read_window_table(swa, ["a"], [72]).view())
+    reporter.close()
+    with_findings, without = records
+    assert (with_findings.kv_cache_entries_checked, with_findings.kv_stale_cache_entries,
+            with_findings.kv_foreign_blocks) == (found.entries_checked, 1, 2)
+    # check order: request a first; its sliding-window block 0 carries the changed hash. The stale
+    # entry's block is a's at index 0, whose own hash is the key: a took it through the entry.
+    changed = w.cache[stale].block_id
+    assert with_findings.offender("kv_foreign_blocks").location() == {
+        "request": "a", "position": 0, "block": changed, "kv_cache_group": 1}
+    assert with_findings.offender("kv_stale_cache_entries").location() == {
+        "request": "a", "position": 0, "block": changed, "kv_cache_group": 1}
+    assert without.kv_stale_cache_entries is None and without.provenance_line() is None
+    log = tmp_path / "run.log"
+    log.write_text("".join(line + "\n" for r in records for line in r.lines()))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = otel_swa_cli(["check", str(log)])
+    text = out.getvalue()
+    assert status == 1, text
+    assert "peak kv_stale_cache_entries=1" in text and "peak kv_foreign_blocks=2" in text, text
+    assert f"request a, position 0, block {changed} (KV cache group 1)" in text, text
