@@ -38,7 +38,9 @@ Two ways in:
 The whole pool, beside the batch: :func:`kv_block_audit_inputs` (the KV block audit's inputs:
 the ``BlockPool``'s free queue, the prefix cache's blocks, every group's tables) and
 :func:`kv_cache_pool_usage` (the pool gauges, free counted as vLLM's ``get_usage()`` counts it);
-:func:`window_allowance` gives the window check vLLM's own trimming.
+:func:`window_allowance` gives the window check vLLM's own trimming. Whose KV the blocks hold (the
+prefix cache's keys and the tables' block hashes against the requests' own): the block-hash
+provenance check, :mod:`otel_swa.views.vllm_block_hashes`.
 
 Nothing here imports vLLM.
 """
