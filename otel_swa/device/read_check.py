@@ -128,7 +128,8 @@ class ReadCheck:
             the window is taken in chunks of that size (module docstring); the queries checked are
             always ``max_queries`` or the batch when smaller.
         gate: the reporter's :class:`~otel_swa.device.gate.SamplingGate` (the recorded path inside
-            CUDA graphs); ``None``: a gate of its own, never set (eager checks only).
+            CUDA graphs); ``None``: a gate of its own whose flag is always set (every call counts,
+            replayed from a graph or not: the caller decides when to check).
 
     Raises:
         ValueError: a bad argument (named, with the value).
@@ -153,7 +154,10 @@ class ReadCheck:
         self.max_queries = max_queries
         self.layers = layers
         self.kv_budget_bytes = kv_budget_bytes
-        self.gate = gate if gate is not None else SamplingGate(self.device)
+        if gate is None:
+            gate = SamplingGate(self.device)
+            gate.set(True)
+        self.gate = gate
         #: check_layer calls made on the recorded path (host): > 0 once a captured graph holds the check.
         self.recorded_calls = 0
         self._start = torch.zeros((), dtype=torch.int64, device=self.device)  # the first query's entry, rotated

@@ -12,6 +12,8 @@ from otel_swa.device.write_check import WriteCheck, write_counts, write_offender
 from otel_swa.reporter import SwaDivergenceReporter
 from otel_swa.views import SwaBatch
 
+import decode_loop
+
 
 def test_the_flag_is_written_only_when_the_decision_changes():
     gate = SamplingGate("cpu")
@@ -185,3 +187,23 @@ def test_before_forward_follows_a_round_of_micro_batches():
     assert not bool(reporter.sampling_flag)
     with pytest.raises(ValueError, match="micro_batch"):
         reporter.before_forward(micro_batch=-1)
+
+
+# ---------------------------------------------------------------------- a decode loop, both ways
+@pytest.mark.parametrize("fault_at", [None, 4])
+def test_a_decode_loop_on_the_recorded_path_gives_the_eager_readings(fault_at):
+    """The loop a CUDA graph would replay, every step on the recorded path (the flag set only at
+    sampled steps) against the same loop eager: equal readings at every sample, with and without a
+    wrong-index write from step 4."""
+    eager = decode_loop.run("cpu", mode="eager", fault_at=fault_at)
+    recorded = decode_loop.run("cpu", mode="recorded", fault_at=fault_at)
+    assert [step for step, _ in eager] == [step for step, _ in recorded] == [2, 4, 6, 8]
+    assert [decode_loop.summary(r) for _, r in eager] == [decode_loop.summary(r) for _, r in recorded]
+    for step, reading in eager:
+        faulty = fault_at is not None and step >= fault_at
+        assert reading.read == (4, 0, 0)  # the mapping's KV is what attention read, fault or not
+        assert reading.write[:2] == (8, 4 if faulty else 0)  # 4 tokens x one layer of each pool
+        assert (reading.provenance.corrupt_tokens > 0) == faulty
+        assert reading.provenance.foreign_tokens == 0
+        if faulty:
+            assert reading.write_offender["layer"] == 1 and reading.provenance.corrupt_offender["pool"] == "swa"
