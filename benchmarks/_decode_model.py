@@ -8,6 +8,10 @@ context, or the window) gathered through ``req_to_token`` and the mapping, the o
 a dense MLP. A stand-in for the real kernels (paged attention reads the same bytes; a real MLP may
 be a mixture of experts): it fixes the step's order of magnitude, not its exact time.
 
+Memory: the layers of one kind share one pair of K/V buffers (each layer still writes and reads its
+own K/V there, so the step's work is the model's; only the capacity is one layer's), and the
+weights are random, made on the device.
+
 The checks (``checks=True``): the stamps before the first layer
 (:meth:`~otel_swa.device.provenance.KvProvenance.stamp`), each layer's
 :meth:`~otel_swa.device.provenance.KvProvenance.after_layer` (checksums of the designated layer of
@@ -64,35 +68,38 @@ class DecodeModel:
     """One decode step of ``shape`` on ``device`` (module docstring); :meth:`forward` runs it.
 
     Args:
-        checks: put otel-swa's in-forward checks in the step (``reporter`` then holds them).
-        graph_mode: the reporter's :data:`~otel_swa.device.gate.GRAPH_MODES`.
+        checks: put otel-swa's in-forward checks in the step (``reporter`` then holds them; a call
+            of :meth:`forward` may leave them out).
+        graph_mode: the reporter's :data:`~otel_swa.device.gate.GRAPH_MODES` (its gate's
+            ``graph_mode`` may be changed between captures).
     """
 
     def __init__(self, shape: Shape, device: "torch.device | str", *, checks: bool, graph_mode: str = "masked",
                  interval: int = 1) -> None:
         dev = self.device = torch.device(device)
         self.shape = s = shape
-        gen = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
         width = s.context + 8
         slots = s.batch * width + 1
-        self.req_to_token = (torch.arange(s.batch * width, dtype=torch.int32) + 1).reshape(s.batch, width).to(dev)
-        self.mapping = torch.cat([torch.zeros(1, dtype=torch.int64),
-                                  torch.randperm(slots - 1, generator=gen) + 1]).to(dev)
+        self.req_to_token = (torch.arange(s.batch * width, dtype=torch.int32, device=dev) + 1).reshape(s.batch, width)
+        self.mapping = torch.cat([torch.zeros(1, dtype=torch.int64, device=dev),
+                                  torch.randperm(slots - 1, device=dev) + 1])
         self.rows = torch.arange(s.batch, device=dev)
         self.positions = torch.full((s.batch,), s.context, dtype=torch.int64, device=dev)
         self.seq_lens = self.positions + 1
         self.loc = self.req_to_token[self.rows, self.positions].long()
-        self.input_ids = torch.randint(0, 1000, (s.batch,), generator=gen).to(dev)
-        self.hidden = torch.randn((s.batch, s.hidden), generator=gen).to(dev, s.dtype)
+        self.input_ids = torch.randint(0, 1000, (s.batch,), device=dev)
+        self.hidden = torch.randn((s.batch, s.hidden), device=dev, dtype=s.dtype)
         qkv = (s.q_heads + 2 * s.kv_heads) * s.head_dim
 
         def weight(*size):
-            return (torch.randn(size, generator=gen) / size[0] ** 0.5).to(dev, s.dtype)
+            return torch.randn(size, device=dev, dtype=s.dtype) / size[0] ** 0.5
 
         self.weights = [(weight(s.hidden, qkv), weight(s.q_heads * s.head_dim, s.hidden), weight(s.hidden, s.mlp),
                          weight(s.mlp, s.hidden)) for _ in s.layers]
-        self.kv = [tuple(torch.randn((slots, s.kv_heads, s.head_dim), generator=gen).to(dev, s.dtype) for _ in range(2))
-                   for _ in s.layers]
+        pools = {kind: tuple(torch.randn((slots, s.kv_heads, s.head_dim), device=dev, dtype=s.dtype) for _ in range(2))
+                 for kind in set(s.layers)}
+        self.kv = [pools[sliding] for sliding in s.layers]
         self.reporter = SwaDivergenceReporter(interval, device=dev, graph_mode=graph_mode)
         self.checks = checks
         if checks:
@@ -100,10 +107,11 @@ class DecodeModel:
             self.read_check = self.reporter.enable_read_check()
         self._offsets = {r: torch.arange(r, device=dev) - (r - 1) for r in {s.window, s.context + 1}}
 
-    def forward(self) -> torch.Tensor:
+    def forward(self, checks: "bool | None" = None) -> torch.Tensor:
         s = self.shape
-        checks = self.checks and self.reporter.checks_wanted()
-        if self.checks:  # the stamps: every step
+        on = self.checks if checks is None else checks and self.checks
+        checks = on and self.reporter.checks_wanted()
+        if on:  # the stamps: every step
             self.provenance.stamp(input_ids=self.input_ids, positions=self.positions, out_cache_loc=self.loc,
                                   req_pool_indices=self.rows, req_to_token=self.req_to_token,
                                   full_to_swa_index_mapping=self.mapping)
@@ -124,7 +132,7 @@ class DecodeModel:
             qq = q.view(s.batch, s.kv_heads, group, s.head_dim)
             scores = torch.matmul(qq, kk.transpose(2, 3)) * s.head_dim ** -0.5
             out = torch.matmul(scores.softmax(-1), vv).reshape(s.batch, -1)
-            if self.checks:
+            if on:
                 self.provenance.after_layer(layer_id=layer, swa=sliding, k=k, v=v, k_buffer=k_buf, v_buffer=v_buf,
                                             out_cache_loc=self.loc, full_to_swa_index_mapping=self.mapping,
                                             positions=self.positions)

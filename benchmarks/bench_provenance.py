@@ -216,7 +216,8 @@ def section_engine(rounds: int, steps: int) -> None:
             reporter = SwaDivergenceReporter(interval)
             engine = ReferenceEngine(EngineConfig(window=9, num_heads=2, head_dim=16, max_running=16,
                                                   full_pool_size=16384, swa_pool_size=4096, token_budget=512,
-                                                  max_context_len=4096, provenance=provenance), reporter=reporter)
+                                                  max_context_len=4096, provenance="prefix" if provenance else "off"),
+                                     reporter=reporter)
             for request in load_trace("conv", limit=16):
                 engine.submit(request, arrival_s=0.0)
             for _ in range(10):
