@@ -111,6 +111,8 @@ def section_write_path(rounds: int, quick: bool) -> None:
         for name, fn in calls.items():
             rows.append((f"{name}, decode batch {batch}", str(kernel_ops(fn)), fmt(got[name], 1e6, 1)))
     print_table("1. the write path at every forward step (us per call)", ("call", "device ops", "us / call"), rows)
+    print_table("1a. device operations of each in-forward check, per call, on the path a CUDA graph holds "
+                "(engine suite's Mellum, 16 requests)", ("check", "device ops", "runs at"), recorded_ops())
 
     shape = SHAPES[0]
     plain, with_writes = DecodeModel(shape, "cpu", checks=False), DecodeModel(shape, "cpu", checks=True)
@@ -126,6 +128,44 @@ def section_write_path(rounds: int, quick: bool) -> None:
     share = [a / (SGLANG_DECODE_STEP_MS * 1e-3) for a in added]
     print(f"the write path against the real sglang Engine's decode step of that model ({SGLANG_DECODE_STEP_MS} ms, "
           f"BENCHMARKS.md section 8): {fmt(share, 100, 2, ' %')} (budget 2 %)\n")
+
+
+def warm_ops(fn) -> int:
+    """Device operations of ``fn``'s second call (the first makes what is kept: constants, offsets)."""
+    fn()
+    return kernel_ops(fn)
+
+
+def recorded_ops() -> list:
+    """Device operations of each in-forward check on its recorded path (flag unset: what a replay of
+    a step not sampled runs under ``graph_mode="masked"``)."""
+    model = DecodeModel(SHAPES[0], "cpu", checks=True)
+    gate, prov, s = model.reporter.gate, model.provenance, model.shape
+    gate.force_recorded = True
+    k_buf, v_buf = model.kv[0]
+    k = torch.zeros((s.batch, s.kv_heads * s.head_dim))
+    q = torch.zeros((s.batch, s.q_heads * s.head_dim))
+    stamp = warm_ops(lambda: prov.stamp(input_ids=model.input_ids, positions=model.positions, out_cache_loc=model.loc,
+                                          req_pool_indices=model.rows, req_to_token=model.req_to_token,
+                                          full_to_swa_index_mapping=model.mapping))
+    write = prov.write_check
+    checksum = warm_ops(lambda: prov._write_checksums(1, k, k, k_buf, v_buf, model.loc, model.mapping))
+    write_check = warm_ops(lambda: write.check_layer(
+        layer_id=0, swa=True, k=k, v=k, k_buffer=k_buf, v_buffer=v_buf, out_cache_loc=model.loc,
+        full_to_swa_index_mapping=model.mapping, positions=model.positions))
+    read_check = warm_ops(lambda: model.read_check.check_layer(
+        layer_id=0, q=q, out=q, k_buffer=k_buf, v_buffer=v_buf, req_to_token=model.req_to_token,
+        full_to_swa_index_mapping=model.mapping, req_pool_indices=model.rows, seq_lens=model.seq_lens,
+        query_rows=None, window=s.window, scaling=1.0, num_q_heads=s.q_heads))
+    plain = warm_ops(lambda: model.forward(False))
+    return [
+        ("the decode step itself (4 layers), for scale", str(plain), "every step"),
+        ("stamps (both pools)", str(stamp), "every step (in a graph: every replay)"),
+        ("checksum write, one designated layer (x 2: FULL and SWA)", str(checksum), "every step (every replay)"),
+        ("write check, one layer (x 2: one of each pool)", str(write_check),
+         "eager: sampled steps; masked graph: every replay; conditional: sampled replays"),
+        ("read check, one sliding-window layer (x 1)", str(read_check), "the same"),
+    ]
 
 
 def section_checks(rounds: int, quick: bool) -> None:

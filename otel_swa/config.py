@@ -268,6 +268,19 @@ def read_check(environ: Mapping[str, str] | None = None) -> "tuple[str, int] | N
     return None if layers == "off" else (layers, queries)
 
 
+#: Values of ``OTEL_SWA_GRAPH_CHECKS``, the default first (:data:`otel_swa.device.gate.GRAPH_MODES`).
+GRAPH_CHECKS_CHOICES = ("masked", "conditional")
+
+
+def graph_checks(environ: Mapping[str, str] | None = None) -> str:
+    """``OTEL_SWA_GRAPH_CHECKS``: ``masked`` (default) or ``conditional``.
+
+    Raises:
+        ConfigError: any other value.
+    """
+    return _choice(ev.OTEL_SWA_GRAPH_CHECKS, GRAPH_CHECKS_CHOICES, environ)
+
+
 #: Values of ``OTEL_SWA_PROVENANCE``, the default first: the checksum's coverage, or off.
 PROVENANCE_CHOICES = ("prefix", "all", "off")
 

@@ -151,6 +151,16 @@ Live KV slots provenance verifies per pool and sampled step (integer from 1 to 1
 4096); the rest are verified at later samples, in turn.
 """
 
+OTEL_SWA_GRAPH_CHECKS = "OTEL_SWA_GRAPH_CHECKS"
+"""
+.. envvar:: OTEL_SWA_GRAPH_CHECKS
+
+How the in-forward checks a CUDA graph holds (the read check, the write check) take the sampling
+flag at each replay (``otel_swa.device.gate``): ``masked`` (default: they run at every replay, their
+counts multiplied by the flag) or ``conditional`` (captured into a conditional node that runs them
+only at sampled replays; CUDA 12.4 or later).
+"""
+
 OTEL_SWA_WARNED = "OTEL_SWA_WARNED"
 """
 .. envvar:: OTEL_SWA_WARNED

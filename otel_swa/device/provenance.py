@@ -436,7 +436,7 @@ class KvProvenance:
         table = self.checksums[pool]
         loc = out_cache_loc.long()
         slots = loc if pool == 0 else mapping.index_select(0, loc.clamp(0, mapping.shape[0] - 1))
-        table.index_copy_(0, slots.clamp(0, table.shape[0] - 1), hasher.of_given(k, v, tokens, self.gate.recording()))
+        table.index_copy_(0, slots.clamp(0, table.shape[0] - 1), hasher.of_given(k, v, tokens, self.gate.capturing()))
 
     def move_slots(self, pool: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Carry the stamps and checksums of slots ``src`` to ``dst`` (``int [n]`` each) in ``pool``

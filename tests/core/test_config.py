@@ -60,3 +60,14 @@ def test_provenance_variables():
                 {"OTEL_SWA_PROVENANCE_BUDGET": "2.5"}):
         with pytest.raises(config.ConfigError, match="OTEL_SWA_PROVENANCE"):
             config.provenance(bad)
+
+
+def test_graph_checks_variable_reaches_the_reporter():
+    from otel_swa import config
+
+    assert config.graph_checks({}) == "masked"
+    with pytest.raises(config.ConfigError, match="OTEL_SWA_GRAPH_CHECKS"):
+        config.graph_checks({"OTEL_SWA_GRAPH_CHECKS": "always"})
+    reporter = SwaDivergenceReporter.from_env(environ={"OTEL_SWA_DIVERGENCE_INTERVAL": "5",
+                                                       "OTEL_SWA_GRAPH_CHECKS": "Conditional"})
+    assert reporter.gate.graph_mode == "conditional"
