@@ -33,6 +33,26 @@ host read, and two ways to run it:
 Either way a replayed sampled step is checked exactly as an eager one: the CPU tests drive the
 recorded path with the flag set and unset and compare with eager counts; the ``gpu`` tests capture
 and replay a graph (``tests/core/test_gpu_provenance.py``).
+
+What each check costs in every replayed step (device operations per call on the recorded path at
+the engine suite's shapes, ``benchmarks/bench_provenance.py`` table 1a; on a GPU each is a small
+kernel of a few microseconds):
+
+==============================================  =======  ===========================================
+check                                           ops      runs at
+==============================================  =======  ===========================================
+stamps (both pools)                             32       every replay (the write path: always)
+checksum write, x 2 (a layer of each pool)      13 each  every replay (the write path: always)
+write check, x 2 (a layer of each pool)         35 each  ``masked``: every replay; ``conditional``:
+                                                         sampled replays only
+read check, x 1 (one sliding-window layer)      73       the same
+==============================================  =======  ===========================================
+
+so a replay not sampled pays about 200 operations under ``masked`` and 58 plus three conditional
+nodes under ``conditional``. By that cost ``conditional`` is the design to run; ``masked`` stays
+the default because it asks nothing of the CUDA version and driver, and its capture cannot fail
+(``OTEL_SWA_GRAPH_CHECKS`` chooses; ``benchmarks/gpu_figures.py`` measures both at three model
+shapes so the choice can be made on the device).
 """
 
 from __future__ import annotations

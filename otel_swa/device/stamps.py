@@ -15,8 +15,8 @@ The chain. For a request with tokens ``t_0 .. t_p``::
     chain_p = (f(t_0, 0) + f(t_1, 1) + ... + f(t_p, p)) mod 2**20
 
 with ``f`` an integer mix of the token and the position (:func:`mix`: a linear form of the two,
-kept to 31 bits, times an odd 31-bit constant, folded by a 31-bit xor-shift, 20 bits out: seven
-elementwise operations). Because the chain is a sum, the expected stamps of a whole request are one
+folded by a xor-shift and kept to 31 bits, times an odd 31-bit constant, folded by a 31-bit
+xor-shift, bits 11-30 out: ten elementwise operations). Because the chain is a sum, the expected stamps of a whole request are one
 ``cumsum`` (the host computes them in parallel at a sample, :func:`expected_stamps`), and the stamp
 of a new token is the previous position's chain plus one ``f`` (a decode step reads one stamp per
 request; an extend step one per request and a ``cumsum`` within the step). ``f`` is not linear, so
@@ -27,12 +27,13 @@ asks of its splitmix64 chain (``sglang/srt/kv_canary``), with 20 bits instead of
 Why this arithmetic: every intermediate value stays below 2**63 (``f`` works on values below
 2**42, then 2**31 x 2**31; the ``cumsum`` of a request adds at most 2**22 values below 2**20), so
 torch's ``int64`` operations never overflow and the host's numpy gives the same bits; the whole
-stamp is built with three fused ``add(alpha=2**k)`` operations. For one position two different
-token ids always give two different 31-bit linear forms (the token's multiplier is odd), and the
-multiply-xor-shift spreads them: measured over 8,192 random 64-token prefixes (vocabulary 512), the
-chains collide as often as uniform 20-bit values would (37 pairs, 32 expected), and no prefix
-collided with itself after two of its tokens were swapped or after a change that kept the token sum
-(0 of 8,192 each; ``tests/core/test_provenance.py`` keeps such cases).
+stamp is built with three fused ``add(alpha=2**k)`` operations. Measured
+(``benchmarks/bench_provenance.py`` table 6, and 2**20 trials each while choosing it): random
+64-token prefixes (vocabulary 512) share a chain as often as uniform 20-bit values would (133 pairs
+of 134 million, 128 expected), and a prefix never matched itself after two of its tokens were
+swapped or after a change that kept the token sum (0 of 2**20 each, about 1 expected of uniform
+chains). Shorter mixes fail that: without the first xor-shift a sum-keeping change collided 197
+times in 2**20, a swap 40 times (their structure survives the multiplication).
 
 What a comparison tells (a slot whose stamp is not the one expected from the request's own tokens
 holds another token's KV: "foreign"):
@@ -104,21 +105,25 @@ def mix(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
         token: ``int64``, values in ``0 .. 2**20 - 1`` (ids already reduced).
         position: ``int64``, values in ``0 .. 2**22 - 1`` (positions already reduced).
 
-    Seven elementwise device operations; no intermediate reaches 2**63.
+    Ten elementwise device operations; no intermediate reaches 2**63.
     """
     x = torch.add(token * _A, position, alpha=_B)  # < 2**42
+    x ^= x >> 17
     x &= 0x7FFFFFFF
     x *= _C  # < 2**62
     x ^= x >> 31
+    x >>= 11
     return x.bitwise_and_(CHAIN_MASK)
 
 
 def mix_numpy(token: np.ndarray, position: np.ndarray) -> np.ndarray:
     """:func:`mix` on the host: the same bits from ``int64`` numpy arrays."""
     x = token.astype(np.int64) * _A + position.astype(np.int64) * _B
+    x ^= x >> 17
     x &= 0x7FFFFFFF
     x *= _C
     x ^= x >> 31
+    x >>= 11
     return x & CHAIN_MASK
 
 

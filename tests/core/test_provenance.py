@@ -19,10 +19,12 @@ from otel_swa.views import JoinedTokenIds, SwaBatch
 # ---------------------------------------------------------------------- the layout, in plain Python
 def f(token: int, position: int) -> int:
     """The documented mix, on Python ints."""
-    x = (token * 0x9E37F + position * 0x7F4A7) & 0x7FFFFFFF
+    x = token * 0x9E37F + position * 0x7F4A7
+    x ^= x >> 17
+    x &= 0x7FFFFFFF
     x *= 0x5BD1E995
     x ^= x >> 31
-    return x & 0xFFFFF
+    return (x >> 11) & 0xFFFFF
 
 
 def stamp_of(tokens: list, p: int, known: bool = True, chain_from: int = 0) -> int:
@@ -341,3 +343,25 @@ def test_moved_slots_keep_their_provenance():
     engine.r2t[1, :8] = dst.to(torch.int32)
     got = engine.verify()
     assert (got.foreign_tokens, got.corrupt_tokens) == (0, 0) and got.stamp_checks == 16
+
+
+def test_the_chain_keeps_apart_prefixes_with_a_swap_or_the_same_token_sum():
+    """65,536 random 64-token prefixes (vocabulary 512), each against itself with two tokens swapped
+    and with a change that keeps the token sum: uniform 20-bit chains would agree about 0.06 times
+    each; a mix whose structure survives (a linear form times a constant) agrees about 12 times."""
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(0, 512, (1 << 16, 64))
+    positions = np.arange(64)
+
+    def chains(t):
+        return mix_numpy(t, positions).sum(axis=1) % (1 << 20)
+
+    base = chains(tokens)
+    swapped = tokens.copy()
+    swapped[:, [3, 17]] = swapped[:, [17, 3]]
+    differ = tokens[:, 3] != tokens[:, 17]
+    kept = tokens.copy()
+    kept[:, 5] += 1
+    kept[:, 9] -= 1
+    assert int((chains(swapped) == base)[differ].sum()) <= 1
+    assert int((chains(kept) == base).sum()) <= 1
