@@ -465,7 +465,7 @@ class KvProvenance:
             return None
         from otel_swa.device.sample import host_lengths  # the sample imports this module
 
-        lens = host_lengths(lens_host).clip(0, view.req_to_token.shape[1])
+        lens = np.minimum(np.maximum(host_lengths(lens_host), 0), view.req_to_token.shape[1])
         batch = len(lens)
         mapping = view.full_to_swa_index_mapping
         pools = [0]
