@@ -58,9 +58,10 @@ positions). Host work per sample: the expected stamps of the taken positions (nu
 of each request's chain every 1,024 positions (8 bytes per 1,024 tokens of a request), so each
 token id is converted once over the request's life plus up to 1,024 per range re-read; the upload:
 ``3 x 8`` bytes per taken slot (batch entry, position, expected stamp), 192 KiB at the default budget
-with both pools full, through the reporter's pinned ring. Device work per pool and sample: about 35
+with both pools full, through the reporter's pinned ring. Device work per pool and sample: about 55
 operations over the taken slots (the gathers of ``req_to_token``, the mapping, the stamps, the
-checksums and the K/V rows, and the comparisons).
+checksums and the K/V rows, the comparisons and the first offenders; ``benchmarks/bench_provenance.py``
+table 2 measures it: 3 - 7 ms on 2 loaded CPU cores at 2,720 - 8,192 slots).
 
 Slots the engine fills without a forward step (SGLang's HiCache load-back, a disaggregated
 prefill's transfer) keep the stamps of what was there before unless the engine moves the provenance
@@ -372,8 +373,8 @@ class KvProvenance:
         """Stamp the slots this forward step writes (:func:`otel_swa.device.stamps.write_stamps`),
         in the FULL pool at ``out_cache_loc`` and in the SWA pool at its mapping. Call once per
         forward step, anywhere before the sample; fixed shapes, no host read: inside a captured
-        forward it is recorded and every replay stamps its tokens. About 30 device operations on
-        ``[T]`` (decode) and 8 more for an extend batch.
+        forward it is recorded and every replay stamps its tokens. 32 device operations on ``[T]``
+        (decode) and 7 more for an extend batch.
 
         Args:
             input_ids: ``int [T]``, the step's input token ids, on the device.

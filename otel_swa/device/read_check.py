@@ -57,7 +57,8 @@ says that a graph holds it. The layer a graph checks under ``rotate`` is the one
 when the graph was captured. Padding entries of a captured batch (SGLang's ``req_pool_indices`` 0,
 ``seq_lens`` 1) are checked like any request: their output is computed from the same slots.
 
-Cost per checked layer: about 30 device operations on ``Q x W`` keys (the gathers of ``Q x W x
+Cost per checked layer: about 30 device operations (about 70 on the recorded path, which keeps the
+first offender on the device and masks every count) on ``Q x W`` keys (the gathers of ``Q x W x
 kv_heads x head_dim`` K and V values and two batched products), ``Q = max_queries`` (8) or the
 batch when smaller. The window is taken in chunks that keep the gathered K and V within
 ``kv_budget_bytes`` (default 16 MiB; one chunk unless ``Q x W x kv_heads x (head_dim +

@@ -29,7 +29,7 @@ turn it was at its capture); ``"all"``: every layer called.
 
 Results accumulate over a forward step into :attr:`WriteCheck.cells` (``int64 [WRITE_WIDTH]``,
 :data:`WRITE_CELLS`): pairs (token, layer) compared, of which mismatched, not comparable, and the
-first mismatch (batch entry, position, FULL slot, SWA slot, layer). Cost per checked layer: about 20
+first mismatch (batch entry, position, FULL slot, SWA slot, layer). Cost per checked layer: about 36
 device operations on ``max_tokens`` rows; in a CUDA graph that cost is paid at every replayed step
 (``graph_mode="masked"``) or only at sampled ones (``"conditional"``).
 """
