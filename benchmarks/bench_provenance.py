@@ -41,7 +41,7 @@ from bench_sample import kernel_ops  # noqa: E402
 
 from otel_swa.device.gate import SamplingGate  # noqa: E402
 from otel_swa.device.provenance import PROVENANCE_WIDTH, KvProvenance  # noqa: E402
-from otel_swa.device.write_check import WriteCheck  # noqa: E402
+from otel_swa.device.write_check import LayerStore, WriteCheck  # noqa: E402
 from otel_swa.views import SwaBatch  # noqa: E402
 
 #: The real sglang Engine's decode step of the engine suite's model with otel-swa off (BENCHMARKS.md
@@ -149,10 +149,10 @@ def recorded_ops() -> list:
                                           req_pool_indices=model.rows, req_to_token=model.req_to_token,
                                           full_to_swa_index_mapping=model.mapping))
     write = prov.write_check
-    checksum = warm_ops(lambda: prov._write_checksums(1, k, k, k_buf, v_buf, model.loc, model.mapping))
-    write_check = warm_ops(lambda: write.check_layer(
-        layer_id=0, swa=True, k=k, v=k, k_buffer=k_buf, v_buffer=v_buf, out_cache_loc=model.loc,
-        full_to_swa_index_mapping=model.mapping, positions=model.positions))
+    store = LayerStore(layer_id=0, swa=True, k=k, v=k, k_buffer=k_buf, v_buffer=v_buf, out_cache_loc=model.loc,
+                       full_to_swa_index_mapping=model.mapping, positions=model.positions)
+    checksum = warm_ops(lambda: prov._write_checksums(1, store))
+    write_check = warm_ops(lambda: write.check_layer(store))
     read_check = warm_ops(lambda: model.read_check.check_layer(
         layer_id=0, q=q, out=q, k_buffer=k_buf, v_buffer=v_buf, req_to_token=model.req_to_token,
         full_to_swa_index_mapping=model.mapping, req_pool_indices=model.rows, seq_lens=model.seq_lens,
@@ -178,8 +178,9 @@ def section_checks(rounds: int, quick: bool) -> None:
     cache.v[cache.mapping[cache.loc]] = cache.new_v.view(-1, 2, 16)
 
     def write_check():
-        check.check_layer(layer_id=1, swa=True, k=cache.new_k, v=cache.new_v, k_buffer=cache.k, v_buffer=cache.v,
-                          out_cache_loc=cache.loc, full_to_swa_index_mapping=cache.mapping, positions=cache.positions)
+        check.check_layer(LayerStore(layer_id=1, swa=True, k=cache.new_k, v=cache.new_v, k_buffer=cache.k,
+                                     v_buffer=cache.v, out_cache_loc=cache.loc, full_to_swa_index_mapping=cache.mapping,
+                                     positions=cache.positions))
         check.take()
 
     out = torch.zeros(PROVENANCE_WIDTH, dtype=torch.int64)

@@ -44,11 +44,9 @@ from otel_swa.device import (
     stage_sample,
 )
 from otel_swa.device.audit import SwaAuditSweep
-from otel_swa.device.checksum import CHECKSUM_MODES
 from otel_swa.device.gate import GRAPH_MODES, SamplingGate
 from otel_swa.device.provenance import KvProvenance
 from otel_swa.device.read_check import READ_CHECK_MODES, ReadCheck
-from otel_swa.device.write_check import WRITE_CHECK_MODES
 from otel_swa.record import MICRO_BATCH_MAX, VERIFY_SOURCES, LivenessWarning, Offender, SwaDivergenceRecord
 from otel_swa.views.base import SwaBatchView, validate_view
 
@@ -422,19 +420,7 @@ class SwaDivergenceReporter:
         return not self._closed and self._gate.wanted()
 
     # ------------------------------------------------------------------ provenance and the write check
-    def enable_provenance(
-        self,
-        *,
-        full_slots: int,
-        swa_slots: "int | None" = None,
-        checksum: str = CHECKSUM_MODES[0],
-        checksum_bytes: int = 64,
-        checksum_layers: "dict[str, int] | None" = None,
-        budget: int = 4096,
-        write_check: bool = True,
-        write_check_tokens: int = 8,
-        write_check_layers: str = WRITE_CHECK_MODES[0],
-    ) -> KvProvenance:
+    def enable_provenance(self, *, full_slots: int, swa_slots: "int | None" = None, **options: Any) -> KvProvenance:
         """Switch provenance on (:mod:`otel_swa.device.provenance`: stamps and checksums written at
         every forward step, verified with each sample, and the write check) and return it; the
         engine then calls its :meth:`~otel_swa.device.provenance.KvProvenance.stamp` once per forward
@@ -445,18 +431,17 @@ class SwaDivergenceReporter:
             full_slots, swa_slots: slots of the FULL and SWA pools (their K/V buffers' first
                 dimension; ``swa_slots=None``: no SWA pool). The tables take 8 bytes per slot each,
                 on the reporter's device.
-            the rest: see :class:`~otel_swa.device.provenance.KvProvenance`.
+            options: :class:`~otel_swa.device.provenance.KvProvenance`'s (``checksum``,
+                ``checksum_bytes``, ``checksum_layers``, ``budget``, ``write_check``,
+                ``write_check_tokens``, ``write_check_layers``).
 
         Raises:
             ValueError: an argument out of range.
+            TypeError: an unknown option.
         """
         if self._provenance is None:
-            self._provenance = KvProvenance(
-                self.device, self._gate, full_slots=full_slots, swa_slots=swa_slots, checksum=checksum,
-                checksum_bytes=checksum_bytes, checksum_layers=checksum_layers, budget=budget,
-                write_check=write_check, write_check_tokens=write_check_tokens,
-                write_check_layers=write_check_layers,
-            )
+            self._provenance = KvProvenance(self.device, self._gate, full_slots=full_slots, swa_slots=swa_slots,
+                                            **options)
         return self._provenance
 
     @property

@@ -62,7 +62,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["GRAPH_MODES", "SamplingGate", "masked"]
+__all__ = ["GRAPH_MODES", "SamplingGate", "masked", "commit_counts"]
 
 #: How a recorded check's effect is decided at each replay (module docstring).
 GRAPH_MODES = ("masked", "conditional")
@@ -72,6 +72,20 @@ def masked(values: torch.Tensor, mask: "torch.Tensor | None") -> torch.Tensor:
     """``values`` where ``mask`` is set, else 0 (``mask``: the gate's 0-dim ``bool`` flag, or
     ``None`` on the eager path: ``values`` as they are, no device operation)."""
     return values if mask is None else values * mask
+
+
+def commit_counts(cells: torch.Tensor, checked: torch.Tensor, bad: torch.Tensor, where: torch.Tensor,
+                  mask: "torch.Tensor | None") -> None:
+    """Add one call's counts to a check's cells, laid out as ``checked, mismatched, unchecked, found``
+    then the first offender's cells: ``checked`` and ``bad`` (0-dim ``int64``) added, and ``where``
+    (the offender's cells, ``int64 [cells - 4]``) kept when no offender was kept before and ``bad``
+    is not 0; all masked by ``mask`` (:func:`masked`). Six device operations, no host read."""
+    new = cells[3].eq(0).logical_and_(bad > 0)
+    if mask is not None:
+        new.logical_and_(mask)
+    cells[4:].copy_(torch.where(new, where, cells[4:]))
+    cells[3].add_(new)
+    cells[:2].add_(masked(torch.stack([checked, bad]), mask))
 
 
 class SamplingGate:

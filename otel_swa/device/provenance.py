@@ -89,7 +89,7 @@ from otel_swa.device.stamps import (
     write_stamps,
 )
 from otel_swa.device.window import host_allowance, host_reach
-from otel_swa.device.write_check import WRITE_CHECK_MODES, WriteCheck
+from otel_swa.device.write_check import WRITE_CHECK_MODES, LayerStore, WriteCheck
 
 __all__ = [
     "PROVENANCE_POOLS",
@@ -393,39 +393,30 @@ class KvProvenance:
             extra = ((swa, full_to_swa_index_mapping.index_select(0, loc).clamp_(0, swa.shape[0] - 1)),)
         write_stamps(full, input_ids, positions, out_cache_loc, req_pool_indices, req_to_token, extend_start_loc, extra)
 
-    def after_layer(
-        self,
-        *,
-        layer_id: int,
-        swa: bool,
-        k: "torch.Tensor | None",
-        v: "torch.Tensor | None",
-        k_buffer: torch.Tensor,
-        v_buffer: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        full_to_swa_index_mapping: "torch.Tensor | None" = None,
-        positions: "torch.Tensor | None" = None,
-        extend_start_loc: "torch.Tensor | None" = None,
-    ) -> None:
-        """One attention layer's part, after its forward stored this step's K/V: the checksum write
-        when it is its pool's designated layer (every step), the write check when the step is
-        sampled or recorded (:meth:`~otel_swa.device.write_check.WriteCheck.check_layer`, whose
-        docstring gives the arguments' shapes). ``swa``: the layer's buffers are the SWA pool's
-        (indexed by ``full_to_swa_index_mapping[out_cache_loc]``). Never raises for inputs it cannot
-        use: they are counted unchecked at the sample."""
-        pool = 1 if swa else 0
+    def after_layer(self, **store: Any) -> None:
+        """One attention layer's part, after its forward stored this step's K/V; keyword arguments:
+        the fields of :class:`~otel_swa.device.write_check.LayerStore` (``layer_id``, ``swa``, ``k``,
+        ``v``, ``k_buffer``, ``v_buffer``, ``out_cache_loc``, and optionally
+        ``full_to_swa_index_mapping``, ``positions``, ``extend_start_loc``; their shapes and dtypes
+        there). The checksum write when it is its pool's designated layer (every step), the write
+        check when the step is sampled or recorded
+        (:meth:`~otel_swa.device.write_check.WriteCheck.check_layer`). Never raises for inputs it
+        cannot use (they are counted unchecked at the sample); a missing or unknown keyword is a
+        ``TypeError``, at every call."""
+        layer = LayerStore(**store)
+        pool = 1 if layer.swa else 0
         if self.checksums[pool] is not None:
             if self._designated[pool] is None:
-                self._designated[pool] = layer_id
-            if self._designated[pool] == layer_id:
-                self._write_checksums(pool, k, v, k_buffer, v_buffer, out_cache_loc, full_to_swa_index_mapping)
+                self._designated[pool] = layer.layer_id
+            if self._designated[pool] == layer.layer_id:
+                self._write_checksums(pool, layer)
         check = self.write_check
-        if check is not None and self.gate.wanted() and check.wants(layer_id, swa):
-            check.check_layer(layer_id=layer_id, swa=swa, k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer,
-                              out_cache_loc=out_cache_loc, full_to_swa_index_mapping=full_to_swa_index_mapping,
-                              positions=positions, extend_start_loc=extend_start_loc)
+        if check is not None and self.gate.wanted() and check.wants(layer.layer_id, layer.swa):
+            check.check_layer(layer)
 
-    def _write_checksums(self, pool, k, v, k_buffer, v_buffer, out_cache_loc, mapping) -> None:
+    def _write_checksums(self, pool: int, layer: LayerStore) -> None:
+        k, v, k_buffer, v_buffer = layer.k, layer.v, layer.k_buffer, layer.v_buffer
+        out_cache_loc, mapping = layer.out_cache_loc, layer.full_to_swa_index_mapping
         hasher = self._hashers[pool]
         if hasher is None or self._buffers[pool] is None or self._buffers[pool][0] is not k_buffer:
             hasher = self._hashers[pool] = RowHasher(k_buffer, v_buffer, self._prefix)

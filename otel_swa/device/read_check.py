@@ -72,7 +72,7 @@ from typing import Sequence
 
 import torch
 
-from otel_swa.device.gate import SamplingGate, masked
+from otel_swa.device.gate import SamplingGate, commit_counts
 
 __all__ = ["READ_WIDTH", "READ_CELLS", "READ_CHECK_MODES", "ReadCheck", "rounding", "read_counts", "read_offender_fields"]
 
@@ -374,14 +374,7 @@ class ReadCheck:
         own_slot = own if mapping is None else mapping.index_select(0, own.clamp(0, mapping.shape[0] - 1)).long()
         where = torch.stack([entries, rows, position, own, own_slot,
                              entries.new_full((checked,), int(layer_id))]).index_select(1, first).reshape(-1)
-        new = cells[_C["found"]].eq(0).logical_and_(count > 0)
-        if mask is not None:
-            new.logical_and_(mask)
-        lo, hi = _C["entry"], _C["layer"] + 1
-        cells[lo:hi].copy_(torch.where(new, where, cells[lo:hi]))
-        cells[_C["found"]].add_(new)
-        counts = torch.stack([disagree.new_full((), checked, dtype=torch.int64), count])
-        cells[_C["checked"]:_C["mismatched"] + 1].add_(masked(counts, mask))
+        commit_counts(cells, disagree.new_full((), checked, dtype=torch.int64), count, where, mask)
         return checked
 
     # ------------------------------------------------------------------ the reporter's side

@@ -36,14 +36,15 @@ device operations on ``max_tokens`` rows; in a CUDA graph that cost is paid at e
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 
 from otel_swa.device.checksum import HASHED_DTYPES, rows_viewable
-from otel_swa.device.gate import SamplingGate, masked
+from otel_swa.device.gate import SamplingGate, commit_counts, masked
 
-__all__ = ["WRITE_CELLS", "WRITE_WIDTH", "WRITE_CHECK_MODES", "WriteCheck", "write_counts", "write_offender_fields"]
+__all__ = ["WRITE_CELLS", "WRITE_WIDTH", "WRITE_CHECK_MODES", "LayerStore", "WriteCheck", "write_counts",
+           "write_offender_fields"]
 
 #: The cells of :attr:`WriteCheck.cells`, in order.
 WRITE_CELLS = (
@@ -63,6 +64,41 @@ _C = {name: index for index, name in enumerate(WRITE_CELLS)}
 #: ``rotate``: one layer of each pool kind per sampled step, in turn; ``all``: every layer.
 WRITE_CHECK_MODES = ("rotate", "all")
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class LayerStore(NamedTuple):
+    """What one attention layer stored in a forward step: the arguments of
+    :meth:`otel_swa.device.provenance.KvProvenance.after_layer` (by keyword) and of
+    :meth:`WriteCheck.check_layer`.
+
+    Attributes:
+        layer_id: the layer's id, recorded with a mismatch.
+        swa: the buffers are the SWA pool's (indexed by ``full_to_swa_index_mapping[FULL slot]``:
+            SGLang's sliding-window layers of a hybrid model); else the FULL pool's (indexed by FULL
+            slot).
+        k, v: what the layer was given to store, ``[T, ...]`` with the buffers' row elements per
+            token (``[T, kv_heads * head_dim]`` or ``[T, kv_heads, head_dim]``), any float dtype, on
+            the KV cache's device; ``None`` when the layer stores none (counted unchecked).
+        k_buffer, v_buffer: the layer's KV buffers, ``[slots, ...]`` (SGLang:
+            ``token_to_kv_pool.get_key_buffer(layer_id)`` / ``get_value_buffer``).
+        out_cache_loc: ``int32``/``int64 [T]``, each token's FULL slot (0: padding, not counted).
+        full_to_swa_index_mapping: ``int64 [num_full_slots]``; needed when ``swa``, and gives the
+            offender's SWA slot otherwise.
+        positions: ``int [T]`` (for the offender), or ``None``.
+        extend_start_loc: ``int [B]`` the first token of each request (extend batches; for the
+            offender's batch entry), or ``None`` (token ``i`` is entry ``i``).
+    """
+
+    layer_id: int
+    swa: bool
+    k: "torch.Tensor | None"
+    v: "torch.Tensor | None"
+    k_buffer: torch.Tensor
+    v_buffer: torch.Tensor
+    out_cache_loc: torch.Tensor
+    full_to_swa_index_mapping: "torch.Tensor | None" = None
+    positions: "torch.Tensor | None" = None
+    extend_start_loc: "torch.Tensor | None" = None
 
 
 class WriteCheck:
@@ -104,40 +140,12 @@ class WriteCheck:
             seen.append(layer_id)
         return self.layers == "all" or seen.index(layer_id) == self._turn % len(seen)
 
-    def check_layer(
-        self,
-        *,
-        layer_id: int,
-        swa: bool,
-        k: "torch.Tensor | None",
-        v: "torch.Tensor | None",
-        k_buffer: torch.Tensor,
-        v_buffer: torch.Tensor,
-        out_cache_loc: torch.Tensor,
-        full_to_swa_index_mapping: "torch.Tensor | None" = None,
-        positions: "torch.Tensor | None" = None,
-        extend_start_loc: "torch.Tensor | None" = None,
-    ) -> None:
-        """Compare one layer's stores (module docstring); call after the layer's forward.
-
-        Args:
-            layer_id: the layer's id, recorded with a mismatch.
-            swa: the buffers are the SWA pool's (indexed by ``full_to_swa_index_mapping[FULL
-                slot]``); else the FULL pool's (indexed by FULL slot).
-            k, v: what the layer was given to store, ``[T, ...]`` with the buffers' row elements per
-                token (``[T, kv_heads * head_dim]`` or ``[T, kv_heads, head_dim]``), any float dtype.
-            k_buffer, v_buffer: the layer's KV buffers, ``[slots, ...]``.
-            out_cache_loc: ``int [T]``, each token's FULL slot.
-            full_to_swa_index_mapping: ``int [num_full_slots]``; needed when ``swa``, and gives the
-                offender's SWA slot otherwise.
-            positions: ``int [T]`` (for the offender), or ``None``.
-            extend_start_loc: ``int [B]`` the first token of each request (extend batches; for the
-                offender's batch entry), or ``None`` (token ``i`` is entry ``i``).
-
-        Inputs it cannot compare (``k``/``v`` missing or of another size, a cache dtype outside
-        :data:`~otel_swa.device.checksum.HASHED_DTYPES`, rows that are not contiguous, ``swa``
-        without a mapping) are counted unchecked, never raised.
-        """
+    def check_layer(self, store: LayerStore) -> None:
+        """Compare one layer's stores (module docstring; ``store``: :class:`LayerStore`); call after
+        the layer's forward. Inputs it cannot compare (``k``/``v`` missing or of another size, a
+        cache dtype outside :data:`~otel_swa.device.checksum.HASHED_DTYPES`, rows that are not
+        contiguous, ``swa`` without a mapping) are counted unchecked, never raised."""
+        layer_id, swa, k, v, k_buffer, v_buffer, out_cache_loc, mapping, positions, extend_start_loc = store
         tokens = int(out_cache_loc.shape[0])
         if tokens == 0:
             return
@@ -147,7 +155,6 @@ class WriteCheck:
             idx = torch.remainder(self._arange[:count] + self._start, tokens)
             loc = out_cache_loc.index_select(0, idx).long()
             valid = loc.ne(0)
-            mapping = full_to_swa_index_mapping
             n = int(k_buffer.shape[0]) if k_buffer.dim() >= 1 else 0
             supported = (
                 k is not None and v is not None and n > 0 and k_buffer.dtype in HASHED_DTYPES
@@ -178,13 +185,7 @@ class WriteCheck:
             where = torch.stack([entry, position, loc, swa_slot if swa_slot is not None else idx.new_full((count,), -1),
                                  idx.new_full((count,), int(layer_id)), idx.new_full((count,), int(bool(swa)))]
                                 ).index_select(1, first).reshape(-1)
-            new = cells[_C["found"]].eq(0).logical_and_(found > 0)
-            if mask is not None:
-                new.logical_and_(mask)
-            lo, hi = _C["entry"], _C["swa"] + 1
-            cells[lo:hi].copy_(torch.where(new, where, cells[lo:hi]))
-            cells[_C["found"]].add_(new)
-            cells[_C["checked"]:_C["mismatched"] + 1].add_(masked(torch.stack([valid.sum(), found]), mask))
+            commit_counts(cells, valid.sum(), found, where, mask)
 
     def take(self, out: "torch.Tensor | None" = None) -> torch.Tensor:
         """This step's cells, copied into ``out`` (``int64 [WRITE_WIDTH]``; default a new tensor),

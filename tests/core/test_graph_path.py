@@ -8,7 +8,7 @@ import torch
 
 from otel_swa.device.gate import SamplingGate
 from otel_swa.device.read_check import ReadCheck, read_counts, read_offender_fields
-from otel_swa.device.write_check import WriteCheck, write_counts, write_offender_fields
+from otel_swa.device.write_check import LayerStore, WriteCheck, write_counts, write_offender_fields
 from otel_swa.reporter import SwaDivergenceReporter
 from otel_swa.views import SwaBatch
 
@@ -115,13 +115,13 @@ def test_a_recorded_write_check_counts_as_an_eager_one(wrong_index):
     gate.force_recorded = True
     eager, recorded = WriteCheck("cpu", eager_gate, max_tokens=3), WriteCheck("cpu", gate, max_tokens=3)
     for turn in range(2):
-        eager.check_layer(**args)
+        eager.check_layer(LayerStore(**args))
         expected = eager.take().tolist()
         gate.set(False)
-        recorded.check_layer(**args)
+        recorded.check_layer(LayerStore(**args))
         assert recorded.cells.tolist() == [0] * len(expected)
         gate.set(True)
-        recorded.check_layer(**args)
+        recorded.check_layer(LayerStore(**args))
         got = recorded.take().tolist()
         assert got == expected
         first = 3 * turn % 5  # tokens 0-2, then 3, 4, 0
@@ -137,10 +137,10 @@ def test_padding_tokens_are_not_counted_and_float32_given_to_a_bfloat16_cache_co
     args = write_case(False, tokens=7)  # token 6 is padding (slot 0)
     args["k_buffer"], args["v_buffer"] = args["k_buffer"].bfloat16(), args["v_buffer"].bfloat16()
     check = WriteCheck("cpu", SamplingGate("cpu"), max_tokens=8)
-    check.check_layer(**args)
+    check.check_layer(LayerStore(**args))
     assert write_counts(check.take().tolist()) == (6, 0, 0)
     args["k_buffer"][42, 1, 3] += 1.0  # token 2's stored K changed
-    check.check_layer(**args)
+    check.check_layer(LayerStore(**args))
     got = check.take().tolist()
     assert write_counts(got) == (6, 1, 0) and write_offender_fields(got)["entry"] == 2
 
@@ -149,11 +149,11 @@ def test_a_cache_that_cannot_be_compared_is_counted_unchecked():
     args = write_case(False)
     args["k_buffer"] = args["k_buffer"].to(torch.uint8)  # an fp8 cache stored as bytes
     check = WriteCheck("cpu", SamplingGate("cpu"), max_tokens=8)
-    check.check_layer(**args)
+    check.check_layer(LayerStore(**args))
     assert write_counts(check.take().tolist()) == (0, 0, 5)
     args = write_case(False)
     args["full_to_swa_index_mapping"] = None  # an SWA layer without its mapping
-    check.check_layer(**args)
+    check.check_layer(LayerStore(**args))
     assert write_counts(check.take().tolist()) == (0, 0, 5)
 
 

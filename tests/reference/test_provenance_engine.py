@@ -8,43 +8,55 @@ import pytest
 import otel_swa.reporter as reporter_module
 from otel_swa.device.sample import read_sample
 from otel_swa.reference.engine import EngineConfig, ReferenceEngine
-from otel_swa.reference.trace import load_trace
 from otel_swa.reporter import SwaDivergenceReporter
 
 import provenance_faults as faults
+from engine_runs import run_trace
 
 # SWA pool as large as the FULL pool: raw FULL slots stay inside the SWA buffers
 CONFIG = dict(window=32, full_pool_size=16384, swa_pool_size=16384, max_running=16, token_budget=512,
               max_context_len=8192)
 
 
-def run(fault=None, *, interval=5, requests=24, page_size=1, budget=1 << 16, monkeypatch, **config):
-    """Run the engine; return it and ``[(forward_ct, SampleReading)]`` of every sample."""
+def readings_of(reporter, monkeypatch) -> list:
+    """``[(forward_ct, SampleReading)]`` of every sample ``reporter`` delivers, at the step it was
+    taken (on the CPU a sample is read at its own step)."""
     readings = []
-    reporter = SwaDivergenceReporter(interval)
 
-    def read(values, meta):  # the reading of each sample, at the step it was taken (CPU)
+    def read(values, meta):
         reading = read_sample(values, meta)
         readings.append((reporter.forward_ct, reading))
         return reading
 
     monkeypatch.setattr(reporter_module, "read_sample", read)
+    return readings
+
+
+def run(fault=None, *, interval=5, requests=24, page_size=1, budget=1 << 16, monkeypatch, **config):
+    """Run the engine; return it and ``[(forward_ct, SampleReading)]`` of every sample."""
+    reporter = SwaDivergenceReporter(interval)
+    readings = readings_of(reporter, monkeypatch)
     engine_config = EngineConfig(**{**CONFIG, **config}, page_size=page_size)
     slots = (engine_config.full_pool_size // page_size + 1) * page_size
     swa_slots = (engine_config.swa_pool_size // page_size + 1) * page_size
     reporter.enable_provenance(full_slots=slots, swa_slots=swa_slots, budget=budget)
     engine = ReferenceEngine(engine_config, reporter=reporter)
-    if fault is not None:
-        fault(engine)
-    for request in load_trace("conv", limit=requests):
-        engine.submit(request, arrival_s=0.0)
-    engine.run_until_done()
+    run_trace(engine, requests, fault)
     reporter.close()
     return engine, readings
 
 
 def flagged(readings, name):
     return [(step, r) for step, r in readings if getattr(r.provenance, name)]
+
+
+def first_flagged(install, name, monkeypatch):
+    """Run with the fault ``install(engine)``; return what it made, and the step and provenance
+    reading of the first sample with ``name`` (``foreign_tokens``, ``corrupt_tokens``)."""
+    engine, readings = run(install, monkeypatch=monkeypatch)
+    (made,) = engine.fault_log
+    step, first = flagged(readings, name)[0]
+    return made, step, first.provenance, readings
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -91,11 +103,10 @@ def test_a_swa_write_at_the_full_index_is_caught_by_the_write_check_and_the_chec
 
 @pytest.mark.parametrize("at", [40, 43])
 def test_swapped_ownership_is_a_foreign_token_at_the_step_or_the_next_sample(at, monkeypatch):
-    engine, readings = run(lambda e: faults.install_swapped_ownership(e, at), monkeypatch=monkeypatch)
-    (made,) = engine.fault_log
-    step, first = flagged(readings, "foreign_tokens")[0]
+    made, step, provenance, readings = first_flagged(lambda e: faults.install_swapped_ownership(e, at),
+                                                     "foreign_tokens", monkeypatch)
     assert step == -(-at // 5) * 5  # the first sample at or after the step it was made
-    offender = first.provenance.foreign_offender
+    offender = provenance.foreign_offender
     if step == at:  # sampled at the step itself: the token that was swapped, in the SWA pool
         assert offender["pool"] == "swa"
         assert (offender["entry"], offender["position"], offender["full_slot"], offender["swa_slot"]) == (
@@ -106,12 +117,10 @@ def test_swapped_ownership_is_a_foreign_token_at_the_step_or_the_next_sample(at,
 
 
 def test_a_stale_prefix_is_a_foreign_token_of_the_full_pool(monkeypatch):
-    at = 30
-    engine, readings = run(lambda e: faults.install_stale_prefix(e, at), monkeypatch=monkeypatch)
-    (made,) = engine.fault_log
-    step, first = flagged(readings, "foreign_tokens")[0]
-    assert step == at
-    offender = first.provenance.foreign_offender
+    made, step, provenance, _ = first_flagged(lambda e: faults.install_stale_prefix(e, 30), "foreign_tokens",
+                                              monkeypatch)
+    assert step == 30
+    offender = provenance.foreign_offender
     assert (offender["pool"], offender["entry"], offender["position"], offender["full_slot"]) == (
         "full", made["entry"], 0, made["full_slots"][0])
     assert offender["expected_token"] == made["ids_a"][0] and offender["found_token"] == made["ids_b"][0]
@@ -120,12 +129,10 @@ def test_a_stale_prefix_is_a_foreign_token_of_the_full_pool(monkeypatch):
 
 
 def test_a_wrong_position_is_a_foreign_token_naming_both_positions(monkeypatch):
-    at = 35
-    engine, readings = run(lambda e: faults.install_wrong_position(e, at), monkeypatch=monkeypatch)
-    (made,) = engine.fault_log
-    step, first = flagged(readings, "foreign_tokens")[0]
-    assert step == at
-    offender = first.provenance.foreign_offender
+    made, step, provenance, _ = first_flagged(lambda e: faults.install_wrong_position(e, 35), "foreign_tokens",
+                                              monkeypatch)
+    assert step == 35
+    offender = provenance.foreign_offender
     assert (offender["pool"], offender["entry"], offender["position"], offender["full_slot"]) == (
         "full", made["entry"], made["position"], made["full_slot"])
     assert (offender["expected_position"], offender["found_position"]) == (made["position"], made["position"] + 1)
@@ -135,38 +142,25 @@ def test_a_wrong_position_is_a_foreign_token_naming_both_positions(monkeypatch):
 @pytest.mark.parametrize("pool", ["full", "swa"])
 @pytest.mark.parametrize("used", [False, True])
 def test_a_flipped_byte_is_a_corrupt_token_of_its_pool(pool, used, monkeypatch):
-    at = 25
-    engine, readings = run(lambda e: faults.install_byte_flip(e, at, pool, used), monkeypatch=monkeypatch)
-    (made,) = engine.fault_log
-    step, first = flagged(readings, "corrupt_tokens")[0]
-    assert step == at
-    offender = first.provenance.corrupt_offender
+    made, step, provenance, readings = first_flagged(lambda e: faults.install_byte_flip(e, 25, pool, used),
+                                                     "corrupt_tokens", monkeypatch)
+    assert step == 25
+    offender = provenance.corrupt_offender
     assert (offender["pool"], offender["entry"], offender["position"], offender["full_slot"]) == (
         pool, made["entry"], made["position"], made["full_slot"])
     assert offender["swa_slot"] == made["swa_slot"]
-    assert first.provenance.corrupt_tokens == 1
+    assert provenance.corrupt_tokens == 1
     assert not flagged(readings, "foreign_tokens")  # the stamps say the slot is the token's
 
 
 # ---------------------------------------------------------------------- a whole engine, both ways
 def engine_readings(recorded: bool, monkeypatch, fault=None):
-    readings = []
     reporter = SwaDivergenceReporter(4)
     reporter.gate.force_recorded = recorded  # every forward runs the checks, the flag decides
-
-    def read(values, meta):
-        reading = read_sample(values, meta)
-        readings.append((reporter.forward_ct, reading))
-        return reading
-
-    monkeypatch.setattr(reporter_module, "read_sample", read)
+    readings = readings_of(reporter, monkeypatch)
     engine = ReferenceEngine(EngineConfig(window=16, full_pool_size=4096, swa_pool_size=4096, max_running=8,
                                           token_budget=256, max_context_len=4096), reporter=reporter)
-    if fault is not None:
-        fault(engine)
-    for request in load_trace("conv", limit=10):
-        engine.submit(request, arrival_s=0.0)
-    engine.run_until_done(max_steps=60)
+    run_trace(engine, 10, fault, max_steps=60)
     reporter.close()
     return readings
 
@@ -209,11 +203,7 @@ def logged_run(fault, log):
     logger.addHandler(handler)
     reporter = SwaDivergenceReporter(5, sinks=[lambda record, context: records.append(record), LogLineSink(logger)])
     engine = ReferenceEngine(EngineConfig(**CONFIG, provenance_budget=1 << 16), reporter=reporter)
-    if fault is not None:
-        fault(engine)
-    for request in load_trace("conv", limit=24):
-        engine.submit(request, arrival_s=0.0)
-    engine.run_until_done()
+    run_trace(engine, 24, fault)
     reporter.close()
     handler.close()
     return engine, records
