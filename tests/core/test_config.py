@@ -48,3 +48,26 @@ def test_from_env_off_means_no_reporter():
 def test_from_env_on():
     reporter = SwaDivergenceReporter.from_env(environ={SGL: "20", "OTEL_SWA_RING_SIZE": "2"})
     assert reporter is not None and reporter.interval == 20
+
+
+def test_provenance_variables():
+    from otel_swa import config
+
+    assert config.provenance({}) == ("prefix", 4096)
+    assert config.provenance({"OTEL_SWA_PROVENANCE": " ALL ", "OTEL_SWA_PROVENANCE_BUDGET": "64"}) == ("all", 64)
+    assert config.provenance({"OTEL_SWA_PROVENANCE": "off", "OTEL_SWA_PROVENANCE_BUDGET": "64"}) is None
+    for bad in ({"OTEL_SWA_PROVENANCE": "full"}, {"OTEL_SWA_PROVENANCE_BUDGET": "0"},
+                {"OTEL_SWA_PROVENANCE_BUDGET": "2.5"}):
+        with pytest.raises(config.ConfigError, match="OTEL_SWA_PROVENANCE"):
+            config.provenance(bad)
+
+
+def test_graph_checks_variable_reaches_the_reporter():
+    from otel_swa import config
+
+    assert config.graph_checks({}) == "masked"
+    with pytest.raises(config.ConfigError, match="OTEL_SWA_GRAPH_CHECKS"):
+        config.graph_checks({"OTEL_SWA_GRAPH_CHECKS": "always"})
+    reporter = SwaDivergenceReporter.from_env(environ={"OTEL_SWA_DIVERGENCE_INTERVAL": "5",
+                                                       "OTEL_SWA_GRAPH_CHECKS": "Conditional"})
+    assert reporter.gate.graph_mode == "conditional"

@@ -12,6 +12,7 @@ from otel_swa.reference.trace import load_trace
 from otel_swa.reporter import SwaDivergenceReporter
 
 import read_faults
+from engine_runs import run_trace
 
 # SWA pool as large as the FULL pool: raw FULL slots stay inside the SWA buffers (no IndexError)
 CONFIG = dict(window=32, full_pool_size=16384, swa_pool_size=16384, max_running=16, token_budget=512,
@@ -34,11 +35,7 @@ def run(fault=None, *, page_size=1, interval=10, requests=24, read_check="rotate
     engine = holder["engine"] = ReferenceEngine(EngineConfig(**CONFIG, page_size=page_size, read_check=read_check),
                                                 reporter=reporter)
     engine.sampled_batches = batches
-    if fault is not None:
-        fault(engine)
-    for request in load_trace("conv", limit=requests):
-        engine.submit(request, arrival_s=0.0)
-    engine.run_until_done()
+    run_trace(engine, requests, fault)
     reporter.close()
     if log is not None:
         handler.close()
