@@ -268,6 +268,20 @@ def read_check(environ: Mapping[str, str] | None = None) -> "tuple[str, int] | N
     return None if layers == "off" else (layers, queries)
 
 
+PROVENANCE_CHOICES = ("on", "off")
+
+
+def provenance(environ: Mapping[str, str] | None = None) -> bool:
+    """``OTEL_SWA_PROVENANCE``: whether the KV's provenance is stamped and checked (default ``on``;
+    case and blanks ignored).
+
+    Raises:
+        ConfigError: a value other than ``on`` / ``off`` (the message names the variable, the value
+            and the choices).
+    """
+    return _choice(ev.OTEL_SWA_PROVENANCE, PROVENANCE_CHOICES, environ) == "on"
+
+
 def warn_once(name: str, environ: "MutableMapping[str, str] | None" = None) -> bool:
     """Whether this process tree has not yet logged ``name``'s one warning; marks it as logged.
 

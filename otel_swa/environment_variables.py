@@ -133,6 +133,19 @@ Queries the read check recomputes per checked layer (integer from 1 to 256, defa
 token of that many requests of the batch, the batch's requests in turn across sampled steps.
 """
 
+OTEL_SWA_PROVENANCE = "OTEL_SWA_PROVENANCE"
+"""
+.. envvar:: OTEL_SWA_PROVENANCE
+
+The KV's provenance (``otel_swa.device.provenance``): at every forward step, a stamp of the token
+written into each slot (token id, position, a chain over the request's prefix) and a checksum of its
+K/V bytes at one layer per pool; at each sampled step, the stamps and checksums of the live slots the
+batch reads compared with the request's own tokens and the bytes the pool holds, and the write check
+(the K/V a layer was given against what the pool holds at the slot the tables name). ``on``
+(default) or ``off`` (nothing stamped or checked; where no other check needs them, the engine's
+attention layers are not wrapped).
+"""
+
 OTEL_SWA_WARNED = "OTEL_SWA_WARNED"
 """
 .. envvar:: OTEL_SWA_WARNED

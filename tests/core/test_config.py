@@ -48,3 +48,20 @@ def test_from_env_off_means_no_reporter():
 def test_from_env_on():
     reporter = SwaDivergenceReporter.from_env(environ={SGL: "20", "OTEL_SWA_RING_SIZE": "2"})
     assert reporter is not None and reporter.interval == 20
+
+
+@pytest.mark.parametrize("env,expected", [
+    ({}, True), ({"OTEL_SWA_PROVENANCE": ""}, True), ({"OTEL_SWA_PROVENANCE": " On "}, True),
+    ({"OTEL_SWA_PROVENANCE": "off"}, False), ({"OTEL_SWA_PROVENANCE": "OFF"}, False),
+])
+def test_provenance_switch(env, expected):
+    from otel_swa.config import provenance
+
+    assert provenance(env) is expected
+
+
+def test_a_bad_provenance_value_is_named():
+    from otel_swa.config import provenance
+
+    with pytest.raises(ConfigError, match="OTEL_SWA_PROVENANCE='yes'; expected one of on, off"):
+        provenance({"OTEL_SWA_PROVENANCE": "yes"})
