@@ -12,6 +12,11 @@ Compared with SGLang's reporter (sgl-project/sglang PR #26820): the host ring is
 host polls instead of blocking, the gather covers only live tokens when the engine knows its
 sequence lengths on the host, the batch is read at the step it describes, and ``flush()``/``close()``
 deliver the last samples instead of losing them.
+
+Checks inside the forward (the read check, the write check, the provenance stamps and checksums)
+take the sampling decision from the device: :meth:`SwaDivergenceReporter.before_forward` sets
+:attr:`SwaDivergenceReporter.sampling_flag` before each forward, so that a forward replayed from a
+CUDA graph holding the checks is checked at its sampled steps (:mod:`otel_swa.device.gate`).
 """
 
 from __future__ import annotations
@@ -39,7 +44,11 @@ from otel_swa.device import (
     stage_sample,
 )
 from otel_swa.device.audit import SwaAuditSweep
+from otel_swa.device.checksum import CHECKSUM_MODES
+from otel_swa.device.gate import GRAPH_MODES, SamplingGate
+from otel_swa.device.provenance import KvProvenance
 from otel_swa.device.read_check import READ_CHECK_MODES, ReadCheck
+from otel_swa.device.write_check import WRITE_CHECK_MODES
 from otel_swa.record import MICRO_BATCH_MAX, VERIFY_SOURCES, LivenessWarning, Offender, SwaDivergenceRecord
 from otel_swa.views.base import SwaBatchView, validate_view
 
@@ -146,10 +155,14 @@ class SwaDivergenceReporter:
             pool is audited in passes over several samples, each pass's record carrying the audit
             of the pool at the pass's first sample (:class:`~otel_swa.device.audit.SwaAuditSweep`,
             whose docstring gives the bound on how many samples a fault can stay unseen).
+        graph_mode: how checks recorded into a CUDA graph take the sampling flag at each replay
+            (:data:`otel_swa.device.gate.GRAPH_MODES`): ``"masked"`` (default: they run at every
+            replay, their counts masked) or ``"conditional"`` (in a conditional node, run only at
+            sampled replays; CUDA 12.4 or later, else as ``"masked"``).
 
     Raises:
         ValueError: ``interval``, ``ring_size`` or ``audit_budget`` below 1 or not an int; an unknown
-            ``verify_source`` or ``micro_batches``; ``liveness_steps`` not ``None`` nor an int >= 0; a
+            ``verify_source``, ``micro_batches`` or ``graph_mode``; ``liveness_steps`` not ``None`` nor an int >= 0; a
             CUDA ``device`` where torch has no CUDA device (a CPU build, no GPU visible).
 
     Liveness. Like SGLang's KV canary, which raises "canary path is not executing" when a kernel's
@@ -189,6 +202,7 @@ class SwaDivergenceReporter:
         micro_batches: str = config.MICRO_BATCH_MODES[0],
         liveness_steps: "int | None" = None,
         audit_budget: "int | None" = None,
+        graph_mode: str = GRAPH_MODES[0],
     ) -> None:
         if type(interval) is not int or interval < 1:
             raise ValueError(f"interval must be an int >= 1 (forward steps between samples), got {interval!r}")
@@ -222,7 +236,9 @@ class SwaDivergenceReporter:
         self._workspace = Workspace(self.device)
         self._audit_sweep = SwaAuditSweep(self.device, budget=audit_budget)
         self._sinks: list[Sink] = list(sinks)
+        self._gate = SamplingGate(self.device, graph_mode=graph_mode)
         self._read_check: "ReadCheck | None" = None
+        self._provenance: "KvProvenance | None" = None
         self._liveness_hook: "str | None" = None  # set by expect_steps_from
         self._init_state()
 
@@ -326,8 +342,7 @@ class SwaDivergenceReporter:
         if self._cuda and torch.cuda.is_current_stream_capturing():
             self._skipped_captures += 1
             return
-        if micro_batch is not None and (type(micro_batch) is not int or not 0 <= micro_batch <= MICRO_BATCH_MAX):
-            raise ValueError(f"micro_batch must be None or an int from 0 to {MICRO_BATCH_MAX}, got {micro_batch!r}")
+        _check_micro_batch(micro_batch)
         self._forward_ct += 1
         if self._pending:
             with self._lock:
@@ -343,7 +358,9 @@ class SwaDivergenceReporter:
             else:
                 self._round = None
         else:
+            self._gate.due = self._due_next(None)
             return
+        self._gate.due = self._due_next(None)  # the next forward's, until before_forward() says more
         if due:
             with self._lock:
                 if not self._closed:
@@ -354,6 +371,96 @@ class SwaDivergenceReporter:
                         if (self.liveness_steps and not self._silence_reported
                                 and self._forward_ct - self._delivered_at >= self.liveness_steps):
                             self.liveness_warning()
+
+    # ------------------------------------------------------------------ the sampling decision on the device
+    def before_forward(self, *, micro_batch: "int | None" = None) -> None:
+        """Say before each forward step whether it is a sampling step: sets :attr:`sampling_flag`
+        (one tiny device write, only when the decision changes) for the checks a CUDA graph holds,
+        and the host's decision for eager ones. Call it outside capture, before the forward runs or
+        is replayed (SGLang: at the start of the ``ModelRunner.forward`` wrapper); inside a capture
+        it does nothing. Without it eager checks still run at the right steps (the host decision is
+        also kept by :meth:`step`), but a replayed graph's checks see a stale flag.
+
+        Args:
+            micro_batch: the micro-batch the forward runs (``micro_batches="every"``), or ``None``.
+
+        Raises:
+            ValueError: ``micro_batch`` is not ``None`` nor an int in ``0 .. MICRO_BATCH_MAX``.
+        """
+        _check_micro_batch(micro_batch)
+        if self._closed or (self._cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        self._gate.set(self._due_next(micro_batch))
+
+    def _due_next(self, micro_batch: "int | None") -> bool:
+        """Whether the next :meth:`step` samples (its ``forward_ct`` and, in a round of
+        ``micro_batches="every"``, ``micro_batch``); no state changes."""
+        if self._closed:
+            return False
+        if (self._forward_ct + 1) % self.interval == 0:
+            return True
+        return self._round is not None and micro_batch is not None and micro_batch not in self._round
+
+    @property
+    def sampling_flag(self) -> torch.Tensor:
+        """``bool`` 0-dim on the reporter's device, True while the forward now running is a sampling
+        step (set by :meth:`before_forward`); the same tensor for the reporter's life, so a CUDA graph
+        may read it."""
+        return self._gate.flag
+
+    @property
+    def gate(self) -> SamplingGate:
+        """The :class:`~otel_swa.device.gate.SamplingGate` the in-forward checks share."""
+        return self._gate
+
+    def checks_wanted(self) -> bool:
+        """Whether an in-forward check called now should run: the forward is a sampling step, or a
+        CUDA graph is being captured (the check is then recorded, its effect at each replay decided
+        by :attr:`sampling_flag`). Host work only."""
+        return not self._closed and self._gate.wanted()
+
+    # ------------------------------------------------------------------ provenance and the write check
+    def enable_provenance(
+        self,
+        *,
+        full_slots: int,
+        swa_slots: "int | None" = None,
+        checksum: str = CHECKSUM_MODES[0],
+        checksum_bytes: int = 64,
+        checksum_layers: "dict[str, int] | None" = None,
+        budget: int = 4096,
+        write_check: bool = True,
+        write_check_tokens: int = 8,
+        write_check_layers: str = WRITE_CHECK_MODES[0],
+    ) -> KvProvenance:
+        """Switch provenance on (:mod:`otel_swa.device.provenance`: stamps and checksums written at
+        every forward step, verified with each sample, and the write check) and return it; the
+        engine then calls its :meth:`~otel_swa.device.provenance.KvProvenance.stamp` once per forward
+        and :meth:`~otel_swa.device.provenance.KvProvenance.after_layer` after each attention layer.
+        Idempotent: the same object is returned after the first call (its arguments then ignored).
+
+        Args:
+            full_slots, swa_slots: slots of the FULL and SWA pools (their K/V buffers' first
+                dimension; ``swa_slots=None``: no SWA pool). The tables take 8 bytes per slot each,
+                on the reporter's device.
+            the rest: see :class:`~otel_swa.device.provenance.KvProvenance`.
+
+        Raises:
+            ValueError: an argument out of range.
+        """
+        if self._provenance is None:
+            self._provenance = KvProvenance(
+                self.device, self._gate, full_slots=full_slots, swa_slots=swa_slots, checksum=checksum,
+                checksum_bytes=checksum_bytes, checksum_layers=checksum_layers, budget=budget,
+                write_check=write_check, write_check_tokens=write_check_tokens,
+                write_check_layers=write_check_layers,
+            )
+        return self._provenance
+
+    @property
+    def provenance(self) -> "KvProvenance | None":
+        """Provenance, or ``None`` while it is off."""
+        return self._provenance
 
     # ------------------------------------------------------------------ the read check
     def enable_read_check(self, *, max_queries: int = 8, layers: str = READ_CHECK_MODES[0]) -> ReadCheck:
@@ -368,7 +475,7 @@ class SwaDivergenceReporter:
             ValueError: ``max_queries`` or ``layers`` out of range (see ``ReadCheck``).
         """
         if self._read_check is None:
-            self._read_check = ReadCheck(self.device, max_queries=max_queries, layers=layers)
+            self._read_check = ReadCheck(self.device, max_queries=max_queries, layers=layers, gate=self._gate)
         return self._read_check
 
     @property
@@ -559,6 +666,7 @@ class SwaDivergenceReporter:
         if context is None and _otel_context is not None:
             context = _otel_context.get_current()
         audit = getattr(view, "swa_audit", None)
+        provenance = self._provenance
         slot = self._next_slot
         meta = stage_sample(
             self._ring.stage[slot],
@@ -578,6 +686,9 @@ class SwaDivergenceReporter:
             read_check=self._read_check,
             kv_block_audit=getattr(view, "kv_block_audit", None),
             audit_sweep=self._audit_sweep,
+            write_check=provenance.write_check if provenance is not None else None,
+            provenance=(functools.partial(provenance.stage, view=view, upload=functools.partial(
+                self._ring.upload, slot, name="provenance")) if provenance is not None else None),
         )
         self._ring.start_copy(slot)
         applicable = getattr(view, "divergence_applicable", True) is not False
@@ -667,6 +778,11 @@ class SwaDivergenceReporter:
             except Exception:  # telemetry must never crash the engine
                 self._sink_errors += 1
                 _log.exception("otel-swa sink %r failed on record at forward_ct=%d", sink, record.forward_ct)
+
+
+def _check_micro_batch(micro_batch: Any) -> None:
+    if micro_batch is not None and (type(micro_batch) is not int or not 0 <= micro_batch <= MICRO_BATCH_MAX):
+        raise ValueError(f"micro_batch must be None or an int from 0 to {MICRO_BATCH_MAX}, got {micro_batch!r}")
 
 
 def _request(pending: _Pending, entry: int) -> "str | None":

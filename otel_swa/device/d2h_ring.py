@@ -44,9 +44,10 @@ class DeviceToHostRing:
         self.slots = slots
         self.is_cuda = self.device.type == "cuda"
         self.stage = torch.zeros(slots, width, dtype=torch.int64, device=self.device)
-        # Pinned host buffers for what a sample uploads (the batch's host lengths and offsets), one
-        # per slot, grown on demand: the upload never blocks the host.
-        self._uploads: list[torch.Tensor | None] = [None] * slots
+        # Pinned host buffers for what a sample uploads (the batch's host lengths and offsets; the
+        # provenance verification's slots), per slot and name, grown on demand: the upload never
+        # blocks the host.
+        self._uploads: list[dict[str, torch.Tensor]] = [{} for _ in range(slots)]
         if self.is_cuda:
             self.host = torch.zeros(slots, width, dtype=torch.int64, pin_memory=True)
             self._stream = torch.cuda.Stream(device=self.device)
@@ -58,9 +59,9 @@ class DeviceToHostRing:
             self._stream = None
             self._events = None
 
-    def upload(self, slot: int, values: np.ndarray) -> torch.Tensor:
+    def upload(self, slot: int, values: np.ndarray, name: str = "sample") -> torch.Tensor:
         """``values`` (a host ``int64`` numpy array, any shape) as a tensor on the device, for the
-        sample staged in ``slot``.
+        sample staged in ``slot`` (one upload per ``name`` and sample: each name has its buffer).
 
         On CUDA the values go through the slot's pinned buffer and one non-blocking copy on the
         current stream, so the host never waits for the queued forward (a copy from pageable memory
@@ -70,11 +71,11 @@ class DeviceToHostRing:
         if not self.is_cuda:
             return torch.from_numpy(values)
         count = values.size
-        buffer = self._uploads[slot]
+        buffer = self._uploads[slot].get(name)
         if buffer is None or buffer.numel() < count:
             size = max(count, 64, 2 * (buffer.numel() if buffer is not None else 0))
             buffer = torch.empty(size, dtype=torch.int64, pin_memory=True)
-            self._uploads[slot] = buffer
+            self._uploads[slot][name] = buffer
         staged = buffer[:count]
         staged.numpy()[:] = values.reshape(-1)  # host memory write: no torch operation
         return staged.view(values.shape).to(self.device, non_blocking=True)

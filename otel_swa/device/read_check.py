@@ -47,6 +47,16 @@ its own FULL and SWA slot (the query's, not the misread key's: which key was mis
 and the layer. The reporter copies the cells with the step's sample and clears them
 (:meth:`ReadCheck.take`).
 
+Inside CUDA graphs. With a :class:`~otel_swa.device.gate.SamplingGate` (the reporter gives its own),
+the check has one device path with fixed shapes and no host read: the requests checked rotate with
+a device counter (advanced by :meth:`ReadCheck.take`), and on the recorded path (a capture under way,
+or the gate's ``force_recorded``) every count is masked by the gate's sampling flag, or the work put
+in a conditional node (:mod:`otel_swa.device.gate`). A forward replayed from a graph that holds the
+check is then checked at its sampled steps exactly as an eager one; :attr:`ReadCheck.recorded_calls`
+says that a graph holds it. The layer a graph checks under ``rotate`` is the one whose turn it was
+when the graph was captured. Padding entries of a captured batch (SGLang's ``req_pool_indices`` 0,
+``seq_lens`` 1) are checked like any request: their output is computed from the same slots.
+
 Cost per checked layer: about 30 device operations on ``Q x W`` keys (the gathers of ``Q x W x
 kv_heads x head_dim`` K and V values and two batched products), ``Q = max_queries`` (8) or the
 batch when smaller. The window is taken in chunks that keep the gathered K and V within
@@ -60,6 +70,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from otel_swa.device.gate import SamplingGate, masked
 
 __all__ = ["READ_WIDTH", "READ_CELLS", "READ_CHECK_MODES", "ReadCheck", "rounding", "read_counts", "read_offender_fields"]
 
@@ -115,6 +127,9 @@ class ReadCheck:
         kv_budget_bytes: the most float32 K and V bytes one gather of the check holds (int >= 1):
             the window is taken in chunks of that size (module docstring); the queries checked are
             always ``max_queries`` or the batch when smaller.
+        gate: the reporter's :class:`~otel_swa.device.gate.SamplingGate` (the recorded path inside
+            CUDA graphs); ``None``: a gate of its own whose flag is always set (every call counts,
+            replayed from a graph or not: the caller decides when to check).
 
     Raises:
         ValueError: a bad argument (named, with the value).
@@ -127,6 +142,7 @@ class ReadCheck:
         max_queries: int = 8,
         layers: str = READ_CHECK_MODES[0],
         kv_budget_bytes: int = 16 << 20,
+        gate: "SamplingGate | None" = None,
     ) -> None:
         if type(max_queries) is not int or max_queries < 1:  # noqa: E721
             raise ValueError(f"max_queries must be an int >= 1, got {max_queries!r}")
@@ -138,6 +154,13 @@ class ReadCheck:
         self.max_queries = max_queries
         self.layers = layers
         self.kv_budget_bytes = kv_budget_bytes
+        if gate is None:
+            gate = SamplingGate(self.device)
+            gate.set(True)
+        self.gate = gate
+        #: check_layer calls made on the recorded path (host): > 0 once a captured graph holds the check.
+        self.recorded_calls = 0
+        self._start = torch.zeros((), dtype=torch.int64, device=self.device)  # the first query's entry, rotated
         #: ``int64 [READ_WIDTH]`` on ``device``: this step's results so far (:data:`READ_CELLS`).
         self.cells = torch.zeros(READ_WIDTH, dtype=torch.int64, device=self.device)
         self._turn = 0  # sampled steps taken so far: which layer and which requests come next
@@ -158,24 +181,29 @@ class ReadCheck:
             return True
         return self._seen.index(layer_id) == self._turn % len(self._seen)
 
-    def _offsets(self, window: int, device: torch.device) -> torch.Tensor:
-        """``[1, W]``: ``-W + 1 .. 0``, made once per window."""
+    def _offsets(self, window: int, device: torch.device, recording: bool) -> torch.Tensor:
+        """``[1, W]``: ``-W + 1 .. 0``, made once per window (outside a capture: one made inside is a
+        temporary of the graph, recomputed at each replay, never kept)."""
         cached = self._window_offsets.get(window)
         if cached is None:
-            cached = self._window_offsets[window] = (torch.arange(window, device=device) - (window - 1)).unsqueeze(0)
+            cached = (torch.arange(window, device=device) - (window - 1)).unsqueeze(0)
+            if not recording:
+                self._window_offsets[window] = cached
         return cached
 
     # ------------------------------------------------------------------ the check
     def unchecked(self, queries: int) -> None:
         """Count ``queries`` queries of this step that could not be checked (a layer of a variant
-        the check does not cover, a step replayed from a CUDA graph where no layer was called);
-        counts as a layer call (:attr:`layer_calls`). One in-place device add."""
+        the check does not cover, a step replayed from a CUDA graph that does not hold the check);
+        counts as a layer call (:attr:`layer_calls`). One in-place device add (masked by the
+        sampling flag on the recorded path)."""
         self.layer_calls += 1
-        self._unchecked(queries)
+        with self.gate.region() as mask:
+            self._unchecked(queries, mask)
 
-    def _unchecked(self, queries: int) -> None:
+    def _unchecked(self, queries: int, mask: "torch.Tensor | None") -> None:
         if queries > 0:
-            self.cells[_C["unchecked"]] += queries
+            self.cells[_C["unchecked"]] += queries if mask is None else mask * queries
 
     def check_layer(
         self,
@@ -232,6 +260,17 @@ class ReadCheck:
         batch = int(req_pool_indices.shape[0])
         if batch == 0:
             return 0
+        recording = self.gate.recording()
+        if recording:
+            self.recorded_calls += 1
+        with self.gate.region() as mask:
+            return self._check(mask, recording, batch, layer_id, q, out, k_buffer, v_buffer, req_to_token,
+                               full_to_swa_index_mapping, req_pool_indices, seq_lens, query_rows, window,
+                               scaling, num_q_heads, logit_cap, sinks)
+
+    def _check(self, mask, recording, batch, layer_id, q, out, k_buffer, v_buffer, req_to_token,
+               full_to_swa_index_mapping, req_pool_indices, seq_lens, query_rows, window, scaling,
+               num_q_heads, logit_cap, sinks) -> int:
         checked = min(self.max_queries, batch)
         kv_heads = int(k_buffer.shape[1]) if k_buffer.dim() == 3 else 0
         head_dim = int(k_buffer.shape[2]) if k_buffer.dim() == 3 else 0
@@ -247,12 +286,11 @@ class ReadCheck:
             and (sinks is None or sinks.numel() == num_q_heads)
         )
         if not supported:
-            self._unchecked(checked)
+            self._unchecked(checked, mask)
             return 0
         dev = k_buffer.device
         cells = self.cells
-        start = (self._turn * self.max_queries) % batch
-        entries = torch.remainder(self._arange[:checked] + start, batch)  # [Q], no host data
+        entries = torch.remainder(self._arange[:checked] + self._start, batch)  # [Q], no host data
         rows = req_pool_indices.index_select(0, entries).long().clamp_(0, req_to_token.shape[0] - 1)
         position = seq_lens.index_select(0, entries).long() - 1  # the last token
         qrow = entries if query_rows is None else query_rows.index_select(0, entries).long()
@@ -265,7 +303,7 @@ class ReadCheck:
         # the window in chunks that keep the gathered K and V within the budget (one chunk normally)
         chunk = max(1, min(window, self.kv_budget_bytes // (checked * kv_heads * (head_dim + v_dim) * 4)))
         shape = (checked, kv_heads, group)
-        offsets = self._offsets(window, dev)
+        offsets = self._offsets(window, dev, recording)
 
         def gather(begin: int, span: int):
             """Scores ``[Q, Hkv, g, C]`` and values ``[Q, Hkv, C, Dv]`` of keys ``begin ..``."""
@@ -327,7 +365,7 @@ class ReadCheck:
         agree = (ours - theirs).abs_().le(bound).view(checked, -1).all(-1)  # NaN compares False
         disagree = agree.logical_not_().logical_and_(position.ge(0))  # a request without tokens has no query
         count = disagree.sum()
-        if dev.type == "cpu" and not int(count):  # on the CPU a host read costs no sync: no offender to keep
+        if dev.type == "cpu" and not recording and not int(count):  # a host read costs no sync on the CPU
             cells[_C["checked"]] += checked
             return checked
         first = torch.max(disagree, 0).indices.reshape(1)  # the first disagreeing query (0 when none)
@@ -336,11 +374,13 @@ class ReadCheck:
         where = torch.stack([entries, rows, position, own, own_slot,
                              entries.new_full((checked,), int(layer_id))]).index_select(1, first).reshape(-1)
         new = cells[_C["found"]].eq(0).logical_and_(count > 0)
+        if mask is not None:
+            new.logical_and_(mask)
         lo, hi = _C["entry"], _C["layer"] + 1
         cells[lo:hi] = torch.where(new, where, cells[lo:hi])
         cells[_C["found"]] += new.long()
-        cells[_C["checked"]] += checked
-        cells[_C["mismatched"]] += count
+        cells[_C["checked"]] += checked if mask is None else mask * checked
+        cells[_C["mismatched"]] += masked(count, mask)
         return checked
 
     # ------------------------------------------------------------------ the reporter's side
@@ -353,6 +393,7 @@ class ReadCheck:
         out.copy_(self.cells)
         self.cells.zero_()
         self._turn += 1
+        self._start += self.max_queries
         self.layer_calls = 0
         return out
 

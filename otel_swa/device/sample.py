@@ -55,6 +55,7 @@ from otel_swa.device.audit import (
     holder_slots,
 )
 from otel_swa.device.block_audit import BLOCK_WIDTH, block_audit_fields, stage_block_audit
+from otel_swa.device.provenance import PROVENANCE_WIDTH, ProvenanceMeta, ProvenanceReading
 from otel_swa.device.read_check import READ_WIDTH, ReadCheck, read_counts, read_offender_fields
 from otel_swa.device.window import (
     PREMATURE_CELLS,
@@ -69,6 +70,7 @@ from otel_swa.device.window import (
     window_spans,
 )
 from otel_swa.device.workspace import Workspace
+from otel_swa.device.write_check import WRITE_WIDTH, WriteCheck, write_counts, write_offender_fields
 
 __all__ = [
     "STAGE_WIDTH",
@@ -103,6 +105,8 @@ _AUDIT = 14
 _WINDOW = _AUDIT + AUDIT_WIDTH  # the window cells of otel_swa.device.window (windowed samples only)
 _READ = _WINDOW + WINDOW_WIDTH  # the read check's cells of otel_swa.device.read_check (when it runs)
 _BLOCK = _READ + READ_WIDTH  # the KV block audit's cells of otel_swa.device.block_audit (block pools)
+_WRITE = _BLOCK + BLOCK_WIDTH  # the write check's cells of otel_swa.device.write_check (when it runs)
+_PROV = _WRITE + WRITE_WIDTH  # the provenance verification's cells of otel_swa.device.provenance
 _LITTLE_ENDIAN = sys.byteorder == "little"  # host and devices alike (CUDA devices are little-endian)
 _FILLER = 1  # FULL slot given to masked positions of the dense path
 #: int64 values per staged sample: the counts, the fault evidence, then the audit counts of
@@ -110,10 +114,12 @@ _FILLER = 1  # FULL slot given to masked positions of the dense path
 #: stale tokens, shared SWA slots), then the sliding-window cells of :mod:`otel_swa.device.window`
 #: (in-window tokens with an SWA slot, late-held tokens, in-window tokens), then the read check's
 #: cells (:data:`otel_swa.device.read_check.READ_CELLS`), then the KV block audit's
-#: (:data:`otel_swa.device.block_audit.BLOCK_CELLS`). The audit, window, read and block cells are
-#: written only when the view (or the reporter's read check) asks for them (else left as they are,
-#: never read).
-STAGE_WIDTH = _BLOCK + BLOCK_WIDTH
+#: (:data:`otel_swa.device.block_audit.BLOCK_CELLS`), then the write check's
+#: (:data:`otel_swa.device.write_check.WRITE_CELLS`) and the provenance verification's
+#: (:data:`otel_swa.device.provenance.PROVENANCE_CELLS`, FULL then SWA). The audit, window, read,
+#: block, write and provenance cells are written only when the view (or the reporter's checks) asks
+#: for them (else left as they are, never read).
+STAGE_WIDTH = _PROV + PROVENANCE_WIDTH
 
 #: The faults :func:`read_sample` can report, in this order.
 FAULTS = (
@@ -149,6 +155,9 @@ class SampleMeta:
             ``None`` (staged).
         read_checked: whether the read check's cells were staged.
         block_audited: whether the KV block audit's cells were staged.
+        write_checked: whether the write check's cells were staged.
+        provenance: the host side of the provenance verification staged
+            (:class:`~otel_swa.device.provenance.ProvenanceMeta`), ``None`` when none was.
     """
 
     @property
@@ -171,6 +180,8 @@ class SampleMeta:
     read_checked: bool = False
     block_audited: bool = False
     audit_started: bool = False
+    write_checked: bool = False
+    provenance: "ProvenanceMeta | None" = None
 
 
 @dataclass(frozen=True)
@@ -196,6 +207,12 @@ class SampleReading:
             ``full_slot``, ``swa_slot``, ``layer``), ``None`` when none disagreed.
         block: the KV block audit's cells by name (:data:`otel_swa.device.block_audit.BLOCK_CELLS`),
             ``None`` when the view gave no block audit.
+        write: the write check's ``(checked, mismatched, unchecked)`` (token, layer) pairs, ``None``
+            when it is off (:mod:`otel_swa.device.write_check`).
+        write_offender: the first mismatch (``entry``, ``position``, ``full_slot``, ``swa_slot``,
+            ``layer``), ``None`` when none.
+        provenance: the stamps' and checksums' verification
+            (:class:`~otel_swa.device.provenance.ProvenanceReading`), ``None`` when none ran.
     """
 
     verify_full: int
@@ -211,6 +228,9 @@ class SampleReading:
     read: "tuple[int, int, int] | None" = None
     read_offender: "dict[str, int] | None" = None
     block: "dict[str, int] | None" = None
+    write: "tuple[int, int, int] | None" = None
+    write_offender: "dict[str, int | None] | None" = None
+    provenance: "ProvenanceReading | None" = None
 
 
 def host_lengths(seq_lens_cpu: "torch.Tensor | Sequence[int]") -> np.ndarray:
@@ -265,6 +285,8 @@ def stage_sample(
     read_check: "ReadCheck | None" = None,
     kv_block_audit: Any = None,
     audit_sweep: "SwaAuditSweep | None" = None,
+    write_check: "WriteCheck | None" = None,
+    provenance: "Callable[[torch.Tensor], ProvenanceMeta | None] | None" = None,
 ) -> SampleMeta:
     """Write one sample into ``out`` (``int64 [STAGE_WIDTH]`` on the device), in stream order.
 
@@ -298,6 +320,11 @@ def stage_sample(
             audit then runs as its passes (work bounded by the holders and the sweep's budget; the
             audit cells are staged at the last sample of each pass, ``SampleMeta.audited``).
             ``None``: the whole audit at this sample (its work grows with the SWA pool).
+        write_check: the step's :class:`~otel_swa.device.write_check.WriteCheck`, whose cells are
+            staged (and cleared), or ``None``.
+        provenance: stages the provenance verification into the slice it is given (``int64
+            [PROVENANCE_WIDTH]``) and returns its meta (the reporter's
+            :meth:`~otel_swa.device.provenance.KvProvenance.stage` bound to the view), or ``None``.
 
     Returns:
         The :class:`SampleMeta` to give :func:`read_sample` with the staged values.
@@ -319,6 +346,10 @@ def stage_sample(
     block_audited = kv_block_audit is not None
     if block_audited:
         stage_block_audit(out[_BLOCK:_BLOCK + BLOCK_WIDTH], kv_block_audit, ws)
+    extra = {"write_checked": write_check is not None,
+             "provenance": provenance(out[_PROV:_PROV + PROVENANCE_WIDTH]) if provenance is not None else None}
+    if write_check is not None:
+        write_check.take(out[_WRITE:_WRITE + WRITE_WIDTH])
     mapping = full_to_swa_index_mapping
     num_rows, width = req_to_token.shape
     size = mapping.shape[0]
@@ -376,7 +407,7 @@ def stage_sample(
         done = audited and _stage_audit(out, mapping, swa_audit, gathered if with_batch else None, with_batch,
                                         audit_sweep, ws)
         return SampleMeta(path, live, batch, num_rows, width, size, faults, True, done, rows_known,
-                          window, window_tokens, read_checked, block_audited, audited and audit_sweep.started)
+                          window, window_tokens, read_checked, block_audited, audited and audit_sweep.started, **extra)
     if batch == 0 or width == 0 or num_rows == 0 or size == 0:
         _stage_empty(out, totals, rows, seq_lens, None, upload, ws)
         if window is not None:
@@ -384,13 +415,13 @@ def stage_sample(
         done = audited and _stage_audit(out, mapping, swa_audit, None, with_batch, audit_sweep, ws)
         return SampleMeta("empty", 0, batch, num_rows, width, size, (), False, done, False,
                           window, 0 if window is not None else None, read_checked, block_audited,
-                          audited and audit_sweep.started)
+                          audited and audit_sweep.started, **extra)
     gathered = _stage_dense(out, totals, req_to_token, mapping, rows, None, seq_lens, None, None, upload, ws,
                             window, allowance, cells, reach)
     done = audited and _stage_audit(out, mapping, swa_audit, gathered if with_batch else None, with_batch,
                                     audit_sweep, ws)
     return SampleMeta("dense", None, batch, num_rows, width, size, (), False, done, False, window, None,
-                      read_checked, block_audited, audited and audit_sweep.started)
+                      read_checked, block_audited, audited and audit_sweep.started, **extra)
 
 
 def live_full_slots(
@@ -758,6 +789,7 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
         if premature > 0:
             premature_where = dict(zip(PREMATURE_CELLS, values[_WINDOW + 3:_WINDOW + 3 + len(PREMATURE_CELLS)]))
     read_cells = values[_READ:_READ + READ_WIDTH] if meta.read_checked else None
+    write_cells = values[_WRITE:_WRITE + WRITE_WIDTH] if meta.write_checked else None
     return SampleReading(
         verify_full=values[_VERIFY],
         verify_swa=values[_VERIFY + 1],
@@ -772,4 +804,7 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
         read=read_counts(read_cells) if read_cells is not None else None,
         read_offender=read_offender_fields(read_cells) if read_cells is not None else None,
         block=block_audit_fields(values[_BLOCK:_BLOCK + BLOCK_WIDTH]) if meta.block_audited else None,
+        write=write_counts(write_cells) if write_cells is not None else None,
+        write_offender=write_offender_fields(write_cells) if write_cells is not None else None,
+        provenance=meta.provenance.read(values[_PROV:_PROV + PROVENANCE_WIDTH]) if meta.provenance is not None else None,
     )

@@ -36,6 +36,9 @@ class EngineConfig:
             ``read_check_queries`` requests at each sampled step: ``"rotate"`` or ``"all"`` (one
             sliding-window layer here: the same), ``"off"``: no check.
         read_check_queries: queries checked per sampled step (>= 1).
+        provenance: with a reporter and the model, the engine writes provenance stamps and content
+            checksums at every KV write, runs the write check at sampled steps and gives its
+            requests' token ids in its view (:mod:`otel_swa.device.provenance`); ``False``: none of it.
 
     Raises:
         ValueError: a value is out of range (the message names it).
@@ -56,6 +59,7 @@ class EngineConfig:
     run_model: bool = True
     read_check: str = "rotate"
     read_check_queries: int = 8
+    provenance: bool = True
 
     def __post_init__(self) -> None:
         for name in (

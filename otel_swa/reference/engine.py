@@ -8,7 +8,10 @@ One call to :meth:`ReferenceEngine.step` is one forward step:
    allocated for the new tokens, the model runs (:mod:`otel_swa.reference.model`), then, when a
    reporter is attached, ``reporter.observe("full", n_full)``, ``reporter.observe("swa", n_swa)`` and
    ``reporter.step(view)``, with ``view`` an :class:`otel_swa.views.SwaBatch` of the batch exactly as
-   the forward used it;
+   the forward used it; ``reporter.before_forward()`` before the model runs (the sampling flag of
+   the in-forward checks); with provenance on (``EngineConfig.provenance``, a reporter that has
+   ``enable_provenance``), the step's stamps written before the model runs and each layer's
+   checksums and write check after its write (:mod:`otel_swa.device.provenance`);
 3. after the forward, the SWA slots of tokens that left the window are freed and finished requests
    release all their slots.
 
@@ -49,7 +52,7 @@ from otel_swa.reference.model import ForwardBatch, KVStorage, TinyHybridModel, p
 from otel_swa.reference.config import EngineConfig
 from otel_swa.reference.pools import HybridKVPools
 from otel_swa.reference.scheduler import ForwardItem, RequestState, Scheduler
-from otel_swa.views import SwaAuditInputs, SwaBatch
+from otel_swa.views import JoinedTokenIds, SwaAuditInputs, SwaBatch
 
 __all__ = ["EngineConfig", "ReferenceEngine", "BatchInfo", "StepResult", "EngineStats"]
 
@@ -124,7 +127,8 @@ class ReferenceEngine:
         reporter: an ``otel_swa.reporter.SwaDivergenceReporter`` on ``device``, or ``None`` for no
             reporter work at all. With the model running and ``config.read_check`` not ``"off"``, its
             read check is switched on (``reporter.enable_read_check``): the sliding-window layer's
-            output is checked at each sampled step.
+            output is checked at each sampled step; with ``config.provenance``, its provenance
+            (``reporter.enable_provenance``, over both pools).
         device: where the KV cache, the tables and the model live.
 
     Attributes:
@@ -170,10 +174,16 @@ class ReferenceEngine:
     def reporter(self, reporter: Any) -> None:
         self._reporter = reporter
         self._read_check_due = None
+        self._provenance = None
+        self._before_forward = getattr(reporter, "before_forward", None)
         config = self.config
         if config.run_model and config.read_check != "off" and hasattr(reporter, "enable_read_check"):
             reporter.enable_read_check(max_queries=config.read_check_queries, layers=config.read_check)
-            self._read_check_due = reporter.read_check_due
+            # a sampling step, or the checks' recorded path (the flag then decides at the sample)
+            self._read_check_due = getattr(reporter, "checks_wanted", None) or reporter.read_check_due
+        if config.run_model and config.provenance and hasattr(reporter, "enable_provenance"):
+            self._provenance = reporter.enable_provenance(full_slots=self.kv.full_k.shape[0],
+                                                          swa_slots=self.kv.swa_k.shape[0])
 
     # -- input ------------------------------------------------------------------------------------
 
@@ -278,6 +288,17 @@ class ReferenceEngine:
         self.stats.peak_running = max(self.stats.peak_running, len(self.scheduler.running))
         if not self.config.run_model:
             return [0] * len(items)
+        if self._before_forward is not None:
+            self._before_forward()
+        batch = self._forward_batch(items, full_slots, swa_slots)
+        hook = self._read_check_hook(items) if self._read_check_due is not None and self._read_check_due() else None
+        on_layer = self._provenance_hooks(batch) if self._provenance is not None else None
+        self.last_hidden, next_ids = self.model.forward(batch, pools, self.kv, hook, on_layer)
+        return next_ids.tolist()
+
+    def _forward_batch(self, items: list[ForwardItem], full_slots: list[int], swa_slots: list[int]) -> ForwardBatch:
+        """The model's inputs for the step: new tokens, positions and slots on the device."""
+        dev = self.device
         token_parts = []
         for it in items:
             if it.decode:
@@ -285,7 +306,7 @@ class ReferenceEngine:
             else:
                 token_parts.append(it.req.prompt_ids[it.prefix_len : it.seq_len])
         positions = torch.cat([torch.arange(it.prefix_len, it.seq_len, dtype=torch.int64) for it in items])
-        batch = ForwardBatch(
+        return ForwardBatch(
             token_ids=torch.cat(token_parts).to(dev),
             positions=positions.to(dev),
             full_slots=torch.tensor(full_slots, dtype=torch.int64, device=dev),
@@ -294,9 +315,30 @@ class ReferenceEngine:
             prefix_lens=[it.prefix_len for it in items],
             extend_lens=[it.extend_len for it in items],
         )
-        hook = self._read_check_hook(items) if self._read_check_due is not None and self._read_check_due() else None
-        self.last_hidden, next_ids = self.model.forward(batch, pools, self.kv, hook)
-        return next_ids.tolist()
+
+    def _provenance_hooks(self, batch: ForwardBatch) -> Callable[..., Any]:
+        """Stamp the step's slots now (before the model writes them) and return the per-layer call
+        that writes the checksums and runs the write check (:mod:`otel_swa.device.provenance`)."""
+        dev, pools, provenance = self.device, self.pools, self._provenance
+        tokens = batch.token_ids.shape[0]
+        starts = None
+        if tokens != len(batch.rows):  # an extend batch: each request's first token in the step
+            starts = torch.tensor(np.cumsum(batch.extend_lens) - batch.extend_lens, dtype=torch.int64, device=dev)
+        mapping = pools.full_to_swa_index_mapping
+        provenance.stamp(
+            input_ids=batch.token_ids, positions=batch.positions, out_cache_loc=batch.full_slots,
+            req_pool_indices=torch.tensor(batch.rows, dtype=torch.int64, device=dev),
+            req_to_token=pools.req_to_token, full_to_swa_index_mapping=mapping, extend_start_loc=starts,
+        )
+
+        def on_layer(*, layer_id, swa, k, v, k_buffer, v_buffer) -> None:
+            provenance.after_layer(
+                layer_id=layer_id, swa=swa, k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer,
+                out_cache_loc=batch.full_slots, full_to_swa_index_mapping=mapping, positions=batch.positions,
+                extend_start_loc=starts,
+            )
+
+        return on_layer
 
     def _read_check_hook(self, items: list[ForwardItem]) -> Callable[..., Any]:
         """The sliding-window layer's call into the reporter's read check at a sampled step: the
@@ -409,6 +451,8 @@ class ReferenceEngine:
             swa_eviction_allowance=page_size,
             extend_lens_cpu=[it.extend_len for it in self._last_items],
             request_ids=[it.req.rid for it in self._last_items],
+            token_ids=([JoinedTokenIds(it.req.prompt_ids, it.req.output_ids) for it in self._last_items]
+                       if self._provenance is not None else None),
         )
 
     def _swa_audit_inputs(self) -> SwaAuditInputs:

@@ -169,6 +169,7 @@ class TinyHybridModel:
     def forward(
         self, batch: ForwardBatch, pools: HybridKVPools, kv: KVStorage,
         on_sliding_attention: "Callable[..., Any] | None" = None,
+        on_layer: "Callable[..., Any] | None" = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run one forward step over the pools.
 
@@ -183,6 +184,11 @@ class TinyHybridModel:
                 head_dim]``: its queries and its attention output), ``k_buffer`` and ``v_buffer``
                 (the SWA pool's K/V, indexed by SWA slot), ``scaling`` and ``num_q_heads``: the
                 engine's read check (:mod:`otel_swa.device.read_check`); ``None``: nothing called.
+            on_layer: called after each layer's write and attention with keyword arguments
+                ``layer_id`` (0 full, 1 sliding window), ``swa`` (its K/V are the SWA pool's), ``k`` and
+                ``v`` (``float32 [T, num_heads, head_dim]``: what the layer stored) and ``k_buffer``,
+                ``v_buffer`` (the pool's K/V it stored them in): the engine's provenance
+                (:mod:`otel_swa.device.provenance`); ``None``: nothing called.
 
         Returns:
             (hidden ``float32`` ``[T, hidden]``, next token id of each request ``int64`` ``[N]``).
@@ -198,6 +204,8 @@ class TinyHybridModel:
             if layer == 1 and on_sliding_attention is not None:
                 on_sliding_attention(layer_id=1, q=q, out=attn, k_buffer=k_cache, v_buffer=v_cache,
                                      scaling=1.0 / math.sqrt(self.head_dim), num_q_heads=self.num_heads)
+            if on_layer is not None:
+                on_layer(layer_id=layer, swa=layer == 1, k=k, v=v, k_buffer=k_cache, v_buffer=v_cache)
             h = self.output(layer, h, attn)
         ends = torch.tensor(batch.extend_lens, dtype=torch.int64).cumsum(0) - 1
         return h, self.next_token(h[ends.to(self.device)])

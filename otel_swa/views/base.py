@@ -74,6 +74,16 @@ and, optionally:
     request's block table): the reporter then also counts leaked KV blocks and blocks freed while in
     use, for engines whose pool is of blocks rather than mapped slots (vLLM; see
     :mod:`otel_swa.device.block_audit`).
+``token_ids``
+    each request's token ids, on the host: one entry per batch entry, each a sequence holding the
+    token ids of the request's positions ``0 .. seq_len - 1`` at least (the prompt, then the
+    generated tokens; the step's input token at ``seq_len - 1``), or ``None`` where unknown. Read at
+    sampling steps by the provenance verification (:mod:`otel_swa.device.provenance`), which needs
+    only ``len(ids)`` and slices ``ids[a:b]`` of ints (a list, a tuple, a 1-D numpy array or CPU
+    tensor, or a :class:`JoinedTokenIds` over SGLang's ``origin_input_ids`` and ``output_ids``, which
+    joins them without a copy). A request whose ids are missing or shorter than ``seq_len`` has its
+    slots counted unchecked. Each engine's source: SGLang's ``Req.origin_input_ids`` and
+    ``Req.output_ids``; the reference engine's ``RequestState.prompt_ids`` and ``output_ids``.
 ``swa_eviction_allowance``
     tokens older than the positions this step reads (the last ``window + extend_len - 1``) that
     may still hold an SWA slot without counting as late-held: an ``int >= 0``, or one per batch
@@ -90,7 +100,7 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["SwaBatchView", "SwaBatch", "SwaAuditInputs", "KvBlockAuditInputs", "validate_view"]
+__all__ = ["SwaBatchView", "SwaBatch", "SwaAuditInputs", "KvBlockAuditInputs", "JoinedTokenIds", "validate_view"]
 
 
 @runtime_checkable
@@ -169,6 +179,39 @@ class KvBlockAuditInputs:
     null_block_id: int = 0
 
 
+class JoinedTokenIds:
+    """Token ids held in several host sequences, read as one (a view's ``token_ids`` entry):
+    ``len()`` is the sum of the parts' lengths and a slice ``[a:b]`` (step 1) gives a list of the
+    ids at positions ``a .. b - 1``, copying only those. SGLang: ``JoinedTokenIds(req.origin_input_ids,
+    req.output_ids)``.
+
+    Raises:
+        TypeError: an index other than a slice of step 1.
+    """
+
+    __slots__ = ("parts",)
+
+    def __init__(self, *parts: Sequence[int]) -> None:
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts)
+
+    def __getitem__(self, index: slice) -> list:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError(f"JoinedTokenIds takes slices of step 1, got {index!r}")
+        start, stop, _ = index.indices(len(self))
+        out: list = []
+        for part in self.parts:
+            size = len(part)
+            if stop > 0 and start < size:
+                chunk = part[max(start, 0):min(stop, size)]
+                out.extend(chunk.tolist() if hasattr(chunk, "tolist") else chunk)
+            start -= size
+            stop -= size
+        return out
+
+
 @dataclass(frozen=True)
 class SwaBatch:
     """A plain :class:`SwaBatchView`: the engine's tensors for one forward step, by reference.
@@ -178,7 +221,7 @@ class SwaBatch:
     ``req_pool_indices_cpu`` is the same for ``req_pool_indices`` (read only with ``seq_lens_cpu``).
     ``sliding_window``, ``extend_lens_cpu`` and ``swa_eviction_allowance``: the window check (module
     docstring). ``request_ids``: the batch's request ids, for offenders. ``kv_block_audit``: the KV
-    block audit's inputs.
+    block audit's inputs. ``token_ids``: each request's token ids (provenance).
     """
 
     req_to_token: torch.Tensor
@@ -194,6 +237,7 @@ class SwaBatch:
     extend_lens_cpu: "int | torch.Tensor | Sequence[int] | None" = None
     request_ids: "Sequence[str | int] | None" = None
     kv_block_audit: KvBlockAuditInputs | None = None
+    token_ids: "Sequence[Sequence[int] | None] | None" = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
@@ -217,10 +261,11 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
     Only metadata is read (dim, dtype, device, shape): no device work, no host sync.
 
     Raises:
-        TypeError: an attribute is missing, is not a tensor, or has the wrong dtype.
+        TypeError: an attribute is missing, is not a tensor, or has the wrong dtype; ``token_ids``
+            is not a sequence.
         ValueError: a tensor has the wrong number of dimensions or is on another device, or
-            ``req_pool_indices``, ``seq_lens``, ``seq_lens_cpu`` and ``req_pool_indices_cpu`` differ
-            in length; ``sliding_window`` is not an int >= 1, ``swa_eviction_allowance`` not an
+            ``req_pool_indices``, ``seq_lens``, ``seq_lens_cpu``, ``req_pool_indices_cpu``,
+            ``request_ids`` and ``token_ids`` differ in length; ``sliding_window`` is not an int >= 1, ``swa_eviction_allowance`` not an
             int >= 0 nor one such int per batch entry on the host, or ``extend_lens_cpu`` not an int
             >= 1 nor one such int per batch entry on the host.
     """
@@ -272,6 +317,7 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
             raise TypeError(f"view.swa_audit.holders_include_batch must be a bool, got {audit.holders_include_batch!r}")
     _check_window(view)
     _check_request_ids(view)
+    _check_token_ids(view)
     _check_block_audit(getattr(view, "kv_block_audit", None), device)
     if view.req_pool_indices.shape[0] != view.seq_lens.shape[0]:
         raise ValueError(
@@ -331,6 +377,19 @@ def _check_request_ids(view: Any) -> None:
     batch = view.req_pool_indices.shape[0]
     if len(ids) != batch:
         raise ValueError(f"view.request_ids has {len(ids)} entries but view.req_pool_indices has {batch}; "
+                         "give one per batch entry")
+
+
+def _check_token_ids(view: Any) -> None:
+    ids = getattr(view, "token_ids", None)
+    if ids is None:
+        return
+    if isinstance(ids, (str, bytes, torch.Tensor)) or not hasattr(ids, "__len__"):
+        raise TypeError(f"view.token_ids must be a sequence with one entry (a sequence of token ids or None) per "
+                        f"batch entry, got {type(ids).__name__}")
+    batch = view.req_pool_indices.shape[0]
+    if len(ids) != batch:
+        raise ValueError(f"view.token_ids has {len(ids)} entries but view.req_pool_indices has {batch}; "
                          "give one per batch entry")
 
 

@@ -329,7 +329,7 @@ def test_cuda_ring_matches_recount_and_is_pinned():
         expected.append(SwaDivergenceRecord(step, total, 0, *recount(*state), verify_source="attention"))
     reporter.close()
     assert got == expected
-    assert all(buf is not None and buf.is_pinned() for buf in reporter._ring._uploads)
+    assert all(buffers["sample"].is_pinned() for buffers in reporter._ring._uploads)
 
 
 @pytest.mark.gpu

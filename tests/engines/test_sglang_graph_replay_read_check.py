@@ -53,3 +53,18 @@ def test_a_sampled_step_replayed_from_a_graph_counts_its_queries_unchecked():
     # (checked, mismatched, unchecked) taken at forward_ct 2 and 4: 5 requests -> 5 queries of at
     # most 8 unchecked at the replay; nothing added at the eager step
     assert taken[:2] == [(0, 0, 5), (0, 0, 0)]
+
+
+def test_a_replay_of_a_graph_that_holds_the_check_counts_nothing_unchecked():
+    """Once a capture recorded the check (``recorded_calls``), a replayed sampled step was checked by
+    the graph itself: the instrumentor adds no unchecked queries for it."""
+    taken = []
+    for recorded in (0, 1):  # a graph captured without the check, then one captured with it
+        reporter = SwaDivergenceReporter(1, device="cpu")
+        wiring, check = _wiring(reporter)
+        check.recorded_calls = recorded
+        original_take = check.take
+        check.take = lambda out=None, take=original_take: taken.append(read_counts(take(out).tolist()))
+        SwaSglangInstrumentor()._after_forward(wiring, SimpleNamespace(batch_size=5, req_pool_indices=torch.arange(5)))
+        reporter.close()
+    assert taken == [(0, 0, 5), (0, 0, 0)]

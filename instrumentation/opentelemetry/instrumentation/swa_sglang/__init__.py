@@ -47,8 +47,12 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
     decode, extend (prefill, chunked prefill) and mixed batches with float32, float16 or bfloat16
     KV buffers. Counted as unchecked, never as a fault: cross-attention and encoder-only layers,
     other logit capping methods, speculative target-verify and draft batches, quantized (fp8) KV
-    buffers, and every step replayed from a CUDA graph (the Python ``forward`` does not run there:
-    the check runs on eager steps only). Other steps cost one attribute read per layer call.
+    buffers, and a step replayed from a CUDA graph captured without the check. The check is called
+    inside a capture too whenever the wrapper knows the runner then (``reporter.checks_wanted()``),
+    and the ``ModelRunner.forward`` wrapper sets the reporter's sampling flag before each forward
+    (``reporter.before_forward()``): a step replayed from a graph that holds the check is checked at
+    its sampled steps as an eager one and counts nothing at the others (:mod:`otel_swa.device.gate`).
+    Other steps cost one attribute read per layer call.
 ``sglang.srt.entrypoints.engine.Engine.shutdown(self)``
     In the main process, before SGLang kills its schedulers with SIGKILL (which runs no exit hook
     there): calls ``otel_swa_flush`` on every scheduler over SGLang's own RPC
@@ -341,6 +345,10 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                 running = instrumentor._running
                 running.wiring = wiring  # for the read check of the attention layers it calls
                 try:
+                    wiring.reporter.before_forward()  # the sampling flag of the checks a graph holds
+                except Exception:
+                    _log.exception("the sampling flag was not set")
+                try:
                     output = original(runner, forward_batch, *args, **kwargs)
                 finally:
                     running.wiring = None
@@ -406,9 +414,10 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                 reporter.observe("full", int(np.sum(lens)))
                 reporter.observe("swa", _swa_entries_read(lens, forward_batch, window))
         check = wiring.read_check
-        if check is not None and check.layer_calls == 0 and reporter.read_check_due():
-            # a sampled step whose attention layers did not run in Python (a CUDA graph replay):
-            # its queries are counted unchecked, never silently left out
+        if check is not None and check.layer_calls == 0 and check.recorded_calls == 0 and reporter.read_check_due():
+            # a sampled step whose attention layers did not run in Python (a CUDA graph replay) from
+            # a graph that does not hold the check: its queries are counted unchecked, never
+            # silently left out (a graph that holds it checked them at the replay)
             indices = getattr(forward_batch, "req_pool_indices", None)
             batch = getattr(forward_batch, "batch_size", None) or (0 if indices is None else int(indices.shape[0]))
             check.unchecked(min(check.max_queries, int(batch)))
@@ -435,7 +444,7 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         def forward(layer, q, k, v, forward_batch, *args, **kwargs):
             output = original(layer, q, k, v, forward_batch, *args, **kwargs)
             wiring = getattr(running, "wiring", None)
-            if wiring is None or wiring.read_check is None or not wiring.reporter.read_check_due():
+            if wiring is None or wiring.read_check is None or not wiring.reporter.checks_wanted():
                 return output
             try:
                 _check_read(wiring, layer, q, output, forward_batch, kwargs)

@@ -1,0 +1,551 @@
+"""Provenance of a hybrid KV cache: is the KV in every slot the tables name the KV of the token they name it for?
+
+torch only (numpy on the host side of a sample). Two device tables per pool (FULL, and SWA when the
+engine has one), ``int64 [num_slots]`` each on the KV cache's device, 8 bytes per slot each:
+
+* **stamps** (:mod:`otel_swa.device.stamps`): the token id, the position and a 20-bit chain over the
+  request's prefix of the token whose KV was last written to the slot; 0: never stamped;
+* **checksums** (:mod:`otel_swa.device.checksum`): a hash of the first bytes (or all) of the K and V
+  rows written for that token at one designated layer of the pool's kind (by default the first such
+  layer called, as SGLang's KV canary hashes layer 0 of each sub-pool), taken from the tensors the
+  layer was given to store; 0: never hashed.
+
+Both are written at every forward step with fixed shapes and no host read (so a CUDA graph capture
+records them), and verified at sampled steps (:meth:`KvProvenance.stage`, called by the reporter with
+the sample) for the live tokens the batch reads, against:
+
+* the stamps expected from each request's own token ids (the view's ``token_ids``): a mismatch is a
+  **foreign token** (the slot holds another token's KV: swapped ownership, a stale prefix or radix
+  re-use, a slot overwritten by another request, a wrong position written);
+* the hash of the bytes the pool holds now at the slot: a mismatch is a **corrupt token** (bytes
+  changed after the write: a stray kernel, a bad load-back, a flipped bit, or a write of this layer
+  at another index, which leaves the named slot's old bytes there).
+
+The write check (:mod:`otel_swa.device.write_check`) runs from the same per-layer call.
+
+API for an engine's instrumentation (shapes and dtypes on the calls' docstrings)::
+
+    provenance = reporter.enable_provenance(full_slots=..., swa_slots=...)   # once
+    # ModelRunner.forward (before the original):
+    reporter.before_forward()                  # the sampling flag: one tiny device write at most
+    # in the forward, where a CUDA graph capture records it (e.g. before the first attention layer):
+    provenance.stamp(input_ids=..., positions=..., out_cache_loc=..., req_pool_indices=...,
+                     req_to_token=..., full_to_swa_index_mapping=..., extend_start_loc=None)
+    # each attention layer, after its forward (which wrote the step's K/V):
+    provenance.after_layer(layer_id=..., swa=..., k=..., v=..., k_buffer=..., v_buffer=...,
+                           out_cache_loc=..., full_to_swa_index_mapping=..., positions=...)
+    # after the forward, as before:
+    reporter.step(view)                        # view.token_ids: each request's token ids
+
+What the view gives the verification (:mod:`otel_swa.views.base`): ``seq_lens_cpu`` (without host
+lengths nothing is verified: the fields stay absent), ``token_ids`` (one host sequence per batch
+entry holding the request's token ids at positions ``0 .. seq_len - 1`` at least; ``len()`` and
+slicing ``ids[a:b]`` are all that is used, so SGLang's ``origin_input_ids`` and ``output_ids`` can be
+joined lazily, :class:`otel_swa.views.base.JoinedTokenIds`; a missing or short entry makes that
+request's slots unchecked), ``request_ids`` (keys of the host's chain cache below; without them every
+sample computes each request's chain from position 0), and for the SWA pool the window fields
+(``sliding_window``, ``extend_lens_cpu``, ``swa_eviction_allowance``): the SWA slots verified are the
+positions the step reads, ``seq_len - (window + extend_len - 1) - allowance`` onwards, those whose
+mapping is 0 skipped (out of the window); without a window every position, the zeros skipped.
+
+Bounded work. A sample verifies at most ``budget`` (default 4096) live slots per pool: the batch's
+candidates in a fixed order (request by request, position by position) are taken ``budget`` at a
+time from where the previous sample stopped, and the rest counted unchecked. While the batch and its
+lengths stay as they are, every live slot of a pool with ``N`` candidates is verified once every
+``ceil(N / budget)`` samples (a fault stays unseen at most that many samples; as requests grow the
+order shifts by the growth of the requests before a slot, which delays it by at most that many
+positions). Host work per sample: the expected stamps of the taken positions (numpy), from a cache
+of each request's chain every 1,024 positions (8 bytes per 1,024 tokens of a request), so each
+token id is converted once over the request's life plus up to 1,024 per range re-read; the upload:
+``3 x 8`` bytes per taken slot (batch entry, position, expected stamp), 192 KiB at the default budget
+with both pools full, through the reporter's pinned ring. Device work per pool and sample: about 35
+operations over the taken slots (the gathers of ``req_to_token``, the mapping, the stamps, the
+checksums and the K/V rows, and the comparisons).
+
+Slots the engine fills without a forward step (SGLang's HiCache load-back, a disaggregated
+prefill's transfer) keep the stamps of what was there before unless the engine moves the provenance
+with the KV: :meth:`KvProvenance.move_slots`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from otel_swa.device.checksum import CHECKSUM_MODES, RowHasher
+from otel_swa.device.gate import SamplingGate
+from otel_swa.device.stamps import TOKEN_POSITION_MASK, decode_stamp, expected_stamps, write_stamps
+from otel_swa.device.window import host_allowance, host_reach
+from otel_swa.device.write_check import WRITE_CHECK_MODES, WriteCheck
+
+__all__ = [
+    "PROVENANCE_POOLS",
+    "PROVENANCE_CELLS",
+    "PROVENANCE_WIDTH",
+    "KvProvenance",
+    "ProvenanceMeta",
+    "ProvenanceReading",
+    "ChainCache",
+]
+
+#: The pools verified, in the order of the cells and of the search for a first offender.
+PROVENANCE_POOLS = ("full", "swa")
+#: The cells of one pool's verification (:data:`PROVENANCE_WIDTH` = both pools', FULL first).
+PROVENANCE_CELLS = (
+    "live",  # SWA: taken slots whose mapping is not 0 (FULL: unused, every taken slot is live)
+    "stamp_checks",  # live, stamped, and the request's token ids known: compared
+    "foreign",  # of which the stamp was another token's
+    "foreign_index",  # the first foreign's index among the taken slots
+    "foreign_row", "foreign_stamp", "foreign_full_slot", "foreign_swa_slot",
+    "checksum_checks",  # live and hashed: hashed again and compared
+    "corrupt",  # of which the bytes changed
+    "corrupt_index", "corrupt_row", "corrupt_full_slot", "corrupt_swa_slot",
+)
+_PER_POOL = len(PROVENANCE_CELLS)
+PROVENANCE_WIDTH = 2 * _PER_POOL
+_C = {name: index for index, name in enumerate(PROVENANCE_CELLS)}
+
+
+@dataclass(frozen=True)
+class ProvenanceReading:
+    """One sample's verification, read on the host (all ints).
+
+    Attributes:
+        stamp_checks: live slots (both pools) whose stamp was compared with the expected one.
+        foreign_tokens: of which the stamp was another token's (a fault).
+        stamp_unchecked: live slots not judged: over the sample's budget, token ids not given by
+            the view, or never stamped.
+        checksum_checks, corrupt_tokens, checksum_unchecked: the same for the content checksum
+            (``None`` when checksums are off); unchecked also counts slots of a pool whose
+            designated layer was never seen or whose cache dtype is not hashed (fp8).
+        foreign_offender: the first foreign slot (FULL pool first, then SWA; in each, the order
+            slots were taken): ``entry``, ``row``, ``position``, ``pool`` (``"full"``/``"swa"``),
+            ``full_slot``, ``swa_slot`` (``None`` without a mapping), ``expected_token``,
+            ``expected_position``, ``found_token``, ``found_position`` (decoded from the stamps, token
+            ids mod 2**20, positions mod 2**22), ``found_chain_known``; ``None`` when none.
+        corrupt_offender: the first corrupt slot: ``entry``, ``row``, ``position``, ``pool``,
+            ``full_slot``, ``swa_slot``; ``None`` when none.
+    """
+
+    stamp_checks: int
+    foreign_tokens: int
+    stamp_unchecked: int
+    checksum_checks: "int | None"
+    corrupt_tokens: "int | None"
+    checksum_unchecked: "int | None"
+    foreign_offender: "dict[str, Any] | None" = None
+    corrupt_offender: "dict[str, Any] | None" = None
+
+
+@dataclass(frozen=True)
+class ProvenanceMeta:
+    """What the host knew when it staged a verification (:meth:`KvProvenance.stage`).
+
+    Attributes:
+        taken: per pool, ``(entries, positions, expected)``: ``int64`` host arrays of the slots taken
+            (expected 0 where the request's token ids were not known), or ``None`` for a pool not
+            verified.
+        over_budget: per pool, candidate slots not taken at this sample.
+        checksums: whether checksums are on.
+    """
+
+    taken: "tuple[tuple[np.ndarray, np.ndarray, np.ndarray] | None, ...]"
+    over_budget: "tuple[int, ...]"
+    checksums: bool
+
+    def read(self, values: Sequence[int]) -> ProvenanceReading:
+        """The reading of the :data:`PROVENANCE_WIDTH` staged ints."""
+        stamp_checks = foreign = stamp_unchecked = checksum_checks = corrupt = checksum_unchecked = 0
+        foreign_at = corrupt_at = None
+        for p, pool in enumerate(PROVENANCE_POOLS):
+            taken = self.taken[p]
+            if taken is None:
+                continue
+            cells = values[p * _PER_POOL:(p + 1) * _PER_POOL]
+            live = int(cells[_C["live"]]) if pool == "swa" else len(taken[0])
+            stamp_checks += cells[_C["stamp_checks"]]
+            foreign += cells[_C["foreign"]]
+            stamp_unchecked += self.over_budget[p] + live - cells[_C["stamp_checks"]]
+            checksum_checks += cells[_C["checksum_checks"]]
+            corrupt += cells[_C["corrupt"]]
+            checksum_unchecked += self.over_budget[p] + live - cells[_C["checksum_checks"]]
+            if foreign_at is None and cells[_C["foreign"]] > 0:
+                foreign_at = _foreign(pool, taken, cells)
+            if corrupt_at is None and cells[_C["corrupt"]] > 0:
+                corrupt_at = _slot_fields(pool, taken, cells, "corrupt")
+        on = self.checksums
+        return ProvenanceReading(
+            stamp_checks, foreign, stamp_unchecked,
+            checksum_checks if on else None, corrupt if on else None, checksum_unchecked if on else None,
+            foreign_at, corrupt_at if on else None,
+        )
+
+
+def _slot_fields(pool: str, taken, cells, prefix: str) -> "dict[str, Any]":
+    index = int(cells[_C[f"{prefix}_index"]])
+    swa = int(cells[_C[f"{prefix}_swa_slot"]])
+    return {
+        "entry": int(taken[0][index]), "row": int(cells[_C[f"{prefix}_row"]]), "position": int(taken[1][index]),
+        "pool": pool, "full_slot": int(cells[_C[f"{prefix}_full_slot"]]), "swa_slot": swa if swa >= 0 else None,
+    }
+
+
+def _foreign(pool: str, taken, cells) -> "dict[str, Any]":
+    fields = _slot_fields(pool, taken, cells, "foreign")
+    expected = decode_stamp(int(taken[2][int(cells[_C["foreign_index"]])]))
+    found = decode_stamp(int(cells[_C["foreign_stamp"]]))
+    fields.update(expected_token=expected["token"], expected_position=expected["position"])
+    if found is not None:
+        fields.update(found_token=found["token"], found_position=found["position"],
+                      found_chain_known=found["chain_known"])
+    return fields
+
+
+class ChainCache:
+    """Each request's chain every ``every`` positions, on the host (:meth:`expected`), so that a
+    sample converts only the token ids of the positions it verifies (and those since the last
+    checkpoint). Entries unused for ``keep`` samples are dropped (:meth:`end_sample`).
+
+    Args:
+        every: positions between two kept chains (int >= 1).
+        keep: samples an unused entry is kept (int >= 1).
+    """
+
+    def __init__(self, every: int = 1024, keep: int = 64) -> None:
+        self.every = every
+        self.keep = keep
+        self._chains: dict[Any, list[int]] = {}  # key -> [chain before position k * every for k = 0, 1, ...]
+        self._used: dict[Any, int] = {}
+        self._sample = 0
+
+    def expected(self, key: Any, token_ids: Any, lo: int, hi: int) -> np.ndarray:
+        """The expected stamps of positions ``lo .. hi - 1`` (``int64 [hi - lo]``) of the request
+        ``key`` (``None``: not cached) whose token ids are ``token_ids`` (sliced ``[a:b]``)."""
+        every = self.every
+        chains = self._chains.get(key) if key is not None else None
+        if chains is None:
+            chains = [0]
+            if key is not None:
+                self._chains[key] = chains
+        if key is not None:
+            self._used[key] = self._sample
+        k = min(lo // every, len(chains) - 1)
+        begin = k * every
+        tokens = np.asarray(token_ids[begin:hi], dtype=np.int64).reshape(-1)
+        stamps, _ = expected_stamps(tokens, begin, chains[k])
+        # keep the chain before each multiple of `every` passed (the chain of its previous position)
+        while len(chains) * every <= hi and len(chains) * every - 1 - begin >= 0:
+            chains.append(int((stamps[len(chains) * every - 1 - begin] >> 42) & ((1 << 20) - 1)))
+        return stamps[lo - begin:]
+
+    def end_sample(self) -> None:
+        """Count a sample; drop the entries unused for ``keep`` samples (checked every ``keep``)."""
+        self._sample += 1
+        if self._sample % self.keep == 0:
+            stale = [key for key, used in self._used.items() if used < self._sample - self.keep]
+            for key in stale:
+                del self._used[key]
+                self._chains.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+
+class KvProvenance:
+    """Stamps and checksums of a hybrid KV cache, and the write check (module docstring).
+
+    Args:
+        device: the KV cache's device.
+        gate: the reporter's :class:`~otel_swa.device.gate.SamplingGate`.
+        full_slots: slots of the FULL pool (the first dimension of its K/V buffers), int >= 1.
+        swa_slots: slots of the SWA pool, or ``None`` for an engine without one.
+        checksum: :data:`~otel_swa.device.checksum.CHECKSUM_MODES`.
+        checksum_bytes: bytes hashed at the start of each K and V row with ``checksum="prefix"``.
+        checksum_layers: ``{"full": layer_id, "swa": layer_id}``, the designated layer of each
+            pool; a pool not named takes the first layer of its kind that calls :meth:`after_layer`.
+        budget: live slots verified per pool and sample (int >= 1).
+        write_check: whether :meth:`after_layer` runs the write check at sampled steps.
+        write_check_tokens, write_check_layers: the write check's ``max_tokens`` and ``layers``.
+
+    Raises:
+        ValueError: a bad argument (named, with the value).
+    """
+
+    def __init__(
+        self,
+        device: "torch.device | str",
+        gate: SamplingGate,
+        *,
+        full_slots: int,
+        swa_slots: "int | None" = None,
+        checksum: str = CHECKSUM_MODES[0],
+        checksum_bytes: int = 64,
+        checksum_layers: "dict[str, int] | None" = None,
+        budget: int = 4096,
+        write_check: bool = True,
+        write_check_tokens: int = 8,
+        write_check_layers: str = WRITE_CHECK_MODES[0],
+    ) -> None:
+        for name, value in (("full_slots", full_slots), ("budget", budget), ("checksum_bytes", checksum_bytes)):
+            if type(value) is not int or value < 1:  # noqa: E721
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if swa_slots is not None and (type(swa_slots) is not int or swa_slots < 1):  # noqa: E721
+            raise ValueError(f"swa_slots must be None or an int >= 1, got {swa_slots!r}")
+        if checksum not in CHECKSUM_MODES:
+            raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}, got {checksum!r}")
+        layers = dict(checksum_layers or {})
+        if set(layers) - set(PROVENANCE_POOLS) or not all(type(v) is int for v in layers.values()):  # noqa: E721
+            raise ValueError(f"checksum_layers must map 'full' / 'swa' to layer ids, got {checksum_layers!r}")
+        self.device = torch.device(device)
+        self.gate = gate
+        self.budget = budget
+        self.checksum = checksum
+        self._prefix = None if checksum == "all" else checksum_bytes
+
+        def table(slots: "int | None") -> "torch.Tensor | None":
+            return None if slots is None else torch.zeros(slots, dtype=torch.int64, device=self.device)
+
+        #: ``int64 [slots]`` per pool (index 0 FULL, 1 SWA; ``None`` without that pool).
+        self.stamps = (table(full_slots), table(swa_slots))
+        self.checksums = (table(full_slots), table(swa_slots)) if checksum != "off" else (None, None)
+        self.write_check = (WriteCheck(self.device, gate, max_tokens=write_check_tokens, layers=write_check_layers)
+                            if write_check else None)
+        self._designated: "list[int | None]" = [layers.get("full"), layers.get("swa")]
+        self._buffers: "list[tuple[torch.Tensor, torch.Tensor] | None]" = [None, None]
+        self._hashers: "list[RowHasher | None]" = [None, None]
+        self._cursor = [0, 0]
+        self.chains = ChainCache()
+
+    @property
+    def bytes_per_slot(self) -> "tuple[int, int]":
+        """Device bytes the tables take per slot of the FULL and of the SWA pool (0 without it)."""
+        return tuple(8 * sum(t is not None for t in (self.stamps[p], self.checksums[p])) if self.stamps[p] is not None
+                     else 0 for p in (0, 1))
+
+    # ------------------------------------------------------------------ engine-facing: every forward
+    def stamp(
+        self,
+        *,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        req_to_token: torch.Tensor,
+        full_to_swa_index_mapping: "torch.Tensor | None" = None,
+        extend_start_loc: "torch.Tensor | None" = None,
+    ) -> None:
+        """Stamp the slots this forward step writes (:func:`otel_swa.device.stamps.write_stamps`),
+        in the FULL pool at ``out_cache_loc`` and in the SWA pool at its mapping. Call once per
+        forward step, anywhere before the sample; fixed shapes, no host read: inside a captured
+        forward it is recorded and every replay stamps its tokens. About 30 device operations on
+        ``[T]`` (decode) and 8 more for an extend batch.
+
+        Args:
+            input_ids: ``int [T]``, the step's input token ids, on the device.
+            positions: ``int [T]``, their positions.
+            out_cache_loc: ``int [T]``, the FULL slot each is written to (0: padding).
+            req_pool_indices: ``int [B]``, the requests' ``req_to_token`` rows.
+            req_to_token: ``int32``/``int64 [rows, max_context_len]``.
+            full_to_swa_index_mapping: ``int64 [num_full_slots]``, or ``None`` without an SWA pool.
+            extend_start_loc: ``int [B]``: each request's first token in the step (extend and mixed
+                batches), or ``None`` when ``T == B`` and token ``i`` is request ``i``'s (decode).
+        """
+        full, swa = self.stamps
+        extra = ()
+        if swa is not None and full_to_swa_index_mapping is not None:
+            loc = out_cache_loc.long().clamp(0, full_to_swa_index_mapping.shape[0] - 1)
+            extra = ((swa, full_to_swa_index_mapping.index_select(0, loc).clamp_(0, swa.shape[0] - 1)),)
+        write_stamps(full, input_ids, positions, out_cache_loc, req_pool_indices, req_to_token, extend_start_loc, extra)
+
+    def after_layer(
+        self,
+        *,
+        layer_id: int,
+        swa: bool,
+        k: "torch.Tensor | None",
+        v: "torch.Tensor | None",
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        full_to_swa_index_mapping: "torch.Tensor | None" = None,
+        positions: "torch.Tensor | None" = None,
+        extend_start_loc: "torch.Tensor | None" = None,
+    ) -> None:
+        """One attention layer's part, after its forward stored this step's K/V: the checksum write
+        when it is its pool's designated layer (every step), the write check when the step is
+        sampled or recorded (:meth:`~otel_swa.device.write_check.WriteCheck.check_layer`, whose
+        docstring gives the arguments' shapes). ``swa``: the layer's buffers are the SWA pool's
+        (indexed by ``full_to_swa_index_mapping[out_cache_loc]``). Never raises for inputs it cannot
+        use: they are counted unchecked at the sample."""
+        pool = 1 if swa else 0
+        if self.checksums[pool] is not None:
+            if self._designated[pool] is None:
+                self._designated[pool] = layer_id
+            if self._designated[pool] == layer_id:
+                self._write_checksums(pool, k, v, k_buffer, v_buffer, out_cache_loc, full_to_swa_index_mapping)
+        check = self.write_check
+        if check is not None and self.gate.wanted() and check.wants(layer_id, swa):
+            check.check_layer(layer_id=layer_id, swa=swa, k=k, v=v, k_buffer=k_buffer, v_buffer=v_buffer,
+                              out_cache_loc=out_cache_loc, full_to_swa_index_mapping=full_to_swa_index_mapping,
+                              positions=positions, extend_start_loc=extend_start_loc)
+
+    def _write_checksums(self, pool, k, v, k_buffer, v_buffer, out_cache_loc, mapping) -> None:
+        hasher = self._hashers[pool]
+        if hasher is None or self._buffers[pool] is None or self._buffers[pool][0] is not k_buffer:
+            hasher = self._hashers[pool] = RowHasher(k_buffer, v_buffer, self._prefix)
+            self._buffers[pool] = (k_buffer, v_buffer)
+        tokens = int(out_cache_loc.shape[0])
+        if (not hasher.supported or k is None or v is None or tokens == 0 or not hasher.given_shape_ok(k, v, tokens)
+                or (pool == 1 and mapping is None)):
+            return  # nothing hashed: the slots stay "never hashed", counted unchecked at the sample
+        table = self.checksums[pool]
+        loc = out_cache_loc.long()
+        slots = loc if pool == 0 else mapping.index_select(0, loc.clamp(0, mapping.shape[0] - 1))
+        table.index_copy_(0, slots.clamp(0, table.shape[0] - 1), hasher.of_given(k, v, tokens, self.gate.recording()))
+
+    def move_slots(self, pool: str, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Carry the stamps and checksums of slots ``src`` to ``dst`` (``int [n]`` each) in ``pool``
+        (``"full"``/``"swa"``): call where the engine copies KV between slots without a forward step
+        (a load-back from host memory, a transfer), so the moved KV keeps its provenance."""
+        p = PROVENANCE_POOLS.index(pool)
+        for table in (self.stamps[p], self.checksums[p]):
+            if table is not None:
+                table.index_copy_(0, dst.long(), table.index_select(0, src.long()))
+
+    def reset(self) -> None:
+        """Forget every stamp and checksum (the engine emptied its cache)."""
+        for table in self.stamps + self.checksums:
+            if table is not None:
+                table.zero_()
+
+    # ------------------------------------------------------------------ the sample (reporter)
+    def stage(self, out: torch.Tensor, view: Any, upload: "Callable[[np.ndarray], torch.Tensor] | None" = None
+              ) -> "ProvenanceMeta | None":
+        """Verify the live slots of ``view``'s batch (module docstring) into ``out`` (``int64
+        [PROVENANCE_WIDTH]`` on the device), in stream order; ``None`` (nothing staged) when the view
+        has no ``seq_lens_cpu``. ``upload``: how the host's ``int64`` array reaches the device
+        (default ``torch.from_numpy(...).to(device)``)."""
+        lens_host = getattr(view, "seq_lens_cpu", None)
+        if lens_host is None:
+            return None
+        from otel_swa.device.sample import host_lengths  # the sample imports this module
+
+        lens = host_lengths(lens_host).clip(0, view.req_to_token.shape[1])
+        batch = len(lens)
+        mapping = view.full_to_swa_index_mapping
+        pools = [0]
+        if self.stamps[1] is not None and getattr(view, "divergence_applicable", True) is not False:
+            pools.append(1)
+        token_ids = getattr(view, "token_ids", None)
+        request_ids = getattr(view, "request_ids", None)
+        window = getattr(view, "sliding_window", None)
+        low = np.zeros(batch, dtype=np.int64)
+        swa_low = low
+        if window is not None and 1 in pools:
+            reach = host_reach(window, getattr(view, "extend_lens_cpu", None), batch)
+            allowance = getattr(view, "swa_eviction_allowance", None)
+            allowance = host_allowance(allowance, batch) if allowance is not None else 0
+            swa_low = np.maximum(lens - reach - allowance, 0)
+        taken: "list[tuple | None]" = [None, None]
+        over = [0, 0]
+        parts = []
+        for p in pools:
+            pieces, over[p] = self._take(p, swa_low if p == 1 else low, lens)
+            entries, positions, expected = self._expected(pieces, token_ids, request_ids, lens)
+            taken[p] = (entries, positions, expected)
+            parts.append(np.stack([entries, positions, expected]))
+        self.chains.end_sample()
+        host = np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), dtype=np.int64)
+        up = upload(host) if upload is not None else torch.from_numpy(host).to(out.device)
+        out.zero_()
+        offset = 0
+        for p in pools:
+            n = len(taken[p][0])
+            if n:
+                self._verify(out[p * _PER_POOL:(p + 1) * _PER_POOL], up[:, offset:offset + n], p, view, mapping)
+            offset += n
+        return ProvenanceMeta(tuple(taken), tuple(over), self.checksum != "off")
+
+    def _take(self, pool: int, low: np.ndarray, lens: np.ndarray) -> "tuple[list[tuple[int, int, int]], int]":
+        """The ranges ``(entry, lo, hi)`` this sample verifies in ``pool`` (at most ``budget``
+        positions, from the pool's cursor) and the candidates left over."""
+        counts = np.maximum(lens - low, 0)
+        total = int(counts.sum())
+        if total <= self.budget:
+            return [(i, int(low[i]), int(lens[i])) for i in range(len(lens)) if counts[i]], 0
+        start = self._cursor[pool] % total
+        self._cursor[pool] = (start + self.budget) % total
+        ends = np.cumsum(counts)
+        pieces = []
+        need, at = self.budget, start
+        while need:
+            i = int(np.searchsorted(ends, at, side="right"))
+            first = int(ends[i] - counts[i])
+            lo = int(low[i]) + (at - first)
+            take = min(need, int(ends[i]) - at)
+            pieces.append((i, lo, lo + take))
+            need -= take
+            at = (at + take) % total
+        return pieces, total - self.budget
+
+    def _expected(self, pieces, token_ids, request_ids, lens) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
+        n = sum(hi - lo for _, lo, hi in pieces)
+        entries = np.empty(n, dtype=np.int64)
+        positions = np.empty(n, dtype=np.int64)
+        expected = np.zeros(n, dtype=np.int64)
+        at = 0
+        for i, lo, hi in pieces:
+            size = hi - lo
+            entries[at:at + size] = i
+            positions[at:at + size] = np.arange(lo, hi)
+            ids = token_ids[i] if token_ids is not None else None
+            if ids is not None and len(ids) >= hi:
+                key = request_ids[i] if request_ids is not None else None
+                expected[at:at + size] = self.chains.expected(key, ids, lo, hi)
+            at += size
+        return entries, positions, expected
+
+    def _verify(self, out: torch.Tensor, up: torch.Tensor, pool: int, view: Any, mapping: torch.Tensor) -> None:
+        """One pool's verification of the taken slots ``up`` (``int64 [3, n]``: entry, position,
+        expected) into ``out`` (:data:`PROVENANCE_CELLS`)."""
+        entries, positions, expected = up[0], up[1], up[2]
+        req_to_token = view.req_to_token
+        rows = view.req_pool_indices.index_select(0, entries).long().clamp_(0, req_to_token.shape[0] - 1)
+        full = req_to_token[rows, positions.clamp(0, req_to_token.shape[1] - 1)].long()
+        swa_slot = mapping.index_select(0, full.clamp(0, mapping.shape[0] - 1)).long()
+        stamps = self.stamps[pool]
+        if pool == 1:
+            live = swa_slot.ne(0)
+            slot = swa_slot.clamp(0, stamps.shape[0] - 1)
+        else:
+            live = None
+            slot = full.clamp(0, stamps.shape[0] - 1)
+        found = stamps.index_select(0, slot)
+        judged = found.ne(0).logical_and_(expected.ne(0))
+        if live is not None:
+            judged.logical_and_(live)
+        compare = torch.where((found >> 62).eq(-1), TOKEN_POSITION_MASK, -1)
+        foreign = (found ^ expected).bitwise_and_(compare).ne_(0).logical_and_(judged)
+        first = torch.max(foreign, 0).indices.reshape(1)
+        swa_named = swa_slot if self.stamps[1] is not None else torch.full_like(full, -1)
+        where = torch.stack([rows, found, full, swa_named]).index_select(1, first).reshape(-1)
+        values = [live.sum() if live is not None else judged.new_zeros((), dtype=torch.int64), judged.sum(),
+                  foreign.sum(), first.reshape(()), *where.unbind()]
+        hasher, buffers, table = self._hashers[pool], self._buffers[pool], self.checksums[pool]
+        if table is not None and hasher is not None and hasher.supported and buffers is not None:
+            hashed = table.index_select(0, slot)
+            now = hasher.of_pool(buffers[0], buffers[1], slot)
+            checked = hashed.ne(0)
+            if live is not None:
+                checked.logical_and_(live)
+            corrupt = now.ne(hashed).logical_and_(checked)
+            first_c = torch.max(corrupt, 0).indices.reshape(1)
+            at = torch.stack([rows, full, swa_named]).index_select(1, first_c).reshape(-1)
+            values += [checked.sum(), corrupt.sum(), first_c.reshape(()), *at.unbind()]
+        else:  # no checksum to compare: every live slot unchecked
+            zero = judged.new_zeros((), dtype=torch.int64)
+            values += [zero] * 6
+        out.copy_(torch.stack(values))

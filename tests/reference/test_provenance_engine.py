@@ -1,0 +1,186 @@
+"""Provenance inside the reference engine: clean runs verify every live slot and find nothing, and each
+fault of ``provenance_faults`` is flagged at the step it was made with its first offender named."""
+
+from __future__ import annotations
+
+import pytest
+
+import otel_swa.reporter as reporter_module
+from otel_swa.device.sample import read_sample
+from otel_swa.reference.engine import EngineConfig, ReferenceEngine
+from otel_swa.reference.trace import load_trace
+from otel_swa.reporter import SwaDivergenceReporter
+
+import provenance_faults as faults
+
+# SWA pool as large as the FULL pool: raw FULL slots stay inside the SWA buffers
+CONFIG = dict(window=32, full_pool_size=16384, swa_pool_size=16384, max_running=16, token_budget=512,
+              max_context_len=8192)
+
+
+def run(fault=None, *, interval=5, requests=24, page_size=1, budget=1 << 16, monkeypatch, **config):
+    """Run the engine; return it and ``[(forward_ct, SampleReading)]`` of every sample."""
+    readings = []
+    reporter = SwaDivergenceReporter(interval)
+
+    def read(values, meta):  # the reading of each sample, at the step it was taken (CPU)
+        reading = read_sample(values, meta)
+        readings.append((reporter.forward_ct, reading))
+        return reading
+
+    monkeypatch.setattr(reporter_module, "read_sample", read)
+    engine_config = EngineConfig(**{**CONFIG, **config}, page_size=page_size)
+    slots = (engine_config.full_pool_size // page_size + 1) * page_size
+    swa_slots = (engine_config.swa_pool_size // page_size + 1) * page_size
+    reporter.enable_provenance(full_slots=slots, swa_slots=swa_slots, budget=budget)
+    engine = ReferenceEngine(engine_config, reporter=reporter)
+    if fault is not None:
+        fault(engine)
+    for request in load_trace("conv", limit=requests):
+        engine.submit(request, arrival_s=0.0)
+    engine.run_until_done()
+    reporter.close()
+    return engine, readings
+
+
+def flagged(readings, name):
+    return [(step, r) for step, r in readings if getattr(r.provenance, name)]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_clean_runs_verify_every_live_slot_and_flag_nothing(page_size, monkeypatch):
+    engine, readings = run(page_size=page_size, monkeypatch=monkeypatch)
+    assert readings and all(r.provenance is not None for _, r in readings)
+    for step, r in readings:
+        p = r.provenance
+        assert (p.foreign_tokens, p.corrupt_tokens, r.write[1]) == (0, 0, 0), step
+        assert p.foreign_offender is None and p.corrupt_offender is None and r.write_offender is None
+        # every live slot of the batch, both pools, was judged: the budget covers them all here
+        assert p.stamp_unchecked == 0 and p.checksum_unchecked == 0, step
+        assert p.stamp_checks == p.checksum_checks > 0
+    # the FULL pool's live slots are the batch's tokens; the SWA pool's are counted with them
+    last_step, last = readings[-1]
+    assert last.provenance.stamp_checks >= sum(item.seq_len for item in engine.last_batch) or last_step != engine.forward_ct
+    # 8 new tokens (or the step's, when fewer) of one layer of each pool kind per sampled step
+    assert all(r.write[0] > 0 and r.write[0] <= 16 and r.write[2] == 0 for _, r in readings)
+
+
+def test_the_default_budget_rotates_over_the_live_slots(monkeypatch):
+    _, readings = run(budget=256, monkeypatch=monkeypatch, interval=3)
+    p = [r.provenance for _, r in readings]
+    assert all(x.foreign_tokens == 0 and x.corrupt_tokens == 0 for x in p)
+    assert max(x.stamp_checks for x in p) <= 2 * 256  # at most the budget per pool
+    assert sum(x.stamp_unchecked for x in p) > 0
+
+
+def test_a_swa_write_at_the_full_index_is_caught_by_the_write_check_and_the_checksums(monkeypatch):
+    engine, readings = run(faults.install_swa_write_at_full_index, monkeypatch=monkeypatch)
+    writes = [(step, r) for step, r in readings if r.write[1]]
+    corrupt = flagged(readings, "corrupt_tokens")
+    assert writes and corrupt
+    step, first = writes[0]
+    offender = first.write_offender
+    # the fault writes the right slot while the SWA allocator has not remapped: nothing to see until then
+    assert offender["layer"] == 1 and offender["swa_slot"] != offender["full_slot"]
+    assert corrupt[0][1].provenance.corrupt_offender["pool"] == "swa"
+    # the stamps are written through the engine's own (right) tables: no foreign token
+    assert not flagged(readings, "foreign_tokens")
+    # the full-attention layer's writes stay right
+    assert all(r.write_offender is None or r.write_offender["layer"] == 1 for _, r in readings)
+
+
+@pytest.mark.parametrize("at", [40, 43])
+def test_swapped_ownership_is_a_foreign_token_at_the_step_or_the_next_sample(at, monkeypatch):
+    engine, readings = run(lambda e: faults.install_swapped_ownership(e, at), monkeypatch=monkeypatch)
+    (made,) = engine.fault_log
+    step, first = flagged(readings, "foreign_tokens")[0]
+    assert step == -(-at // 5) * 5  # the first sample at or after the step it was made
+    offender = first.provenance.foreign_offender
+    if step == at:  # sampled at the step itself: the token that was swapped, in the SWA pool
+        assert offender["pool"] == "swa"
+        assert (offender["entry"], offender["position"], offender["full_slot"], offender["swa_slot"]) == (
+            made["entry"], made["position"], made["full_slot"], made["swa_slot"])
+        assert (offender["expected_token"], offender["found_token"], offender["found_position"]) == (
+            made["expected_token"], made["found_token"], made["found_position"])
+    assert all(r.provenance.corrupt_tokens == 0 for _, r in readings)  # the bytes of every slot are its own
+
+
+def test_a_stale_prefix_is_a_foreign_token_of_the_full_pool(monkeypatch):
+    at = 30
+    engine, readings = run(lambda e: faults.install_stale_prefix(e, at), monkeypatch=monkeypatch)
+    (made,) = engine.fault_log
+    step, first = flagged(readings, "foreign_tokens")[0]
+    assert step == at
+    offender = first.provenance.foreign_offender
+    assert (offender["pool"], offender["entry"], offender["position"], offender["full_slot"]) == (
+        "full", made["entry"], 0, made["full_slots"][0])
+    assert offender["expected_token"] == made["ids_a"][0] and offender["found_token"] == made["ids_b"][0]
+    assert offender["found_position"] == offender["expected_position"] == 0
+    assert offender["row"] == made["row"]
+
+
+def test_a_wrong_position_is_a_foreign_token_naming_both_positions(monkeypatch):
+    at = 35
+    engine, readings = run(lambda e: faults.install_wrong_position(e, at), monkeypatch=monkeypatch)
+    (made,) = engine.fault_log
+    step, first = flagged(readings, "foreign_tokens")[0]
+    assert step == at
+    offender = first.provenance.foreign_offender
+    assert (offender["pool"], offender["entry"], offender["position"], offender["full_slot"]) == (
+        "full", made["entry"], made["position"], made["full_slot"])
+    assert (offender["expected_position"], offender["found_position"]) == (made["position"], made["position"] + 1)
+    assert offender["expected_token"] == offender["found_token"] == made["token"]
+
+
+@pytest.mark.parametrize("pool", ["full", "swa"])
+@pytest.mark.parametrize("used", [False, True])
+def test_a_flipped_byte_is_a_corrupt_token_of_its_pool(pool, used, monkeypatch):
+    at = 25
+    engine, readings = run(lambda e: faults.install_byte_flip(e, at, pool, used), monkeypatch=monkeypatch)
+    (made,) = engine.fault_log
+    step, first = flagged(readings, "corrupt_tokens")[0]
+    assert step == at
+    offender = first.provenance.corrupt_offender
+    assert (offender["pool"], offender["entry"], offender["position"], offender["full_slot"]) == (
+        pool, made["entry"], made["position"], made["full_slot"])
+    assert offender["swa_slot"] == made["swa_slot"]
+    assert first.provenance.corrupt_tokens == 1
+    assert not flagged(readings, "foreign_tokens")  # the stamps say the slot is the token's
+
+
+# ---------------------------------------------------------------------- a whole engine, both ways
+def engine_readings(recorded: bool, monkeypatch, fault=None):
+    readings = []
+    reporter = SwaDivergenceReporter(4)
+    reporter.gate.force_recorded = recorded  # every forward runs the checks, the flag decides
+
+    def read(values, meta):
+        reading = read_sample(values, meta)
+        readings.append((reporter.forward_ct, reading))
+        return reading
+
+    monkeypatch.setattr(reporter_module, "read_sample", read)
+    engine = ReferenceEngine(EngineConfig(window=16, full_pool_size=4096, swa_pool_size=4096, max_running=8,
+                                          token_budget=256, max_context_len=4096), reporter=reporter)
+    if fault is not None:
+        fault(engine)
+    for request in load_trace("conv", limit=10):
+        engine.submit(request, arrival_s=0.0)
+    engine.run_until_done(max_steps=60)
+    reporter.close()
+    return readings
+
+
+@pytest.mark.parametrize("faulty", [False, True])
+def test_an_engine_on_the_recorded_path_gives_the_eager_readings(faulty, monkeypatch):
+    """Every forward runs the read check and the write check as a CUDA graph would hold them (the
+    flag set only at sampled steps): each sample's readings equal the eager engine's, faults included."""
+    fault = faults.install_swa_write_at_full_index if faulty else None
+    eager = engine_readings(False, monkeypatch, fault)
+    recorded = engine_readings(True, monkeypatch, fault)
+    assert [step for step, _ in eager] == [step for step, _ in recorded] == list(range(4, 61, 4))
+    for (step, a), (_, b) in zip(eager, recorded):
+        assert (a.read, a.read_offender, a.write, a.write_offender, a.provenance) == (
+            b.read, b.read_offender, b.write, b.write_offender, b.provenance), step
+    assert any(r.write[1] for _, r in eager) == faulty
+    assert all(r.read[0] > 0 for _, r in eager)
