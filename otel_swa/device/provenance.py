@@ -41,8 +41,9 @@ What the view gives the verification (:mod:`otel_swa.views.base`): ``seq_lens_cp
 lengths nothing is verified: the fields stay absent), ``token_ids`` (one host sequence per batch
 entry holding the request's token ids at positions ``0 .. seq_len - 1`` at least; ``len()`` and
 slicing ``ids[a:b]`` are all that is used, so SGLang's ``origin_input_ids`` and ``output_ids`` can be
-joined lazily, :class:`otel_swa.views.base.JoinedTokenIds`; a missing or short entry makes that
-request's slots unchecked), ``request_ids`` (keys of the host's chain cache below; without them every
+joined lazily, :class:`otel_swa.views.base.JoinedTokenIds`; a missing entry makes that request's
+slots unchecked, a short one the positions past its ids: SGLang's overlap scheduler runs a decode
+step before the host has the token it feeds), ``request_ids`` (keys of the host's chain cache below; without them every
 sample computes each request's chain from position 0), and for the SWA pool the window fields
 (``sliding_window``, ``extend_lens_cpu``, ``swa_eviction_allowance``): the SWA slots verified are the
 positions the step reads, ``seq_len - (window + extend_len - 1) - allowance`` onwards, those whose
@@ -502,9 +503,10 @@ class KvProvenance:
             entries[at:at + size] = i
             positions[at:at + size] = np.arange(lo, hi)
             ids = token_ids[i] if token_ids is not None else None
-            if ids is not None and len(ids) >= hi:
+            known = min(hi, len(ids)) if ids is not None else lo  # positions past the ids: unchecked
+            if known > lo:
                 key = request_ids[i] if request_ids is not None else None
-                expected[at:at + size] = self.chains.expected(key, ids, lo, hi)
+                expected[at:at + known - lo] = self.chains.expected(key, ids, lo, known)
             at += size
         return entries, positions, expected
 

@@ -81,8 +81,9 @@ and, optionally:
     sampling steps by the provenance verification (:mod:`otel_swa.device.provenance`), which needs
     only ``len(ids)`` and slices ``ids[a:b]`` of ints (a list, a tuple, a 1-D numpy array or CPU
     tensor, or a :class:`JoinedTokenIds` over SGLang's ``origin_input_ids`` and ``output_ids``, which
-    joins them without a copy). A request whose ids are missing or shorter than ``seq_len`` has its
-    slots counted unchecked. Each engine's source: SGLang's ``Req.origin_input_ids`` and
+    joins them without a copy). A request whose ids are missing has its slots counted unchecked;
+    one whose ids are shorter than ``seq_len``, its positions past them (SGLang's overlap scheduler
+    runs a decode step before the host has the token it feeds). Each engine's source: SGLang's ``Req.origin_input_ids`` and
     ``Req.output_ids``; the reference engine's ``RequestState.prompt_ids`` and ``output_ids``.
 ``swa_eviction_allowance``
     tokens older than the positions this step reads (the last ``window + extend_len - 1``) that

@@ -296,7 +296,8 @@ def test_token_ids_not_given_leave_stamps_unchecked_but_checksums_checked():
     short = SwaBatch(view.req_to_token, view.full_to_swa_index_mapping, view.req_pool_indices, view.seq_lens,
                      seq_lens_cpu=view.seq_lens_cpu, token_ids=[engine.tokens[0][:10], engine.tokens[1][:3]])
     got = engine.verify(short)
-    assert (got.stamp_checks, got.stamp_unchecked) == (20, 12)
+    # request 1's positions 0-2 are judged in both pools, its positions 3-5 (past its ids) are not
+    assert (got.stamp_checks, got.stamp_unchecked) == (20 + 2 * 3, 12 - 2 * 3)
 
 
 def test_unstamped_slots_are_unchecked():
