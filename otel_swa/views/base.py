@@ -85,6 +85,13 @@ and, optionally:
     one whose ids are shorter than ``seq_len``, its positions past them (SGLang's overlap scheduler
     runs a decode step before the host has the token it feeds). Each engine's source: SGLang's ``Req.origin_input_ids`` and
     ``Req.output_ids``; the reference engine's ``RequestState.prompt_ids`` and ``output_ids``.
+``kv_sweep_full_slots``
+    FULL slots held beyond the batch (SGLang: its prefix cache's, ``tree_cache.all_values_flatten()``),
+    whose checksums the provenance check re-hashes at each sample, at most its budget per pool in
+    turn (a pass over the list read at its start): an ``int`` tensor on the KV device, or a
+    zero-argument callable returning one (or ``None``), called at the first sample of each pass.
+    Catches bytes changed in KV no running request reads (what SGLang's KV canary finds by
+    sweeping its radix cache).
 ``swa_eviction_allowance``
     tokens older than the positions this step reads (the last ``window + extend_len - 1``) that
     may still hold an SWA slot without counting as late-held: an ``int >= 0``, or one per batch
@@ -223,6 +230,7 @@ class SwaBatch:
     ``sliding_window``, ``extend_lens_cpu`` and ``swa_eviction_allowance``: the window check (module
     docstring). ``request_ids``: the batch's request ids, for offenders. ``kv_block_audit``: the KV
     block audit's inputs. ``token_ids``: each request's token ids (provenance).
+    ``kv_sweep_full_slots``: the FULL slots the provenance check sweeps beyond the batch.
     """
 
     req_to_token: torch.Tensor
@@ -239,6 +247,7 @@ class SwaBatch:
     request_ids: "Sequence[str | int] | None" = None
     kv_block_audit: KvBlockAuditInputs | None = None
     token_ids: "Sequence[Sequence[int] | None] | None" = None
+    kv_sweep_full_slots: "torch.Tensor | Callable[[], torch.Tensor | None] | None" = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

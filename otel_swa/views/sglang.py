@@ -60,6 +60,7 @@ __all__ = [
     "swa_kv_bytes_per_token",
     "provenance_layout",
     "request_token_ids",
+    "scheduler_prefix_cache_full_slots",
 ]
 
 #: The SGLang versions whose allocator layout this adapter was tested against (pip specifier).
@@ -136,6 +137,7 @@ def batch_view(
     swa_eviction_allowance: int | None = None,
     extend_lens_cpu: "Sequence[int] | torch.Tensor | None" = None,
     token_ids: "Sequence[Any] | None" = None,
+    sweep_full_slots: "Callable[[], torch.Tensor | None] | None" = None,
 ) -> SwaBatch:
     """The reporter's view (:class:`otel_swa.views.SwaBatch`) of one SGLang forward step.
 
@@ -178,6 +180,8 @@ def batch_view(
             window.
         token_ids: each request's token ids, one entry per batch entry (:func:`request_token_ids`),
             for the provenance check; ``None``: its slots are counted unchecked.
+        sweep_full_slots: a zero-argument callable returning the FULL slots the provenance check
+            sweeps beyond the batch (:func:`scheduler_prefix_cache_full_slots`), or ``None``.
 
     Returns:
         A :class:`~otel_swa.views.SwaBatch`. With neither a batch nor indices, an empty batch (the
@@ -226,6 +230,7 @@ def batch_view(
         swa_eviction_allowance=swa_eviction_allowance,
         extend_lens_cpu=extend_lens_cpu if sliding_window is not None else None,
         **({"token_ids": token_ids} if token_ids is not None else {}),
+        **({"kv_sweep_full_slots": sweep_full_slots} if sweep_full_slots is not None else {}),
     )
 
 
@@ -332,6 +337,9 @@ class KvCanaryHooks:
             :func:`batch_view` and :func:`sglang_window`), or ``None``.
         token_ids: a zero-argument callable returning each request's token ids for the batch being
             sampled (:func:`request_token_ids`), or ``None``; called at sampling steps only.
+        sweep_full_slots: a zero-argument callable returning the FULL slots the provenance check
+            sweeps beyond the batch (:func:`scheduler_prefix_cache_full_slots`), or ``None``; the
+            reporter calls it at the first sample of each sweep pass.
 
     Raises:
         ValueError: an allocator without a ``req_to_token_pool``.
@@ -347,6 +355,7 @@ class KvCanaryHooks:
         sliding_window: int | None = None,
         swa_eviction_allowance: int | None = None,
         token_ids: "Callable[[], Sequence[Any] | None] | None" = None,
+        sweep_full_slots: "Callable[[], torch.Tensor | None] | None" = None,
     ) -> None:
         if swa_allocator is not None and req_to_token_pool is None:
             raise ValueError("KvCanaryHooks: swa_allocator given without req_to_token_pool")
@@ -356,6 +365,7 @@ class KvCanaryHooks:
         self._holders = holder_full_slots
         self._window = {"sliding_window": sliding_window, "swa_eviction_allowance": swa_eviction_allowance}
         self._token_ids = token_ids
+        self._sweep = sweep_full_slots
         #: Errors caught in :meth:`step` (building or sampling the view), never raised to SGLang.
         self.step_errors = 0
         self._logged_error_kinds: set[str] = set()
@@ -405,6 +415,8 @@ class KvCanaryHooks:
         extra = dict(self._window)
         if self._token_ids is not None:
             extra["token_ids"] = self._token_ids()
+        if self._sweep is not None:
+            extra["sweep_full_slots"] = self._sweep
         if self._holders is not None:
             try:  # the holders are listed by the reporter's audit, only at the first sample of a pass
                 return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch,
@@ -714,6 +726,19 @@ def provenance_layout(kv_pool: Any) -> "dict[str, Any] | None":
         "full_slots": full, "swa_slots": swa, "checksum_layers": designated, "first_layer": min(layers),
         "swa_layers": frozenset(layer for layer, (_, is_swa) in layers.items() if is_swa),
     }
+
+
+def scheduler_prefix_cache_full_slots(scheduler: Any) -> "torch.Tensor | None":
+    """The FULL slots SGLang's prefix cache holds (``scheduler.tree_cache.all_values_flatten()``: the
+    radix tree's nodes, evictable or locked; sglang 0.5.23 ``srt/mem_cache/``), ``int64`` on the KV
+    device, for the provenance check's sweep; ``None`` without a tree cache that lists them (the
+    chunk cache of ``disable_radix_cache``). Host work: a walk of the tree (call it once per sweep
+    pass, not every step)."""
+    values = getattr(getattr(scheduler, "tree_cache", None), "all_values_flatten", None)
+    if not callable(values):
+        return None
+    slots = values()
+    return slots.reshape(-1).to(torch.int64) if isinstance(slots, torch.Tensor) else None
 
 
 def request_token_ids(schedule_batch: Any, batch_size: int) -> "list | None":

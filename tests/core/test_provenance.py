@@ -345,3 +345,54 @@ def test_moved_slots_keep_their_provenance():
     engine.r2t[1, :8] = dst.to(torch.int32)
     got = engine.verify()
     assert (got.foreign_tokens, got.corrupt_tokens) == (0, 0) and got.stamp_checks == 16
+
+
+# ---------------------------------------------------------------------- the sweep of held slots
+def _batch_of_first(engine, sweep):
+    """A view of request 1 alone, sweeping ``sweep`` (the slots another holder keeps)."""
+    n = engine.lens[0]
+    return SwaBatch(engine.r2t, engine.mapping, torch.tensor([1]), torch.tensor([n]), seq_lens_cpu=[n],
+                    request_ids=[0], token_ids=[engine.tokens[0][:n]], kv_sweep_full_slots=sweep)
+
+
+def test_a_flipped_byte_in_a_held_slot_no_request_reads_is_found_by_the_sweep():
+    engine = Engine([10, 6])
+    held = engine.r2t[2, :6].long()  # request 2 finished: its KV is only held (a prefix cache)
+    slot = int(held[4])
+    engine.k[slot].view(-1).view(torch.uint8)[0] ^= 0xFF
+    without = engine.verify(_batch_of_first(engine, None))
+    assert (without.checksum_checks, without.corrupt_tokens) == (20, 0)  # request 1's 10 FULL + 10 SWA
+    got = engine.verify(_batch_of_first(engine, held))
+    assert (got.checksum_checks, got.corrupt_tokens) == (20 + 6 + 6, 1)  # and 6 held slots in each pool
+    assert got.corrupt_offender == {"entry": None, "row": None, "position": None, "pool": "full",
+                                    "full_slot": slot, "swa_slot": None}
+    assert got.foreign_tokens == 0 and got.stamp_checks == 20  # the sweep compares no stamps
+
+
+def test_the_sweep_finds_a_flipped_swa_byte_and_skips_unmapped_slots():
+    engine = Engine([10, 6])
+    held = engine.r2t[2, :6].long()
+    engine.mapping[held[:2]] = 0  # two held tokens left the window: no SWA slot to check
+    swa = int(engine.mapping[held[5]])
+    engine.swa_v[swa].view(-1).view(torch.uint8)[1] ^= 0x01
+    got = engine.verify(_batch_of_first(engine, lambda: held))
+    assert (got.checksum_checks, got.corrupt_tokens) == (20 + 6 + 4, 1)
+    assert (got.corrupt_offender["pool"], got.corrupt_offender["full_slot"], got.corrupt_offender["swa_slot"]) == (
+        "swa", int(held[5]), swa)
+
+
+def test_the_sweep_goes_through_its_list_a_budget_at_a_time():
+    engine = Engine([3, 40], budget=16)
+    held = engine.r2t[2, :40].long()
+    slot = int(held[37])
+    engine.k[slot].view(-1).view(torch.uint8)[0] ^= 0xFF
+    calls = []
+
+    def listed():
+        calls.append(1)
+        return held
+
+    found = [engine.verify(_batch_of_first(engine, listed)).corrupt_tokens for _ in range(4)]
+    # the list (40 slots, sorted) is read once per pass of ceil(40 / 16) = 3 samples; slot 37 of the
+    # request is in the third part; the fourth sample starts a new pass
+    assert found == [0, 0, 1, 0] and len(calls) == 2

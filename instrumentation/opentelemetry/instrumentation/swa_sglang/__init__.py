@@ -294,6 +294,7 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                         req_to_token_pool=runner.req_to_token_pool if is_swa else None,
                         holder_full_slots=self._holder_full_slots if is_swa else None,
                         token_ids=self._token_ids if provenance is not None else None,
+                        sweep_full_slots=self._prefix_cache_full_slots if provenance is not None else None,
                         **(_window_check(window, allocator) if is_swa and window > 0 else {}),
                     )
                     wiring = SimpleNamespace(
@@ -412,6 +413,14 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         if batch is None:
             return None
         return request_token_ids(batch, len(batch.reqs))
+
+    def _prefix_cache_full_slots(self) -> Any:
+        """The FULL slots SGLang's prefix cache holds, from the scheduler running this thread's batch
+        (``None`` outside ``Scheduler.run_batch``; :func:`otel_swa.views.sglang.scheduler_prefix_cache_full_slots`)."""
+        from otel_swa.views.sglang import scheduler_prefix_cache_full_slots
+
+        scheduler = getattr(self._running, "scheduler", None)
+        return scheduler_prefix_cache_full_slots(scheduler) if scheduler is not None else None
 
     def _micro_batch(self) -> int | None:
         """The pipeline micro-batch of the batch being run on this thread (``None`` without a
