@@ -32,21 +32,18 @@ from typing import Any, BinaryIO, Iterable, Union
 from otel_swa.record import (
     AUDIT_FIELDS,
     FIELDS,
-    AuditMatch,
-    FaultMatch,
     AuditPairing,
     LivenessMatch,
     LogPrefix,
     MalformedRecordError,
     PrefixClaims,
     RecordMatch,
-    _rank_sure,
     RunStartMatch,
     SwaDivergenceRecord,
-    _clean,
     iter_entries,
     parse_log_prefix,
 )
+from otel_swa.record.matches import rank_sure as _rank_sure
 
 __all__ = [
     "LogPrefix",
@@ -213,7 +210,7 @@ def logged_entries(
             continue
         if isinstance(entry, LivenessMatch):
             out.append(entry)
-        elif isinstance(entry, (AuditMatch, FaultMatch)):
+        elif entry.per_record:
             error = pairing.attach(entry)
             if error is not None and errors is not None:
                 errors.append(error)

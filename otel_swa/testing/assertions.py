@@ -70,12 +70,18 @@ def judge_snapshot(snapshot: Snapshot, describe: str, waited_s: float = 0.0, **r
 
 
 def _awaits_audit_line(records: Sequence[RunRecord]) -> bool:
-    """Whether the last record of some place is otel-swa's and has no audit line yet (a line sink
-    writes it right after the record, in a second write)."""
+    """Whether the last record of some place is otel-swa's and has no audit line yet, or no
+    provenance line where the place's records carry them (a line sink writes them right after the
+    record, in writes of their own)."""
     last: dict = {}
+    provenance: set = set()
     for item in records:
         last[item.part] = item.record
-    return any(record.verify_source is not None and record.audit_line() is None for record in last.values())
+        if item.record.provenance_checked:
+            provenance.add(item.part)
+    return any(record.verify_source is not None
+               and (record.audit_line() is None or (part in provenance and not record.provenance_checked))
+               for part, record in last.items())
 
 
 def _part_counts(records: Sequence[RunRecord]) -> dict:
@@ -162,7 +168,8 @@ def wait_for_observation(
     late record; if it still does not exist at the end, :attr:`SwaObservation.problem` says so.
     The wait ends at the first read that passes: a fault logged later is not seen then (judge the
     finished log again for that). A pass whose last record is otel-swa's and has no audit line yet
-    is read once more, one ``poll_s`` later: the line sink writes the audit line right after it.
+    (or no provenance line where the records carry them) is read once more, one ``poll_s`` later:
+    the line sink writes those lines right after it.
 
     ``new_only``: judge only the run being written, into a log that already holds finished runs
     (``--log-file`` appends): nothing passes until a record is written during the wait; then the
