@@ -10,7 +10,13 @@ Rows (median over interleaved rounds, spread min - max):
   and Gemma-3-like shapes), microseconds per call;
 * capture: the replay of a CUDA graph holding one forward (a matmul standing for the model) with the
   reporter's in-graph calls (device-count ``observe`` x 2) against the same graph without them, and
-  whether the totals after the replays are exact (the reporter's ``step`` runs after each replay).
+  whether the totals after the replays are exact (the reporter's ``step`` runs after each replay);
+* captured checks: a decode step at three model shapes (``_decode_model.py``: the engine suite's
+  Mellum, GPT-OSS-like, Gemma-3-like) captured without otel-swa's in-forward checks and with them
+  (stamps, checksums, the write check, the read check), replayed with the sampling flag unset (a
+  step not sampled: what every replay pays) and set (a sampled step), in the ``masked`` and the
+  ``conditional`` graph modes: microseconds per replay and the ratio to the step without checks.
+  Without CUDA the same steps run eagerly.
 
 ``--gpu-tests "N passed, M failed"`` adds the GPU test result as the first row. ``--quick`` makes
 every shape small (a dry run on the CPU: it checks that the figures can be taken, not their values).
@@ -87,6 +93,80 @@ def capture_rows(device, rounds, quick, sync):
          f"{fmt(got['plain'], 1e6, 1)} us without"),
         ("capture: totals after the replays exact", "yes" if exact else "NO", f"{replays} replays, step() after each"),
     ]
+
+
+def checks_rows(device, rounds, quick, sync):
+    """The captured checks' cost per decode step at three model shapes (module docstring)."""
+    from _decode_model import SHAPES, DecodeModel
+
+    rows = []
+    cuda = device.type == "cuda"
+    conditional_ok = cuda
+    for full_shape in SHAPES:
+        shape = full_shape.small() if quick else full_shape
+        model = DecodeModel(shape, device, checks=True)
+        gate = model.reporter.gate
+        label = f"captured checks, {full_shape.name}{' (small)' if quick else ''}"
+        variants = {}
+        if not cuda:
+            def eager(flag, checks=True):
+                def run():
+                    gate.set(flag)
+                    model.forward(checks)
+                return run
+            variants = {"plain": eager(False, False), "checks on, not sampled": eager(False),
+                        "checks on, sampled": eager(True)}
+        else:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up: every kernel once, eagerly (the checks masked)
+                gate.force_recorded = True
+                model.forward(False)
+                model.forward(True)
+                gate.force_recorded = False
+            torch.cuda.current_stream().wait_stream(side)
+            graphs = {}
+            for name, mode, checks in (("plain", "masked", False), ("masked", "masked", True),
+                                       ("conditional", "conditional", True)):
+                if name == "conditional" and not conditional_ok:
+                    continue
+                gate.graph_mode = mode
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph):
+                        model.forward(checks)
+                    graphs[name] = graph
+                except Exception as exc:  # conditional nodes need CUDA 12.4+ and torch's support
+                    conditional_ok = False
+                    rows.append((f"{label}: {name} graph", "not captured", f"{type(exc).__name__}: {str(exc)[:60]}"))
+                    try:
+                        torch.cuda.synchronize()
+                    except Exception:
+                        pass
+
+            def replay(name, flag):
+                def run():
+                    gate.set(flag)
+                    graphs[name].replay()
+                return run
+
+            variants["plain"] = replay("plain", False)
+            for name in ("masked", "conditional"):
+                if name in graphs:
+                    variants[f"{name}, not sampled"] = replay(name, False)
+                    variants[f"{name}, sampled"] = replay(name, True)
+        got = interleaved({name: timed(fn, 20, sync) for name, fn in variants.items()}, rounds)
+        step = "replay" if cuda else "eager step"
+        rows.append((f"{label}: decode {step} without checks", fmt(got["plain"], 1e6, 1, " us"),
+                     f"{len(shape.layers)} layers, batch {shape.batch}, context {shape.context}"))
+        for name in variants:
+            if name == "plain":
+                continue
+            added = [a - b for a, b in zip(got[name], got["plain"])]
+            rows.append((f"{label}: {name} / without", fmt(ratios(got[name], got["plain"]), 1, 3, "x"),
+                         f"{fmt(added, 1e6, 1)} us added per step"))
+        del model
+    return rows
 
 
 def main() -> None:
@@ -170,6 +250,7 @@ def main() -> None:
                      "at sampled steps only (benchmarks/bench_read_check.py)"))
 
     rows += capture_rows(device, rounds, args.quick, sync)
+    rows += checks_rows(device, rounds, args.quick, sync)
     print(machine_line())
     print(f"device {device}, {rounds} rounds interleaved, median (min - max){' [quick: small shapes]' if args.quick else ''}\n")
     print_table("otel-swa on one device", ("figure", "value", "note"), rows)

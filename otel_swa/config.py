@@ -268,18 +268,36 @@ def read_check(environ: Mapping[str, str] | None = None) -> "tuple[str, int] | N
     return None if layers == "off" else (layers, queries)
 
 
-PROVENANCE_CHOICES = ("on", "off")
+#: Values of ``OTEL_SWA_GRAPH_CHECKS``, the default first (:data:`otel_swa.device.gate.GRAPH_MODES`).
+GRAPH_CHECKS_CHOICES = ("masked", "conditional")
 
 
-def provenance(environ: Mapping[str, str] | None = None) -> bool:
-    """``OTEL_SWA_PROVENANCE``: whether the KV's provenance is stamped and checked (default ``on``;
-    case and blanks ignored).
+def graph_checks(environ: Mapping[str, str] | None = None) -> str:
+    """``OTEL_SWA_GRAPH_CHECKS``: ``masked`` (default) or ``conditional``.
 
     Raises:
-        ConfigError: a value other than ``on`` / ``off`` (the message names the variable, the value
-            and the choices).
+        ConfigError: any other value.
     """
-    return _choice(ev.OTEL_SWA_PROVENANCE, PROVENANCE_CHOICES, environ) == "on"
+    return _choice(ev.OTEL_SWA_GRAPH_CHECKS, GRAPH_CHECKS_CHOICES, environ)
+
+
+#: Values of ``OTEL_SWA_PROVENANCE``, the default first: the checksum's coverage, or off.
+PROVENANCE_CHOICES = ("prefix", "all", "off")
+
+
+def provenance(environ: Mapping[str, str] | None = None) -> "tuple[str, int] | None":
+    """``OTEL_SWA_PROVENANCE`` and ``OTEL_SWA_PROVENANCE_BUDGET``: ``(checksum, budget)`` for
+    provenance (``checksum`` one of ``prefix``, ``all``; default ``("prefix", 4096)``), or ``None``
+    when it is ``off``.
+
+    Raises:
+        ConfigError: a value outside the choices, or a budget not an integer from 1 to 1048576.
+    """
+    env = os.environ if environ is None else environ
+    checksum = _choice(ev.OTEL_SWA_PROVENANCE, PROVENANCE_CHOICES, env)
+    budget = read_int(ev.OTEL_SWA_PROVENANCE_BUDGET, env.get(ev.OTEL_SWA_PROVENANCE_BUDGET), default=4096,
+                      minimum=1, maximum=1 << 20)
+    return None if checksum == "off" else (checksum, budget)
 
 
 def warn_once(name: str, environ: "MutableMapping[str, str] | None" = None) -> bool:

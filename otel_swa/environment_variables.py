@@ -137,13 +137,28 @@ OTEL_SWA_PROVENANCE = "OTEL_SWA_PROVENANCE"
 """
 .. envvar:: OTEL_SWA_PROVENANCE
 
-The KV's provenance (``otel_swa.device.provenance``): at every forward step, a stamp of the token
-written into each slot (token id, position, a chain over the request's prefix) and a checksum of its
-K/V bytes at one layer per pool; at each sampled step, the stamps and checksums of the live slots the
-batch reads compared with the request's own tokens and the bytes the pool holds, and the write check
-(the K/V a layer was given against what the pool holds at the slot the tables name). ``on``
-(default) or ``off`` (nothing stamped or checked; where no other check needs them, the engine's
-attention layers are not wrapped).
+Provenance (``otel_swa.device.provenance``): stamp every KV slot with the token, position and prefix
+chain of the KV written there and hash its bytes at every forward step, check the writes and verify
+the live slots at each sampled step. ``prefix`` (default): the checksum covers the first 64 bytes of
+each K and V row; ``all``: every byte; ``off``: no provenance (nothing written, nothing wrapped for it).
+"""
+
+OTEL_SWA_PROVENANCE_BUDGET = "OTEL_SWA_PROVENANCE_BUDGET"
+"""
+.. envvar:: OTEL_SWA_PROVENANCE_BUDGET
+
+Live KV slots provenance verifies per pool and sampled step (integer from 1 to 1048576, default
+4096); the rest are verified at later samples, in turn.
+"""
+
+OTEL_SWA_GRAPH_CHECKS = "OTEL_SWA_GRAPH_CHECKS"
+"""
+.. envvar:: OTEL_SWA_GRAPH_CHECKS
+
+How the in-forward checks a CUDA graph holds (the read check, the write check) take the sampling
+flag at each replay (``otel_swa.device.gate``): ``masked`` (default: they run at every replay, their
+counts multiplied by the flag) or ``conditional`` (captured into a conditional node that runs them
+only at sampled replays; CUDA 12.4 or later).
 """
 
 OTEL_SWA_WARNED = "OTEL_SWA_WARNED"

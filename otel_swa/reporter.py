@@ -281,7 +281,8 @@ class SwaDivergenceReporter:
         """A reporter configured from the environment, or ``None`` when the gate is off.
 
         Reads ``OTEL_SWA_DIVERGENCE_INTERVAL`` (fallback ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``),
-        ``OTEL_SWA_RING_SIZE``, ``OTEL_SWA_MICRO_BATCHES`` and ``OTEL_SWA_LIVENESS_STEPS``. ``None``
+        ``OTEL_SWA_RING_SIZE``, ``OTEL_SWA_MICRO_BATCHES``, ``OTEL_SWA_LIVENESS_STEPS`` and
+        ``OTEL_SWA_GRAPH_CHECKS``. ``None``
         (interval 0) means the engine does no reporter work at all.
 
         Raises:
@@ -293,6 +294,7 @@ class SwaDivergenceReporter:
         return cls(
             interval, device=device, ring_size=config.ring_size(environ), sinks=sinks, verify_source=verify_source,
             micro_batches=config.micro_batches(environ), liveness_steps=config.liveness_steps(interval, environ),
+            graph_mode=config.graph_checks(environ),
         )
 
     # ------------------------------------------------------------------ engine-facing calls

@@ -173,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         ring_size = otel_swa_config.ring_size()
         prefix = rank_prefix(otel_swa_config.parallel_ranks())
         read_check = otel_swa_config.read_check()
+        provenance = otel_swa_config.provenance()
         engine_config = dataclasses.replace(
             EngineConfig(),
             window=args.window, full_pool_size=args.full_pool, swa_pool_size=args.swa_pool,
@@ -180,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed, run_model=not args.no_model, max_context_len=args.max_context_len,
             read_check=read_check[0] if read_check else "off",
             read_check_queries=read_check[1] if read_check else EngineConfig.read_check_queries,
+            provenance=provenance[0] if provenance else "off",
+            provenance_budget=provenance[1] if provenance else EngineConfig.provenance_budget,
         )
         requests = load_trace(args.trace, limit=args.requests or None)
         check_pool_memory(engine_config, _available_memory())

@@ -91,6 +91,11 @@ class SamplingGate:
             self.flag.fill_(due)
             self._written = due
 
+    def capturing(self) -> bool:
+        """Whether the current CUDA stream is capturing a graph now (never on the CPU): a tensor made
+        now is the graph's temporary, not to be kept. Host work only."""
+        return self._cuda and torch.cuda.is_current_stream_capturing()
+
     def recording(self) -> bool:
         """Whether a check called now runs on the recorded path: the current CUDA stream is capturing
         a graph, or :attr:`force_recorded` is set. Host work only."""
@@ -108,9 +113,8 @@ class SamplingGate:
             yield None
             return
         self.recorded_calls += 1
-        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
         graph = None
-        if capturing and self.graph_mode == "conditional":
+        if self.graph_mode == "conditional" and self.capturing():
             current = getattr(torch.cuda.CUDAGraph, "get_currently_capturing_graph", None)
             graph = current() if current is not None else None
             if graph is not None and not hasattr(graph, "begin_capture_to_if_node"):

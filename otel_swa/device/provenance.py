@@ -85,7 +85,16 @@ import torch
 
 from otel_swa.device.checksum import CHECKSUM_MODES, RowHasher
 from otel_swa.device.gate import SamplingGate
-from otel_swa.device.stamps import TOKEN_POSITION_MASK, decode_stamp, expected_stamps, write_stamps
+from otel_swa.device.stamps import (
+    CHAIN_MASK,
+    POSITION_MASK,
+    TOKEN_MASK,
+    TOKEN_POSITION_MASK,
+    decode_stamp,
+    mix_numpy,
+    stamp_values,
+    write_stamps,
+)
 from otel_swa.device.window import host_allowance, host_reach
 from otel_swa.device.write_check import WRITE_CHECK_MODES, WriteCheck
 
@@ -249,22 +258,45 @@ class ChainCache:
     def expected(self, key: Any, token_ids: Any, lo: int, hi: int) -> np.ndarray:
         """The expected stamps of positions ``lo .. hi - 1`` (``int64 [hi - lo]``) of the request
         ``key`` (``None``: not cached) whose token ids are ``token_ids`` (sliced ``[a:b]``)."""
+        return self.expected_many([(key, token_ids, lo, hi)])[0]
+
+    def expected_many(self, ranges: "Sequence[tuple[Any, Any, int, int]]") -> "list[np.ndarray]":
+        """:meth:`expected` of several ``(key, token_ids, lo, hi)`` in one numpy pass (the mix and
+        the chains of every range together): one array per range."""
         every = self.every
-        chains = self._chains.get(key) if key is not None else None
-        if chains is None:
-            chains = [0]
+        begins, befores, parts, cached = [], [], [], []
+        for key, token_ids, lo, hi in ranges:
+            chains = self._chains.get(key) if key is not None else None
+            if chains is None:
+                chains = [0]
+                if key is not None:
+                    self._chains[key] = chains
             if key is not None:
-                self._chains[key] = chains
-        if key is not None:
-            self._used[key] = self._sample
-        k = min(lo // every, len(chains) - 1)
-        begin = k * every
-        tokens = np.asarray(token_ids[begin:hi], dtype=np.int64).reshape(-1)
-        stamps, _ = expected_stamps(tokens, begin, chains[k])
-        # keep the chain before each multiple of `every` passed (the chain of its previous position)
-        while len(chains) * every <= hi and len(chains) * every - 1 - begin >= 0:
-            chains.append(int((stamps[len(chains) * every - 1 - begin] >> 42) & ((1 << 20) - 1)))
-        return stamps[lo - begin:]
+                self._used[key] = self._sample
+            k = min(lo // every, len(chains) - 1)
+            begins.append(k * every)
+            befores.append(chains[k])
+            parts.append(np.asarray(token_ids[k * every:hi], dtype=np.int64).reshape(-1))
+            cached.append(chains)
+        if not parts:
+            return []
+        sizes = np.fromiter((len(part) for part in parts), dtype=np.int64, count=len(parts))
+        starts = np.cumsum(sizes) - sizes
+        tokens = np.concatenate(parts)
+        # each range's positions, and its chain: the running sum less the sum before the range
+        shift = np.repeat(np.asarray(begins, dtype=np.int64) - starts, sizes)
+        positions = np.arange(len(tokens), dtype=np.int64) + shift
+        running = np.cumsum(mix_numpy(tokens & TOKEN_MASK, positions & POSITION_MASK))
+        before = np.where(starts > 0, running[np.maximum(starts - 1, 0)], 0) - np.asarray(befores, dtype=np.int64)
+        chain = (running - np.repeat(before, sizes)) & CHAIN_MASK
+        stamps = stamp_values(tokens, positions, chain)
+        out = []
+        for (key, _, lo, hi), chains, begin, start in zip(ranges, cached, begins, starts.tolist()):
+            # keep the chain before each multiple of `every` passed (the chain of its previous position)
+            while len(chains) * every <= hi:
+                chains.append(int(chain[start + len(chains) * every - 1 - begin]))
+            out.append(stamps[start + lo - begin:start + hi - begin])
+        return out
 
     def end_sample(self) -> None:
         """Count a sample; drop the entries unused for ``keep`` samples (checked every ``keep``)."""
@@ -431,7 +463,7 @@ class KvProvenance:
         table = self.checksums[pool]
         loc = out_cache_loc.long()
         slots = loc if pool == 0 else mapping.index_select(0, loc.clamp(0, mapping.shape[0] - 1))
-        table.index_copy_(0, slots.clamp(0, table.shape[0] - 1), hasher.of_given(k, v, tokens, self.gate.recording()))
+        table.index_copy_(0, slots.clamp(0, table.shape[0] - 1), hasher.of_given(k, v, tokens, self.gate.capturing()))
 
     def move_slots(self, pool: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Carry the stamps and checksums of slots ``src`` to ``dst`` (``int [n]`` each) in ``pool``
@@ -478,12 +510,14 @@ class KvProvenance:
             swa_low = np.maximum(lens - reach - allowance, 0)
         taken: "list[tuple | None]" = [None, None]
         over = [0, 0]
-        parts = []
+        pieces_of = []
         for p in pools:
             pieces, over[p] = self._take(p, swa_low if p == 1 else low, lens)
-            entries, positions, expected = self._expected(pieces, token_ids, request_ids, lens)
-            taken[p] = (entries, positions, expected)
-            parts.append(np.stack([entries, positions, expected]))
+            pieces_of.append(pieces)
+        parts = []
+        for p, arrays in zip(pools, self._expected(pieces_of, token_ids, request_ids)):
+            taken[p] = arrays
+            parts.append(np.stack(arrays))
         self.chains.end_sample()
         host = np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), dtype=np.int64)
         up = upload(host) if upload is not None else torch.from_numpy(host).to(out.device)
@@ -566,23 +600,39 @@ class KvProvenance:
             at = (at + take) % total
         return pieces, total - self.budget
 
-    def _expected(self, pieces, token_ids, request_ids, lens) -> "tuple[np.ndarray, np.ndarray, np.ndarray]":
-        n = sum(hi - lo for _, lo, hi in pieces)
-        entries = np.empty(n, dtype=np.int64)
-        positions = np.empty(n, dtype=np.int64)
-        expected = np.zeros(n, dtype=np.int64)
-        at = 0
-        for i, lo, hi in pieces:
-            size = hi - lo
-            entries[at:at + size] = i
-            positions[at:at + size] = np.arange(lo, hi)
-            ids = token_ids[i] if token_ids is not None else None
-            known = min(hi, len(ids)) if ids is not None else lo  # positions past the ids: unchecked
-            if known > lo:
-                key = request_ids[i] if request_ids is not None else None
-                expected[at:at + known - lo] = self.chains.expected(key, ids, lo, known)
-            at += size
-        return entries, positions, expected
+    def _expected(self, pieces_of, token_ids, request_ids) -> "list[tuple[np.ndarray, np.ndarray, np.ndarray]]":
+        """Per pool, ``(entries, positions, expected)`` of its pieces ``(entry, lo, hi)``: each
+        request's expected stamps computed once over the union of its pieces in both pools (one
+        numpy pass for the batch), 0 where its token ids are not known."""
+        union: dict[int, list[int]] = {}
+        for pieces in pieces_of:
+            for i, lo, hi in pieces:
+                span = union.setdefault(i, [lo, hi])
+                span[0], span[1] = min(span[0], lo), max(span[1], hi)
+        known = []
+        if token_ids is not None:
+            for i, (lo, hi) in union.items():
+                ids = token_ids[i]
+                end = min(hi, len(ids)) if ids is not None else lo  # positions past the ids: unchecked
+                if end > lo:
+                    known.append((request_ids[i] if request_ids is not None else None, ids, lo, end, i))
+        values = dict(zip((r[4] for r in known), self.chains.expected_many([r[:4] for r in known])))
+        out = []
+        for pieces in pieces_of:
+            sizes = np.fromiter((hi - lo for _, lo, hi in pieces), dtype=np.int64, count=len(pieces))
+            entries = np.repeat(np.fromiter((i for i, _, _ in pieces), dtype=np.int64, count=len(pieces)), sizes)
+            starts = np.cumsum(sizes) - sizes
+            lows = np.fromiter((lo for _, lo, _ in pieces), dtype=np.int64, count=len(pieces))
+            positions = np.arange(int(sizes.sum()), dtype=np.int64) + np.repeat(lows - starts, sizes)
+            expected = np.zeros(len(positions), dtype=np.int64)
+            for (i, lo, hi), start in zip(pieces, starts.tolist()):
+                stamps = values.get(i)
+                if stamps is not None:
+                    first = union[i][0]
+                    part = stamps[lo - first:hi - first]  # shorter where the ids end before hi
+                    expected[start:start + len(part)] = part
+            out.append((entries, positions, expected))
+        return out
 
     def _verify(self, out: torch.Tensor, up: torch.Tensor, pool: int, view: Any, mapping: torch.Tensor) -> None:
         """One pool's verification of the taken slots ``up`` (``int64 [3, n]``: entry, position,

@@ -181,13 +181,13 @@ class ReadCheck:
             return True
         return self._seen.index(layer_id) == self._turn % len(self._seen)
 
-    def _offsets(self, window: int, device: torch.device, recording: bool) -> torch.Tensor:
+    def _offsets(self, window: int, device: torch.device, capturing: bool) -> torch.Tensor:
         """``[1, W]``: ``-W + 1 .. 0``, made once per window (outside a capture: one made inside is a
         temporary of the graph, recomputed at each replay, never kept)."""
         cached = self._window_offsets.get(window)
         if cached is None:
             cached = (torch.arange(window, device=device) - (window - 1)).unsqueeze(0)
-            if not recording:
+            if not capturing:
                 self._window_offsets[window] = cached
         return cached
 
@@ -303,7 +303,7 @@ class ReadCheck:
         # the window in chunks that keep the gathered K and V within the budget (one chunk normally)
         chunk = max(1, min(window, self.kv_budget_bytes // (checked * kv_heads * (head_dim + v_dim) * 4)))
         shape = (checked, kv_heads, group)
-        offsets = self._offsets(window, dev, recording)
+        offsets = self._offsets(window, dev, self.gate.capturing())
 
         def gather(begin: int, span: int):
             """Scores ``[Q, Hkv, g, C]`` and values ``[Q, Hkv, C, Dv]`` of keys ``begin ..``."""
@@ -377,10 +377,10 @@ class ReadCheck:
         if mask is not None:
             new.logical_and_(mask)
         lo, hi = _C["entry"], _C["layer"] + 1
-        cells[lo:hi] = torch.where(new, where, cells[lo:hi])
-        cells[_C["found"]] += new.long()
-        cells[_C["checked"]] += checked if mask is None else mask * checked
-        cells[_C["mismatched"]] += masked(count, mask)
+        cells[lo:hi].copy_(torch.where(new, where, cells[lo:hi]))
+        cells[_C["found"]].add_(new)
+        counts = torch.stack([disagree.new_full((), checked, dtype=torch.int64), count])
+        cells[_C["checked"]:_C["mismatched"] + 1].add_(masked(counts, mask))
         return checked
 
     # ------------------------------------------------------------------ the reporter's side

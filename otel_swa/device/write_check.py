@@ -180,10 +180,9 @@ class WriteCheck:
             if mask is not None:
                 new.logical_and_(mask)
             lo, hi = _C["entry"], _C["layer"] + 1
-            cells[lo:hi] = torch.where(new, where, cells[lo:hi])
-            cells[_C["found"]] += new.long()
-            cells[_C["checked"]] += masked(valid.sum(), mask)
-            cells[_C["mismatched"]] += masked(found, mask)
+            cells[lo:hi].copy_(torch.where(new, where, cells[lo:hi]))
+            cells[_C["found"]].add_(new)
+            cells[_C["checked"]:_C["mismatched"] + 1].add_(masked(torch.stack([valid.sum(), found]), mask))
 
     def take(self, out: "torch.Tensor | None" = None) -> torch.Tensor:
         """This step's cells, copied into ``out`` (``int64 [WRITE_WIDTH]``; default a new tensor),

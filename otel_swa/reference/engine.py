@@ -181,9 +181,10 @@ class ReferenceEngine:
             reporter.enable_read_check(max_queries=config.read_check_queries, layers=config.read_check)
             # a sampling step, or the checks' recorded path (the flag then decides at the sample)
             self._read_check_due = getattr(reporter, "checks_wanted", None) or reporter.read_check_due
-        if config.run_model and config.provenance and hasattr(reporter, "enable_provenance"):
-            self._provenance = reporter.enable_provenance(full_slots=self.kv.full_k.shape[0],
-                                                          swa_slots=self.kv.swa_k.shape[0])
+        if config.run_model and config.provenance != "off" and hasattr(reporter, "enable_provenance"):
+            self._provenance = reporter.enable_provenance(
+                full_slots=self.kv.full_k.shape[0], swa_slots=self.kv.swa_k.shape[0], checksum=config.provenance,
+                budget=config.provenance_budget)
 
     # -- input ------------------------------------------------------------------------------------
 

@@ -50,18 +50,24 @@ def test_from_env_on():
     assert reporter is not None and reporter.interval == 20
 
 
-@pytest.mark.parametrize("env,expected", [
-    ({}, True), ({"OTEL_SWA_PROVENANCE": ""}, True), ({"OTEL_SWA_PROVENANCE": " On "}, True),
-    ({"OTEL_SWA_PROVENANCE": "off"}, False), ({"OTEL_SWA_PROVENANCE": "OFF"}, False),
-])
-def test_provenance_switch(env, expected):
-    from otel_swa.config import provenance
+def test_provenance_variables():
+    from otel_swa import config
 
-    assert provenance(env) is expected
+    assert config.provenance({}) == ("prefix", 4096)
+    assert config.provenance({"OTEL_SWA_PROVENANCE": " ALL ", "OTEL_SWA_PROVENANCE_BUDGET": "64"}) == ("all", 64)
+    assert config.provenance({"OTEL_SWA_PROVENANCE": "off", "OTEL_SWA_PROVENANCE_BUDGET": "64"}) is None
+    for bad in ({"OTEL_SWA_PROVENANCE": "full"}, {"OTEL_SWA_PROVENANCE_BUDGET": "0"},
+                {"OTEL_SWA_PROVENANCE_BUDGET": "2.5"}):
+        with pytest.raises(config.ConfigError, match="OTEL_SWA_PROVENANCE"):
+            config.provenance(bad)
 
 
-def test_a_bad_provenance_value_is_named():
-    from otel_swa.config import provenance
+def test_graph_checks_variable_reaches_the_reporter():
+    from otel_swa import config
 
-    with pytest.raises(ConfigError, match="OTEL_SWA_PROVENANCE='yes'; expected one of on, off"):
-        provenance({"OTEL_SWA_PROVENANCE": "yes"})
+    assert config.graph_checks({}) == "masked"
+    with pytest.raises(config.ConfigError, match="OTEL_SWA_GRAPH_CHECKS"):
+        config.graph_checks({"OTEL_SWA_GRAPH_CHECKS": "always"})
+    reporter = SwaDivergenceReporter.from_env(environ={"OTEL_SWA_DIVERGENCE_INTERVAL": "5",
+                                                       "OTEL_SWA_GRAPH_CHECKS": "Conditional"})
+    assert reporter.gate.graph_mode == "conditional"

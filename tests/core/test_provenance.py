@@ -19,12 +19,10 @@ from otel_swa.views import JoinedTokenIds, SwaBatch
 # ---------------------------------------------------------------------- the layout, in plain Python
 def f(token: int, position: int) -> int:
     """The documented mix, on Python ints."""
-    x = token * 0x9E37F + position * 0x7F4A7
-    x ^= x >> 17
-    x &= 0x7FFFFFFF
+    x = (token * 0x9E37F + position * 0x7F4A7) & 0x7FFFFFFF
     x *= 0x5BD1E995
     x ^= x >> 31
-    return (x >> 11) & 0xFFFFF
+    return x & 0xFFFFF
 
 
 def stamp_of(tokens: list, p: int, known: bool = True, chain_from: int = 0) -> int:
@@ -140,8 +138,7 @@ def hash_rows(words: list) -> int:
         x ^= x >> 12
         key, mult = x, ((x * 0x297A2D39) & 0x7FFFFFFF) | 1
         y = ((w ^ key) * mult) & 0xFFFFFFFF
-        y ^= y >> 16
-        total += (y * 0x2C1B3C6D) & 0xFFFFFFFF
+        total += y ^ (y >> 16)
     return total - (1 << 63)
 
 

@@ -471,9 +471,9 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             _log.exception("the read check is off: unusable %s", "OTEL_SWA_READ_CHECK(_QUERIES)")
             reads = False
         try:
-            provenance = config.provenance()
+            provenance = config.provenance() is not None
         except config.ConfigError:
-            _log.exception("provenance is off: unusable %s", "OTEL_SWA_PROVENANCE")
+            _log.exception("provenance is off: unusable %s", "OTEL_SWA_PROVENANCE(_BUDGET)")
             provenance = False
         if not reads and not provenance:
             return original
@@ -606,7 +606,8 @@ def _enable_read_check(reporter: Any) -> Any:
 
 
 def _enable_provenance(reporter: Any, runner: Any) -> "tuple[Any, dict] | None":
-    """Switch ``reporter``'s provenance on for ``runner``'s KV pool as ``OTEL_SWA_PROVENANCE`` says:
+    """Switch ``reporter``'s provenance on for ``runner``'s KV pool as ``OTEL_SWA_PROVENANCE`` (the
+    checksum's coverage) and ``OTEL_SWA_PROVENANCE_BUDGET`` say:
     ``(provenance, layout)`` (:func:`otel_swa.views.sglang.provenance_layout`), or ``None`` (off, a
     pool it cannot read, or speculative decoding: a target-verify step writes the K/V of draft tokens
     that are later rejected, which the stamps do not follow)."""
@@ -614,10 +615,11 @@ def _enable_provenance(reporter: Any, runner: Any) -> "tuple[Any, dict] | None":
     from otel_swa.views.sglang import provenance_layout
 
     try:
-        if not config.provenance():
-            return None
+        settings = config.provenance()
     except config.ConfigError:
         return None  # logged when the attention layers were (not) wrapped
+    if settings is None:
+        return None
     speculative = getattr(runner, "spec_algorithm", None)
     if speculative is not None and not speculative.is_none():
         _log.info("KV provenance is off for a model runner with speculative decoding")
@@ -628,6 +630,7 @@ def _enable_provenance(reporter: Any, runner: Any) -> "tuple[Any, dict] | None":
         return None
     try:
         provenance = reporter.enable_provenance(full_slots=layout["full_slots"], swa_slots=layout["swa_slots"],
+                                                checksum=settings[0], budget=settings[1],
                                                 checksum_layers=layout["checksum_layers"])
     except Exception:
         _log.exception("KV provenance is off for this model runner")
