@@ -760,6 +760,7 @@ class SwaDivergenceReporter:
                 kv_leaked_blocks=reading.block["leaked"] if reading.block else None,
                 kv_freed_blocks_in_use=reading.block["freed_in_use"] if reading.block else None,
                 kv_shared_blocks=reading.block["shared"] if reading.block else None,
+                **_provenance_fields(reading),
                 verify_source=self.verify_source,
                 micro_batch=pending.micro_batch,
                 offenders=_offenders(reading, pending),
@@ -780,6 +781,49 @@ class SwaDivergenceReporter:
             except Exception:  # telemetry must never crash the engine
                 self._sink_errors += 1
                 _log.exception("otel-swa sink %r failed on record at forward_ct=%d", sink, record.forward_ct)
+
+
+def _provenance_fields(reading: Any) -> "dict[str, int | None]":
+    """The record's write check and provenance fields from the reading (``None``: not measured)."""
+    write, prov = reading.write, reading.provenance
+    return dict(
+        kv_write_checks=write[0] if write else None,
+        kv_write_mismatches=write[1] if write else None,
+        kv_write_unchecked=write[2] if write else None,
+        kv_stamp_checks=prov.stamp_checks if prov else None,
+        kv_foreign_tokens=prov.foreign_tokens if prov else None,
+        kv_stamp_unchecked=prov.stamp_unchecked if prov else None,
+        kv_checksum_checks=prov.checksum_checks if prov else None,
+        kv_corrupt_tokens=prov.corrupt_tokens if prov else None,
+    )
+
+
+def _provenance_offenders(reading: Any, pending: _Pending) -> "list[Offender]":
+    """The first write mismatch, foreign token and corrupt token, with the batch's request ids."""
+    offenders = []
+    page = pending.audit_page_size
+    write = reading.write_offender
+    if write is not None and reading.write and reading.write[1] > 0:
+        swa = write["swa_slot"]
+        offenders.append(Offender(
+            "kv_write_mismatches", request=_request(pending, write["entry"]), position=write["position"],
+            full_slot=write["full_slot"], swa_slot=swa, swa_page=swa // page if page and swa is not None else None,
+            layer=write["layer"], pool=write["pool"],
+        ))
+    prov = reading.provenance
+    for fault, where in (("kv_foreign_tokens", prov.foreign_offender if prov else None),
+                         ("kv_corrupt_tokens", prov.corrupt_offender if prov else None)):
+        if where is None:
+            continue
+        swa = where["swa_slot"]
+        offenders.append(Offender(
+            fault, request=_request(pending, where["entry"]), row=where["row"], position=where["position"],
+            full_slot=where["full_slot"], swa_slot=swa, swa_page=swa // page if page and swa is not None else None,
+            pool=where["pool"], expected_token=where.get("expected_token"),
+            expected_position=where.get("expected_position"), found_token=where.get("found_token"),
+            found_position=where.get("found_position"),
+        ))
+    return offenders
 
 
 def _check_micro_batch(micro_batch: Any) -> None:
@@ -845,6 +889,7 @@ def _offenders(reading: Any, pending: _Pending) -> "tuple[Offender, ...]":
             position=read["position"], full_slot=read["full_slot"], swa_slot=read["swa_slot"],
             swa_page=read["swa_slot"] // page if page else None, layer=read["layer"],
         ))
+    offenders.extend(_provenance_offenders(reading, pending))
     block = reading.block
     if block is not None:
         if block["leaked"] > 0:

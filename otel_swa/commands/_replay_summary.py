@@ -121,6 +121,9 @@ def summary_rows(
         ("SWA slot audit", _audit_summary(records)),
         *([("window check", _window_summary(records))] if any(r.window_checked for r in records) else []),
         *([("read check", _read_summary(records))] if any(r.read_checked for r in records) else []),
+        *([("write check", _write_summary(records))] if any(r.kv_write_checks is not None for r in records) else []),
+        *([("provenance", _provenance_summary(records))] if any(r.kv_stamp_checks is not None for r in records)
+          else []),
     ]
     if complete:
         rows.append(("peak slots in use", f"FULL {summary.peak_full_slots} / {summary.full_pool_size}, "
@@ -192,6 +195,41 @@ def _window_summary(records: Sequence[SwaDivergenceRecord]) -> str:
     late = max(r.swa_late_held_slots for r in checked)
     verdict = "clean" if not premature else "PREMATURE EVICTION"
     return f"{verdict}: peak premature evictions {premature} tokens, late-held {late} slots ({len(checked)} samples)"
+
+
+def _first_fault(checked: Sequence[SwaDivergenceRecord], fault: str) -> str:
+    """``; first at forward_ct=N: <offender>`` of the first record with ``fault``, or ``""``."""
+    first = next((r for r in checked if getattr(r, fault)), None)
+    if first is None:
+        return ""
+    offender = first.offender(fault)
+    return f"; first at forward_ct={first.forward_ct}" + (f": {offender.describe()}" if offender else "")
+
+
+def _write_summary(records: Sequence[SwaDivergenceRecord]) -> str:
+    checked = [r for r in records if r.kv_write_checks is not None]
+    pairs = sum(r.kv_write_checks for r in checked)
+    mismatched = sum(r.kv_write_mismatches for r in checked)
+    unchecked = sum(r.kv_write_unchecked for r in checked)
+    verdict = "clean" if not mismatched else "WRONG WRITES"
+    tail = f", {unchecked} unchecked" if unchecked else ""
+    return (f"{verdict}: {mismatched} of {pairs} (token, layer) stores mismatched{tail} ({len(checked)} samples)"
+            f"{_first_fault(checked, 'kv_write_mismatches')}")
+
+
+def _provenance_summary(records: Sequence[SwaDivergenceRecord]) -> str:
+    checked = [r for r in records if r.kv_stamp_checks is not None]
+    stamps = sum(r.kv_stamp_checks for r in checked)
+    foreign = sum(r.kv_foreign_tokens for r in checked)
+    unchecked = sum(r.kv_stamp_unchecked for r in checked)
+    hashed = [r for r in checked if r.kv_checksum_checks is not None]
+    corrupt = sum(r.kv_corrupt_tokens for r in hashed)
+    verdict = "clean" if not foreign and not corrupt else "FOREIGN OR CORRUPT KV"
+    text = f"{verdict}: {foreign} foreign of {stamps} slots stamped ({unchecked} unchecked)"
+    if hashed:
+        text += f", {corrupt} corrupt of {sum(r.kv_checksum_checks for r in hashed)} hashed"
+    return (f"{text} ({len(checked)} samples){_first_fault(checked, 'kv_foreign_tokens')}"
+            f"{_first_fault(hashed, 'kv_corrupt_tokens')}")
 
 
 def _read_summary(records: Sequence[SwaDivergenceRecord]) -> str:

@@ -56,6 +56,7 @@ WRITE_CELLS = (
     "full_slot",  # its FULL slot (out_cache_loc)
     "swa_slot",  # its SWA slot (-1 without a mapping)
     "layer",  # the layer_id
+    "swa",  # 1 when the layer's buffers are the SWA pool's, 0 for the FULL pool's
 )
 WRITE_WIDTH = len(WRITE_CELLS)
 _C = {name: index for index, name in enumerate(WRITE_CELLS)}
@@ -175,11 +176,12 @@ class WriteCheck:
                 entry = torch.searchsorted(extend_start_loc.long(), idx, right=True).sub_(1)
             position = positions.index_select(0, idx).long() if positions is not None else idx.new_full((count,), -1)
             where = torch.stack([entry, position, loc, swa_slot if swa_slot is not None else idx.new_full((count,), -1),
-                                 idx.new_full((count,), int(layer_id))]).index_select(1, first).reshape(-1)
+                                 idx.new_full((count,), int(layer_id)), idx.new_full((count,), int(bool(swa)))]
+                                ).index_select(1, first).reshape(-1)
             new = cells[_C["found"]].eq(0).logical_and_(found > 0)
             if mask is not None:
                 new.logical_and_(mask)
-            lo, hi = _C["entry"], _C["layer"] + 1
+            lo, hi = _C["entry"], _C["swa"] + 1
             cells[lo:hi].copy_(torch.where(new, where, cells[lo:hi]))
             cells[_C["found"]].add_(new)
             cells[_C["checked"]:_C["mismatched"] + 1].add_(masked(torch.stack([valid.sum(), found]), mask))
@@ -205,12 +207,14 @@ def write_counts(values: Sequence[int]) -> "tuple[int, int, int]":
     return int(values[_C["checked"]]), int(values[_C["mismatched"]]), int(values[_C["unchecked"]])
 
 
-def write_offender_fields(values: Sequence[int]) -> "dict[str, int | None] | None":
-    """The first mismatch (``entry``, ``position``, ``full_slot``, ``swa_slot``, ``layer``; a
-    position or SWA slot not known is ``None``), or ``None`` when nothing mismatched."""
+def write_offender_fields(values: Sequence[int]) -> "dict[str, int | str | None] | None":
+    """The first mismatch (``entry``, ``position``, ``full_slot``, ``swa_slot``, ``layer``, ``pool``
+    (``"full"``/``"swa"``); a position or SWA slot not known is ``None``), or ``None`` when nothing
+    mismatched."""
     if not values[_C["found"]]:
         return None
-    fields = {name: int(values[_C[name]]) for name in WRITE_CELLS[_C["entry"]:]}
+    fields: dict = {name: int(values[_C[name]]) for name in WRITE_CELLS[_C["entry"]:_C["layer"] + 1]}
+    fields["pool"] = "swa" if values[_C["swa"]] else "full"
     for name in ("position", "swa_slot"):
         if fields[name] < 0:
             fields[name] = None

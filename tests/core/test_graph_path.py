@@ -128,7 +128,7 @@ def test_a_recorded_write_check_counts_as_an_eager_one(wrong_index):
         assert write_counts(got) == (3, 3 if wrong_index else 0, 0)
         if wrong_index:
             assert write_offender_fields(got) == dict(entry=first, position=100 + first, full_slot=11 + first,
-                                                      swa_slot=40 + first, layer=2)
+                                                      swa_slot=40 + first, layer=2, pool="swa")
         else:
             assert write_offender_fields(got) is None
 

@@ -184,3 +184,63 @@ def test_an_engine_on_the_recorded_path_gives_the_eager_readings(faulty, monkeyp
             b.read, b.read_offender, b.write, b.write_offender, b.provenance), step
     assert any(r.write[1] for _, r in eager) == faulty
     assert all(r.read[0] > 0 for _, r in eager)
+
+
+# ---------------------------------------------------------------------- the records and otel-swa check
+FAULTS = {
+    "sglang#20181 write at the FULL index": (faults.install_swa_write_at_full_index, "kv_write_mismatches"),
+    "swapped ownership": (lambda e: faults.install_swapped_ownership(e, 40), "kv_foreign_tokens"),
+    "sglang#31486 stale prefix": (lambda e: faults.install_stale_prefix(e, 30), "kv_foreign_tokens"),
+    "sglang#33656 wrong position": (lambda e: faults.install_wrong_position(e, 35), "kv_foreign_tokens"),
+    "real_kv_post_forward, SWA pool": (lambda e: faults.install_byte_flip(e, 25, "swa"), "kv_corrupt_tokens"),
+    "real_kv_used, FULL pool": (lambda e: faults.install_byte_flip(e, 25, "full", used=True), "kv_corrupt_tokens"),
+}
+
+
+def logged_run(fault, log):
+    import logging
+
+    from otel_swa.logline import LogLineSink
+
+    records = []
+    logger = logging.getLogger(f"test_provenance.{id(records)}")
+    logger.propagate = False
+    handler = logging.FileHandler(log)
+    logger.addHandler(handler)
+    reporter = SwaDivergenceReporter(5, sinks=[lambda record, context: records.append(record), LogLineSink(logger)])
+    engine = ReferenceEngine(EngineConfig(**CONFIG, provenance_budget=1 << 16), reporter=reporter)
+    if fault is not None:
+        fault(engine)
+    for request in load_trace("conv", limit=24):
+        engine.submit(request, arrival_s=0.0)
+    engine.run_until_done()
+    reporter.close()
+    handler.close()
+    return engine, records
+
+
+def test_a_clean_run_passes_check_with_every_provenance_field_zero(tmp_path, capsys):
+    from otel_swa.cli import main
+
+    log = tmp_path / "clean.log"
+    _, records = logged_run(None, log)
+    assert records and all(r.provenance_checked for r in records)
+    assert all((r.kv_write_mismatches, r.kv_foreign_tokens, r.kv_corrupt_tokens) == (0, 0, 0) for r in records)
+    assert sum(r.kv_stamp_checks for r in records) > 0 and sum(r.kv_write_checks for r in records) > 0
+    assert main(["check", str(log)]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_check_fails_each_fault_naming_its_first_offender(name, tmp_path, capsys):
+    from otel_swa.cli import main
+
+    install, fault = FAULTS[name]
+    log = tmp_path / "fault.log"
+    _, records = logged_run(install, log)
+    first = next(r for r in records if getattr(r, fault))
+    offender = first.offender(fault)
+    assert offender is not None and offender.pool in ("full", "swa") and offender.request is not None
+    capsys.readouterr()
+    assert main(["check", str(log)]) == 1
+    out = capsys.readouterr().out
+    assert fault in out and offender.describe() in out, out
