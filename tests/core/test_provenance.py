@@ -179,8 +179,8 @@ class Engine:
     """A tiny hybrid cache driven through KvProvenance: FULL slots = 1 + position + 50 * row, SWA
     slots a permutation, K/V rows random (2 heads of 8, float32)."""
 
-    def __init__(self, lens, window=None, budget=4096, checksum="prefix"):
-        self.gate = SamplingGate("cpu")
+    def __init__(self, lens, window=None, budget=4096, checksum="prefix", reporter=None):
+        self.gate = SamplingGate("cpu") if reporter is None else reporter.gate
         rows = len(lens)
         self.r2t = torch.zeros((rows + 1, 64), dtype=torch.int32)
         for r in range(1, rows + 1):
@@ -191,8 +191,12 @@ class Engine:
         self.k = torch.zeros((full_slots, 2, 8))
         self.v = torch.zeros((full_slots, 2, 8))
         self.swa_k, self.swa_v = self.k.clone(), self.v.clone()
-        self.prov = KvProvenance("cpu", self.gate, full_slots=full_slots, swa_slots=full_slots, budget=budget,
-                                 checksum=checksum)
+        if reporter is None:
+            self.prov = KvProvenance("cpu", self.gate, full_slots=full_slots, swa_slots=full_slots, budget=budget,
+                                     checksum=checksum)
+        else:
+            self.prov = reporter.enable_provenance(full_slots=full_slots, swa_slots=full_slots, budget=budget,
+                                                   checksum=checksum)
         rng = random.Random(6)
         self.tokens = [[rng.randrange(500) for _ in range(64)] for _ in range(rows)]
         self.window = window
@@ -393,3 +397,21 @@ def test_the_sweep_goes_through_its_list_a_budget_at_a_time():
     # the list (40 slots, sorted) is read once per pass of ceil(40 / 16) = 3 samples; slot 37 of the
     # request is in the third part; the fourth sample starts a new pass
     assert found == [0, 0, 1, 0] and len(calls) == 2
+
+
+def test_a_corrupt_slot_found_by_the_sweep_reaches_the_record_named_by_its_slots():
+    from otel_swa.reporter import SwaDivergenceReporter
+
+    got = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda record, context: got.append(record)])
+    engine = Engine([10, 6], reporter=reporter)
+    held = engine.r2t[2, :6].long()
+    slot = int(held[2])
+    engine.k[slot].view(-1).view(torch.uint8)[0] ^= 0xFF
+    reporter.step(_batch_of_first(engine, held))
+    reporter.close()
+    (record,) = got
+    assert (record.kv_checksum_checks, record.kv_corrupt_tokens, record.kv_foreign_tokens) == (20 + 12, 1, 0)
+    offender = record.offender("kv_corrupt_tokens")
+    assert (offender.pool, offender.full_slot, offender.swa_slot) == ("full", slot, None)
+    assert (offender.request, offender.row, offender.position) == (None, None, None)
