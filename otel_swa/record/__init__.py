@@ -97,7 +97,7 @@ the line the CR stands on. The log prefix before a line (time,
 SGLang's rank tokens) is read by :func:`parse_log_prefix`.
 """
 
-from otel_swa.record.audit_line import AUDIT_FIELDS, MICRO_BATCH_MAX, AuditMatch
+from otel_swa.record.audit_line import AUDIT_FIELDS, AuditMatch
 from otel_swa.record.decoding import MalformedRecordError
 from otel_swa.record.fault_line import FAULT_FIELDS, OFFENDER_KEYS, OFFENDER_POOLS, FaultMatch, Offender
 from otel_swa.record.kinds import LINE_KINDS, LineKind
@@ -119,7 +119,7 @@ from otel_swa.record.prefixes import (
 from otel_swa.record.provenance_line import PROVENANCE_FAULTS, PROVENANCE_FIELDS, ProvenanceMatch
 from otel_swa.record.run_start_line import RunStartMatch, run_start_line
 from otel_swa.record.sglang_line import FIELDS, RecordMatch, SwaDivergenceRecord
-from otel_swa.record.values import INT64_MAX, INT64_MIN
+from otel_swa.record.values import INT64_MAX, INT64_MIN, MICRO_BATCH_MAX
 
 __all__ = [
     "LINE_PREFIX",

@@ -10,9 +10,9 @@ import json
 from typing import Any, Callable
 
 from otel_swa.record.matches import LineMatch
-from otel_swa.record.values import MICRO_BATCH_MAX, logged_counts
+from otel_swa.record.values import logged_counts
 
-__all__ = ["AUDIT_FIELDS", "MICRO_BATCH_MAX", "AuditMatch", "audit_line_fields", "decode_audit", "audit_changes"]
+__all__ = ["AUDIT_FIELDS", "AuditMatch", "audit_line_fields", "decode_audit", "audit_changes"]
 
 #: Fields beyond SGLang's (never in SGLang's line; on the audit line): the SWA slot audit, the
 #: sliding-window check, the read check, the KV block audit; each ``None`` when not measured.
@@ -61,7 +61,7 @@ def decode_audit(data: dict, fail: Callable[[str], Exception], source: str | Non
 
     Raises:
         MalformedRecordError (through ``fail``): ``forward_ct`` missing, a field that is not a
-            non-negative int64, a micro-batch above :data:`MICRO_BATCH_MAX`, a
+            non-negative int64, a micro-batch above :data:`~otel_swa.record.MICRO_BATCH_MAX`, a
             ``divergence_applicable`` that is not ``true`` or ``false``.
     """
     audit, forward_ct = logged_counts(data, fail, AUDIT_FIELDS)

@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from otel_swa.record.audit_line import AUDIT_FIELDS, MICRO_BATCH_MAX, audit_changes, audit_line_fields
+from otel_swa.record.audit_line import AUDIT_FIELDS, audit_changes, audit_line_fields
 from otel_swa.record.decoding import MalformedRecordError
 from otel_swa.record.fault_line import Offender, fault_line_fields
 from otel_swa.record.logtext import NO_PREFIX, clean
@@ -27,7 +27,7 @@ from otel_swa.record.prefixes import (
     tagged,
 )
 from otel_swa.record.provenance_line import PROVENANCE_FIELDS, provenance_line_fields
-from otel_swa.record.values import INT64_MIN, check_int, check_optional_ints, compact, logged_int
+from otel_swa.record.values import INT64_MIN, MICRO_BATCH_MAX, check_int, check_optional_ints, compact, logged_int
 
 __all__ = ["FIELDS", "SwaDivergenceRecord", "RecordMatch", "decode_record"]
 

@@ -290,8 +290,8 @@ def assert_swa_divergence_observed(
     lines or else SGLang's (``lines``): the peak ``swa_full_idx_divergence`` is >= ``min_divergence``,
     the peak ``swa_out_of_window_tokens`` is >= ``min_out_of_window``, the last record has
     ``verify_swa < verify_full`` (when ``require_verify_lag``), the SWA slot audit, where present,
-    found no leaked slot, stale token or shared slot (when ``require_clean_audit``), and no rank's
-    runs are interleaved, and no run of otel-swa's lines is only its start marker or liveness
+    found no leaked slot, stale token or shared slot, the provenance checks, where present, no
+    fault (when ``require_clean_audit``), and no rank's runs are interleaved, and no run of otel-swa's lines is only its start marker or liveness
     warning. ``source`` is any of :func:`open_source`'s kinds; waiting follows
     :func:`wait_for_observation`: by default it returns at the first read that passes (a fault
     logged later is not seen); ``until="end"`` waits for the end of the run being written (the

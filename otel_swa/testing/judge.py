@@ -154,8 +154,8 @@ AUDIT_RULES = (
 #: group's records that carry them must be 0.
 PROVENANCE_RULES = (
     AuditRule("kv_write_mismatches", "KV write mismatches",
-              "(token, layer) pairs whose K/V in the pool differs from what the layer was given to store",
-              "{peak} (token, layer) pair(s) of a step's new tokens were not stored at the slot the tables name (the "
+              "token-layer pairs whose K/V in the pool differs from what the layer was given to store",
+              "{peak} token-layer pair(s) of a step's new tokens were not stored at the slot the tables name (the "
               "pool holds other K/V there: a write to the wrong index)"),
     AuditRule("kv_foreign_tokens", "foreign tokens",
               "live token slots whose provenance stamp is not the one the request's own tokens give",
@@ -183,7 +183,7 @@ REPORTED_RULES = (
               "queries of sliding-window layers the read check could not recompute (an attention variant it does "
               "not cover, a step replayed from a CUDA graph)"),
     AuditRule("kv_write_unchecked", "unchecked KV writes",
-              "(token, layer) pairs the write check could not compare (a quantized cache, a layout it does not cover)"),
+              "token-layer pairs the write check could not compare (a quantized cache, a layout it does not cover)"),
     AuditRule("kv_stamp_unchecked", "unchecked stamps",
               "live token slots whose provenance stamp was not judged (never stamped, token ids unknown, over the "
               "per-sample budget)"),
