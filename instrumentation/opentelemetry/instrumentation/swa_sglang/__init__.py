@@ -33,9 +33,31 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
     collection time by :func:`otel_swa.views.sglang.scheduler_pool_usage`, SGLang's own
     computation of its pool gauges, with the process's ranks). The instrumentor also adds the
     method ``Scheduler.otel_swa_flush`` (:data:`FLUSH_RPC_METHOD`).
+``sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs(self, ...)``
+    Wires the model runner (its reporter, its provenance) before SGLang captures its CUDA graphs
+    (sglang 0.5.23 calls it at start-up with or without graphs), so that the captured forwards hold
+    the provenance stamps, checksums and write check of the attention layers below.
 ``sglang.srt.layers.radix_attention.RadixAttention.forward(self, q, k, v, forward_batch, ...)``
+    The KV's provenance (:mod:`otel_swa.device.provenance`; ``OTEL_SWA_PROVENANCE``, default
+    ``prefix``). Each attention layer of an observed model runner carries its wiring (set when the
+    runner is wired, so a capture finds it too). Before the first attention layer of every forward
+    step (the lowest layer id of the ``SWAKVPool``), the slots the step writes are stamped from the
+    batch's ``input_ids``, ``positions`` and ``out_cache_loc`` (FULL pool) and their
+    ``full_to_swa_index_mapping`` (SWA pool); after every layer's forward (which stored the step's
+    K/V through ``set_kv_buffer``), the K/V the layer was given are hashed into the checksum table
+    when it is its pool's designated layer (index 0 of its sub-pool: the layer SGLang's KV canary
+    hashes) and, at sampled steps, compared with what the pool holds at the slot the tables name
+    (the write check). Decode, extend and mixed batches that store K/V; not idle, speculative verify
+    or cross-attention calls (a model runner with speculative decoding gets no provenance: a verify
+    step writes draft tokens' K/V that are later rejected). At each sample the stamps and checksums
+    of the batch's live slots are verified against each request's own token ids
+    (``Req.origin_input_ids`` + ``Req.output_ids`` of the ``ScheduleBatch`` being run; with the
+    overlap scheduler a decode step's input token is not yet on the host, so each request's last
+    position is left unchecked there), and the checksums of the slots SGLang's radix cache holds
+    (``tree_cache.all_values_flatten()``, read once per sweep pass), a budget of slots per pool and
+    sample.
     The read check (:mod:`otel_swa.device.read_check`; ``OTEL_SWA_READ_CHECK``, default
-    ``rotate``; ``off``: this method is not wrapped at all). At a sampled forward step, after a
+    ``rotate``; with it and provenance off this method is not wrapped at all). At a sampled forward step, after a
     sliding-window layer's attention (``sliding_window_size > -1``), the attention output of the
     last token of up to ``OTEL_SWA_READ_CHECK_QUERIES`` (8) requests is recomputed from the layer's
     KV buffers (``forward_batch.token_to_kv_pool.get_key_buffer(layer_id)`` /
