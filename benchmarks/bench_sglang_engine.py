@@ -8,9 +8,13 @@ model (``tests/engines/sglang_engine/build_model.py``, built once), 16 requests 
 decoded together (about 3,000 live tokens per forward step), and OpenTelemetry exporting OTLP to a
 local ``rotel-agent`` (blackhole exporter) plus otel-swa's line (``OTEL_LOGS_EXPORTER=otlp,swa_logline``).
 
-Variants: ``OTEL_SWA_DIVERGENCE_INTERVAL`` unset (off: nothing is wrapped), 20 and 1, and 1 with
-the read check off (``OTEL_SWA_READ_CHECK=off``: its attention wrapper not installed), the same
-OpenTelemetry set-up in all four. At interval 1 every forward step is a sampling step, so "interval
+Variants: ``OTEL_SWA_DIVERGENCE_INTERVAL`` unset (off: nothing is wrapped), 20 and 1, 1 with the
+read check off (``OTEL_SWA_READ_CHECK=off``: its attention wrapper not installed), and 20 and 1 with
+the KV's provenance off (``OTEL_SWA_PROVENANCE=off``: no stamp, checksum, verification or write
+check is installed), the same OpenTelemetry set-up in all. "interval 20" against "interval 20,
+provenance off" is what the stamps and checksums written at every forward step cost (and one
+verification in 20 steps); at interval 1, what they and a verification and write check at every step
+cost. At interval 1 every forward step is a sampling step, so "interval
 1" against "interval 1, read check off" is what the read check adds to a sampling step (its one
 sliding-window layer of the step, up to 8 queries). Rounds interleave them (each round runs every variant once, the
 order turning round by round); the figure per run is output tokens per second of the timed
@@ -62,7 +66,14 @@ VARIANTS = {
     "interval 20": {"OTEL_SWA_DIVERGENCE_INTERVAL": "20"},
     "interval 1": {"OTEL_SWA_DIVERGENCE_INTERVAL": "1"},
     "interval 1, read check off": {"OTEL_SWA_DIVERGENCE_INTERVAL": "1", "OTEL_SWA_READ_CHECK": "off"},
+    "interval 20, provenance off": {"OTEL_SWA_DIVERGENCE_INTERVAL": "20", "OTEL_SWA_PROVENANCE": "off"},
+    "interval 1, provenance off": {"OTEL_SWA_DIVERGENCE_INTERVAL": "1", "OTEL_SWA_PROVENANCE": "off"},
 }
+#: (variant, the same without provenance, what the difference is)
+PROVENANCE_PAIRS = (
+    ("interval 20", "interval 20, provenance off", "mostly the stamps and checksums written at every step"),
+    ("interval 1", "interval 1, provenance off", "stamps and checksums + the verification and write check of every step"),
+)
 TOKENS_PER_STEP = 16  # the 16 requests decode together
 
 
@@ -173,7 +184,8 @@ def main() -> None:
                         print(f"  round {r + 1} {name:26s} {got[name][-1]:8.1f} tokens/s  ({load_line()})", flush=True)
                 profiles = {}
                 if not args.no_profile:
-                    for name in [n for n in ("off", "interval 1", "interval 20") if n in names]:
+                    for name in [n for n in ("off", "interval 1", "interval 20", "interval 1, provenance off")
+                                 if n in names]:
                         profile_dir = work / f"profile-{_slug(name)}"
                         profile_dir.mkdir()
                         run_engine(model, work, engine_env(endpoint, VARIANTS[name], str(profile_dir)), f"profiled-{_slug(name)}",
@@ -198,6 +210,14 @@ def main() -> None:
                     "window 9 keys, up to 8 queries, 1 sliding-window layer a step)",
                     ("sampling step with / without the read check", "ms per step added"),
                     [(fmt(ratios(got["interval 1, read check off"], got["interval 1"]), 1, 3), fmt(check_ms, 1, 2))])
+    pairs = [(on, off, what) for on, off, what in PROVENANCE_PAIRS if on in names and off in names]
+    if pairs:
+        rows = []
+        for on, off, what in pairs:
+            added = [TOKENS_PER_STEP / a * 1e3 - TOKENS_PER_STEP / b * 1e3 for a, b in zip(got[on], got[off])]
+            rows.append((f"{on} ({what})", fmt(ratios(got[off], got[on]), 1, 3), fmt(added, 1, 2)))
+        print_table("provenance (OTEL_SWA_PROVENANCE=on against off: its code not installed; the read check on in both)",
+                    ("variant", "throughput without / with", "ms per step added"), rows)
     cpu_rows = [[process] + [fmt(cpu[process].get(name, [0.0]), 1, 2) for name in names]
                 for process in sorted(cpu) if max(max(v) for v in cpu[process].values()) >= 0.05]
     cpu_rows.append(["main: in garbage collection"] + [fmt(gc_main[name], 1, 2) for name in names])

@@ -819,9 +819,10 @@ def _check_micro_batch(micro_batch: Any) -> None:
         raise ValueError(f"micro_batch must be None or an int from 0 to {MICRO_BATCH_MAX}, got {micro_batch!r}")
 
 
-def _request(pending: _Pending, entry: int) -> "str | None":
+def _request(pending: _Pending, entry: "int | None") -> "str | None":
+    """The request id of batch entry ``entry`` (``None`` for a slot no batch entry reads: the sweep's)."""
     ids = pending.request_ids
-    return ids[entry] if ids is not None and 0 <= entry < len(ids) else None
+    return ids[entry] if ids is not None and entry is not None and 0 <= entry < len(ids) else None
 
 
 def _batch_token(pending: _Pending, holder: int) -> "tuple[int, int] | None":

@@ -41,8 +41,9 @@ What the view gives the verification (:mod:`otel_swa.views.base`): ``seq_lens_cp
 lengths nothing is verified: the fields stay absent), ``token_ids`` (one host sequence per batch
 entry holding the request's token ids at positions ``0 .. seq_len - 1`` at least; ``len()`` and
 slicing ``ids[a:b]`` are all that is used, so SGLang's ``origin_input_ids`` and ``output_ids`` can be
-joined lazily, :class:`otel_swa.views.base.JoinedTokenIds`; a missing or short entry makes that
-request's slots unchecked), ``request_ids`` (keys of the host's chain cache below; without them every
+joined lazily, :class:`otel_swa.views.base.JoinedTokenIds`; a missing entry makes that request's
+slots unchecked, a short one the positions past its ids: SGLang's overlap scheduler runs a decode
+step before the host has the token it feeds), ``request_ids`` (keys of the host's chain cache below; without them every
 sample computes each request's chain from position 0), and for the SWA pool the window fields
 (``sliding_window``, ``extend_lens_cpu``, ``swa_eviction_allowance``): the SWA slots verified are the
 positions the step reads, ``seq_len - (window + extend_len - 1) - allowance`` onwards, those whose
@@ -62,6 +63,13 @@ with both pools full, through the reporter's pinned ring. Device work per pool a
 operations over the taken slots (the gathers of ``req_to_token``, the mapping, the stamps, the
 checksums and the K/V rows, the comparisons and the first offenders; ``benchmarks/bench_provenance.py``
 table 2 measures it: 3 - 7 ms on 2 loaded CPU cores at 2,720 - 8,192 slots).
+
+The sweep. KV that no running request reads (a prefix cache's) is not in any batch: a byte changed
+there is read, wrongly, only by a later prefix hit. A view that names such slots
+(``kv_sweep_full_slots``: SGLang's radix cache) has their checksums verified too, in both pools, at
+most ``budget`` FULL slots per sample from a list read at the start of each pass (what SGLang's KV
+canary does with its sweep of the radix cache, ``--kv-canary-sweep-interval``). The sweep compares no
+stamps (the cache's token ids are not given) and names a corrupt slot by its FULL and SWA slot only.
 
 Slots the engine fills without a forward step (SGLang's HiCache load-back, a disaggregated
 prefill's transfer) keep the stamps of what was there before unless the engine moves the provenance
@@ -113,6 +121,9 @@ PROVENANCE_CELLS = (
     "checksum_checks",  # live and hashed: hashed again and compared
     "corrupt",  # of which the bytes changed
     "corrupt_index", "corrupt_row", "corrupt_full_slot", "corrupt_swa_slot",
+    "sweep_checks",  # swept slots (the prefix cache's, beyond the batch) hashed and compared
+    "sweep_corrupt",  # of which the bytes changed
+    "sweep_full_slot", "sweep_swa_slot",  # the first of them
 )
 _PER_POOL = len(PROVENANCE_CELLS)
 PROVENANCE_WIDTH = 2 * _PER_POOL
@@ -137,7 +148,12 @@ class ProvenanceReading:
             ``expected_position``, ``found_token``, ``found_position`` (decoded from the stamps, token
             ids mod 2**20, positions mod 2**22), ``found_chain_known``; ``None`` when none.
         corrupt_offender: the first corrupt slot: ``entry``, ``row``, ``position``, ``pool``,
-            ``full_slot``, ``swa_slot``; ``None`` when none.
+            ``full_slot``, ``swa_slot``; ``None`` when none. A slot found by the sweep of the
+            prefix cache (:meth:`KvProvenance.stage`) has ``entry``, ``row`` and ``position``
+            ``None`` (no request of the batch reads it); the batch's come first.
+
+    ``checksum_checks`` and ``corrupt_tokens`` count the batch's live slots and the swept ones
+    (a slot both held by the prefix cache and read by the batch may count twice).
     """
 
     stamp_checks: int
@@ -170,11 +186,18 @@ class ProvenanceMeta:
         """The reading of the :data:`PROVENANCE_WIDTH` staged ints."""
         stamp_checks = foreign = stamp_unchecked = checksum_checks = corrupt = checksum_unchecked = 0
         foreign_at = corrupt_at = None
+        swept_at = None
         for p, pool in enumerate(PROVENANCE_POOLS):
             taken = self.taken[p]
             if taken is None:
                 continue
             cells = values[p * _PER_POOL:(p + 1) * _PER_POOL]
+            checksum_checks += cells[_C["sweep_checks"]]
+            corrupt += cells[_C["sweep_corrupt"]]
+            if swept_at is None and cells[_C["sweep_corrupt"]] > 0:
+                swa = int(cells[_C["sweep_swa_slot"]])
+                swept_at = {"entry": None, "row": None, "position": None, "pool": pool,
+                            "full_slot": int(cells[_C["sweep_full_slot"]]), "swa_slot": swa if swa >= 0 else None}
             live = int(cells[_C["live"]]) if pool == "swa" else len(taken[0])
             stamp_checks += cells[_C["stamp_checks"]]
             foreign += cells[_C["foreign"]]
@@ -186,6 +209,8 @@ class ProvenanceMeta:
                 foreign_at = _foreign(pool, taken, cells)
             if corrupt_at is None and cells[_C["corrupt"]] > 0:
                 corrupt_at = _slot_fields(pool, taken, cells, "corrupt")
+        if corrupt_at is None:
+            corrupt_at = swept_at
         on = self.checksums
         return ProvenanceReading(
             stamp_checks, foreign, stamp_unchecked,
@@ -351,6 +376,8 @@ class KvProvenance:
         self._hashers: "list[RowHasher | None]" = [None, None]
         self._cursor = [0, 0]
         self.chains = ChainCache()
+        self._sweep: "torch.Tensor | None" = None  # the FULL slots of the sweep pass under way
+        self._sweep_at = 0
 
     @property
     def bytes_per_slot(self) -> "tuple[int, int]":
@@ -493,7 +520,55 @@ class KvProvenance:
             if n:
                 self._verify(out[p * _PER_POOL:(p + 1) * _PER_POOL], up[:, offset:offset + n], p, view, mapping)
             offset += n
+        swept = self._next_sweep(getattr(view, "kv_sweep_full_slots", None))
+        if swept is not None:
+            for p in pools:
+                self._verify_swept(out[p * _PER_POOL:(p + 1) * _PER_POOL], swept, p, mapping)
         return ProvenanceMeta(tuple(taken), tuple(over), self.checksum != "off")
+
+    def _next_sweep(self, source: Any) -> "torch.Tensor | None":
+        """The FULL slots this sample sweeps (``int64 [<= budget]`` on the device): the next part of
+        the pass under way, or of a new pass over what ``source`` (a view's ``kv_sweep_full_slots``:
+        a tensor, or a zero-argument callable returning one or ``None``) gives now; ``None`` when
+        there is nothing to sweep. A slot listed at a pass's start and written again since keeps a
+        matching checksum (the write hashed it anew), so the list may be read over several samples."""
+        if source is None or self.checksums[0] is None:
+            return None
+        if self._sweep is None or self._sweep_at >= int(self._sweep.shape[0]):
+            slots = source() if callable(source) else source
+            if slots is None:
+                self._sweep = None
+                return None
+            slots = slots.reshape(-1).to(self.device, torch.int64)
+            self._sweep = torch.unique(slots[slots.gt(0)])
+            self._sweep_at = 0
+        part = self._sweep[self._sweep_at:self._sweep_at + self.budget]
+        self._sweep_at += self.budget
+        return part if part.numel() else None
+
+    def _verify_swept(self, out: torch.Tensor, full: torch.Tensor, pool: int, mapping: "torch.Tensor | None") -> None:
+        """The checksums of the swept FULL slots ``full`` (their SWA slots for the SWA pool, those
+        mapped) against the bytes the pool holds, into ``out``'s sweep cells."""
+        hasher, buffers, table = self._hashers[pool], self._buffers[pool], self.checksums[pool]
+        if table is None or hasher is None or not hasher.supported or buffers is None:
+            return
+        if pool == 1:
+            if mapping is None:
+                return
+            swa = mapping.index_select(0, full.clamp(0, mapping.shape[0] - 1)).long()
+            slot = swa.clamp(0, table.shape[0] - 1)
+            checked = swa.gt(0)
+        else:
+            swa = torch.full_like(full, -1)
+            slot = full.clamp(0, table.shape[0] - 1)
+            checked = full.lt(table.shape[0])
+        hashed = table.index_select(0, slot)
+        checked.logical_and_(hashed.ne(0))
+        corrupt = hasher.of_pool(buffers[0], buffers[1], slot).ne(hashed).logical_and_(checked)
+        first = torch.max(corrupt, 0).indices.reshape(1)
+        at = torch.stack([full, swa]).index_select(1, first).reshape(-1)
+        base = _C["sweep_checks"]
+        out[base:base + 4].copy_(torch.stack([checked.sum(), corrupt.sum(), *at.unbind()]))
 
     def _take(self, pool: int, low: np.ndarray, lens: np.ndarray) -> "tuple[list[tuple[int, int, int]], int]":
         """The ranges ``(entry, lo, hi)`` this sample verifies in ``pool`` (at most ``budget``
@@ -530,8 +605,9 @@ class KvProvenance:
         if token_ids is not None:
             for i, (lo, hi) in union.items():
                 ids = token_ids[i]
-                if ids is not None and len(ids) >= hi:
-                    known.append((request_ids[i] if request_ids is not None else None, ids, lo, hi, i))
+                end = min(hi, len(ids)) if ids is not None else lo  # positions past the ids: unchecked
+                if end > lo:
+                    known.append((request_ids[i] if request_ids is not None else None, ids, lo, end, i))
         values = dict(zip((r[4] for r in known), self.chains.expected_many([r[:4] for r in known])))
         out = []
         for pieces in pieces_of:
@@ -545,7 +621,8 @@ class KvProvenance:
                 stamps = values.get(i)
                 if stamps is not None:
                     first = union[i][0]
-                    expected[start:start + hi - lo] = stamps[lo - first:hi - first]
+                    part = stamps[lo - first:hi - first]  # shorter where the ids end before hi
+                    expected[start:start + len(part)] = part
             out.append((entries, positions, expected))
         return out
 
@@ -589,4 +666,4 @@ class KvProvenance:
         else:  # no checksum to compare: every live slot unchecked
             zero = judged.new_zeros((), dtype=torch.int64)
             values += [zero] * 6
-        out.copy_(torch.stack(values))
+        out[:len(values)].copy_(torch.stack(values))

@@ -85,9 +85,17 @@ and, optionally:
     sampling steps by the provenance verification (:mod:`otel_swa.device.provenance`), which needs
     only ``len(ids)`` and slices ``ids[a:b]`` of ints (a list, a tuple, a 1-D numpy array or CPU
     tensor, or a :class:`JoinedTokenIds` over SGLang's ``origin_input_ids`` and ``output_ids``, which
-    joins them without a copy). A request whose ids are missing or shorter than ``seq_len`` has its
-    slots counted unchecked. Each engine's source: SGLang's ``Req.origin_input_ids`` and
+    joins them without a copy). A request whose ids are missing has its slots counted unchecked;
+    one whose ids are shorter than ``seq_len``, its positions past them (SGLang's overlap scheduler
+    runs a decode step before the host has the token it feeds). Each engine's source: SGLang's ``Req.origin_input_ids`` and
     ``Req.output_ids``; the reference engine's ``RequestState.prompt_ids`` and ``output_ids``.
+``kv_sweep_full_slots``
+    FULL slots held beyond the batch (SGLang: its prefix cache's, ``tree_cache.all_values_flatten()``),
+    whose checksums the provenance check re-hashes at each sample, at most its budget per pool in
+    turn (a pass over the list read at its start): an ``int`` tensor on the KV device, or a
+    zero-argument callable returning one (or ``None``), called at the first sample of each pass.
+    Catches bytes changed in KV no running request reads (what SGLang's KV canary finds by
+    sweeping its radix cache).
 ``swa_eviction_allowance``
     tokens older than the positions this step reads (the last ``window + extend_len - 1``) that
     may still hold an SWA slot without counting as late-held: an ``int >= 0``, or one per batch
@@ -267,6 +275,7 @@ class SwaBatch:
     docstring). ``request_ids``: the batch's request ids, for offenders. ``kv_block_audit``: the KV
     block audit's inputs. ``kv_block_hashes``: what the block-hash provenance check found. ``token_ids``:
     each request's token ids (provenance).
+    ``kv_sweep_full_slots``: the FULL slots the provenance check sweeps beyond the batch.
     """
 
     req_to_token: torch.Tensor
@@ -284,6 +293,7 @@ class SwaBatch:
     kv_block_audit: KvBlockAuditInputs | None = None
     kv_block_hashes: BlockHashFindings | None = None
     token_ids: "Sequence[Sequence[int] | None] | None" = None
+    kv_sweep_full_slots: "torch.Tensor | Callable[[], torch.Tensor | None] | None" = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

@@ -58,6 +58,9 @@ __all__ = [
     "scheduler_micro_batch",
     "scheduler_pool_usage",
     "swa_kv_bytes_per_token",
+    "provenance_layout",
+    "request_token_ids",
+    "scheduler_prefix_cache_full_slots",
 ]
 
 #: The SGLang versions whose allocator layout this adapter was tested against (pip specifier).
@@ -133,6 +136,8 @@ def batch_view(
     sliding_window: int | None = None,
     swa_eviction_allowance: int | None = None,
     extend_lens_cpu: "Sequence[int] | torch.Tensor | None" = None,
+    token_ids: "Sequence[Any] | None" = None,
+    sweep_full_slots: "Callable[[], torch.Tensor | None] | None" = None,
 ) -> SwaBatch:
     """The reporter's view (:class:`otel_swa.views.SwaBatch`) of one SGLang forward step.
 
@@ -173,6 +178,10 @@ def batch_view(
         extend_lens_cpu: each request's new tokens in this step, given directly (overrides the
             batch's; a host sequence or CPU tensor of ints >= 1, ``[batch]``); read only with a
             window.
+        token_ids: each request's token ids, one entry per batch entry (:func:`request_token_ids`),
+            for the provenance check; ``None``: its slots are counted unchecked.
+        sweep_full_slots: a zero-argument callable returning the FULL slots the provenance check
+            sweeps beyond the batch (:func:`scheduler_prefix_cache_full_slots`), or ``None``.
 
     Returns:
         A :class:`~otel_swa.views.SwaBatch`. With neither a batch nor indices, an empty batch (the
@@ -220,6 +229,8 @@ def batch_view(
         sliding_window=sliding_window,
         swa_eviction_allowance=swa_eviction_allowance,
         extend_lens_cpu=extend_lens_cpu if sliding_window is not None else None,
+        **({"token_ids": token_ids} if token_ids is not None else {}),
+        **({"kv_sweep_full_slots": sweep_full_slots} if sweep_full_slots is not None else {}),
     )
 
 
@@ -324,6 +335,11 @@ class KvCanaryHooks:
             audited, never audited against an incomplete list (that would report false leaks).
         sliding_window, swa_eviction_allowance: the window check of every view (see
             :func:`batch_view` and :func:`sglang_window`), or ``None``.
+        token_ids: a zero-argument callable returning each request's token ids for the batch being
+            sampled (:func:`request_token_ids`), or ``None``; called at sampling steps only.
+        sweep_full_slots: a zero-argument callable returning the FULL slots the provenance check
+            sweeps beyond the batch (:func:`scheduler_prefix_cache_full_slots`), or ``None``; the
+            reporter calls it at the first sample of each sweep pass.
 
     Raises:
         ValueError: an allocator without a ``req_to_token_pool``.
@@ -338,6 +354,8 @@ class KvCanaryHooks:
         holder_full_slots: "Callable[[], torch.Tensor | None] | None" = None,
         sliding_window: int | None = None,
         swa_eviction_allowance: int | None = None,
+        token_ids: "Callable[[], Sequence[Any] | None] | None" = None,
+        sweep_full_slots: "Callable[[], torch.Tensor | None] | None" = None,
     ) -> None:
         if swa_allocator is not None and req_to_token_pool is None:
             raise ValueError("KvCanaryHooks: swa_allocator given without req_to_token_pool")
@@ -346,6 +364,8 @@ class KvCanaryHooks:
         self._req_to_token_pool = req_to_token_pool
         self._holders = holder_full_slots
         self._window = {"sliding_window": sliding_window, "swa_eviction_allowance": swa_eviction_allowance}
+        self._token_ids = token_ids
+        self._sweep = sweep_full_slots
         #: Errors caught in :meth:`step` (building or sampling the view), never raised to SGLang.
         self.step_errors = 0
         self._logged_error_kinds: set[str] = set()
@@ -392,16 +412,21 @@ class KvCanaryHooks:
     def _view(self, forward_batch: Any) -> SwaBatch:
         if self._swa_allocator is None:
             return _empty_view(self.reporter.device)
+        extra = dict(self._window)
+        if self._token_ids is not None:
+            extra["token_ids"] = self._token_ids()
+        if self._sweep is not None:
+            extra["sweep_full_slots"] = self._sweep
         if self._holders is not None:
             try:  # the holders are listed by the reporter's audit, only at the first sample of a pass
                 return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch,
-                                  holder_full_slots=self._holders, **self._window)
+                                  holder_full_slots=self._holders, **extra)
             except RuntimeError as exc:  # no consistent SWA free list right now: this sample is not audited
                 _log.debug("SWA slot audit skipped at forward step %d: %s", self.reporter.forward_ct, exc)
             except TypeError as exc:  # an allocator without SGLang's SWA free lists: no audit at all
                 self._holders = None
                 _log.warning("SWA slot audit off for this model runner: %s", exc)
-        return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch, **self._window)
+        return batch_view(self._swa_allocator, self._req_to_token_pool, forward_batch, **extra)
 
     def close(self) -> None:
         """Deliver every pending sample (SGLang's reporter loses the last one at shutdown)."""
@@ -664,6 +689,75 @@ def _pool(pool: str, capacity: int, available: int, evictable: int) -> PoolUsage
     if not capacity:  # SGLang: an empty pool counts 0 used and 0 available
         return PoolUsage(pool, 0, 0, evictable, 0)
     return PoolUsage.from_free(pool, total=capacity, available=available, evictable=evictable)
+
+
+# ---------------------------------------------------------------------------------- provenance
+
+
+def provenance_layout(kv_pool: Any) -> "dict[str, Any] | None":
+    """Where the KV's provenance of an SGLang ``SWAKVPool`` lives (sglang 0.5.23
+    ``srt/mem_cache/swa_memory_pool.py``): its slots per pool and the layers that matter.
+
+    ``kv_pool.full_kv_pool`` / ``swa_kv_pool`` each hold one K and one V buffer per layer of their
+    kind (``k_buffer[i]``: ``[slots, heads, head_dim]``, indexed by FULL slot, resp. by SWA slot
+    ``full_to_swa_index_mapping[full_slot]``); ``layers_mapping`` maps a model layer id to ``(index
+    in its sub-pool, is_swa)``. The checksum's designated layer of each pool is the one at index 0 of
+    its sub-pool, the layer whose K/V bytes SGLang's KV canary hashes (``--kv-canary-real-data``,
+    ``srt/kv_canary/pool_patcher/adapters/swa.py``: ``k_buffer[0]`` of each sub-pool), so that a
+    byte the canary's self-tests flip there is one otel-swa hashed too.
+
+    Returns:
+        ``{"full_slots", "swa_slots", "checksum_layers": {"full": id, "swa": id}, "first_layer",
+        "swa_layers": frozenset}`` (``first_layer``: the lowest model layer id of the pool, the
+        attention layer that runs first in a forward step), or ``None`` when ``kv_pool`` is not an
+        ``SWAKVPool`` of K/V buffers (MLA, quantized, another layout): no provenance then.
+    """
+    mapping = getattr(kv_pool, "layers_mapping", None)
+    try:
+        full = int(kv_pool.full_kv_pool.k_buffer[0].shape[0])
+        swa = int(kv_pool.swa_kv_pool.k_buffer[0].shape[0])
+        layers = {int(layer): (int(index), bool(is_swa)) for layer, (index, is_swa) in mapping.items()}
+    except (AttributeError, TypeError, IndexError, ValueError):
+        return None
+    if not layers:
+        return None
+    designated = {("swa" if is_swa else "full"): layer for layer, (index, is_swa) in layers.items() if index == 0}
+    return {
+        "full_slots": full, "swa_slots": swa, "checksum_layers": designated, "first_layer": min(layers),
+        "swa_layers": frozenset(layer for layer, (_, is_swa) in layers.items() if is_swa),
+    }
+
+
+def scheduler_prefix_cache_full_slots(scheduler: Any) -> "torch.Tensor | None":
+    """The FULL slots SGLang's prefix cache holds (``scheduler.tree_cache.all_values_flatten()``: the
+    radix tree's nodes, evictable or locked; sglang 0.5.23 ``srt/mem_cache/``), ``int64`` on the KV
+    device, for the provenance check's sweep; ``None`` without a tree cache that lists them (the
+    chunk cache of ``disable_radix_cache``). Host work: a walk of the tree (call it once per sweep
+    pass, not every step)."""
+    values = getattr(getattr(scheduler, "tree_cache", None), "all_values_flatten", None)
+    if not callable(values):
+        return None
+    slots = values()
+    return slots.reshape(-1).to(torch.int64) if isinstance(slots, torch.Tensor) else None
+
+
+def request_token_ids(schedule_batch: Any, batch_size: int) -> "list | None":
+    """Each request's token ids for the provenance check, from SGLang's ``ScheduleBatch`` (the batch
+    whose forward step is being sampled; its ``reqs`` are in the forward batch's order): per request
+    ``origin_input_ids`` (the prompt, a list) then ``output_ids`` (the generated tokens, an
+    ``array("q")``), joined without a copy (:class:`otel_swa.views.base.JoinedTokenIds`). With the
+    overlap scheduler the last generated token is still on the device when the next step runs: that
+    request's ids are then one short of its ``seq_len`` and its slots are counted unchecked.
+
+    Host work: one small object per request; the ids themselves are read only for the positions a
+    sample verifies. Returns ``None`` when the batch has no ``reqs`` or not ``batch_size`` of them.
+    """
+    from otel_swa.views.base import JoinedTokenIds
+
+    reqs = getattr(schedule_batch, "reqs", None)
+    if reqs is None or len(reqs) != batch_size:
+        return None
+    return [JoinedTokenIds(req.origin_input_ids, req.output_ids) for req in reqs]
 
 
 def swa_kv_bytes_per_token(kv_pool: Any) -> "int | None":

@@ -181,8 +181,8 @@ class Engine:
     """A tiny hybrid cache driven through KvProvenance: FULL slots = 1 + position + 50 * row, SWA
     slots a permutation, K/V rows random (2 heads of 8, float32)."""
 
-    def __init__(self, lens, window=None, budget=4096, checksum="prefix"):
-        self.gate = SamplingGate("cpu")
+    def __init__(self, lens, window=None, budget=4096, checksum="prefix", reporter=None):
+        self.gate = SamplingGate("cpu") if reporter is None else reporter.gate
         rows = len(lens)
         self.r2t = torch.zeros((rows + 1, 64), dtype=torch.int32)
         for r in range(1, rows + 1):
@@ -193,8 +193,12 @@ class Engine:
         self.k = torch.zeros((full_slots, 2, 8))
         self.v = torch.zeros((full_slots, 2, 8))
         self.swa_k, self.swa_v = self.k.clone(), self.v.clone()
-        self.prov = KvProvenance("cpu", self.gate, full_slots=full_slots, swa_slots=full_slots, budget=budget,
-                                 checksum=checksum)
+        if reporter is None:
+            self.prov = KvProvenance("cpu", self.gate, full_slots=full_slots, swa_slots=full_slots, budget=budget,
+                                     checksum=checksum)
+        else:
+            self.prov = reporter.enable_provenance(full_slots=full_slots, swa_slots=full_slots, budget=budget,
+                                                   checksum=checksum)
         rng = random.Random(6)
         self.tokens = [[rng.randrange(500) for _ in range(64)] for _ in range(rows)]
         self.window = window
@@ -295,7 +299,8 @@ def test_token_ids_not_given_leave_stamps_unchecked_but_checksums_checked():
     short = SwaBatch(view.req_to_token, view.full_to_swa_index_mapping, view.req_pool_indices, view.seq_lens,
                      seq_lens_cpu=view.seq_lens_cpu, token_ids=[engine.tokens[0][:10], engine.tokens[1][:3]])
     got = engine.verify(short)
-    assert (got.stamp_checks, got.stamp_unchecked) == (20, 12)
+    # request 1's positions 0-2 are judged in both pools, its positions 3-5 (past its ids) are not
+    assert (got.stamp_checks, got.stamp_unchecked) == (20 + 2 * 3, 12 - 2 * 3)
 
 
 def test_unstamped_slots_are_unchecked():
@@ -365,3 +370,72 @@ def test_the_chain_keeps_apart_prefixes_with_a_swap_or_the_same_token_sum():
     kept[:, 9] -= 1
     assert int((chains(swapped) == base)[differ].sum()) <= 1
     assert int((chains(kept) == base).sum()) <= 1
+
+
+# ---------------------------------------------------------------------- the sweep of held slots
+def _batch_of_first(engine, sweep):
+    """A view of request 1 alone, sweeping ``sweep`` (the slots another holder keeps)."""
+    n = engine.lens[0]
+    return SwaBatch(engine.r2t, engine.mapping, torch.tensor([1]), torch.tensor([n]), seq_lens_cpu=[n],
+                    request_ids=[0], token_ids=[engine.tokens[0][:n]], kv_sweep_full_slots=sweep)
+
+
+def test_a_flipped_byte_in_a_held_slot_no_request_reads_is_found_by_the_sweep():
+    engine = Engine([10, 6])
+    held = engine.r2t[2, :6].long()  # request 2 finished: its KV is only held (a prefix cache)
+    slot = int(held[4])
+    engine.k[slot].view(-1).view(torch.uint8)[0] ^= 0xFF
+    without = engine.verify(_batch_of_first(engine, None))
+    assert (without.checksum_checks, without.corrupt_tokens) == (20, 0)  # request 1's 10 FULL + 10 SWA
+    got = engine.verify(_batch_of_first(engine, held))
+    assert (got.checksum_checks, got.corrupt_tokens) == (20 + 6 + 6, 1)  # and 6 held slots in each pool
+    assert got.corrupt_offender == {"entry": None, "row": None, "position": None, "pool": "full",
+                                    "full_slot": slot, "swa_slot": None}
+    assert got.foreign_tokens == 0 and got.stamp_checks == 20  # the sweep compares no stamps
+
+
+def test_the_sweep_finds_a_flipped_swa_byte_and_skips_unmapped_slots():
+    engine = Engine([10, 6])
+    held = engine.r2t[2, :6].long()
+    engine.mapping[held[:2]] = 0  # two held tokens left the window: no SWA slot to check
+    swa = int(engine.mapping[held[5]])
+    engine.swa_v[swa].view(-1).view(torch.uint8)[1] ^= 0x01
+    got = engine.verify(_batch_of_first(engine, lambda: held))
+    assert (got.checksum_checks, got.corrupt_tokens) == (20 + 6 + 4, 1)
+    assert (got.corrupt_offender["pool"], got.corrupt_offender["full_slot"], got.corrupt_offender["swa_slot"]) == (
+        "swa", int(held[5]), swa)
+
+
+def test_the_sweep_goes_through_its_list_a_budget_at_a_time():
+    engine = Engine([3, 40], budget=16)
+    held = engine.r2t[2, :40].long()
+    slot = int(held[37])
+    engine.k[slot].view(-1).view(torch.uint8)[0] ^= 0xFF
+    calls = []
+
+    def listed():
+        calls.append(1)
+        return held
+
+    found = [engine.verify(_batch_of_first(engine, listed)).corrupt_tokens for _ in range(4)]
+    # the list (40 slots, sorted) is read once per pass of ceil(40 / 16) = 3 samples; slot 37 of the
+    # request is in the third part; the fourth sample starts a new pass
+    assert found == [0, 0, 1, 0] and len(calls) == 2
+
+
+def test_a_corrupt_slot_found_by_the_sweep_reaches_the_record_named_by_its_slots():
+    from otel_swa.reporter import SwaDivergenceReporter
+
+    got = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda record, context: got.append(record)])
+    engine = Engine([10, 6], reporter=reporter)
+    held = engine.r2t[2, :6].long()
+    slot = int(held[2])
+    engine.k[slot].view(-1).view(torch.uint8)[0] ^= 0xFF
+    reporter.step(_batch_of_first(engine, held))
+    reporter.close()
+    (record,) = got
+    assert (record.kv_checksum_checks, record.kv_corrupt_tokens, record.kv_foreign_tokens) == (20 + 12, 1, 0)
+    offender = record.offender("kv_corrupt_tokens")
+    assert (offender.pool, offender.full_slot, offender.swa_slot) == ("full", slot, None)
+    assert (offender.request, offender.row, offender.position) == (None, None, None)

@@ -74,6 +74,9 @@ def standin_classes(with_pre_ops: bool = True, positional_canary: bool = False):
             self.forwards += 1
             return ("output", self.forwards)
 
+        def init_cuda_graphs(self, capture_decode_cuda_graph=True):
+            pass
+
     return ModelRunner, CanaryManager
 
 

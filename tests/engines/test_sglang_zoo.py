@@ -9,6 +9,20 @@ engine) and SGLang's idle memory check in warn mode, both sampled every :data:`I
 The fault is on from forward step :data:`AT_STEP` (the raw read from the first step): the records
 before it are the configuration's clean run, and must show no fault of any kind.
 
+The faults of the KV's provenance (what a slot holds against what the tables say it holds) share two
+runs (:data:`PHASED`, 16 requests of the trace and 4 repeats each): ``provenance`` makes five faults
+(``sglang_faults``: a wrong position, swapped ownership, a stale write location, a raw-index SWA
+write, a stale prefix-cache SWA slot), ``perturbations`` runs SGLang's own KV canary self-tests
+(``sglang_perturb_phases``: ``req_to_token``, ``real_kv_used``, ``real_kv_unused_cache``,
+``real_kv_post_forward``, each for the FULL and for the SWA pool, with the canary's real-KV hashing
+on and a sweep every :data:`INTERVAL` steps). Each fault is made once, at a sampled step, on the
+requests closest to finishing; the next waits until those requests have left and a clean sample was
+taken (the perturbations are undone after both checkers had a look), so each is judged on its own
+records: the last sample before it must be clean, its first sample must flag it naming what it
+touched, and ``otel-swa check`` on its records (with the clean sample before them) must fail.
+``tests/engines/sglang_engine/zoo_outputs.py`` measures, by hand, what each fault does to the
+outputs against a clean run of the same configuration.
+
 For each run the suite writes a row of the detection table (``detection.json`` in
 ``$OTEL_SWA_DETECTION_DIR``, default the test's tmp directory): the otel-swa signal that flags the
 fault, the first sample that does against the step the fault took effect, the first offender it
@@ -59,8 +73,41 @@ ZOO = {
 }
 
 
+#: Faults of the KV's provenance (what a slot holds against what the tables say), several made one
+#: after the other in one engine run each (``sglang_faults.Gate``, ``sglang_perturb_phases``): a fault
+#: waits until the requests the previous one touched have left and a clean sample was taken, so
+#: each is seen on its own. run -> (engine arguments, environment, ((fault, re-creates), ...)).
+# (the byte flips first: they are undone and leave nothing behind; a req_to_token entry read while
+# pointed elsewhere seeds wrong chains in its request until the request ends, which the next fault
+# waits for)
+_PERTURBATIONS = (*(f"{mode}:{group}" for group in ("full", "swa")
+                    for mode in ("real_kv_used", "real_kv_unused_cache", "real_kv_post_forward")),
+                  "req_to_token:full", "req_to_token:swa")
+PHASED = {
+    "provenance": (
+        {"page_size": 1, "swa_full_tokens_ratio": 1.0, "disable_overlap_schedule": True},
+        {"OTEL_SWA_TEST_SGLANG_FAULT": ",".join(f"{fault}@{AT_STEP}" for fault in (
+            "wrong_position", "swapped_ownership", "stale_write_loc", "write_raw", "stale_prefix"))},
+        (("wrong_position", "sgl-project/sglang#33656 (a new token's KV written for another position)"),
+         ("swapped_ownership", "two requests' new tokens' SWA mapping entries swapped after the write"),
+         ("stale_write_loc", "sgl-project/sglang#25889 (a stale write location: KV written into another "
+                             "request's live slot)"),
+         ("write_raw", "sgl-project/sglang#23984, #20181 (SWA layers store new KV at the raw FULL index)"),
+         ("stale_prefix", "sgl-project/sglang#31486 (a prefix hit re-uses window-evicted SWA KV)")),
+    ),
+    "perturbations": (
+        {"page_size": 1, "disable_overlap_schedule": True, "kv_canary_real_data": "partial",
+         "kv_canary_sweep_interval": INTERVAL},
+        {"OTEL_SWA_TEST_SGLANG_PERTURB": ",".join(f"{p}@{AT_STEP}" for p in _PERTURBATIONS)},
+        tuple((f"perturb {p}", f"SGLang's own KV canary self-test {p.split(':')[0]} (target group "
+                               f"{p.split(':')[1]}), made once") for p in _PERTURBATIONS),
+    ),
+}
+
 #: The faults to run (a comma list in ``OTEL_SWA_TEST_ZOO``, to run some by hand; default every one).
-SELECTED = [f for f in os.environ.get("OTEL_SWA_TEST_ZOO", ",".join(ZOO)).split(",") if f in ZOO]
+SELECTED = [f for f in os.environ.get("OTEL_SWA_TEST_ZOO", ",".join([*ZOO, *PHASED])).split(",") if f in ZOO]
+SELECTED_PHASED = [f for f in os.environ.get("OTEL_SWA_TEST_ZOO", ",".join([*ZOO, *PHASED])).split(",")
+                   if f in PHASED]
 
 
 def _require() -> None:
@@ -124,6 +171,64 @@ def zoo(request, zoo_runs):
     return zoo_runs[request.param]
 
 
+def _phased_run(tmp_path_factory, model, agent, name):
+    import time
+
+    from sglang_engine.harness import run_engine
+
+    engine, env, _ = PHASED[name]
+    directory = tmp_path_factory.mktemp(name)
+    start = time.monotonic()
+    run = run_engine(
+        directory, model, agent, requests=16, repeat=4,
+        engine={"kv_canary": "log", **engine},
+        env={"OTEL_SWA_DIVERGENCE_INTERVAL": str(INTERVAL),
+             "SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL": str(INTERVAL),
+             "SGLANG_KV_CANARY_STATS_PRINT_EVERY_N_STEPS": str(INTERVAL),
+             "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false",
+             "OTEL_SWA_TEST_SGLANG_FAULT_ALIGN": str(INTERVAL), **env},
+    )
+    print(f"\nsglang zoo run {name!r}: {time.monotonic() - start:.1f} s, {run.forward_steps} forward steps")
+    made = [json.loads(line) for pattern in ("faults-*.jsonl", "perturb-*.jsonl")
+            for path in sorted((directory / "probe").glob(pattern)) for line in path.read_text().splitlines()]
+    for fault in made:  # one naming for both kinds
+        if "perturbation" in fault:
+            fault["fault"] = f"perturb {fault['perturbation']}:{fault['group']}"
+    run.faults = sorted(made, key=lambda f: f["step"])
+    run.directory = directory
+    run.name = name
+    return run
+
+
+@pytest.fixture(scope="module")
+def phased_runs(tmp_path_factory, model, agent_binary, detection_dir):
+    """Every run of :data:`PHASED` (one engine each), with a row of the detection table per fault made."""
+    runs = {}
+    for name in SELECTED_PHASED:
+        run = _phased_run(tmp_path_factory, model, agent_binary, name)
+        upstream = dict(PHASED[name][2])
+        steps = [f["step"] for f in run.faults]
+        run.rows = {}
+        for i, fault in enumerate(run.faults):
+            until = steps[i + 1] if i + 1 < len(steps) else run.forward_steps + 1
+            run.rows[fault["fault"]] = _phase_row(run, fault, upstream[fault["fault"]], until)
+        with open(detection_dir / "detection.json", "a") as out:
+            for row in run.rows.values():
+                out.write(json.dumps(row) + "\n")
+        runs[name] = run
+    return runs
+
+
+@pytest.fixture(params=[(run, fault) for run in SELECTED_PHASED for fault, _ in PHASED[run][2]],
+                ids=lambda param: param[1].replace(" ", "_"))
+def phase(request, phased_runs):
+    """One fault of a phased run: ``(run, the fault as made, its row)``."""
+    run = phased_runs[request.param[0]]
+    made = next((f for f in run.faults if f["fault"] == request.param[1]), None)
+    assert made is not None, f"{request.param[1]} was never made in the {run.name!r} run"
+    return run, made, run.rows[made["fault"]]
+
+
 def _faults_of(record: SwaDivergenceRecord) -> dict:
     return {name: getattr(record, name) for name in FAULT_FIELDS if getattr(record, name)}
 
@@ -156,6 +261,88 @@ def _row(run) -> dict:
         "request": offender.request if offender is not None else None, "check_exit": check_exit,
         "canary": f"violations={canary_violations(run.log)}",
         "memory_check": "memory leak detected" if "memory leak detected" in run.log else "clean",
+    }
+
+
+_VIOLATION = re.compile(r"kv_canary violation: launch_tag=(\S+) fail_reason=(\S+) slot_idx=(-?\d+).*?"
+                        r"step_when_pumped=(\d+)", re.S)
+
+
+def canary_said(log: str, start: int, until: int) -> str:
+    """What SGLang's KV canary reported for forward steps ``start .. until - 1``: its violations
+    pumped to the host in that range (``step_when_pumped``), the first one's launch tag and reasons."""
+    found = [(int(step), tag, reasons) for tag, reasons, _, step in _VIOLATION.findall(log)
+             if start <= int(step) < until]
+    if not found:
+        return "violations=0"
+    step, tag, reasons = min(found)
+    return f"violations={len(found)} from step {step} ({tag} {reasons})"
+
+
+def log_slice(log: str, start: int, until: int) -> str:
+    """otel-swa's lines of ``log`` whose ``forward_ct`` is in ``start .. until - 1``, in order: one
+    fault's part of a phased run, for ``otel-swa check``."""
+    keep = []
+    for line in log.splitlines():
+        if "otel_swa" not in line:
+            continue
+        found = re.search(r'"forward_ct":(\d+)', line)
+        if found and start <= int(found.group(1)) < until:
+            keep.append(line)
+    return "\n".join(keep) + "\n"
+
+
+def log_between(log: str, start: int, until: int) -> str:
+    """Every line of ``log`` from otel-swa's first line with ``forward_ct >= start`` to the line before
+    its first with ``forward_ct >= until`` (what the engine logged meanwhile)."""
+    lines = log.splitlines()
+    first = end = None
+    for index, line in enumerate(lines):
+        found = re.search(r'"forward_ct":(\d+)', line) if "otel_swa" in line else None
+        if found is None:
+            continue
+        if first is None and int(found.group(1)) >= start:
+            first = index
+        if int(found.group(1)) >= until:
+            end = index
+            break
+    return "\n".join(lines[first:end]) if first is not None else ""
+
+
+def _check_exit(text: str, path: Path) -> int:
+    import contextlib
+    import io
+
+    from otel_swa.cli import main
+
+    path.write_text(text)
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return main(["check", str(path)])
+
+
+def _phase_row(run, made: dict, upstream: str, until: int) -> dict:
+    """The detection row of one fault of a phased run: the records from the step it was made up to
+    the step the next one was."""
+    start = made["step"]
+    window = [r for r in run.ours if start <= r.forward_ct < until]
+    flagged = [r for r in window if _faults_of(r)]
+    first = flagged[0] if flagged else None
+    signals = sorted({name for r in flagged for name in _faults_of(r)}, key=FAULT_FIELDS.index)
+    offender = first.offender(signals[0]) if first is not None and signals else None
+    before = [r.forward_ct for r in run.ours if r.forward_ct < start]
+    # the check judges the fault's records with the last sample before it (clean, see the tests)
+    text = log_slice(run.log, before[-1] if before else start, until)
+    slug = made["fault"].replace(" ", "_").replace(":", "_")
+    return {
+        "engine": "sglang 0.5.23 Engine", "fault": made["fault"], "upstream": upstream,
+        "signal": ", ".join(signals) or "none", "injected_at": start,
+        "first_forward_ct": first.forward_ct if first is not None else None,
+        "offender": dataclasses.replace(offender, request=None).describe() if offender is not None else None,
+        "request": offender.request if offender is not None else None,
+        "check_exit": _check_exit(text, run.directory / f"check-{slug}.log"),
+        "canary": canary_said(run.log, start, until),
+        "memory_check": "memory leak detected" if "memory leak detected" in log_between(run.log, start, until)
+        else "clean",
     }
 
 
@@ -233,23 +420,91 @@ def test_the_read_check_ran_at_every_sample_and_agreed_in_the_clean_phase(zoo):
         assert remapped and all(r.swa_read_mismatches > 0 for r in remapped)
 
 
+# ------------------------------------------------------------------ provenance faults, one run each kind
+def _expected_signals(fault: str) -> tuple:
+    """The otel-swa fault fields (one of which) a phased fault must raise."""
+    if fault.startswith("perturb req_to_token"):
+        return ("kv_foreign_tokens",)
+    if fault.startswith("perturb "):
+        return ("kv_corrupt_tokens",)
+    return {"write_raw": ("kv_write_mismatches", "kv_corrupt_tokens"),
+            "stale_write_loc": ("kv_foreign_tokens", "kv_write_mismatches")}.get(fault, ("kv_foreign_tokens",))
+
+
+def _made_where(offender, made: dict) -> bool:
+    """Whether ``offender`` (a :class:`otel_swa.record.Offender`) names a token or slot the fault touched."""
+    at = (offender.row, offender.position)
+    fault = made["fault"]
+    if offender.row is None and offender.request in made.get("requests", ()):
+        # the write check names the request and position (no row): the request the fault wrote for
+        return offender.position in {made.get("position"), *made.get("positions", ())}
+    if fault == "swapped_ownership":
+        return at in set(zip(made["rows"], made["positions"]))
+    if fault == "stale_write_loc":
+        return at in {(made["row"], made["position"]), (made["other_row"], made["other_position"])}
+    if fault == "write_raw":
+        return at == (made["row"], made["position"]) or offender.full_slot in made["overwritten_swa_slot_full_slots"]
+    if fault.startswith("perturb req_to_token"):
+        return at in {(c["row"], c["position"]) for c in made["changes"]}
+    if fault.startswith("perturb "):
+        change = made["changes"][0]
+        slot = offender.swa_slot if change["pool"] == "swa" else offender.full_slot
+        return slot == change["physical_slot"]
+    return at == (made["row"], made["position"])
+
+
+def test_no_fault_before_each_phased_fault(phase):
+    run, made, _ = phase
+    before = [r for r in run.ours if r.forward_ct < made["step"]]
+    assert before, "no sample before the fault"
+    if made is run.faults[0]:  # the run's clean part: every sample before its first fault
+        assert [(r.forward_ct, _faults_of(r)) for r in before if _faults_of(r)] == []
+    # the last sample before each fault is clean: what the fault's row counts is its own
+    assert _faults_of(before[-1]) == {}, (before[-1].forward_ct, _faults_of(before[-1]))
+
+
+def test_each_phased_fault_is_flagged_where_it_was_made(phase):
+    run, made, row = phase
+    assert set(_expected_signals(made["fault"])) & set(row["signal"].split(", ")), row
+    first_sample = next(r.forward_ct for r in run.ours if r.forward_ct >= made["step"])
+    assert row["first_forward_ct"] == first_sample, row
+    first = next(r for r in run.ours if r.forward_ct == first_sample)
+    # the provenance signal's offender (a fault may also show elsewhere first: the stale prefix leaks
+    # the SWA slot it replaced, which the audit names)
+    signal = next(name for name in _expected_signals(made["fault"]) if getattr(first, name))
+    assert _made_where(first.offender(signal), made), (first.offender(signal), made)
+    assert row["check_exit"] == 1, row
+
+
+def test_otel_swa_flags_every_perturbation_sglangs_canary_flags(phase):
+    _, made, row = phase
+    if row["canary"] != "violations=0":
+        assert row["signal"] != "none", row
+
+
 # ------------------------------------------------------------------ the table in the docs
+def _table_order(fault: str) -> int:
+    order = [*ZOO, *(name for run in PHASED.values() for name, _ in run[2])]
+    return order.index(fault)
+
+
 def render_table(rows: list[dict]) -> str:
-    """The detection table's markdown, a row per fault in :data:`ZOO` order."""
+    """The detection table's markdown, a row per fault in :data:`ZOO` then :data:`PHASED` order."""
     head = ("| fault | re-creates | otel-swa signal | took effect at step | first flagged at forward_ct | first offender "
             "| `otel-swa check` | SGLang's KV canary | SGLang's memory check |")
     lines = [head, "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for row in sorted(rows, key=lambda r: list(ZOO).index(r["fault"])):
+    for row in sorted(rows, key=lambda r: _table_order(r["fault"])):
         lines.append(f"| `{row['fault']}` | {row['upstream']} | {row['signal']} | {row['injected_at']} | "
                      f"{row['first_forward_ct']} | {row['offender']} | exit {row['check_exit']} | {row['canary']} | "
                      f"{row['memory_check']} |")
     return "\n".join(lines)
 
 
-def test_the_detection_table_in_the_docs_is_the_runs(zoo_runs):
-    if set(zoo_runs) != set(ZOO):
-        pytest.skip(f"only {', '.join(zoo_runs)} ran (OTEL_SWA_TEST_ZOO)")
-    table = render_table([run.row for run in zoo_runs.values()])
+def test_the_detection_table_in_the_docs_is_the_runs(zoo_runs, phased_runs):
+    if set(zoo_runs) != set(ZOO) or set(phased_runs) != set(PHASED):
+        pytest.skip(f"only {', '.join([*zoo_runs, *phased_runs])} ran (OTEL_SWA_TEST_ZOO)")
+    table = render_table([run.row for run in zoo_runs.values()]
+                         + [row for run in phased_runs.values() for row in run.rows.values()])
     docs = DOCS.read_text()
     if os.environ.get("OTEL_SWA_UPDATE_DOCS") == "1":  # regenerate the table from this run
         start, end = docs.index(TABLE_BEGIN) + len(TABLE_BEGIN), docs.index(TABLE_END)

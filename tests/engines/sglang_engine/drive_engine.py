@@ -16,7 +16,8 @@ every request leaves the window, and with a 160-token pool, 4 running requests a
 that counts at most 8 future tokens per request (``SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION=8``, set
 by the harness) decoding outgrows the pool and the scheduler retracts. All requests are submitted at once, then the repeats.
 
-The results JSON: per request ``completion_tokens`` and ``cached_tokens``, the engine's start-up
+The results JSON: per request ``completion_tokens``, ``cached_tokens``, ``rid`` (SGLang's request id)
+and ``output_ids`` (the generated token ids, to compare runs), the engine's start-up
 and generation times, and the pids of the engine's child processes.
 """
 
@@ -73,7 +74,8 @@ def main(config_path: str) -> None:
     results = {
         "requests": [
             {"prompt_tokens": len(p), "completion_tokens": o["meta_info"]["completion_tokens"],
-             "cached_tokens": o["meta_info"].get("cached_tokens", 0), "wave": wave}
+             "cached_tokens": o["meta_info"].get("cached_tokens", 0), "wave": wave, "rid": o["meta_info"].get("id"),
+             "output_ids": list(o.get("output_ids") or ())}
             for wave, (batch, sent) in enumerate(((first, prompts), (second, prompts[:repeat])))
             for p, o in zip(sent, batch)
         ],

@@ -33,9 +33,31 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
     collection time by :func:`otel_swa.views.sglang.scheduler_pool_usage`, SGLang's own
     computation of its pool gauges, with the process's ranks). The instrumentor also adds the
     method ``Scheduler.otel_swa_flush`` (:data:`FLUSH_RPC_METHOD`).
+``sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs(self, ...)``
+    Wires the model runner (its reporter, its provenance) before SGLang captures its CUDA graphs
+    (sglang 0.5.23 calls it at start-up with or without graphs), so that the captured forwards hold
+    the provenance stamps, checksums and write check of the attention layers below.
 ``sglang.srt.layers.radix_attention.RadixAttention.forward(self, q, k, v, forward_batch, ...)``
+    The KV's provenance (:mod:`otel_swa.device.provenance`; ``OTEL_SWA_PROVENANCE``, default
+    ``prefix``). Each attention layer of an observed model runner carries its wiring (set when the
+    runner is wired, so a capture finds it too). Before the first attention layer of every forward
+    step (the lowest layer id of the ``SWAKVPool``), the slots the step writes are stamped from the
+    batch's ``input_ids``, ``positions`` and ``out_cache_loc`` (FULL pool) and their
+    ``full_to_swa_index_mapping`` (SWA pool); after every layer's forward (which stored the step's
+    K/V through ``set_kv_buffer``), the K/V the layer was given are hashed into the checksum table
+    when it is its pool's designated layer (index 0 of its sub-pool: the layer SGLang's KV canary
+    hashes) and, at sampled steps, compared with what the pool holds at the slot the tables name
+    (the write check). Decode, extend and mixed batches that store K/V; not idle, speculative verify
+    or cross-attention calls (a model runner with speculative decoding gets no provenance: a verify
+    step writes draft tokens' K/V that are later rejected). At each sample the stamps and checksums
+    of the batch's live slots are verified against each request's own token ids
+    (``Req.origin_input_ids`` + ``Req.output_ids`` of the ``ScheduleBatch`` being run; with the
+    overlap scheduler a decode step's input token is not yet on the host, so each request's last
+    position is left unchecked there), and the checksums of the slots SGLang's radix cache holds
+    (``tree_cache.all_values_flatten()``, read once per sweep pass), a budget of slots per pool and
+    sample.
     The read check (:mod:`otel_swa.device.read_check`; ``OTEL_SWA_READ_CHECK``, default
-    ``rotate``; ``off``: this method is not wrapped at all). At a sampled forward step, after a
+    ``rotate``; with it and provenance off this method is not wrapped at all). At a sampled forward step, after a
     sliding-window layer's attention (``sliding_window_size > -1``), the attention output of the
     last token of up to ``OTEL_SWA_READ_CHECK_QUERIES`` (8) requests is recomputed from the layer's
     KV buffers (``forward_batch.token_to_kv_pool.get_key_buffer(layer_id)`` /
@@ -171,6 +193,10 @@ RUNNER_ATTRIBUTE = "_otel_swa_telemetry"
 POOLS_ATTRIBUTE = "_otel_swa_pools"
 #: Attribute of an instrumented ``CanaryManager`` holding the reporter of its model runner.
 CANARY_ATTRIBUTE = "_otel_swa_reporter"
+#: Attribute of each attention layer (``RadixAttention``) of an observed model runner holding its
+#: provenance wiring: the layer finds it also while SGLang captures a CUDA graph (the capture calls
+#: the model, not ``ModelRunner.forward``).
+PROVENANCE_ATTRIBUTE = "_otel_swa_provenance"
 
 #: (module, class, method, parameters the wrapper relies on), as in sglang 0.5.23.
 WRAPPED = (
@@ -182,6 +208,7 @@ WRAPPED = (
     ("sglang.srt.managers.scheduler", "Scheduler", "run_batch", ("batch",)),
     ("sglang.srt.entrypoints.engine", "Engine", "shutdown", ()),
     ("sglang.srt.layers.radix_attention", "RadixAttention", "forward", ("q", "k", "v", "forward_batch")),
+    ("sglang.srt.model_executor.model_runner", "ModelRunner", "init_cuda_graphs", ()),
 )
 
 #: The ``Scheduler`` method the instrumentor adds (:data:`stop_paths.FLUSH_RPC_METHOD`).
@@ -238,7 +265,7 @@ class SwaSglangInstrumentor(EngineInstrumentor):
 
     def _wrappers(self) -> tuple:
         return (self._wrap_forward, self._wrap_canary_init, self._wrap_pre_ops, self._wrap_run_batch,
-                self._wrap_shutdown, self._wrap_attention)
+                self._wrap_shutdown, self._wrap_attention, self._wrap_init_cuda_graphs)
 
     def _more_wrappers(self) -> tuple:
         return stop_paths.wrappers()
@@ -278,22 +305,31 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                 ranks = _ranks()
                 if reporter is None and is_swa and window > 0:
                     reporter = self._new_reporter(runner.device, attributes=ranks)
-                read_check = None
+                read_check = provenance = None
                 if reporter is not None and is_swa and window > 0 and getattr(runner, "token_to_kv_pool", None) is not None:
                     read_check = _enable_read_check(reporter)
+                    provenance = _enable_provenance(reporter, runner)
                 if reporter is not None:
                     hooks = KvCanaryHooks(
                         reporter,
                         swa_allocator=allocator if is_swa else None,
                         req_to_token_pool=runner.req_to_token_pool if is_swa else None,
                         holder_full_slots=self._holder_full_slots if is_swa else None,
+                        token_ids=self._token_ids if provenance is not None else None,
+                        sweep_full_slots=self._prefix_cache_full_slots if provenance is not None else None,
                         **(_window_check(window, allocator) if is_swa and window > 0 else {}),
                     )
                     wiring = SimpleNamespace(
                         reporter=reporter, hooks=hooks, window=window, counts_from_canary=counts_from_canary,
                         ranks=ranks, read_check=read_check, allocator=allocator if is_swa else None,
                         kv_pool=getattr(runner, "token_to_kv_pool", None), req_to_token_pool=runner.req_to_token_pool,
+                        provenance=provenance,
                     )
+                    if provenance is not None:
+                        _attach_provenance(runner, SimpleNamespace(
+                            provenance=provenance[0], layout=provenance[1], allocator=allocator,
+                            req_to_token_pool=runner.req_to_token_pool, kv_pool=runner.token_to_kv_pool,
+                        ))
                     weakref.finalize(runner, reporter.close)
                     self._add_savings_sink(runner, reporter, ranks)
         except Exception:
@@ -344,8 +380,8 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                     _log.exception("forward-step span not started")
                 running = instrumentor._running
                 running.wiring = wiring  # for the read check of the attention layers it calls
-                try:
-                    wiring.reporter.before_forward()  # the sampling flag of the checks a graph holds
+                try:  # the sampling flag of the checks a graph holds (and the eager ones' decision)
+                    wiring.reporter.before_forward(micro_batch=instrumentor._micro_batch())
                 except Exception:
                     _log.exception("the sampling flag was not set")
                 try:
@@ -390,6 +426,24 @@ class SwaSglangInstrumentor(EngineInstrumentor):
             return None
         return scheduler_holder_full_slots(scheduler, getattr(self._running, "batch", None))
 
+    def _token_ids(self) -> "list | None":
+        """Each request's token ids of the batch being run on this thread (``None`` outside
+        ``Scheduler.run_batch``; see :func:`otel_swa.views.sglang.request_token_ids`)."""
+        from otel_swa.views.sglang import request_token_ids
+
+        batch = getattr(self._running, "batch", None)
+        if batch is None:
+            return None
+        return request_token_ids(batch, len(batch.reqs))
+
+    def _prefix_cache_full_slots(self) -> Any:
+        """The FULL slots SGLang's prefix cache holds, from the scheduler running this thread's batch
+        (``None`` outside ``Scheduler.run_batch``; :func:`otel_swa.views.sglang.scheduler_prefix_cache_full_slots`)."""
+        from otel_swa.views.sglang import scheduler_prefix_cache_full_slots
+
+        scheduler = getattr(self._running, "scheduler", None)
+        return scheduler_prefix_cache_full_slots(scheduler) if scheduler is not None else None
+
     def _micro_batch(self) -> int | None:
         """The pipeline micro-batch of the batch being run on this thread (``None`` without a
         pipeline; see :func:`otel_swa.views.sglang.scheduler_micro_batch`)."""
@@ -427,35 +481,71 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         )
 
     def _wrap_attention(self, original: Callable) -> Callable:
-        """``RadixAttention.forward``: the read check of sliding-window layers at sampled steps
-        (module docstring); the original itself when ``OTEL_SWA_READ_CHECK`` is off."""
+        """``RadixAttention.forward``: the provenance stamps, checksums and write check of every
+        attention layer, and the read check of sliding-window layers at sampled steps (module
+        docstring); the original itself when both ``OTEL_SWA_READ_CHECK`` and
+        ``OTEL_SWA_PROVENANCE`` are off."""
         from otel_swa import config
 
         try:
-            if config.read_check() is None:
-                return original
+            reads = config.read_check() is not None
         except config.ConfigError:
             _log.exception("the read check is off: unusable %s", "OTEL_SWA_READ_CHECK(_QUERIES)")
+            reads = False
+        try:
+            provenance = config.provenance() is not None
+        except config.ConfigError:
+            _log.exception("provenance is off: unusable %s", "OTEL_SWA_PROVENANCE(_BUDGET)")
+            provenance = False
+        if not reads and not provenance:
             return original
         running = self._running
         failed: set = set()
 
+        def failure(what: str, layer: Any, exc: Exception) -> None:
+            if (what, type(exc)) not in failed:
+                failed.add((what, type(exc)))
+                _log.exception("the %s of layer %s failed; the forward goes on (later %s errors are not logged)",
+                               what, getattr(layer, "layer_id", "?"), type(exc).__name__)
+
         @functools.wraps(original)
         def forward(layer, q, k, v, forward_batch, *args, **kwargs):
+            wired = layer.__dict__.get(PROVENANCE_ATTRIBUTE)
+            if wired is not None and layer.layer_id == wired.layout["first_layer"]:
+                try:
+                    _stamp(wired, forward_batch)
+                except Exception as exc:  # telemetry never breaks the forward
+                    failure("provenance stamp", layer, exc)
             output = original(layer, q, k, v, forward_batch, *args, **kwargs)
+            if wired is not None:
+                try:
+                    _after_layer(wired, layer, k, v, forward_batch, args, kwargs)
+                except Exception as exc:
+                    failure("provenance check", layer, exc)
             wiring = getattr(running, "wiring", None)
             if wiring is None or wiring.read_check is None or not wiring.reporter.checks_wanted():
                 return output
             try:
                 _check_read(wiring, layer, q, output, forward_batch, kwargs)
-            except Exception as exc:  # telemetry never breaks the forward
-                if type(exc) not in failed:
-                    failed.add(type(exc))
-                    _log.exception("the read check of layer %s failed; the forward goes on (later %s errors are "
-                                   "not logged)", getattr(layer, "layer_id", "?"), type(exc).__name__)
+            except Exception as exc:
+                failure("read check", layer, exc)
             return output
 
         return forward
+
+    def _wrap_init_cuda_graphs(self, original: Callable) -> Callable:
+        """``ModelRunner.init_cuda_graphs``: wire the model runner before SGLang captures its CUDA
+        graphs (sglang 0.5.23 calls it at start-up with or without graphs), so the captured forwards
+        hold the provenance stamps, checksums and checks."""
+        instrumentor = self
+
+        @functools.wraps(original)
+        def init_cuda_graphs(runner, *args, **kwargs):
+            if RUNNER_ATTRIBUTE not in runner.__dict__:
+                instrumentor._wire(runner)
+            return original(runner, *args, **kwargs)
+
+        return init_cuda_graphs
 
     def _wrap_canary_init(self, original: Callable) -> Callable:
         instrumentor = self
@@ -535,6 +625,92 @@ def _enable_read_check(reporter: Any) -> Any:
     if mode is None:
         return None
     return reporter.enable_read_check(max_queries=mode[1], layers=mode[0])
+
+
+def _enable_provenance(reporter: Any, runner: Any) -> "tuple[Any, dict] | None":
+    """Switch ``reporter``'s provenance on for ``runner``'s KV pool as ``OTEL_SWA_PROVENANCE`` (the
+    checksum's coverage) and ``OTEL_SWA_PROVENANCE_BUDGET`` say:
+    ``(provenance, layout)`` (:func:`otel_swa.views.sglang.provenance_layout`), or ``None`` (off, a
+    pool it cannot read, or speculative decoding: a target-verify step writes the K/V of draft tokens
+    that are later rejected, which the stamps do not follow)."""
+    from otel_swa import config
+    from otel_swa.views.sglang import provenance_layout
+
+    try:
+        settings = config.provenance()
+    except config.ConfigError:
+        return None  # logged when the attention layers were (not) wrapped
+    if settings is None:
+        return None
+    speculative = getattr(runner, "spec_algorithm", None)
+    if speculative is not None and not speculative.is_none():
+        _log.info("KV provenance is off for a model runner with speculative decoding")
+        return None
+    layout = provenance_layout(getattr(runner, "token_to_kv_pool", None))
+    if layout is None:
+        _log.info("KV provenance is off: the model runner's KV pool is not an SWAKVPool of K/V buffers")
+        return None
+    try:
+        provenance = reporter.enable_provenance(full_slots=layout["full_slots"], swa_slots=layout["swa_slots"],
+                                                checksum=settings[0], budget=settings[1],
+                                                checksum_layers=layout["checksum_layers"])
+    except Exception:
+        _log.exception("KV provenance is off for this model runner")
+        return None
+    return provenance, layout
+
+
+def _attach_provenance(runner: Any, wired: Any) -> None:
+    """Give each attention layer (``RadixAttention``) of ``runner``'s model the provenance wiring."""
+    import sys
+
+    module = sys.modules.get("sglang.srt.layers.radix_attention")
+    attention = getattr(module, "RadixAttention", None)
+    model = getattr(runner, "model", None)
+    if attention is None or model is None:
+        return
+    for layer in model.modules():
+        if isinstance(layer, attention):
+            layer.__dict__[PROVENANCE_ATTRIBUTE] = wired
+
+
+def _writes_kv(forward_batch: Any) -> bool:
+    """Whether the step writes the K/V of its tokens as the stamps follow them: decode, extend and
+    mixed batches (not idle, speculative verify or draft steps)."""
+    mode = forward_batch.forward_mode
+    if mode.is_idle() or getattr(mode, "is_target_verify", lambda: False)():
+        return False
+    return bool(mode.is_decode() or mode.is_extend())
+
+
+def _stamp(wired: Any, forward_batch: Any) -> None:
+    """Stamp the slots this forward step writes (once per step, before its first attention layer)."""
+    if not _writes_kv(forward_batch) or forward_batch.out_cache_loc is None:
+        return
+    extend = None if forward_batch.forward_mode.is_decode() else forward_batch.extend_start_loc
+    wired.provenance.stamp(
+        input_ids=forward_batch.input_ids, positions=forward_batch.positions, out_cache_loc=forward_batch.out_cache_loc,
+        req_pool_indices=forward_batch.req_pool_indices, req_to_token=wired.req_to_token_pool.req_to_token,
+        full_to_swa_index_mapping=wired.allocator.full_to_swa_index_mapping, extend_start_loc=extend,
+    )
+
+
+def _after_layer(wired: Any, layer: Any, k: Any, v: Any, forward_batch: Any, args: tuple, kwargs: dict) -> None:
+    """One attention layer's checksum write and write check, after it stored this step's K/V."""
+    save_kv_cache = args[0] if args else kwargs.get("save_kv_cache", True)
+    if (k is None or v is None or not save_kv_cache or getattr(layer, "is_cross_attention", False)
+            or not _writes_kv(forward_batch) or forward_batch.out_cache_loc is None):
+        return
+    layer_id = int(layer.layer_id)
+    swa = layer_id in wired.layout["swa_layers"]
+    pool = wired.kv_pool
+    wired.provenance.after_layer(
+        layer_id=layer_id, swa=swa, k=k, v=v, k_buffer=pool.get_key_buffer(layer_id),
+        v_buffer=pool.get_value_buffer(layer_id), out_cache_loc=forward_batch.out_cache_loc,
+        full_to_swa_index_mapping=wired.allocator.full_to_swa_index_mapping if swa else None,
+        positions=forward_batch.positions,
+        extend_start_loc=None if forward_batch.forward_mode.is_decode() else forward_batch.extend_start_loc,
+    )
 
 
 def _check_read(wiring: Any, layer: Any, q: Any, output: Any, forward_batch: Any, kwargs: dict) -> None:

@@ -158,8 +158,9 @@ def install() -> None:
     import os
 
     fault = os.environ.get("OTEL_SWA_TEST_SGLANG_FAULT", "")
+    raw_read = "torch_native_raw_read" in [part.partition("@")[0].strip() for part in fault.split(",")]
     for name, patch in PATCHES.items():
-        if patch is _patch_torch_native_backend and fault == "torch_native_raw_read":
+        if patch is _patch_torch_native_backend and raw_read:
             continue  # sglang 0.5.23's own read bug, left in on purpose (see sglang_faults)
         add_patch(name, patch)
     if os.environ.get("OTEL_SWA_TEST_SGLANG_PROFILE"):  # benchmarks/bench_sglang_engine.py
@@ -174,6 +175,10 @@ def install() -> None:
             import sglang_faults
 
             sglang_faults.install(fault)
+        if os.environ.get("OTEL_SWA_TEST_SGLANG_PERTURB"):
+            import sglang_perturb_phases
+
+            sglang_perturb_phases.install(os.environ["OTEL_SWA_TEST_SGLANG_PERTURB"])
 
 
 def patched_modules() -> list[str]:

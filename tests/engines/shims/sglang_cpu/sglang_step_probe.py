@@ -27,6 +27,10 @@ process per rank. This module is imported there (through the shims' ``.pth`` fil
   that moment, and, when otel-swa's flush RPC arrives (``Engine.shutdown``: the metric collection
   that exports the pool gauges runs inside it, on the same thread), SGLang's statistics just
   before it; one line each in ``pools-<pid>.jsonl`` (``"at": "run_batch"`` or ``"flush"``);
+* **hooks** for the fault injections (``sglang_faults``, ``sglang_perturb_phases``): callbacks when
+  SGLang builds a step's ``ForwardBatch`` (:func:`on_forward_batch`), before and after each forward
+  step (:func:`before_forward`, :func:`after_forward`) and before SGLang processes a batch's result
+  (:func:`before_result`), and the ``ScheduleBatch`` being run (:func:`current_batch`);
 * **by hand** (``OTEL_SWA_TEST_SGLANG_BY_HAND=1``): replaces the reporter SGLang's KV canary builds
   (``canary_manager.SwaDivergenceReporter``) by otel-swa's :class:`~otel_swa.views.sglang.KvCanaryHooks`
   with the SGLang log line as its sink, the one-line substitution ``docs/engines.md`` describes for
@@ -44,12 +48,42 @@ import sglang_cpu_patches
 #: line)`` (``line``: the probe's JSON line of that step, which a callback may add keys to): the
 #: fault injections of ``sglang_faults`` use it.
 _AFTER_FORWARD: list = []
-_STATE = {"step": 0}
+#: Called with ``(model_runner, forward_batch, step)`` right before the forward step ``step`` of the
+#: target model (inside otel-swa's wrapper of ``ModelRunner.forward``, before SGLang's own code).
+_BEFORE_FORWARD: list = []
+#: Called with ``(forward_batch, step)`` when SGLang builds the ``ForwardBatch`` of forward step
+#: ``step`` (``ForwardBatch.init_new``, before any ``ModelRunner.forward`` wrapper runs).
+_ON_FORWARD_BATCH: list = []
+#: Called with ``(scheduler, batch, step)`` before SGLang processes the result of the batch whose
+#: last forward step was ``step`` (``Scheduler.process_batch_result``: before finished requests
+#: free their KV).
+_BEFORE_RESULT: list = []
+_STATE = {"step": 0, "batch": None}
 
 
 def after_forward(callback) -> None:
     """Call ``callback(model_runner, forward_batch, step, line)`` after each forward step."""
     _AFTER_FORWARD.append(callback)
+
+
+def before_forward(callback) -> None:
+    """Call ``callback(model_runner, forward_batch, step)`` before each forward step."""
+    _BEFORE_FORWARD.append(callback)
+
+
+def on_forward_batch(callback) -> None:
+    """Call ``callback(forward_batch, step)`` when the ``ForwardBatch`` of forward step ``step`` is built."""
+    _ON_FORWARD_BATCH.append(callback)
+
+
+def before_result(callback) -> None:
+    """Call ``callback(scheduler, batch, step)`` before each ``Scheduler.process_batch_result``."""
+    _BEFORE_RESULT.append(callback)
+
+
+def current_batch():
+    """The ``ScheduleBatch`` being run (inside ``Scheduler.run_batch``), else ``None``."""
+    return _STATE["batch"]
 
 
 def current_step() -> int:
@@ -60,6 +94,7 @@ def current_step() -> int:
 _MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 _SCHEDULER = "sglang.srt.managers.scheduler"
 _CANARY_MANAGER = "sglang.srt.kv_canary.runner.canary_manager"
+_FORWARD_BATCH_INFO = "sglang.srt.model_executor.forward_batch_info"
 
 
 def recount(mapping: list[int], req_to_token, rows: list[int], seq_lens: list[int]) -> tuple[int, int, int]:
@@ -124,8 +159,12 @@ def _patch_model_runner(module) -> None:
     state = _STATE
 
     def forward(self, forward_batch, *args, **kwargs):
+        draft = getattr(self, "is_draft_worker", False)
+        if not draft:
+            for callback in _BEFORE_FORWARD:
+                callback(self, forward_batch, state["step"] + 1)
         output = original(self, forward_batch, *args, **kwargs)
-        if getattr(self, "is_draft_worker", False):
+        if draft:
             return output
         state["step"] += 1
         allocator = self.token_to_kv_pool_allocator
@@ -180,7 +219,11 @@ def _patch_scheduler(module) -> None:
             out.write(json.dumps({"pid": os.getpid(), **line}) + "\n")
 
     def probed_run_batch(self, batch, *args, **kwargs):
-        result = run_batch(self, batch, *args, **kwargs)
+        _STATE["batch"] = batch
+        try:
+            result = run_batch(self, batch, *args, **kwargs)
+        finally:
+            _STATE["batch"] = None
         try:
             ours = {u.pool: [u.used, u.available, u.evictable, u.total] for u in scheduler_pool_usage(self)}
             write({"at": "run_batch", "sglang": sglang_pool_figures(self), "ours": ours})
@@ -196,10 +239,33 @@ def _patch_scheduler(module) -> None:
                 write({"at": "flush", "error": repr(exc)})
         return handle_rpc_request(self, recv_req, *args, **kwargs)
 
+    process_batch_result = scheduler_class.process_batch_result
+
+    def probed_process_batch_result(self, batch, *args, **kwargs):
+        for callback in _BEFORE_RESULT:
+            callback(self, batch, _STATE["step"])
+        return process_batch_result(self, batch, *args, **kwargs)
+
     probed_run_batch.__wrapped__ = run_batch
     probed_handle_rpc_request.__wrapped__ = handle_rpc_request
+    probed_process_batch_result.__wrapped__ = process_batch_result
     scheduler_class.run_batch = probed_run_batch
     scheduler_class.handle_rpc_request = probed_handle_rpc_request
+    scheduler_class.process_batch_result = probed_process_batch_result
+
+
+def _patch_forward_batch_info(module) -> None:
+    forward_batch_class = module.ForwardBatch
+    init_new = forward_batch_class.init_new.__func__
+
+    def probed_init_new(cls, *args, **kwargs):
+        forward_batch = init_new(cls, *args, **kwargs)
+        for callback in _ON_FORWARD_BATCH:
+            callback(forward_batch, _STATE["step"] + 1)
+        return forward_batch
+
+    probed_init_new.__wrapped__ = init_new
+    forward_batch_class.init_new = classmethod(probed_init_new)
 
 
 def _patch_canary_manager(module) -> None:
@@ -216,5 +282,6 @@ def _patch_canary_manager(module) -> None:
 def install() -> None:
     sglang_cpu_patches.add_patch(_MODEL_RUNNER, _patch_model_runner)
     sglang_cpu_patches.add_patch(_SCHEDULER, _patch_scheduler)
+    sglang_cpu_patches.add_patch(_FORWARD_BATCH_INFO, _patch_forward_batch_info)
     if os.environ.get("OTEL_SWA_TEST_SGLANG_BY_HAND") == "1":
         sglang_cpu_patches.add_patch(_CANARY_MANAGER, _patch_canary_manager)
