@@ -415,17 +415,29 @@ class RecordStore:
         self.totals: dict[tuple, int] = {}
         self.offsets: dict[tuple, int] = {}
         self.latest: dict[tuple, tuple] = {}  # key -> (value, attributes, context, sequence)
-        self._keyed: dict[int, tuple[tuple, dict]] = {}
+        self._keyed: dict[str, dict[int, tuple]] = {}  # name -> id(base) -> (key, attributes, base)
 
     def key(self, name: str, base: Attributes) -> tuple[tuple, dict]:
-        """The series key and full attributes of ``name`` with ``base`` attributes (cached: the
-        table's attribute dicts are module constants)."""
-        cached = self._keyed.get(id(base))
+        """The series key and full attributes of ``name`` with ``base`` attributes (cached per
+        instrument name: the table's attribute dicts are module constants)."""
+        cached = self.keys(name).get(id(base))
         if cached is None or cached[2] is not base:
-            attributes = {**base, **self.attributes}
-            cached = (tuple(sorted(attributes.items())), attributes, base)
-            self._keyed[id(base)] = cached
-        return (name, cached[0]), cached[1]
+            cached = self._keyed_new(name, base)
+        return cached[0], cached[1]
+
+    def keys(self, name: str) -> dict:
+        """``id(base) -> (series key, full attributes, base)`` of ``name`` (what :meth:`key` caches;
+        an entry whose ``base`` is not the dict asked for is stale: :meth:`key` makes it again)."""
+        cache = self._keyed.get(name)
+        if cache is None:
+            cache = self._keyed[name] = {}
+        return cache
+
+    def _keyed_new(self, name: str, base: Attributes) -> tuple:
+        attributes = {**base, **self.attributes}
+        cached = ((name, tuple(sorted(attributes.items()))), attributes, base)
+        self.keys(name)[id(base)] = cached
+        return cached
 
 
 class SwaMetrics:
@@ -482,9 +494,9 @@ class SwaMetrics:
             self._instruments[spec.name] = self._create(meter, spec)
         self._resets = self._instruments[sc.NAMESPACE + "reporter.resets"]
         self._delay = self._instruments[sc.NAMESPACE + "reporter.delivery.delay"]
-        self._totals_specs = tuple((spec.name, spec.read) for spec in INSTRUMENTS if spec.kind == TOTAL_COUNTER)
-        self._gauge_specs = tuple((spec.name, spec.read) for spec in INSTRUMENTS if spec.kind == GAUGE)
-        self._sample_specs = tuple((spec.name, spec.read) for spec in INSTRUMENTS if spec.kind == SAMPLE_COUNTER)
+        # the rows a record gives points to, as (kind, name, read)
+        self._record_specs = tuple((spec.kind, spec.name, spec.read) for spec in INSTRUMENTS
+                                   if spec.kind in (TOTAL_COUNTER, SAMPLE_COUNTER, GAUGE))
 
     # ------------------------------------------------------------------ creation (the one loop)
     def _create(self, meter: Meter, spec: InstrumentSpec) -> Any:
@@ -595,31 +607,29 @@ class SwaMetrics:
             raise TypeError(f"store must be a RecordStore from SwaMetrics.store(), got {type(store).__name__}")
         sequence = next(_sequence)
         went_back = []
-        key_of, totals, offsets, latest = store.key, store.totals, store.offsets, store.latest
+        totals, offsets, latest, keys, keyed_new = store.totals, store.offsets, store.latest, store.keys, store._keyed_new
+        # the record's points, each (kind, name, key, attributes, value), their keys from the store's cache
+        points = []
+        for kind, name, read in self._record_specs:
+            cache = keys(name)
+            for value, base in read(record):
+                if kind == GAUGE and record.micro_batch is not None:
+                    base = _with_micro_batch(base, record.micro_batch)
+                hit = cache.get(id(base))
+                if hit is None or hit[2] is not base:
+                    hit = keyed_new(name, base)
+                points.append((kind, name, hit[0], hit[1], value))
         with self._lock:
-            for name, read in self._totals_specs:
-                for total, base in read(record):
-                    key, attributes = key_of(name, base)
+            for kind, name, key, attributes, value in points:
+                if kind == TOTAL_COUNTER:
                     last = totals.get(key, 0)
-                    if total < last:
+                    if value < last:
                         offsets[key] = offsets.get(key, 0) + last
-                        went_back.append((name, attributes, last, total))
-                    totals[key] = total
-                    latest[key] = (total, attributes, context, sequence)
-            for name, read in self._sample_specs:
-                for value, base in read(record):
-                    # every outcome is added, 0 too: the series exist from the first checked sample
-                    key, attributes = key_of(name, base)
-                    total = totals.get(key, 0) + value
-                    totals[key] = total
-                    latest[key] = (total, attributes, context, sequence)
-            micro_batch = record.micro_batch
-            for name, read in self._gauge_specs:
-                for value, base in read(record):
-                    if micro_batch is not None:
-                        base = _with_micro_batch(base, micro_batch)
-                    key, attributes = key_of(name, base)
-                    latest[key] = (value, attributes, context, sequence)
+                        went_back.append((name, attributes, last, value))
+                    totals[key] = value
+                elif kind == SAMPLE_COUNTER:  # every outcome is added, 0 too: the series exist from the first checked sample
+                    value = totals[key] = totals.get(key, 0) + value
+                latest[key] = (value, attributes, context, sequence)
         extra = store.attributes or None
         if went_back:
             for name, attributes, last, total in went_back:
