@@ -10,7 +10,9 @@ For every record two events of the same name, :data:`~otel_swa.telemetry.semconv
   timestamp is the time of emission (``time.time_ns()``, ns since the Unix epoch, when the record
   is delivered), so backends order the events; the forward step's span gives the sampling time.
   Its body is otel-swa's line (``record.line()``: the SGLang line body after the
-  ``otel_swa[verify=...]`` tag), so any log backend shows the familiar text;
+  ``otel_swa[verify=...]`` tag), so any log backend shows the familiar text. The API record
+  emitted is a :class:`SampleLogRecord`, which also carries the record itself for otel-swa's line
+  exporter (no other exporter sees a difference);
 * a span event. The copy to the host lands one or more steps later, when the forward-step span
   has normally ended and can no longer take events. The event then goes on a short child span of
   the forward step, named ``swa divergence sample`` (kind INTERNAL, attribute
