@@ -34,18 +34,23 @@ calls SGLang's ``Engine.freeze_gc()`` after the warm-up in every run, as SGLang'
 warning advises for serving: the objects of start-up leave the collector, and a full collection
 costs little wherever it falls.
 
-``--revision REV`` measures another revision of otel-swa instead of the working tree: it is
-installed into this environment for the run (``pip install --no-deps -e`` of its ``git archive``)
-and the working tree is installed back at the end.
+Besides tokens/s, each variant's cost is given as the scheduler process's CPU time per decoded
+token, off over on (the timed ``generate`` decodes the same tokens in every run, so this is the
+ratio of the scheduler's CPU times; higher is better, as tokens/s on / off): on a machine shared
+with other work it moves less than wall time.
+
+``--revisions REV ...`` measures several revisions of otel-swa side by side (``worktree``: the
+working tree as it is): each is unpacked once (``git archive``), and before its runs it is installed
+into this environment (``pip install --no-deps -e``); rounds interleave the revisions as they
+interleave the variants; the working tree is installed back at the end.
 
 Run: ``.venv-sglang/bin/python benchmarks/bench_sglang_engine.py [--rounds 5] [--freeze-gc] [--variants ...]
-[--no-profile] [--revision REV]``
+[--no-profile] [--revisions REV ...]``
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
@@ -58,6 +63,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 from _common import fmt, load_line, machine_line, print_table, ratios  # noqa: E402
+from _revisions import WORKTREE, label  # noqa: E402
 from bench_replay import start_collector  # noqa: E402
 
 #: Variant name -> otel-swa's variables for it (``None``: otel-swa off).
@@ -75,6 +81,7 @@ PROVENANCE_PAIRS = (
     ("interval 1", "interval 1, provenance off", "stamps and checksums + the verification and write check of every step"),
 )
 TOKENS_PER_STEP = 16  # the 16 requests decode together
+SCHEDULER = "sglang::scheduler"  # SGLang's name for its scheduler process (psutil)
 
 
 def engine_env(endpoint: str, variables: "dict | None", profile_dir: "str | None" = None) -> dict:
@@ -113,21 +120,40 @@ def run_engine(model: Path, work: Path, env: dict, name: str, freeze_gc: bool = 
     return json.loads((directory / "results.json").read_text())
 
 
-@contextlib.contextmanager
-def installed(revision: "str | None"):
-    """The otel-swa of ``revision`` installed in this environment meanwhile (``None``: the working tree)."""
-    if revision is None:
-        yield
-        return
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e"]
-    with tempfile.TemporaryDirectory(prefix="otel-swa-revision-") as tmp:
-        archive = subprocess.run(["git", "archive", revision], cwd=REPO, check=True, capture_output=True).stdout
-        subprocess.run(["tar", "-x", "-C", tmp], input=archive, check=True)
-        subprocess.run(pip + [tmp], check=True)
+class Installed:
+    """The otel-swa revision installed in this environment (``pip install --no-deps -e``); each
+    revision unpacked once (``git archive``); the working tree installed back at :meth:`close`."""
+
+    def __init__(self, revisions: "list[str]") -> None:
+        self._tmp = tempfile.TemporaryDirectory(prefix="otel-swa-revision-")
+        self._roots = {}
+        for revision in revisions:
+            if revision == WORKTREE:
+                self._roots[revision] = str(REPO)
+                continue
+            root = os.path.join(self._tmp.name, revision.replace("/", "_"))
+            os.makedirs(root)
+            archive = subprocess.run(["git", "archive", revision], cwd=REPO, check=True, capture_output=True).stdout
+            subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+            self._roots[revision] = root
+        self._current = WORKTREE  # what the environment has before the benchmark (its own install)
+
+    def use(self, revision: str) -> None:
+        if revision != self._current:
+            self._install(self._roots[revision])
+            self._current = revision
+
+    def _install(self, root: str) -> None:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", root],
+                       check=True)
+
+    def close(self) -> None:
         try:
-            yield
+            if self._current != WORKTREE:
+                self._install(str(REPO))
+                self._current = WORKTREE
         finally:
-            subprocess.run(pip + [str(REPO)], check=True)
+            self._tmp.cleanup()
 
 
 def profile_table(profile_dir: Path) -> "tuple[int, list]":
@@ -146,7 +172,8 @@ def profile_table(profile_dir: Path) -> "tuple[int, list]":
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--revision", help="measure this revision of otel-swa instead of the working tree")
+    parser.add_argument("--revisions", nargs="+", default=[WORKTREE],
+                        help="otel-swa revisions to measure side by side (worktree: the working tree)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
     parser.add_argument("--freeze-gc", action="store_true",
                         help="call SGLang's Engine.freeze_gc() after the warm-up request in every run")
@@ -154,6 +181,14 @@ def main() -> None:
                         help="the variants to run (off is always run)")
     args = parser.parse_args()
     print(machine_line())
+    revisions = list(dict.fromkeys(args.revisions))
+    shown = {rev: label(rev) for rev in revisions}
+    names = ["off"] + [name for name in args.variants if name != "off"]
+    # per revision: variant -> tokens/s of each round; process -> variant -> CPU s; main process GC s
+    got = {rev: {name: [] for name in names} for rev in revisions}
+    cpu: dict = {rev: {} for rev in revisions}
+    gc_main = {rev: {name: [] for name in names} for rev in revisions}
+    profiles: dict = {rev: {} for rev in revisions}
     with tempfile.TemporaryDirectory(prefix="otel-swa-sglang-bench-") as tmp:
         work = Path(tmp)
         model = work / "model"
@@ -163,70 +198,88 @@ def main() -> None:
             raise SystemExit(f"building the model failed:\n{built.stderr[-2000:]}")
         collector, endpoint = start_collector()
         print(f"{args.rounds} rounds, variants interleaved (order turning each round); 16 requests x 160 output tokens; "
-              f"otel-swa {'at ' + args.revision if args.revision else 'of the working tree'}; OTLP to "
+              f"otel-swa {', '.join(shown.values())}{' (revisions in turn each round)' if len(revisions) > 1 else ''}; OTLP to "
               f"{'a local rotel-agent (blackhole)' if collector else 'a closed port (rotel-agent not installed)'} + line"
               f"{'; Engine.freeze_gc() after the warm-up' if args.freeze_gc else ''}\n")
+        installed = Installed(revisions)
         try:
-            with installed(args.revision):
-                names = ["off"] + [name for name in args.variants if name != "off"]
-                got: dict[str, list[float]] = {name: [] for name in names}
-                cpu: dict[str, dict[str, list[float]]] = {}  # process -> variant -> CPU s of each timed generate
-                gc_main: dict[str, list[float]] = {name: [] for name in names}  # main process GC s per generate
-                for r in range(args.rounds):
-                    order = names[r % len(names):] + names[:r % len(names)]
+            for r in range(args.rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for rev in revisions[r % len(revisions):] + revisions[:r % len(revisions)]:
+                    installed.use(rev)
                     for name in order:
-                        result = run_engine(model, work, engine_env(endpoint, VARIANTS[name]), f"r{r}-{_slug(name)}",
-                                            args.freeze_gc)
-                        got[name].append(result["tokens"] / result["generate_s"])
-                        gc_main[name].append(sum(s for _, s in result.get("gc_main", {}).values()))
+                        result = run_engine(model, work, engine_env(endpoint, VARIANTS[name]),
+                                            f"r{r}-{_slug(shown[rev])}-{_slug(name)}", args.freeze_gc)
+                        got[rev][name].append(result["tokens"] / result["generate_s"])
+                        gc_main[rev][name].append(sum(sec for _, sec in result.get("gc_main", {}).values()))
                         for process, seconds in result.get("cpu_s", {}).items():
-                            cpu.setdefault(process, {}).setdefault(name, []).append(seconds)
-                        print(f"  round {r + 1} {name:26s} {got[name][-1]:8.1f} tokens/s  ({load_line()})", flush=True)
-                profiles = {}
-                if not args.no_profile:
-                    for name in [n for n in ("off", "interval 1", "interval 20", "interval 1, provenance off")
-                                 if n in names]:
-                        profile_dir = work / f"profile-{_slug(name)}"
+                            cpu[rev].setdefault(process, {}).setdefault(name, []).append(seconds)
+                        print(f"  round {r + 1} {shown[rev]:9s} {name:26s} {got[rev][name][-1]:8.1f} tokens/s, scheduler "
+                              f"{cpu[rev].get(SCHEDULER, {}).get(name, [float('nan')])[-1]:.2f} s CPU  ({load_line()})",
+                              flush=True)
+            if not args.no_profile:
+                for rev in revisions:
+                    installed.use(rev)
+                    for name in [n for n in ("off", "interval 1", "interval 20", "interval 1, provenance off") if n in names]:
+                        profile_dir = work / f"profile-{_slug(shown[rev])}-{_slug(name)}"
                         profile_dir.mkdir()
-                        run_engine(model, work, engine_env(endpoint, VARIANTS[name], str(profile_dir)), f"profiled-{_slug(name)}",
-                                   args.freeze_gc)
-                        profiles[name] = profile_table(profile_dir)
+                        run_engine(model, work, engine_env(endpoint, VARIANTS[name], str(profile_dir)),
+                                   f"profiled-{_slug(shown[rev])}-{_slug(name)}", args.freeze_gc)
+                        profiles[rev][name] = profile_table(profile_dir)
         finally:
+            installed.close()
             if collector is not None:
                 collector.terminate()
                 collector.wait(10)
     print()
-    rows = []
-    for name in names:
-        step_ms = [TOKENS_PER_STEP / tps * 1e3 for tps in got[name]]
-        rows.append((name, fmt(got[name], 1, 1), fmt(ratios(got[name], got["off"]), 1, 3),
-                     fmt(step_ms, 1, 2), fmt([a - b for a, b in zip(step_ms, [TOKENS_PER_STEP / t * 1e3 for t in got["off"]])], 1, 2)))
-    print_table("real sglang Engine, decode tokens/s (16 requests x 160 tokens, OTLP + line)",
-                ("variant", "tokens/s", "on / off", "ms per step (16 tokens)", "ms per step added"), rows)
-    if "interval 1" in names and "interval 1, read check off" in names:
-        check_ms = [TOKENS_PER_STEP / a * 1e3 - TOKENS_PER_STEP / b * 1e3
-                    for a, b in zip(got["interval 1"], got["interval 1, read check off"])]
-        print_table("the read check in a sampling step (interval 1 against interval 1 with OTEL_SWA_READ_CHECK=off; "
-                    "window 9 keys, up to 8 queries, 1 sliding-window layer a step)",
-                    ("sampling step with / without the read check", "ms per step added"),
-                    [(fmt(ratios(got["interval 1, read check off"], got["interval 1"]), 1, 3), fmt(check_ms, 1, 2))])
-    pairs = [(on, off, what) for on, off, what in PROVENANCE_PAIRS if on in names and off in names]
-    if pairs:
+    summary = []
+    for name in names[1:]:
+        row = [name]
+        for rev in revisions:
+            sched = cpu[rev].get(SCHEDULER, {})
+            row += [fmt(ratios(got[rev][name], got[rev]["off"]), 1, 3),
+                    fmt(ratios(sched.get("off", []), sched.get(name, [])), 1, 3)]
+        summary.append(row)
+    print_table("real sglang Engine, on / off: decode tokens/s, and the scheduler process's CPU time per decoded "
+                "token (off / on), round by round",
+                ["variant"] + [f"{shown[rev]}: {what}" for rev in revisions for what in ("tokens/s on / off",
+                                                                                          "scheduler CPU off / on")],
+                summary)
+    for rev in revisions:
+        title = f" ({shown[rev]})" if len(revisions) > 1 else ""
         rows = []
-        for on, off, what in pairs:
-            added = [TOKENS_PER_STEP / a * 1e3 - TOKENS_PER_STEP / b * 1e3 for a, b in zip(got[on], got[off])]
-            rows.append((f"{on} ({what})", fmt(ratios(got[off], got[on]), 1, 3), fmt(added, 1, 2)))
-        print_table("provenance (OTEL_SWA_PROVENANCE=on against off: its code not installed; the read check on in both)",
-                    ("variant", "throughput without / with", "ms per step added"), rows)
-    cpu_rows = [[process] + [fmt(cpu[process].get(name, [0.0]), 1, 2) for name in names]
-                for process in sorted(cpu) if max(max(v) for v in cpu[process].values()) >= 0.05]
-    cpu_rows.append(["main: in garbage collection"] + [fmt(gc_main[name], 1, 2) for name in names])
-    print_table("CPU time of each engine process during the timed generate, s (user + system, psutil; "
-                "the main process's collections by gc.callbacks, wall)", ["process"] + names, cpu_rows)
-    for name, (steps, table) in profiles.items():
-        title = ("the instrumentor's parts" if name != "off" else "otel-swa off") + f" at {name}" * (name != "off")
-        print_table(f"{title}, in the scheduler process ({steps} forward steps; wall / thread CPU)",
-                    ("part", "calls / step", "us / call", "us / step (wall)"), table)
+        for name in names:
+            step_ms = [TOKENS_PER_STEP / tps * 1e3 for tps in got[rev][name]]
+            off_ms = [TOKENS_PER_STEP / t * 1e3 for t in got[rev]["off"]]
+            rows.append((name, fmt(got[rev][name], 1, 1), fmt(ratios(got[rev][name], got[rev]["off"]), 1, 3),
+                         fmt(step_ms, 1, 2), fmt([a - b for a, b in zip(step_ms, off_ms)], 1, 2)))
+        print_table(f"real sglang Engine, decode tokens/s (16 requests x 160 tokens, OTLP + line){title}",
+                    ("variant", "tokens/s", "on / off", "ms per step (16 tokens)", "ms per step added"), rows)
+        if "interval 1" in names and "interval 1, read check off" in names:
+            check_ms = [TOKENS_PER_STEP / a * 1e3 - TOKENS_PER_STEP / b * 1e3
+                        for a, b in zip(got[rev]["interval 1"], got[rev]["interval 1, read check off"])]
+            print_table(f"the read check in a sampling step (interval 1 against interval 1 with OTEL_SWA_READ_CHECK=off; "
+                        f"window 9 keys, up to 8 queries, 1 sliding-window layer a step){title}",
+                        ("sampling step with / without the read check", "ms per step added"),
+                        [(fmt(ratios(got[rev]["interval 1, read check off"], got[rev]["interval 1"]), 1, 3),
+                          fmt(check_ms, 1, 2))])
+        pairs = [(on, off, what) for on, off, what in PROVENANCE_PAIRS if on in names and off in names]
+        if pairs:
+            prov_rows = []
+            for on, off, what in pairs:
+                added = [TOKENS_PER_STEP / a * 1e3 - TOKENS_PER_STEP / b * 1e3 for a, b in zip(got[rev][on], got[rev][off])]
+                prov_rows.append((f"{on} ({what})", fmt(ratios(got[rev][off], got[rev][on]), 1, 3), fmt(added, 1, 2)))
+            print_table(f"provenance (OTEL_SWA_PROVENANCE at its default against off: its code not installed; the read "
+                        f"check on in both){title}", ("variant", "throughput without / with", "ms per step added"), prov_rows)
+        cpu_rows = [[process] + [fmt(cpu[rev][process].get(name, [0.0]), 1, 2) for name in names]
+                    for process in sorted(cpu[rev]) if max(max(v) for v in cpu[rev][process].values()) >= 0.05]
+        cpu_rows.append(["main: in garbage collection"] + [fmt(gc_main[rev][name], 1, 2) for name in names])
+        print_table(f"CPU time of each engine process during the timed generate, s (user + system, psutil; "
+                    f"the main process's collections by gc.callbacks, wall){title}", ["process"] + names, cpu_rows)
+        for name, (steps, table) in profiles[rev].items():
+            what = ("the instrumentor's parts" if name != "off" else "otel-swa off") + f" at {name}" * (name != "off")
+            print_table(f"{what}, in the scheduler process ({steps} forward steps; wall / thread CPU){title}",
+                        ("part", "calls / step", "us / call", "us / step (wall)"), table)
     print(f"load average after: {load_line()}")
 
 

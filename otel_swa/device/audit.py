@@ -51,10 +51,11 @@ first and last sample of a pass and otherwise a fixed budget of ``B`` elements
 (:data:`AUDIT_BUDGET`, 32,768 on the CPU; :data:`AUDIT_BUDGET_CUDA` on a GPU):
 
 1. first sample (``s``): the holders' FULL and SWA slots (``n``, gathered then), their pages
-   stamped in a table of page cells (``held[page] = p``, ``p`` the pass's number, stamps never
-   reused), the shared SWA slots found among them (distinct values by each holder writing its
-   index into its slot's cell and reading it back: :math:`O(n)`, no table cleared), their pages,
-   FULL and SWA slots kept; the free list taken as it is at ``s`` (a reference to the view's
+   stamped in a table of page cells (``held[page] = p``, ``p`` the pass's number, a byte: after
+   254 passes both stamp tables are cleared and the numbers start over), the shared SWA slots found
+   among them (distinct values by each holder writing its index into its slot's cell and reading it
+   back: :math:`O(n)`, no table cleared; on the CPU, where a count is read without a sync, only
+   when some holder reads another FULL slot back), their pages, FULL and SWA slots kept; the free list taken as it is at ``s`` (a reference to the view's
    tensors, never copied: engines replace their free lists, they do not write into them);
 2. the next samples: ``B`` ids of that free list a sample, stamped (``free[id] = p``), then ``B``
    page cells a sample: in use (``free != p``), referenced (in use and ``held == p``), the lowest
@@ -79,8 +80,9 @@ fault that lasts ``N_1`` samples is reported at sample ``t + N_1 + N_2 - 2`` at 
 a free list without duplicates (``k <= P``). A leaked page stays leaked (nothing frees it), so every
 leak is reported. Nothing is reported that was not in the pool at a pass's first sample: the counts
 are those of that state, from the slots and the free list as they were then; a table cell holds
-this pass's number only where this pass wrote it (a pass's stamp is its own number, the tables are
-the sweep's own). Shown by ``tests/core/test_audit_sweep.py``: every pass against a plain recount
+this pass's number only where this pass wrote it (no other pass since the tables were last cleared
+has that number, every cell ever used is cleared with them, and the tables are the sweep's own).
+Shown by ``tests/core/test_audit_sweep.py``: every pass against a plain recount
 of the pool at its first sample, and faults made at each sample of a pass reported within the bound.
 """
 
@@ -177,7 +179,9 @@ def holder_slots(
         ``(keys, slot)``, ``[n]`` each: ``keys`` the FULL slots clamped into ``0 .. num_full_slots
         - 1`` (the holders' dtype), ``slot`` ``int64``, the SWA slot clamped into ``0 ..
         swa_slots`` (``swa_slots``: beyond the pool), 0 where the holder's FULL slot is outside the
-        mapping. Five passes over the holders (one gather). No host sync.
+        mapping. Five passes over the holders (one gather); on the CPU, when every FULL slot is in the
+        mapping (read there without a sync), three: its range, the gather and a clamp, and ``keys`` is
+        ``holder_full_slots`` itself. No host sync on a GPU.
     """
     full = holder_full_slots.reshape(-1)
     size = mapping.shape[0]
@@ -185,6 +189,15 @@ def holder_slots(
         full = full[:0]
     ws = ws if ws is not None else Workspace(mapping.device)
     n = full.numel()
+    if n and full.device.type == "cpu":
+        # on the CPU the range is read without a sync: every FULL slot in the mapping (a healthy
+        # engine) needs no clamped copy, no out-of-range mask and no fill (two passes instead of five)
+        low, high = (int(v) for v in torch.aminmax(full))
+        if low >= 0 and high < size:
+            slot = torch.index_select(mapping, 0, full, out=ws.get("audit.gathered", n, mapping.dtype))
+            if slot.dtype != torch.int64:
+                slot = slot.to(torch.int64)
+            return full, slot.clamp_(0, swa_slots)
     # Every temporary of n elements goes to a workspace buffer: on the CPU a fresh one of a few
     # hundred KB is an mmap whose pages fault in as they are written (the cost of a pass).
     keys = torch.clamp(full, 0, max(size - 1, 0), out=ws.get("audit.keys", n, full.dtype))
@@ -337,7 +350,12 @@ AUDIT_BUDGET = 32768
 #: The budget on CUDA devices, where a pass over millions of ids is a few kernels of microseconds.
 AUDIT_BUDGET_CUDA = 1 << 20
 
-_STAMP_LIMIT = 2**31 - 1  # the stamp tables are int32
+#: The stamp tables hold one byte per SWA page: 254 passes, then they are cleared and start over.
+#: A byte, not an ``int32``: the holders' scatter into them and the gather from them at a pass's
+#: first and last samples touch a quarter of the cache lines (on the CPU those passes over tables
+#: larger than the caches cost their cache misses).
+_STAMP_DTYPE = torch.uint8
+_STAMP_LIMIT = 255
 
 
 def free_id_parts(swa_free_page_ids: Any, device: "torch.device | None" = None) -> "tuple[torch.Tensor, ...]":
@@ -365,7 +383,7 @@ class _Pass:
     """A pass of the sweep in progress: what it took at its first sample and how far it has got."""
 
     __slots__ = ("stamp", "parts", "part", "offset", "pages", "page_size", "next_page", "counts", "leak_at",
-                 "shared", "n", "keys_dtype", "samples")
+                 "shared", "n", "keys_dtype", "slot_dtype", "samples", "host_counts")
 
     def __init__(self, stamp, parts, pages, page_size, shared, n, keys_dtype):
         self.stamp = stamp
@@ -375,10 +393,12 @@ class _Pass:
         self.page_size = page_size
         self.next_page = 1  # the first page cell not swept yet (cells 1 .. pages)
         self.counts = None  # int64 [2]: page cells swept that are in use, and leaked (so far)
+        self.host_counts = None  # the same as host ints, on the CPU (where ``counts`` stays None)
         self.leak_at = None  # 0-dim int64: the lowest leaked page so far, less 1 (_NO_LEAK: none)
         self.shared = shared  # int64 [3]: shared SWA slots, one of them, a FULL slot mapped into it
         self.n = n  # holders
         self.keys_dtype = keys_dtype  # of the kept FULL slots
+        self.slot_dtype = torch.int64  # of the kept SWA slots and pages
         self.samples = 0
 
 
@@ -401,7 +421,7 @@ class SwaAuditSweep:
         passes: passes completed.
         last_pass_samples: samples of the last completed pass.
 
-    Its tables (two ``int32`` cells per SWA page, one holder-dtype cell per SWA slot) are its own:
+    Its tables (two one-byte stamp cells per SWA page, one holder-dtype cell per SWA slot) are its own:
     one sweep per reporter. No host sync.
 
     Raises:
@@ -417,6 +437,7 @@ class SwaAuditSweep:
         self.budget = budget
         self._ws = Workspace(self.device)
         self._stamp = 0
+        self._cells = 0  # the most cells of a stamp table used so far (all of them are cleared at a wrap)
         self._pass: "_Pass | None" = None
         self.started = False
         self.passes = 0
@@ -495,46 +516,54 @@ class SwaAuditSweep:
 
     # -- the steps of a pass ------------------------------------------------------------------------
     def _table(self, name: str, cells: int) -> torch.Tensor:
-        return self._ws.kept(name, cells, torch.int32, fill=0)
+        self._cells = max(self._cells, cells)
+        return self._ws.kept(name, cells, _STAMP_DTYPE, fill=0)
 
     def _start(self, holders, parts, pages: int, page_size: int) -> "_Pass | None":
         held = holders()
         if held is None:
             return None
         keys, slot = held
-        if self._stamp + 1 >= _STAMP_LIMIT:  # once every 2**31 passes: the tables start over
+        if self._stamp + 1 >= _STAMP_LIMIT:  # once every 254 passes: the tables start over
             for name in ("sweep.free", "sweep.held"):
-                self._table(name, pages + 2).zero_()
+                self._table(name, max(self._cells, pages + 2)).zero_()
             self._stamp = 0
         self._stamp += 1
         stamp = self._stamp
         ws = self._ws
         n = slot.numel()
         swa_slots = (pages + 1) * page_size
-        # the holders as they are now, for the pass's last sample (the stale holders and the first one)
+        # the holders as they are now, for the pass's last sample (the stale holders and the first
+        # one); their SWA slots and pages in int32 when every slot id is one (half the bytes copied,
+        # and gathered by at the last sample)
+        narrow = torch.int32 if swa_slots < 2**31 else torch.int64
         kept_keys = ws.kept("sweep.keys", n, keys.dtype)
         kept_keys.copy_(keys)
-        kept_slot = ws.kept("sweep.slot", n, torch.int64)
-        kept_slot.copy_(slot)
+        ws.kept("sweep.slot", n, narrow).copy_(slot)
         if page_size == 1:
-            page = kept_slot
+            page = slot
         else:
-            page = torch.div(slot, page_size, rounding_mode="floor", out=ws.kept("sweep.page", n, torch.int64))
+            page = torch.div(slot, page_size, rounding_mode="floor", out=ws.get("sweep.page_index", n, torch.int64))
+            ws.kept("sweep.page", n, narrow).copy_(page)
         # the pages holders map into (cells 0 and pages + 1, "none" and beyond the pool, are never swept)
         self._table("sweep.held", pages + 2).scatter_(0, page, self._stamps(stamp, n))
         self._table("sweep.free", pages + 2)  # made (zeros) before the first stamp
         state = _Pass(stamp, parts, pages, page_size, self._shared(keys, slot, swa_slots), n, keys.dtype)
-        state.counts = torch.zeros(2, dtype=torch.int64, device=self.device)
+        state.slot_dtype = narrow
+        if self.device.type == "cpu":
+            state.host_counts = [0, 0]
+        else:
+            state.counts = torch.zeros(2, dtype=torch.int64, device=self.device)
         state.leak_at = torch.full((), _NO_LEAK, dtype=torch.int64, device=self.device)
         self._pass = state
         return state
 
     def _stamps(self, stamp: int, n: int) -> torch.Tensor:
-        """``int32 [n]`` of ``stamp`` (a kept buffer, filled again when the stamp changes): the
+        """``uint8 [n]`` of ``stamp`` (a kept buffer, filled again when the stamp changes): the
         source of the stamping scatters (``scatter_`` with a source: on the CPU twice as fast as
         ``index_fill_`` with a scalar)."""
         size = max(n, self.budget)
-        buffer = self._ws.kept("sweep.stamps", size, torch.int32)
+        buffer = self._ws.kept("sweep.stamps", size, _STAMP_DTYPE)
         if getattr(self, "_stamps_of", None) != (stamp, buffer.data_ptr(), size):
             buffer.fill_(stamp)
             self._stamps_of = (stamp, buffer.data_ptr(), size)
@@ -555,6 +584,11 @@ class SwaAuditSweep:
         back = torch.index_select(owner, 0, slot, out=ws.get("sweep.back", n, owner.dtype))
         sharing = torch.ne(back, keys, out=ws.get("sweep.sharing", n, torch.int64))
         shared_slot = sharing.mul_(slot)  # the others to cell 0 (a multiplication: no branch per element)
+        if self.device.type == "cpu" and not int(shared_slot.max()):
+            # (a host read: no sync on the CPU) no holder shares an SWA slot of the pool (those mapped
+            # to 0, "none", share cell 0, never counted): shared 0, without the passes below (the
+            # offender cells are read only where their count is above 0)
+            return ws.zeros(3)
         order = ws.arange(n, owner.dtype)
         owner.scatter_(0, shared_slot, order)
         winner = torch.index_select(owner, 0, shared_slot, out=back).sub_(order)  # 0: one holder per value
@@ -570,7 +604,8 @@ class SwaAuditSweep:
 
     def _stamp_free(self, state: _Pass) -> None:
         """Stamp up to ``budget`` ids of the pass's free list (``free[id] = stamp``; ids below 1 to
-        cell 0 and above the pool to the spare cell, both cleared again: never free)."""
+        cell 0 and above the pool to the spare cell, never swept and cleared by :meth:`_finish`
+        before it reads them: never free)."""
         chunk, room = [], self.budget
         while room and state.part < len(state.parts):
             part = state.parts[state.part]
@@ -589,8 +624,6 @@ class SwaAuditSweep:
             keys.copy_(ids).clamp_(0, spare)
         table = self._table("sweep.free", spare + 1)
         table.scatter_(0, keys, self._stamps(state.stamp, keys.numel()))
-        table[0] = 0
-        table[spare] = 0
 
     def _sweep_pages(self, state: _Pass) -> None:
         """Count up to ``budget`` page cells: the free ones, the ones free or referenced (every page
@@ -603,10 +636,14 @@ class SwaAuditSweep:
         stamp, ws, m = state.stamp, self._ws, stop - start
         free = self._table("sweep.free", state.pages + 2)[start:stop]
         held = self._table("sweep.held", state.pages + 2)[start:stop]
-        accounted = torch.maximum(free, held, out=ws.get("sweep.accounted", m, torch.int32)).sub_(stamp)
-        in_use = torch.count_nonzero(torch.sub(free, stamp, out=ws.get("sweep.in_use", m, torch.int32)))
+        accounted = torch.maximum(free, held, out=ws.get("sweep.accounted", m, _STAMP_DTYPE)).sub_(stamp)
+        in_use = torch.count_nonzero(torch.sub(free, stamp, out=ws.get("sweep.in_use", m, _STAMP_DTYPE)))
         leaked = torch.count_nonzero(accounted)
-        state.counts += torch.stack([in_use, leaked])
+        if state.host_counts is not None:  # (on the CPU: read without a sync, added on the host)
+            state.host_counts[0] += int(in_use.numpy())
+            state.host_counts[1] += int(leaked.numpy())
+        else:
+            state.counts += torch.stack([in_use, leaked])
         # the first leaked cell of this range (its page less 1), or _NO_LEAK when there is none
         if self.device.type != "cpu" or (int(leaked.numpy()) and int(state.leak_at.numpy()) == _NO_LEAK):
             first = torch.max(accounted != 0, 0)
@@ -618,17 +655,22 @@ class SwaAuditSweep:
         """The pass's last sample: the stale holders, then the counts and first offenders into ``out``."""
         ws, n = self._ws, state.n
         keys = ws.kept("sweep.keys", n, state.keys_dtype)
-        slot = ws.kept("sweep.slot", n, torch.int64)
-        page = slot if state.page_size == 1 else ws.kept("sweep.page", n, torch.int64)
+        slot = ws.kept("sweep.slot", n, state.slot_dtype)
+        page = slot if state.page_size == 1 else ws.kept("sweep.page", n, state.slot_dtype)
         table = self._table("sweep.free", state.pages + 2)
-        on_free = torch.index_select(table, 0, page, out=ws.get("sweep.on_free", n, torch.int32)).sub_(state.stamp)
+        table[0] = 0  # ("none" and beyond the pool: never free, whatever ids the free list held)
+        table[state.pages + 1] = 0
+        on_free = torch.index_select(table, 0, page, out=ws.get("sweep.on_free", n, _STAMP_DTYPE)).sub_(state.stamp)
         stale = n - torch.count_nonzero(on_free)  # 0 where the holder's page is on the free list
         zero = ws.zeros(1)[0]
         stale_at = _first_when(stale, lambda: on_free == 0, zero)
-        in_use, leaked = state.counts[0], state.counts[1]
+        # (on the CPU with no stale holder, the offender cells are not read: no gather for them)
+        stale_full, stale_swa = (zero, zero) if stale_at is zero else (_at(keys, stale_at), _at(slot, stale_at))
+        counts = state.counts if state.host_counts is None else torch.tensor(state.host_counts, device=self.device)
+        in_use, leaked = counts[0], counts[1]
         leak_at = torch.where(state.leak_at == _NO_LEAK, 0, state.leak_at)
         torch.stack([in_use, in_use - leaked, leaked, stale, state.shared[0],
-                     leak_at, stale_at, _at(keys, stale_at), _at(slot, stale_at), state.shared[1],
+                     leak_at, stale_at, stale_full, stale_swa, state.shared[1],
                      state.shared[2]],
                     out=out)
         self._pass = None

@@ -10,7 +10,9 @@ For every record two events of the same name, :data:`~otel_swa.telemetry.semconv
   timestamp is the time of emission (``time.time_ns()``, ns since the Unix epoch, when the record
   is delivered), so backends order the events; the forward step's span gives the sampling time.
   Its body is otel-swa's line (``record.line()``: the SGLang line body after the
-  ``otel_swa[verify=...]`` tag), so any log backend shows the familiar text;
+  ``otel_swa[verify=...]`` tag), so any log backend shows the familiar text. The API record
+  emitted is a :class:`SampleLogRecord`, which also carries the record itself for otel-swa's line
+  exporter (no other exporter sees a difference);
 * a span event. The copy to the host lands one or more steps later, when the forward-step span
   has normally ended and can no longer take events. The event then goes on a short child span of
   the forward step, named ``swa divergence sample`` (kind INTERNAL, attribute
@@ -37,7 +39,7 @@ import time
 from typing import Any, Mapping
 
 from opentelemetry import trace
-from opentelemetry._logs import Logger, SeverityNumber
+from opentelemetry._logs import LogRecord, Logger, SeverityNumber
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Tracer
 
@@ -46,7 +48,7 @@ from otel_swa.telemetry import semconv as sc
 from otel_swa.telemetry.spans import use_system_random_ids
 
 __all__ = ["record_attributes", "record_from_attributes", "offender_attributes", "liveness_attributes",
-           "liveness_from_attributes", "SampleEvents"]
+           "liveness_from_attributes", "SampleEvents", "SampleLogRecord"]
 
 
 def record_attributes(record: SwaDivergenceRecord) -> dict[str, int | bool | str]:
@@ -137,6 +139,25 @@ def liveness_from_attributes(attributes) -> LivenessWarning:
     return LivenessWarning(values.pop("cause"), **values, verify_source=attributes.get(sc.ATTR_VERIFY_SOURCE))
 
 
+class SampleLogRecord(LogRecord):
+    """The Logs API record of a sample event, carrying the record it was made from.
+
+    The SDK hands the API record it was given to its processors (a ``SimpleLogRecordProcessor``
+    passes the same object to its exporter; a ``BatchLogRecordProcessor`` a shallow copy), so
+    otel-swa's own exporter (:class:`otel_swa.telemetry.logline.SwaLogLineExporter`) takes the
+    lines from :attr:`sample` instead of rebuilding the record from the event's attributes. Every
+    other exporter sees a plain ``LogRecord``: the same fields, attributes and body as before.
+
+    Attributes:
+        sample: the :class:`~otel_swa.record.SwaDivergenceRecord` or
+            :class:`~otel_swa.record.LivenessWarning` the event describes.
+    """
+
+    def __init__(self, sample: "SwaDivergenceRecord | LivenessWarning", **fields: Any) -> None:
+        super().__init__(**fields)
+        self.sample = sample
+
+
 class SampleEvents:
     """Emits the Logs API event and the span event of each record.
 
@@ -157,7 +178,7 @@ class SampleEvents:
         attributes = record_attributes(record)
         if extra:
             attributes.update(extra)
-        self._emit(sc.EVENT_NAME, record.line(), attributes, SeverityNumber.INFO, context)
+        self._emit(sc.EVENT_NAME, record.line(), attributes, SeverityNumber.INFO, context, record)
         faults = []
         for offender, line in zip(record.offenders, record.fault_lines()):
             fault = offender_attributes(record, offender)
@@ -175,14 +196,18 @@ class SampleEvents:
         attributes = liveness_attributes(warning)
         if extra:
             attributes.update(extra)
-        self._emit(sc.LIVENESS_EVENT_NAME, warning.line(), attributes, SeverityNumber.WARN, None)
+        self._emit(sc.LIVENESS_EVENT_NAME, warning.line(), attributes, SeverityNumber.WARN, None, warning)
 
-    def _emit(self, name: str, body: str, attributes: dict, severity: SeverityNumber, context: Context | None) -> None:
-        """One Logs API event, timestamped now (nothing without a logger)."""
+    def _emit(self, name: str, body: str, attributes: dict, severity: SeverityNumber, context: Context | None,
+              sample: Any = None) -> None:
+        """One Logs API event, timestamped now (nothing without a logger); ``sample``: the record or
+        warning it describes, carried by the event's :class:`SampleLogRecord`."""
         if self._logger is None:
             return
-        self._logger.emit(timestamp=time.time_ns(), event_name=name, body=body, attributes=attributes,
-                          severity_number=severity, severity_text=severity.name, context=context)
+        now = time.time_ns()
+        fields = dict(timestamp=now, observed_timestamp=now, event_name=name, body=body, attributes=attributes,
+                      severity_number=severity, severity_text=severity.name, context=context)
+        self._logger.emit(SampleLogRecord(sample, **fields) if sample is not None else LogRecord(**fields))
 
     def _span_event(self, record: SwaDivergenceRecord, attributes: dict[str, int], context: Context,
                     faults: "list[dict]" = ()) -> None:

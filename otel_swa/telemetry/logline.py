@@ -9,7 +9,10 @@ exporter on the same pipeline as OTLP, and ``otel-swa check`` reads it back. Lik
 (:mod:`otel_swa.logline`), it writes the run start marker before its first line and, right after
 the line of an audited sample (the audit fields are event attributes), its audit line; for a
 ``kv_cache.swa.reporter.liveness`` event (a reporter on and delivering no sample), the liveness
-warning line ``otel_swa[verify=...] otel_swa_liveness={...}`` at WARNING.
+warning line ``otel_swa[verify=...] otel_swa_liveness={...}`` at WARNING. The events otel-swa's
+sink emits carry their record (:class:`otel_swa.telemetry.events.SampleLogRecord`), which is written
+as it is; any other event of those names (another emitter, a record read back) is rebuilt from its
+attributes.
 
 Where the line goes:
 
@@ -39,6 +42,7 @@ from opentelemetry.sdk._logs import ReadableLogRecord
 from opentelemetry.sdk._logs.export import LogRecordExporter, LogRecordExportResult
 
 from otel_swa.logline import LOGGER_NAME, RecordLines, line_logger, write_lines
+from otel_swa.record import LivenessWarning, SwaDivergenceRecord
 from otel_swa.telemetry import semconv as sc
 from otel_swa.telemetry.events import liveness_from_attributes, record_from_attributes
 
@@ -86,10 +90,15 @@ class SwaLogLineExporter(LogRecordExporter):
         records = []
         for readable in batch:
             log_record = readable.log_record
+            # otel-swa's own events carry their record (SampleLogRecord): taken as it is, not rebuilt
+            sample = getattr(log_record, "sample", None)
             if log_record.event_name == sc.LIVENESS_EVENT_NAME:
-                self._write_liveness(log_record.attributes or {})
+                self._write_liveness(log_record.attributes or {}, sample if isinstance(sample, LivenessWarning) else None)
                 continue
             if log_record.event_name != sc.EVENT_NAME:
+                continue
+            if isinstance(sample, SwaDivergenceRecord):
+                records.append(sample)
                 continue
             try:
                 records.append(record_from_attributes(log_record.attributes or {}))
@@ -107,10 +116,12 @@ class SwaLogLineExporter(LogRecordExporter):
             return LogRecordExportResult.FAILURE
         return LogRecordExportResult.SUCCESS
 
-    def _write_liveness(self, attributes) -> None:
-        """Write the line of a liveness warning event (after the run start marker when first)."""
+    def _write_liveness(self, attributes, warning: "LivenessWarning | None" = None) -> None:
+        """Write the line of a liveness warning event (after the run start marker when first);
+        ``warning``: the one the event carries, else rebuilt from ``attributes``."""
         try:
-            warning = liveness_from_attributes(attributes)
+            if warning is None:
+                warning = liveness_from_attributes(attributes)
             lines = self._lines.of_liveness(warning)
             with self._lock:
                 if self._stream is None:

@@ -15,10 +15,18 @@ step the engine's thread only appends the record (with its context and the repor
 count) to a bounded FIFO queue, a ``deque.append`` (atomic under the GIL: no lock taken, no thread
 woken), and one daemon thread per process, ``otel-swa-telemetry``, wakes every
 :data:`DELIVERY_PERIOD_S` (or as soon as :data:`WAKE_AT` records wait) and delivers the queued
-records to their sinks in order, yielding the GIL between records. Waking the thread for every
-record (a ``Condition.notify`` under its lock) cost the engine's thread more than the append
-itself: the lock, the notify, and the GIL taken back from a thread woken while the engine runs
-(``benchmarks/bench_telemetry.py``, table 3: the engine thread's CPU time per record). Guarantees:
+records to their sinks in order, yielding the GIL after every :data:`YIELD_PERIOD_S` of delivery.
+Waking the thread for every record (a ``Condition.notify`` under its lock) cost the engine's thread
+more than the append itself: the lock, the notify, and the GIL taken back from a thread woken while
+the engine runs (``benchmarks/bench_telemetry.py``, table 3: the engine thread's CPU time per
+record). Yielding after every record did too: each ``time.sleep(0)`` of the delivery thread cost
+the engine's thread about one involuntary context switch per record on 2 CPU cores
+(``benchmarks/bench_engine_thread.py`` counts them), where yielding once a millisecond costs about
+one in ten records; the interpreter's own switch interval (``sys.getswitchinterval()``, 5 ms) still
+bounds how long the engine's thread waits for the GIL, and the yield makes that wait at most about
+a millisecond. The reporter's health counts (``reporter.stats``, read for the counters of
+:mod:`otel_swa.telemetry.metrics`) are noted once per run of a sink's records in a round, after its
+last one, instead of after each record. Guarantees:
 
 * **in order**: one queue, one deliverer at a time (the thread or a flush), so every sink sees its
   records in ``forward_ct`` order, and the line is written in order;
@@ -72,8 +80,8 @@ from otel_swa.telemetry.events import SampleEvents
 from otel_swa.telemetry.metrics import SwaMetrics
 from otel_swa.version import __version__
 
-__all__ = ["SwaTelemetrySink", "QUEUE_CAPACITY", "DELIVERY_PERIOD_S", "WAKE_AT", "TRIM_PERIOD_S", "reset_after_fork",
-           "flush_queued"]
+__all__ = ["SwaTelemetrySink", "QUEUE_CAPACITY", "DELIVERY_PERIOD_S", "WAKE_AT", "TRIM_PERIOD_S", "YIELD_PERIOD_S",
+           "reset_after_fork", "flush_queued"]
 
 _log = logging.getLogger(__name__)
 
@@ -86,6 +94,9 @@ DELIVERY_PERIOD_S = 0.05
 WAKE_AT = 256
 #: Seconds of delivery between two ``malloc_trim(0)`` calls of the delivery thread (glibc only).
 TRIM_PERIOD_S = 30.0
+#: Seconds of delivery after which the delivery thread lets the engine's thread have the GIL
+#: (``time.sleep(0)``), between two records.
+YIELD_PERIOD_S = 0.001
 
 
 def _malloc_trim() -> "Any":
@@ -161,14 +172,18 @@ class _DeliveryQueue:
 
     @staticmethod
     def _deliver_queued(items: collections.deque, yield_between: bool = False) -> None:
+        clock = time.perf_counter
+        yield_at = clock() + YIELD_PERIOD_S
         while items:
             try:
                 sink, record, context, delivered_at = items.popleft()
             except IndexError:  # taken by another deliverer
                 return
-            sink._deliver(record, context, delivered_at)
-            if yield_between and items:
+            # the reporter's health is noted after the last record of a run of this sink's records
+            sink._deliver(record, context, delivered_at, note_stats=not items or items[0][0] is not sink)
+            if yield_between and items and clock() >= yield_at:
                 time.sleep(0)  # the GIL to the engine's thread, if it waits for it, between records
+                yield_at = clock() + YIELD_PERIOD_S
 
     def flush(self, timeout_s: "float | None" = None) -> bool:
         """Deliver every record queued now, on the calling thread, after the one being delivered.
@@ -372,10 +387,13 @@ class SwaTelemetrySink:
                 delivered_at = None
         self._deliver(record, context, delivered_at)
 
-    def _deliver(self, record: SwaDivergenceRecord, context: Context | None, delivered_at: "int | None") -> None:
+    def _deliver(self, record: SwaDivergenceRecord, context: Context | None, delivered_at: "int | None",
+                 note_stats: bool = True) -> None:
         if isinstance(record, LivenessWarning):
             try:
                 self.events.emit_liveness(record, self.attributes)
+                if note_stats:
+                    self._note_stats()
             except Exception:
                 self.errors += 1
                 _log.exception("SWA divergence telemetry (liveness event) failed")
@@ -383,9 +401,8 @@ class SwaTelemetrySink:
         self.records += 1
         try:
             self.metrics.record(record, context, delivered_at=delivered_at, store=self._store)
-            reporter = self._reporter() if self._reporter is not None else None
-            if reporter is not None:
-                self.metrics.note_stats(reporter)
+            if note_stats:
+                self._note_stats()
         except Exception:
             self.errors += 1
             _log.exception("SWA divergence telemetry (metrics) failed for forward_ct=%s", getattr(record, "forward_ct", "?"))
@@ -394,3 +411,9 @@ class SwaTelemetrySink:
         except Exception:
             self.errors += 1
             _log.exception("SWA divergence telemetry (events) failed for forward_ct=%s", getattr(record, "forward_ct", "?"))
+
+    def _note_stats(self) -> None:
+        """Take the attached reporter's health counts as its last seen (:meth:`SwaMetrics.note_stats`)."""
+        reporter = self._reporter() if self._reporter is not None else None
+        if reporter is not None:
+            self.metrics.note_stats(reporter)

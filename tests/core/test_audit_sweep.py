@@ -228,3 +228,66 @@ def test_the_reporter_finds_a_leak_within_the_bound_and_names_the_page():
     assert first.forward_ct - 50 <= bound
     assert first.swa_leaked_slots == 1 and first.offender("swa_leaked_slots") == Offender("swa_leaked_slots", swa_page=leaked)
     assert all(not r.swa_leaked_slots for r in audited if r.forward_ct < 50)
+
+
+def test_passes_stay_exact_across_the_stamp_tables_wrap_and_a_pool_that_changes_size():
+    """The stamp tables hold a byte per page: after 254 passes they are cleared and the stamps start
+    over. Passes on both sides of each wrap, on pools of two sizes (a cell of the larger pool left
+    from before a wrap must not pass for the current stamp), equal a recount of their first sample."""
+    from otel_swa.device import audit as audit_module
+
+    rng = random.Random(7)
+    sweep, ws = SwaAuditSweep("cpu", budget=4), Workspace("cpu")
+    origin, passes, wrapped = None, 0, 0
+    sizes = (13, 5)
+    while passes < 2 * (audit_module._STAMP_LIMIT - 1) + 20:
+        num_pages = sizes[(passes // 97) % 2]  # the pool size changes now and then, between passes
+        mapping, free, parts, holders = random_state(rng, num_pages, 1, 30)
+        out = torch.full((AUDIT_WIDTH,), -99, dtype=torch.int64)
+        mapping_t = torch.tensor(mapping)
+        stamp_before = sweep._stamp
+        done = sweep.stage(out, lambda: holder_slots(mapping_t, torch.tensor(holders, dtype=torch.int64), num_pages + 1, ws),
+                           [torch.tensor(p, dtype=torch.int64) for p in parts], num_pages, 1, ws)
+        if sweep.started:
+            origin = (mapping, [f for p in parts for f in p], holders, num_pages)
+            wrapped += sweep._stamp < stamp_before
+        if done:
+            mapping0, free0, holders0, pages0 = origin
+            cells = out.tolist()
+            assert cells[:AUDIT_COUNTS] == recount(mapping0, free0, pages0, 1, holders0), passes
+            check_offenders(cells, mapping0, free0, pages0, 1, holders0)
+            passes += 1
+    assert wrapped == 2
+
+
+def test_a_page_stamped_before_the_wrap_on_a_larger_pool_is_not_taken_for_one_of_a_later_pass():
+    """Page 13 of a 13-page pool is stamped free and held by the last pass before the wrap; the wrap
+    happens on a 5-page pool; when the 13-page pool is audited again, its pass with that same stamp
+    must not find page 13 free or held: it is a leaked page there (in use, no holder)."""
+    from otel_swa.device import audit as audit_module
+
+    sweep, ws = SwaAuditSweep("cpu", budget=4), Workspace("cpu")
+    sweep._stamp = audit_module._STAMP_LIMIT - 3  # (the wrap, reached without 250 passes first)
+
+    def one_pass(num_pages, mapping, free, holders):
+        out = torch.zeros(AUDIT_WIDTH, dtype=torch.int64)
+        mapping_t, holders_t = torch.tensor(mapping), torch.tensor(holders, dtype=torch.int64)
+        while not sweep.stage(out, lambda: holder_slots(mapping_t, holders_t, num_pages + 1, ws),
+                              torch.tensor(free, dtype=torch.int64), num_pages, 1, ws):
+            pass
+        return out.tolist(), sweep._stamp
+
+    # before the wrap, 13 pages: page 13 held (FULL slot 1) and on the free list
+    _, stamped = one_pass(13, [0, 13, 2], list(range(3, 14)), [1, 2])
+    one_pass(5, [0, 1, 2], [3, 4, 5], [1, 2])  # 5 pages
+    one_pass(5, [0, 1, 2], [3, 4, 5], [1, 2])  # the wrap: the stamps start over
+    # 13 pages again: page 13 in use and held by nobody, until a pass has the stamp page 13 kept
+    mapping, free, holders = [0, 1, 2], list(range(3, 13)), [1, 2]
+    expected = recount(mapping, free, 13, 1, holders)
+    assert expected[2] == 1  # the leaked page
+    while True:
+        cells, stamp = one_pass(13, mapping, free, holders)
+        assert cells[:AUDIT_COUNTS] == expected, stamp
+        if stamp == stamped:
+            break
+

@@ -76,6 +76,40 @@ def test_the_read_check_counter_sums_every_sample_by_outcome(pipeline):
     assert points == {"agree": 8 + 5 + 5, "disagree": 3, "unchecked": 3}
 
 
+def test_the_read_check_counter_under_delta_temporality_and_after_its_reporter_is_gone(make_pipeline):
+    """Each delta point is what the samples delivered since the last collection added; the sums of
+    a sink (its reporter's store) that is garbage-collected stay counted: no negative point."""
+    import gc
+
+    p = make_pipeline("delta")
+    sink = SwaTelemetrySink(**p.providers())
+    sink(_record(20, 8, 0), None)
+    sink(_record(40, 8, 3), None)
+    assert {a["kv_cache.swa.read_check.outcome"]: v for a, v in _points(p, "kv_cache.swa.read_check.queries")} == {
+        "agree": 8 + 5, "disagree": 3, "unchecked": 2}
+    sink(_record(60, 6, 1), None)
+    del sink
+    gc.collect()
+    assert {a["kv_cache.swa.read_check.outcome"]: v for a, v in _points(p, "kv_cache.swa.read_check.queries")} == {
+        "agree": 5, "disagree": 1, "unchecked": 1}
+    assert {a["kv_cache.swa.read_check.outcome"]: v for a, v in _points(p, "kv_cache.swa.read_check.queries")} == {
+        "agree": 0, "disagree": 0, "unchecked": 0}
+
+
+def test_the_read_check_counter_exemplar_points_at_the_latest_sample_forward_step(pipeline):
+    sink = SwaTelemetrySink(**pipeline.providers())
+    tracer = pipeline.tracer_provider.get_tracer("engine")
+    spans = []
+    for forward_ct in (20, 40):
+        with tracer.start_as_current_span("forward step") as span:
+            sink(_record(forward_ct, 8, 1), otel_context.get_current())
+        spans.append(span.get_span_context())
+    (disagree,) = [point for point in pipeline.metrics()["kv_cache.swa.read_check.queries"]["points"]
+                   if point.attributes["kv_cache.swa.read_check.outcome"] == "disagree"]
+    assert disagree.value == 2
+    assert [(e.trace_id, e.span_id) for e in disagree.exemplars] == [(spans[1].trace_id, spans[1].span_id)]
+
+
 def test_the_block_audit_gauges():
     from otel_swa.telemetry.metrics import INSTRUMENTS
 

@@ -257,3 +257,38 @@ def test_logline_exporter_refuses_a_value_above_int64_and_writes_nothing_for_it(
     provider.get_logger("x").emit(event_name="kv_cache.swa.divergence_sample", attributes=attributes)
     provider.shutdown()
     assert (stream.getvalue(), exporter.malformed, exporter.lines_written) == ("", 1, 0)
+
+
+AUDITED = R(20, 5120, 2048, 17, 311, verify_source="attention", swa_leaked_slots=4, swa_stale_tokens=0,
+            swa_shared_slots=0, swa_pages_in_use=12, swa_pages_referenced=11)
+AUDITED_LINES = [
+    "otel_swa[verify=attention] " + LINES[0],
+    'otel_swa[verify=attention] otel_swa_audit={"forward_ct":20,"swa_leaked_slots":4,"swa_stale_tokens":0,'
+    '"swa_shared_slots":0,"swa_pages_in_use":12,"swa_pages_referenced":11}',
+]
+
+
+def test_logline_exporter_rebuilds_the_record_of_a_sample_event_another_emitter_made():
+    """An event of the sample's name that carries no record (emitted by other code, or read back
+    from a log store and emitted again) is written from its attributes."""
+    from otel_swa.telemetry.events import record_attributes
+
+    stream = io.StringIO()
+    provider = logline_provider(SwaLogLineExporter(stream))
+    provider.get_logger("elsewhere").emit(event_name="kv_cache.swa.divergence_sample", attributes=record_attributes(AUDITED))
+    provider.shutdown()
+    assert stream.getvalue().splitlines()[1:] == AUDITED_LINES
+
+
+def test_logline_exporter_writes_the_whole_record_when_the_sdk_cut_the_event_attributes(recwarn):
+    """The sink's events carry their record: a log record attribute limit that drops most of the
+    event's attributes (OTEL_LOGRECORD_ATTRIBUTE_COUNT_LIMIT) no longer costs the line."""
+    from opentelemetry.sdk._logs import LogRecordLimits
+
+    stream = io.StringIO()
+    provider = LoggerProvider(log_record_limits=LogRecordLimits(max_attributes=3))
+    provider.add_log_record_processor(SimpleLogRecordProcessor(exporter := SwaLogLineExporter(stream)))
+    SwaTelemetrySink(logger_provider=provider, span_events=False)(AUDITED, None)
+    provider.shutdown()
+    assert stream.getvalue().splitlines()[1:] == AUDITED_LINES
+    assert (exporter.malformed, exporter.lines_written) == (0, 1)
