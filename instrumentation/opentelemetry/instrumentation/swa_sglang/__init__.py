@@ -55,8 +55,9 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
     (``RpcReqInput``, ``Scheduler.handle_rpc_request``) and waits for the answer while a scheduler
     is alive, at most the OTLP timeout (:func:`otel_swa.config.otlp_timeout_s`), so the pending
     samples are delivered and the SDK's buffers exported (:func:`otel_swa.lifecycle.flush_all`).
-    Only when the schedulers are auto-instrumented (``opentelemetry-instrument``'s
-    ``sitecustomize`` on ``PYTHONPATH``).
+    Only when the schedulers are instrumented too (``opentelemetry-instrument``'s
+    ``sitecustomize`` on ``PYTHONPATH``, or otel-swa's SGLang plugin switched on:
+    :mod:`opentelemetry.instrumentation.swa_plugins`).
 ``sglang.srt.utils.common.kill_process_tree`` and ``sglang.srt.entrypoints.http_server._setup_and_run_http_server``
     The other stop paths of the main process (``launch_server``'s end after SIGINT, a child's
     failure): the same flush before SGLang SIGKILLs the schedulers; every way SGLang stops, and
@@ -245,10 +246,11 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         super()._set_up_telemetry(kwargs)
         self._pools = pool_metrics(self._providers[1])
 
-    def _wrap(self, targets: list) -> None:
-        super()._wrap(targets)
+    def _wrap(self, targets: list, registry: Any = None) -> None:
+        super()._wrap(targets, registry)
         for index, (cls, _function) in targets:
             if self.wrapped[index][1] == "Scheduler" and self._ready:
+                # an added method: SGLang's HookRegistry hooks attributes that exist, so this is set here
                 self._provide(cls, FLUSH_RPC_METHOD, stop_paths.flush_rpc)
 
     # ------------------------------------------------------------------ reporters
