@@ -17,7 +17,9 @@ that counts at most 8 future tokens per request (``SGLANG_CLIP_MAX_NEW_TOKENS_ES
 by the harness) decoding outgrows the pool and the scheduler retracts. All requests are submitted at once, then the repeats.
 
 The results JSON: per request ``completion_tokens`` and ``cached_tokens``, the engine's start-up
-and generation times, and the pids of the engine's child processes.
+and generation times, the pids of the engine's child processes and, where the suite's probe is
+installed (``OTEL_SWA_TEST_SGLANG_PROBE``), what otel-swa did in this main process before the
+shutdown (``main_process``: ``sglang_step_probe.otel_swa_process()``).
 """
 
 from __future__ import annotations
@@ -81,6 +83,10 @@ def main(config_path: str) -> None:
         "generate_s": round(generated - started, 2),
         "children": children,
     }
+    if os.environ.get("OTEL_SWA_TEST_SGLANG_PROBE"):
+        import sglang_step_probe  # the suite's shims (tests/engines/shims/install.py)
+
+        results["main_process"] = sglang_step_probe.otel_swa_process()
     engine.shutdown()
     results["shutdown_s"] = round(time.monotonic() - generated, 2)
     with open(config["out"], "w") as f:
