@@ -135,3 +135,16 @@ reporter.close()
     # slots 1, 2 hold tokens out of the window (mapping 0); of 3..6, 5 -> 5 is not remapped
     assert ('[engine log] otel_swa[verify=attention] kv_canary_swa_divergence={"forward_ct":1,"verify_full":6,'
             '"verify_swa":4,"swa_full_idx_divergence":3,"swa_out_of_window_tokens":2}') in proc.stderr.splitlines()
+
+
+def test_the_suites_probe_looks_at_every_method_the_sglang_instrumentor_wraps():
+    from pathlib import Path
+
+    from opentelemetry.instrumentation.swa_sglang import WRAPPED, stop_paths
+
+    sys.path.insert(0, str(Path(__file__).parent / "shims" / "sglang_cpu"))
+    try:
+        import sglang_step_probe
+    finally:
+        sys.path.pop(0)
+    assert sglang_step_probe.INSTRUMENTED == tuple(spec[:3] for spec in WRAPPED + stop_paths.WRAPPED)

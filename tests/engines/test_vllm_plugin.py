@@ -128,3 +128,31 @@ def test_without_the_variable_the_plugin_wraps_nothing_and_writes_nothing(runs):
     printed, log = runs("switched_off")
     assert (printed["otel_swa_wrapped"], printed["instrumentor_imported"]) == ("", "0")
     assert "otel_swa" not in log.read_text() and int(printed["scheduler_steps"]) > 10
+
+
+def test_what_a_stat_logger_receives_cannot_carry_the_pool_usage_per_kv_cache_group(vllm_classes):  # noqa: F811
+    """vLLM's ``vllm.stat_logger_plugins`` route: a ``StatLoggerBase`` runs in the front-end process and
+    receives the engine core's ``SchedulerStats`` as vLLM sends it (``EngineCoreOutputs`` through its
+    own msgpack encoder and decoder). Its one KV figure is ``kv_cache_usage``, the pool's used
+    fraction of blocks over every KV cache group; anything an engine-core plugin adds to the stats,
+    a field of a subclass or an attribute, is gone on the other side. So otel-swa's pool usage per
+    KV cache group in tokens stays with the engine core's plugin (docs/engines.md)."""
+    import dataclasses
+
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    assert [f.name for f in dataclasses.fields(SchedulerStats) if "kv_cache" in f.name] == [
+        "kv_cache_usage", "kv_cache_eviction_events"]
+
+    @dataclasses.dataclass
+    class WithPools(SchedulerStats):
+        pool_tokens_used: dict = dataclasses.field(default_factory=dict)
+
+    sent = WithPools(kv_cache_usage=0.615, pool_tokens_used={"full": 640, "swa": 400})
+    sent.otel_swa_pools = {"full": 640, "swa": 400}
+    received = MsgpackDecoder(EngineCoreOutputs).decode(MsgpackEncoder().encode(EngineCoreOutputs(scheduler_stats=sent)))
+    stats = received.scheduler_stats
+    assert type(stats) is SchedulerStats and stats.kv_cache_usage == 0.615
+    assert not hasattr(stats, "pool_tokens_used") and not hasattr(stats, "otel_swa_pools")

@@ -100,8 +100,9 @@ nothing is wrapped. Each model runner gets its own
 slots); its records become the metrics and events of :mod:`otel_swa.telemetry` (the table
 "Record field → instrument" in ``docs/telemetry.md``) and, with the ``swa_logline`` logs exporter,
 otel-swa's line (``otel_swa[verify=...] kv_canary_swa_divergence={...}``, the record part
-byte-identical to SGLang's). Set only ``OTEL_SWA_DIVERGENCE_INTERVAL``: the SGLang variable also
-switches on SGLang's own reporter, which then logs its line beside ours. Pending samples are
+byte-identical to SGLang's). With SGLang's KV canary on, set only ``OTEL_SWA_DIVERGENCE_INTERVAL``:
+the SGLang variable also switches on SGLang's own reporter there (sglang 0.5.23 reads it only in
+``CanaryManager.__init__``), which then logs its line beside ours. Pending samples are
 delivered at every stop of the engine or server (above, and
 :mod:`~opentelemetry.instrumentation.swa_sglang.stop_paths`), when the model runner is
 garbage-collected, at interpreter exit, and at ``uninstrument()``; while the engine runs, metrics
@@ -126,6 +127,8 @@ restores the original functions (the same objects); both calls are idempotent.
 
 Usage::
 
+    # SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL=20 python -m sglang.launch_server ...
+    # (SGLang's plugin framework runs it in every process: opentelemetry.instrumentation.swa_plugins)
     # OTEL_SWA_DIVERGENCE_INTERVAL=20 opentelemetry-instrument python -m sglang.launch_server ...
     # (instrument() called in a script does not reach SGLang's spawned scheduler processes; in a
     # process that runs the model runner itself:)
