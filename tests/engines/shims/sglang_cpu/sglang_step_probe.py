@@ -88,7 +88,8 @@ _HOOK_REGISTRY_CODE = os.path.join("sglang", "srt", "plugins", "hook_registry.py
 
 
 def _has_our_code(function, depth: int = 6) -> bool:
-    """Whether ``function``, or a function it wraps (``__wrapped__``, closures), is otel-swa's code."""
+    """Whether ``function``, or a function it wraps (``__wrapped__``; the hook a HookRegistry wrapper
+    calls, from its closure), is otel-swa's code."""
     stack, seen = [(function, 0)], set()
     while stack:
         item, level = stack.pop()
@@ -99,6 +100,8 @@ def _has_our_code(function, depth: int = 6) -> bool:
         if code is not None and any(part in code.co_filename for part in _OUR_CODE):
             return True
         stack.append((getattr(item, "__wrapped__", None), level + 1))
+        if code is None or not code.co_filename.endswith(_HOOK_REGISTRY_CODE):
+            continue  # another wrapper's closure (this probe's own) holds what it calls, not what it wraps
         for cell in getattr(item, "__closure__", None) or ():
             try:
                 value = cell.cell_contents
