@@ -19,13 +19,20 @@ Variants:
   nothing else (the plain script of docs/engines.md): the plugin sets OpenTelemetry up with
   otel-swa's line exporter and instruments each process (informative: the price of switching it on).
 
+A second table times what otel-swa's entry points change in each of the engine's processes, on
+its own: SGLang's ``load_plugins()`` (``sglang/srt/plugins/__init__.py``: find the entry points,
+load and call each plugin, apply the hooks), called once in a fresh process that has imported
+``sglang.srt.plugins``, as each SGLang process calls it once, for the same variants
+(``--load-plugins-rounds``, default 10; milliseconds, in-process, so far less noisy than a whole
+start-up on a shared machine).
+
 Rounds interleave them (each round runs every variant once, in turn, after one warm-up round that
 is not counted); each figure is the median over the rounds with the spread (min - max), and each
 ratio is taken round by round against ``absent``. The test environment's CPU shims
 (``tests/engines/shims/install.py``: a ``.pth`` file importing ``otel_swa.import_hooks`` in every
 process) are there in every variant.
 
-Run: ``.venv-sglang/bin/python benchmarks/bench_plugin_startup.py [--rounds 5]``
+Run: ``.venv-sglang/bin/python benchmarks/bench_plugin_startup.py [--rounds 5] [--load-plugins-rounds 10]``
 """
 
 from __future__ import annotations
@@ -69,11 +76,31 @@ def run_engine(model: Path, work: Path, name: str, variables: dict) -> dict:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    print(machine_line())
+#: One ``load_plugins()`` in a fresh process (the driver's module installs the entry-point filter).
+LOAD_PLUGINS = r"""
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import sglang_startup_driver  # noqa: F401  (OTEL_SWA_BENCH_HIDE_PLUGINS)
+import sglang.srt.plugins as plugins
+start = time.perf_counter()
+plugins.load_plugins()
+print((time.perf_counter() - start) * 1e3)
+"""
+
+
+def load_plugins_ms(variables: dict) -> float:
+    """Milliseconds of SGLang's ``load_plugins()`` in a fresh process with ``variables`` set."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SGLANG_"))}
+    env.update({"SGLANG_USE_CPU_ENGINE": "1", "OMP_NUM_THREADS": "1", **variables})
+    run = subprocess.run([sys.executable, "-c", LOAD_PLUGINS, str(HERE)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    if run.returncode != 0:
+        raise RuntimeError(f"load_plugins() failed:\n{run.stderr[-3000:]}")
+    return float(run.stdout.strip().splitlines()[-1])
+
+
+def startup_table(rounds: int) -> None:
+    """The start-up table (module docstring): ``rounds`` interleaved rounds after one warm-up round."""
     with tempfile.TemporaryDirectory(prefix="otel-swa-startup-") as tmp:
         work = Path(tmp)
         model = work / "model"
@@ -82,7 +109,7 @@ def main() -> None:
         if build.returncode != 0:
             raise SystemExit(f"building the model failed:\n{build.stderr[-3000:]}")
         runs: dict = {name: [] for name in VARIANTS}
-        for round_index in range(1 + args.rounds):
+        for round_index in range(1 + rounds):
             order = list(VARIANTS)
             order = order[round_index % len(order):] + order[:round_index % len(order)]
             for name in order:
@@ -104,8 +131,32 @@ def main() -> None:
                      fmt([r["engine_s"] for r in results], unit=" s"), fmt(ratios(startup, base), digits=3),
                      str(sorted({r["lines"] for r in results}))))
     print()
-    print_table(f"sglang.Engine start-up, {args.rounds} interleaved rounds (median (min - max))",
+    print_table(f"sglang.Engine start-up, {rounds} interleaved rounds (median (min - max))",
                 ("variant", "start-up", "import sglang", "Engine(...)", "start-up / absent", "otel-swa lines"), rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5, help="start-up rounds (0: only the load_plugins() table)")
+    parser.add_argument("--load-plugins-rounds", type=int, default=10)
+    args = parser.parse_args()
+    print(machine_line())
+    if args.rounds > 0:
+        startup_table(args.rounds)
+    print(load_line())
+    print()
+    timed: dict = {name: [] for name in VARIANTS}
+    for round_index in range(1 + args.load_plugins_rounds):
+        order = list(VARIANTS)
+        for name in order[round_index % len(order):] + order[:round_index % len(order)]:
+            value = load_plugins_ms(VARIANTS[name])
+            if round_index:
+                timed[name].append(value)
+    base_ms = timed["absent"]
+    print_table(f"SGLang's load_plugins() in a fresh process, {args.load_plugins_rounds} interleaved rounds, ms",
+                ("variant", "load_plugins()", "minus absent (round by round)"),
+                [(name, fmt(values, digits=1), fmt([v - b for v, b in zip(values, base_ms)], digits=1))
+                 for name, values in timed.items()])
     print(load_line() + " (at the end)")
 
 

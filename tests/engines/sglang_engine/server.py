@@ -22,7 +22,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
