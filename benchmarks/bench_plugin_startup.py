@@ -5,7 +5,7 @@ Needs the SGLang engine suite's environment (``.ci/sglang-tests.sh`` installs it
 ``.venv-sglang``): run it with that environment's Python. Each run is a process of its own,
 ``sglang_startup_driver.py`` under plain ``python`` (no ``opentelemetry-instrument``, no ``OTEL_*``
 variable), starting a ``sglang.Engine`` on CPU with the engine suite's tiny hybrid-SWA model
-(``tests/engines/sglang_engine/build_model.py``, built once), answering one 8-token request and
+(``tests/engines/sglang_engine/build_model.py``, built once), answering one 24-token request and
 shutting down. The figure is the start-up: seconds from the driver's first line to the ``Engine``
 being ready (the ``import sglang`` included; SGLang loads its plugins in the ``Engine``'s own
 process, in the scheduler and in the detokenizer, all before the engine is ready).

@@ -1,5 +1,6 @@
 """The engine run of ``bench_plugin_startup.py``: start a real ``sglang.Engine`` on CPU with the engine
-suite's tiny hybrid-SWA model, answer one short request, shut it down, and say how long the start took.
+suite's tiny hybrid-SWA model, answer one request of 24 tokens (with otel-swa on at interval 20, one
+sample), shut it down, and say how long the start took.
 
 Usage: ``python sglang_startup_driver.py CONFIG.json``; the JSON object holds ``model`` (the output of
 ``tests/engines/sglang_engine/build_model.py``) and ``out`` (where the results go). Writes
@@ -55,7 +56,7 @@ def main(config_path: str) -> None:
     )
     ready = time.monotonic()
     output = engine.generate(input_ids=[[5, 6, 7, 8, 9, 10, 11, 12]],
-                             sampling_params={"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True})
+                             sampling_params={"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True})
     engine.shutdown()
     results = {"startup_s": ready - T0, "import_s": imported - T0, "engine_s": ready - imported,
                "tokens": output[0]["meta_info"]["completion_tokens"], "plugin_loaded": _OUR_MODULE in sys.modules}
