@@ -148,3 +148,25 @@ def test_the_suites_probe_looks_at_every_method_the_sglang_instrumentor_wraps():
     finally:
         sys.path.pop(0)
     assert sglang_step_probe.INSTRUMENTED == tuple(spec[:3] for spec in WRAPPED + stop_paths.WRAPPED)
+
+
+@pytest.mark.parametrize("environ, exporters, filled", [
+    ({}, "logline", {}),
+    ({"OTEL_SERVICE_NAME": "engine"}, "logline", {}),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}, "otlp,logline", {}),
+    ({"OTEL_EXPORTER_OTLP_METRICS_ENDPOINT": "http://collector:4318/v1/metrics"}, "otlp,logline", {}),
+    ({"OTEL_METRICS_EXPORTER": "prometheus"}, None,
+     {"OTEL_TRACES_EXPORTER": "otlp", "OTEL_METRICS_EXPORTER": "prometheus", "OTEL_LOGS_EXPORTER": "otlp"}),
+    ({"OTEL_LOGS_EXPORTER": "otlp,swa_logline", "OTEL_TRACES_EXPORTER": "none"}, None,
+     {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "otlp", "OTEL_LOGS_EXPORTER": "otlp,swa_logline"}),
+], ids=["nothing", "a resource only", "an endpoint", "a signal's endpoint", "one exporter", "two exporters"])
+def test_a_plugin_chooses_the_exporters_the_distro_would_and_keeps_the_line_when_nothing_says_otherwise(
+        environ, exporters, filled):
+    from otel_swa.telemetry.setup import distro_exporters
+
+    given = dict(environ)
+    chosen, env = distro_exporters(given)
+    assert chosen == exporters
+    assert given == environ  # the mapping given (os.environ by default, which children inherit) is left alone
+    for name, value in filled.items():
+        assert env[name] == value
