@@ -2,8 +2,9 @@
 # The SGLang engine suite, in its own environment (about 2.5 GB, 1-3 minutes to install on 2 cores
 # with torch from a local wheel cache): otel-swa's SGLang adapter against sglang 0.5.23's real
 # allocator classes, and a real sglang.Engine and HTTP server (`python -m sglang.launch_server`,
-# stopped five ways) on CPU run under opentelemetry-instrument with a tiny hybrid-SWA model,
-# exporting to a real collector. Runs `pytest tests/engines -m sglang`; a failed
+# stopped five ways) on CPU with a tiny hybrid-SWA model, started by plain python (otel-swa's
+# plugin, loaded by SGLang's load_plugins()) or under opentelemetry-instrument, exporting to a
+# real collector. Runs `pytest tests/engines -m sglang`; a failed
 # SGLang import fails it (OTEL_SWA_REQUIRE_SGLANG=1), a missing collector too (CI=1).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The vLLM engine suite: otel-swa's vLLM adapter and swa_vllm instrumentor against vLLM 0.33.0's
-# real KVCacheManager and Scheduler on CPU, in an environment of its own built from scratch (about
+# The vLLM engine suite: otel-swa's vLLM adapter, swa_vllm instrumentor and plugin (loaded by vLLM's
+# load_general_plugins()) against vLLM 0.33.0's real KVCacheManager and Scheduler on CPU, in an environment of its own built from scratch (about
 # 2 GB). Runs `pytest tests/engines -m vllm`; a failed vLLM import fails it (OTEL_SWA_REQUIRE_VLLM=1).
 # The rows of its faults made on purpose go to $OTEL_SWA_DETECTION_DIR/detection.json (default out/detection).
 # The vLLM wheel (336 MB) is downloaded once into $OTEL_SWA_WHEEL_DIR (default .whl/).

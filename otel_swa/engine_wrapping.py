@@ -248,9 +248,12 @@ class EngineInstrumentor(BaseInstrumentor):
     4. before the first wrap, builds the telemetry sink and forward-step spans from the
        ``instrument()`` kwargs (``tracer_provider``, ``meter_provider``, ``logger_provider``,
        ``span_events``, ``max_links``, ``traceparents``), never installing global providers;
-    5. replaces each method with its wrapper. ``uninstrument()`` cancels the wrapping still
-       waiting for an import, restores the very same function objects and closes (flushes) the
-       reporters made meanwhile.
+    5. replaces each method with its wrapper, or, for the modules already imported, hands the
+       wrappers to the engine's own hook registry when ``instrument(hook_registry=register)`` gives
+       one (``register(dotted_target, around_hook)``, :func:`register_around`: SGLang's plugin
+       framework applies them). ``uninstrument()`` cancels the wrapping still waiting for an
+       import, restores the very same function objects and closes (flushes) the reporters made
+       meanwhile.
 
     Class attributes:
         name: the instrumentor's entry-point name (``swa_sglang``).
@@ -368,8 +371,9 @@ class EngineInstrumentor(BaseInstrumentor):
                     for name, indices in by_module.items() if name in sys.modules}
         if imported:
             self._resolve_more()
+        registry = kwargs.get("hook_registry")
         for name, targets in imported.items():
-            self._wrap(targets)
+            self._wrap(targets, registry=registry)
         for name, indices in by_module.items():
             if name not in imported:
                 hook = functools.partial(self._on_import, indices)
@@ -399,16 +403,22 @@ class EngineInstrumentor(BaseInstrumentor):
             return
         self._wrap(targets)
 
-    def _wrap(self, targets: list) -> None:
+    def _wrap(self, targets: list, registry: Any = None) -> None:
+        """Wrap ``targets`` (``(index in wrapped, (cls, function))``) now, or, with ``registry``, hand
+        each wrapper to the engine's hook registry (:func:`register_around`), which applies it."""
         if not self._ensure_ready():
             return
         wrappers = self._wrappers() + self._more_wrappers()
         for index, (cls, function) in targets:
-            method = self.wrapped[index][2]
+            module_name, class_name, method = self.wrapped[index][:3]
             self._originals[(cls, method)] = function
+            if registry is not None:
+                target = f"{module_name}.{class_name}.{method}" if class_name else f"{module_name}.{method}"
+                register_around(registry, target, function, wrappers[index])
+                continue
             wrapper = wrappers[index](function)
             setattr(cls, method, wrapper)
-            if not self.wrapped[index][1]:  # a module-level function: also where it was imported by name
+            if not class_name:  # a module-level function: also where it was imported by name
                 for module in _rebind(cls, method, function, wrapper):
                     self._originals[(module, method)] = function
 
@@ -454,6 +464,29 @@ class EngineInstrumentor(BaseInstrumentor):
                 reporter.close()
             except Exception:
                 self._log.exception("closing an SWA divergence reporter failed")
+
+
+def register_around(register: Callable[[str, Callable], None], target: str, function: Callable,
+                    make_wrapper: Callable[[Callable], Callable]) -> None:
+    """Hand an instrumentor's wrapper of ``function`` (``make_wrapper(function)``) to an engine's hook
+    registry: ``register(target, hook)`` with ``target`` the method's dotted name and
+    ``hook(original_fn, *args, **kwargs)`` an around-hook (SGLang's ``HookRegistry`` with
+    ``HookType.AROUND``), which the registry applies itself later, replacing the attribute and every
+    ``from module import name`` copy of it.
+
+    The wrapper is made now for ``function``; should the registry hand the hook another original
+    (another plugin's replacement of the same target, applied first), one is made for that one at
+    its first call."""
+    made = {function: make_wrapper(function)}
+
+    def around(original_fn, *args, **kwargs):
+        wrapper = made.get(original_fn)
+        if wrapper is None:
+            wrapper = made[original_fn] = make_wrapper(original_fn)
+        return wrapper(*args, **kwargs)
+
+    around.__name__ = around.__qualname__ = f"otel_swa_{target.rsplit('.', 1)[-1]}"
+    register(target, around)
 
 
 def _rebind(module: ModuleType, name: str, old: Any, new: Any) -> list[ModuleType]:

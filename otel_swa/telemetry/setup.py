@@ -73,7 +73,8 @@ from otel_swa.telemetry.sink import SwaTelemetrySink
 from otel_swa.telemetry.spans import ForwardSpans, RequestSpans
 from otel_swa.version import __version__
 
-__all__ = ["configure", "SwaTelemetry", "resolve_exporters", "LOGLINE_EXPORTER", "SIGNALS"]
+__all__ = ["configure", "configure_like_the_distro", "distro_exporters", "SwaTelemetry", "resolve_exporters",
+           "LOGLINE_EXPORTER", "SIGNALS"]
 
 _log = logging.getLogger(__name__)
 
@@ -406,6 +407,53 @@ def _shutdown_provider(signal: str, provider: Any) -> None:
         provider.shutdown()
     except Exception:
         _log.exception("shutdown of the %s provider failed", signal)
+
+
+#: The OTLP endpoint variables: one set names a collector, so the exporters default to OTLP.
+_OTLP_ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+                            "OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "OTEL_EXPORTER_OTLP_LOGS_ENDPOINT")
+
+
+def distro_exporters(environ: Mapping[str, str] | None = None) -> "tuple[str | None, Mapping[str, str]]":
+    """The exporters an engine plugin sets up when nobody configured OpenTelemetry: the
+    ``(exporters, environ)`` to pass to :func:`configure`.
+
+    * one of ``OTEL_TRACES_EXPORTER``, ``OTEL_METRICS_EXPORTER``, ``OTEL_LOGS_EXPORTER`` set: each
+      signal as its variable says, ``otlp`` for those left unset (opentelemetry-distro's
+      defaults, which it sets with ``os.environ.setdefault``; here only in the returned mapping,
+      never in the process's environment, which the engine's child processes inherit);
+    * none of them, but an OTLP endpoint (``OTEL_EXPORTER_OTLP_ENDPOINT`` or a signal's own): OTLP
+      for every signal, and SGLang's line (``logline``) in the log beside it;
+    * nothing: SGLang's line only, in the engine's own log (traces and metrics are not exported:
+      there is nowhere to send them).
+    """
+    env = os.environ if environ is None else environ
+    chosen = [signal for signal in SIGNALS if (env.get(_SIGNAL_VARIABLE[signal]) or "").strip()]
+    if chosen:
+        filled = dict(env)
+        for signal in SIGNALS:
+            if signal not in chosen:
+                filled[_SIGNAL_VARIABLE[signal]] = "otlp"
+        return None, filled
+    if any((env.get(name) or "").strip() for name in _OTLP_ENDPOINT_VARIABLES):
+        return "otlp,logline", env
+    return "logline", env
+
+
+def configure_like_the_distro(environ: Mapping[str, str] | None = None) -> "SwaTelemetry":
+    """OpenTelemetry for an engine process that an engine plugin switched on without
+    ``opentelemetry-instrument``: :func:`configure` with the exporters of :func:`distro_exporters`,
+    every other setting (endpoint, headers, protocol, compression, timeout, temporality, resource
+    from ``OTEL_RESOURCE_ATTRIBUTES`` / ``OTEL_SERVICE_NAME``, batch and export intervals) read by
+    the SDK's classes from the standard variables, as under the distro. Providers already installed
+    as the global ones (the application's own, or the distro's) are used as they are; the ones built
+    here are installed as the global ones and shut down by the SDK at interpreter exit.
+
+    Raises:
+        ConfigError: as :func:`configure` (an exporter that is not installed, a bad value).
+    """
+    exporters, env = distro_exporters(environ)
+    return configure(exporters=exporters, environ=env)
 
 
 def configure(

@@ -139,3 +139,70 @@ def test_an_absent_engine_is_reported_once_per_process_tree(tmp_path):
     warnings = [line for line in run.stderr.splitlines() if "not installed" in line]
     assert len(warnings) == 1, run.stderr
     assert warnings[0].startswith("opentelemetry.instrumentation.swa_vllm: swa_vllm: vllm is not installed")
+
+
+class RecordingRegistry:
+    """An engine's hook registry reduced to what SGLang's ``HookRegistry`` does with an AROUND hook:
+    ``register(target, hook)`` now, ``apply()`` later replaces the target's attribute by
+    ``lambda *a, **k: hook(original, *a, **k)``."""
+
+    def __init__(self) -> None:
+        self.hooks: list = []
+
+    def __call__(self, target: str, hook) -> None:
+        self.hooks.append((target, hook))
+
+    def apply(self) -> None:
+        for target, hook in self.hooks:
+            owner_path, attribute = target.rsplit(".", 1)
+            module_name, class_name = owner_path.rsplit(".", 1)
+            owner = getattr(sys.modules[module_name], class_name)
+            original = owner.__dict__[attribute]
+
+            def wrapper(*args, _hook=hook, _original=original, **kwargs):
+                return _hook(_original, *args, **kwargs)
+
+            setattr(owner, attribute, wrapper)
+
+
+def test_a_hook_registry_gets_the_wrappers_of_the_modules_already_imported(engine_on_disk, pipeline):
+    runner = importlib.import_module(f"{ENGINE}.runner")  # imported before instrument(): the registry's
+    registry = RecordingRegistry()
+    instrumentor = LazyEngineInstrumentor()
+    instrumentor.instrument(hook_registry=registry, **pipeline.providers())
+    try:
+        assert [target for target, _ in registry.hooks] == [f"{ENGINE}.runner.Runner.forward"]
+        assert runner.Runner().forward(3) == 3  # the registry has not applied it yet
+        registry.apply()
+        assert runner.Runner().forward(3) == ("forward-wrapped", 3)
+        # a module imported later is wrapped at its import, as without a registry
+        scheduler = importlib.import_module(f"{ENGINE}.scheduler")
+        assert scheduler.Scheduler().schedule() == ("schedule-wrapped", "plan")
+        assert len(registry.hooks) == 1
+    finally:
+        instrumentor.uninstrument()
+    assert runner.Runner().forward(3) == 3 and scheduler.Scheduler().schedule() == "plan"
+
+
+def test_a_registry_hook_given_another_original_wraps_that_one():
+    from otel_swa.engine_wrapping import register_around
+
+    registry = RecordingRegistry()
+
+    def original(x):
+        return x
+
+    def replacement(x):  # another plugin's replacement, applied before the around-hook
+        return -x
+
+    made = []
+
+    def make_wrapper(function):
+        made.append(function)
+        return lambda *args: ("wrapped", function(*args))
+
+    register_around(registry, "engine.mod.f", original, make_wrapper)
+    (_, hook), = registry.hooks
+    assert hook(original, 2) == ("wrapped", 2) and made == [original]
+    assert hook(replacement, 2) == ("wrapped", -2) and hook(replacement, 3) == ("wrapped", -3)
+    assert made == [original, replacement]  # one wrapper per original, made once

@@ -1,7 +1,8 @@
 """otel-swa inside a running sglang 0.5.23 ``Engine`` on CPU (marker ``sglang_engine``).
 
-Each run starts ``sglang_engine/drive_engine.py`` under ``opentelemetry-instrument`` (as a user
-does), with a tiny random-weight hybrid-SWA model built at test time (Mellum: 3 sliding-window
+Each run starts ``sglang_engine/drive_engine.py`` as a user does, under ``opentelemetry-instrument``
+or with plain ``python`` (otel-swa's SGLang plugin then loads through SGLang's ``load_plugins()``),
+with a tiny random-weight hybrid-SWA model built at test time (Mellum: 3 sliding-window
 layers with an 8-token window, 1 full layer), a 160-token KV pool with the radix cache on, 16
 requests of the Azure LLM inference trace 2023 scaled down (prompts of 20-64 tokens sharing a
 16-token system prompt, 8-48 output tokens), then 4 of them again (prefix cache hits), then
@@ -21,14 +22,20 @@ or an ``IndexError``).
 The runs, each shared by the tests below it:
 
 * ``traced``: page size 1, overlap scheduler on, SGLang's request tracing on (``enable_trace``,
-  its OTLP traces to the same collector);
+  its OTLP traces to the same collector); under ``opentelemetry-instrument`` with otel-swa's
+  plugin installed too (both at once: the plugin stands aside);
 * ``paged``: page size 4, overlap scheduler off, and one SWA page taken off the free list after
-  forward step :data:`LEAK_AT_STEP` (a leak made on purpose);
+  forward step :data:`LEAK_AT_STEP` (a leak made on purpose); plain ``python``: the plugin, with
+  the same ``OTEL_*`` variables, gives what the instrumentor gives in ``traced``;
 * ``chunked``: page size 1, chunked prefill of 8 tokens (as long as the window: SGLang's
   ``sliding_window_size`` 7 + 1), the radix cache off (SGLang then evicts before each extend
   forward, below ``prefix_len - sliding_window_size``), every forward step sampled;
 * ``by_hand``: no instrumentor (``OTEL_SWA_DIVERGENCE_INTERVAL=0``: nothing is wrapped), SGLang's
-  reporter replaced by otel-swa's ``KvCanaryHooks``, the substitution docs/engines.md describes.
+  reporter replaced by otel-swa's ``KvCanaryHooks``, the substitution docs/engines.md describes;
+* ``plain_script``: a user's plain script: plain ``python``, only
+  ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL=20``, SGLang's KV canary off, no ``OTEL_*``
+  variable and no collector (8 requests);
+* ``switched_off``: the same with neither interval variable (2 requests).
 """
 
 from __future__ import annotations
@@ -66,18 +73,15 @@ def model(tmp_path_factory):
     return build_model(tmp_path_factory.mktemp("model"))
 
 
-def _engine_run(tmp_path_factory, model, agent, name, *, engine, env):
-    import json
-
-    from sglang_engine.harness import run_engine
+def _engine_run(tmp_path_factory, model, agent, name, *, engine, env, launcher=True):
+    from sglang_engine.harness import read_probe, run_engine
 
     base = {"kv_canary": "raise"}
     both = {"OTEL_SWA_DIVERGENCE_INTERVAL": str(INTERVAL), "SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL": str(INTERVAL)}
     directory = tmp_path_factory.mktemp(name)
-    run = run_engine(directory, model, agent, engine={**base, **engine}, env={**both, **env})
+    run = run_engine(directory, model, agent, engine={**base, **engine}, env={**both, **env}, launcher=launcher)
     # the scheduler's pool figures (SGLang's own and otel-swa's reader), from the probe
-    run.pools = [json.loads(line) for path in sorted((directory / "probe").glob("pools-*.jsonl"))
-                 for line in path.read_text().splitlines()]
+    run.pools = read_probe(directory / "probe", "pools")
     return run
 
 
@@ -95,7 +99,8 @@ def paged(tmp_path_factory, model, agent_binary):
                        engine={"page_size": 4, "disable_overlap_schedule": True},
                        # SGLang's own idle check sees the leak too; warn instead of stopping the engine
                        env={"OTEL_SWA_TEST_SGLANG_LEAK_AT_STEP": str(LEAK_AT_STEP),
-                            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false"})
+                            "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "false"},
+                       launcher=False)  # otel-swa's plugin, no opentelemetry-instrument
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +114,23 @@ def chunked(tmp_path_factory, model, agent_binary):
 def by_hand(tmp_path_factory, model, agent_binary):
     return _engine_run(tmp_path_factory, model, agent_binary, "by_hand", engine={"page_size": 1},
                        env={"OTEL_SWA_DIVERGENCE_INTERVAL": "0", "OTEL_SWA_TEST_SGLANG_BY_HAND": "1"})
+
+
+@pytest.fixture(scope="module")
+def plain_script(tmp_path_factory, model):
+    from sglang_engine.harness import run_engine
+
+    return run_engine(tmp_path_factory.mktemp("plain_script"), model, None, engine={"kv_canary": "none"},
+                      env={"SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL": "20"}, requests=8, repeat=0,
+                      launcher=False, collector=False)
+
+
+@pytest.fixture(scope="module")
+def switched_off(tmp_path_factory, model):
+    from sglang_engine.harness import run_engine
+
+    return run_engine(tmp_path_factory.mktemp("switched_off"), model, None, engine={"kv_canary": "none"}, env={},
+                      requests=2, repeat=0, launcher=False, collector=False)
 
 
 @pytest.fixture(params=["traced", "paged"])
@@ -364,3 +386,90 @@ def test_clean_runs_report_no_fault_of_any_kind(traced, chunked, by_hand, paged)
     false_faults = {name: sum(getattr(r, name) or 0 for r in samples) for name in FAULT_FIELDS}
     assert len(samples) > 40 and false_faults == {name: 0 for name in FAULT_FIELDS}
     assert all(r.offenders == () for r in samples)
+
+
+# ------------------------------------------------------------------ the plugin, and both at once
+#: What the probe finds wrapped in a scheduler process (``sglang_step_probe.otel_swa_wrappers``).
+#: Under the plugin SGLang's ``load_plugins()`` runs first thing in ``run_scheduler_process``, when
+#: the scheduler, the attention layer and ``sglang.srt.utils.common`` are already imported: their
+#: hooks go through SGLang's HookRegistry; the model runner and the KV canary are imported later,
+#: when the scheduler builds its worker, and wrapped at that import.
+SCHEDULER_UNDER_THE_PLUGIN = {
+    "ModelRunner.forward": "direct", "CanaryManager.__init__": "direct",
+    "CanaryManager.pre_ops_maybe_inside_graph": "direct", "Scheduler.run_batch": "hook_registry",
+    "RadixAttention.forward": "hook_registry", "common.kill_process_tree": "hook_registry",
+    "Scheduler.otel_swa_flush": "added",
+}
+#: Under opentelemetry-instrument the instrumentor runs at interpreter start, before any SGLang import.
+SCHEDULER_UNDER_THE_INSTRUMENTOR = {name: ("added" if how == "added" else "direct")
+                                    for name, how in SCHEDULER_UNDER_THE_PLUGIN.items()}
+
+
+def _scheduler(run) -> dict:
+    (process,) = [p for p in run.processes if p["role"] == "scheduler"]
+    return process
+
+
+def test_the_plugin_wraps_what_the_instrumentor_wraps_through_sglangs_hook_registry(paged, traced):
+    assert _scheduler(paged)["wrappers"] == SCHEDULER_UNDER_THE_PLUGIN
+    assert _scheduler(traced)["wrappers"] == SCHEDULER_UNDER_THE_INSTRUMENTOR
+    # the Engine's own process: Engine.__init__ calls load_plugins() after sglang.srt.entrypoints.engine
+    # imported the scheduler, the attention layer and sglang.srt.utils.common (the model runner never)
+    assert paged.results["main_process"]["wrappers"] == {
+        "Scheduler.run_batch": "hook_registry", "Engine.shutdown": "hook_registry",
+        "RadixAttention.forward": "hook_registry", "common.kill_process_tree": "hook_registry",
+        "Scheduler.otel_swa_flush": "added"}
+    # Engine.shutdown's flush reached the scheduler over SGLang's RPC, as under opentelemetry-instrument
+    assert "handle_rpc_request: otel_swa_flush" in paged.log
+
+
+def test_with_opentelemetry_instrument_and_the_plugin_at_once_each_sample_has_one_line_and_one_reporter(traced):
+    from importlib.metadata import entry_points
+
+    # the plugin is installed beside the instrumentor here, and SGLang ran it in every process
+    assert [ep.value for ep in entry_points(group="sglang.srt.plugins") if ep.name == "otel_swa"] == [
+        "opentelemetry.instrumentation.swa_plugins:load_sglang"]
+    assert _scheduler(traced)["reporters"] == 1
+    forward_cts = [r.forward_ct for r in traced.ours]
+    assert forward_cts == list(range(INTERVAL, traced.forward_steps + 1, INTERVAL))  # no line twice
+    assert [_int(e["attributes"]["kv_cache.swa.forward_ct"]) for e in traced.events()] == forward_cts
+
+
+def test_a_plain_script_with_only_sglangs_variable_gets_otel_swas_lines_and_check_passes(plain_script, tmp_path):
+    """The user of SGLang's knob: ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL=20 python script.py``,
+    SGLang's KV canary off (its own reporter lives in the canary: with the canary off SGLang does
+    nothing with the variable), no OpenTelemetry variable: otel-swa's lines in the engine's log."""
+    from otel_swa.cli import main
+
+    assert plain_script.sglangs == []
+    assert [r.forward_ct for r in plain_script.ours] == list(range(20, plain_script.forward_steps + 1, 20))
+    assert {r.verify_source for r in plain_script.ours} == {"attention"}
+    for record in plain_script.ours:
+        recount = plain_script.recount(record.forward_ct)
+        assert (record.swa_full_idx_divergence, record.swa_out_of_window_tokens) == (
+            recount["divergence"], recount["out_of_window"]), record.forward_ct
+    assert _scheduler(plain_script)["wrappers"] == SCHEDULER_UNDER_THE_PLUGIN
+    assert _scheduler(plain_script)["reporters"] == 1
+    path = tmp_path / "engine.log"
+    path.write_text(plain_script.log)
+    assert main(["check", str(path)]) == 0
+
+
+def test_without_the_variable_the_plugin_leaves_every_process_alone(switched_off):
+    assert "otel_swa" not in switched_off.log and "otel-swa" not in switched_off.log
+    assert [r for r in switched_off.results["requests"] if r["completion_tokens"] < 16] == []  # it served
+    for process in [_scheduler(switched_off), switched_off.results["main_process"]]:
+        # nothing wrapped, no reporter, and the instrumentor's module never imported: the plugin
+        # read the variable and returned
+        assert (process["wrappers"], process["reporters"], process["instrumentor_imported"]) == ({}, 0, False)
+
+
+def test_check_judges_both_reporters_lines_in_one_log(traced, tmp_path):
+    # SGLang's own lines (its canary is on in this run) and otel-swa's, each judged on its own
+    from otel_swa.cli import main
+
+    path = tmp_path / "traced.log"
+    path.write_text(traced.log)
+    assert traced.sglangs and traced.ours
+    for lines in ("otel-swa", "sglang", "both"):
+        assert main(["check", "--lines", lines, str(path)]) == 0, lines

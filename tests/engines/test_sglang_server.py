@@ -1,8 +1,10 @@
 """otel-swa under SGLang's HTTP server, started as docs/engines.md says and stopped every way a user or a
 supervisor stops it (markers ``sglang``, ``sglang_engine``).
 
-Each run (``sglang_engine/server.py``) starts ``opentelemetry-instrument python -m sglang.launch_server``
-with the variables of the docs' block, on CPU with the suite's tiny hybrid-SWA model (an 8-token
+Each run (``sglang_engine/server.py``) starts ``opentelemetry-instrument python -m sglang.launch_server``,
+or plain ``python -m sglang.launch_server`` (the ``sigterm`` and ``sigint_main`` runs: otel-swa's
+SGLang plugin, loaded by SGLang's ``load_plugins()`` in every process), with the variables of the
+docs' block, on CPU with the suite's tiny hybrid-SWA model (an 8-token
 window, a 160-token pool), against a real collector (``rotel-agent``); sends 12 requests of the
 Azure trace, half to ``/generate`` and half to ``/v1/completions``, every other one with a W3C
 ``traceparent``, then 4 of them again; and stops the server one way of the issue's table:
@@ -41,9 +43,9 @@ SUITE_ENV = {"OTEL_SWA_DIVERGENCE_INTERVAL": "5", "OTEL_SWA_FORWARD_SPANS": "all
 TRACED = ("--enable-trace", "--otlp-traces-endpoint", "{otlp_grpc}")
 
 RUNS = {
-    "sigterm": dict(env=SUITE_ENV, args=TRACED),
+    "sigterm": dict(env=SUITE_ENV, args=TRACED, launcher=False),  # the plugin: the schedulers exit on their own
     "sigint_group": dict(env=SUITE_ENV, args=TRACED),
-    "sigint_main": dict(env=SUITE_ENV, args=TRACED),
+    "sigint_main": dict(env=SUITE_ENV, args=TRACED, launcher=False),  # the plugin: flushed before SGLang kills
     "sigint_children_ignore": dict(env={}, args=()),  # docs/engines.md's block as it is
     "kill_process_tree": dict(env={**SUITE_ENV, "OTEL_SWA_METRIC_EXPORT_INTERVAL": "1000", "OTEL_BSP_SCHEDULE_DELAY": "1000"},
                               args=TRACED, idle_before_stop_s=3.0),
@@ -209,3 +211,14 @@ def test_client_traceparents_are_the_parents_of_sglangs_request_spans_and_forwar
         assert [s.get("parent_id") for s in by_trace.get(trace_id, [])] == [parent], trace_id
     linked = {link["Trace ID"] for span in run.spans("forward step") for link in span["links"]}
     assert set(clients) <= linked
+
+
+def test_the_plugin_runs_instrument_the_scheduler_as_opentelemetry_instrument_does(run):
+    # the same wrappers (SGLang's HookRegistry carries those of the modules imported before its
+    # load_plugins()), one reporter per scheduler, whichever way the server was started
+    from test_sglang_engine import SCHEDULER_UNDER_THE_INSTRUMENTOR, SCHEDULER_UNDER_THE_PLUGIN
+
+    (scheduler,) = [p for p in run.processes if p["role"] == "scheduler"]
+    plugin = RUNS[run.stop].get("launcher", True) is False
+    assert scheduler["wrappers"] == (SCHEDULER_UNDER_THE_PLUGIN if plugin else SCHEDULER_UNDER_THE_INSTRUMENTOR)
+    assert scheduler["reporters"] == 1

@@ -18,7 +18,9 @@ by the harness) decoding outgrows the pool and the scheduler retracts. All reque
 
 The results JSON: per request ``completion_tokens``, ``cached_tokens``, ``rid`` (SGLang's request id)
 and ``output_ids`` (the generated token ids, to compare runs), the engine's start-up
-and generation times, and the pids of the engine's child processes.
+and generation times, the pids of the engine's child processes and, where the suite's probe is
+installed (``OTEL_SWA_TEST_SGLANG_PROBE``), what otel-swa did in this main process before the
+shutdown (``main_process``: ``sglang_step_probe.otel_swa_process()``).
 """
 
 from __future__ import annotations
@@ -83,6 +85,10 @@ def main(config_path: str) -> None:
         "generate_s": round(generated - started, 2),
         "children": children,
     }
+    if os.environ.get("OTEL_SWA_TEST_SGLANG_PROBE"):
+        import sglang_step_probe  # the suite's shims (tests/engines/shims/install.py)
+
+        results["main_process"] = sglang_step_probe.otel_swa_process()
     engine.shutdown()
     results["shutdown_s"] = round(time.monotonic() - generated, 2)
     with open(config["out"], "w") as f:

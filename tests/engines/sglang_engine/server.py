@@ -3,7 +3,8 @@ way, and collect what it left: the server log, the scheduler-process probe's rec
 responses and what a real collector received.
 
 ``run_server(...)`` starts ``opentelemetry-instrument python -m sglang.launch_server --model-path
-...`` with the variables of docs/engines.md's block (``OTEL_SWA_DIVERGENCE_INTERVAL``,
+...`` (or, ``launcher=False``, plain ``python -m sglang.launch_server``: otel-swa's SGLang plugin
+loads through SGLang's own ``load_plugins()``) with the variables of docs/engines.md's block (``OTEL_SWA_DIVERGENCE_INTERVAL``,
 ``OTEL_{TRACES,METRICS}_EXPORTER=otlp``, ``OTEL_LOGS_EXPORTER=otlp,swa_logline``,
 ``OTEL_EXPORTER_OTLP_ENDPOINT``) pointing at a ``rotel-agent`` collector, plus the CPU engine's
 (``SGLANG_USE_CPU_ENGINE=1`` and the arguments of :data:`CPU_ARGS`). When ``/health`` answers, it
@@ -21,7 +22,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -32,7 +32,7 @@ from pathlib import Path
 from collector_support import RotelCollector, free_port
 
 from opentelemetry.instrumentation.swa_sglang.stop_paths import alive
-from sglang_engine.harness import EngineRun, prepare_run
+from sglang_engine.harness import EngineRun, prepare_run, read_probe
 
 #: How a run ends: name -> what a user (or their supervisor) does.
 STOPS = {
@@ -198,6 +198,7 @@ def run_server(
     stop_during_traffic_s: "float | None" = None,
     ready_timeout_s: float = 300.0,
     stop_timeout_s: float = 90.0,
+    launcher: bool = True,
 ) -> ServerRun:
     """One server run stopped ``stop``'s way. ``env``: variables on top of a clean environment (no
     inherited ``OTEL_*`` / ``SGLANG_*``) and of the docs' block; ``args``: more ``launch_server``
@@ -205,8 +206,9 @@ def run_server(
     ``idle_before_stop_s``: how long the server stays idle between the last answer and the stop;
     ``stop_during_traffic_s``: stop that many seconds after the requests were sent instead, while
     they are served (their answers then go missing: ``status`` 0). ``results["stop_time"]`` is the
-    wall-clock time (``time.time()``) of the stop."""
-    probe_dir, launcher = prepare_run(directory)
+    wall-clock time (``time.time()``) of the stop; ``launcher``: under ``opentelemetry-instrument``
+    (default) or plain ``python``."""
+    probe_dir, python = prepare_run(directory, launcher)
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     with RotelCollector(agent, directory, settle_s=1.0) as collector:
@@ -226,7 +228,7 @@ def run_server(
             "PYTHONUNBUFFERED": "1",
         })
         run_env.update(env)
-        command = [launcher, sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
+        command = [*python, "-m", "sglang.launch_server", "--model-path", str(model),
                    "--host", "127.0.0.1", "--port", str(port), *CPU_ARGS,
                    *(a.replace("{otlp_grpc}", grpc) for a in args)]
         (directory / "command.json").write_text(json.dumps({"command": command, "env": {
@@ -261,10 +263,10 @@ def run_server(
                 raise
         seconds = time.monotonic() - start
     log = log_path.read_text()
-    probe = [json.loads(line) for path in sorted(probe_dir.glob("probe-*.jsonl")) for line in path.read_text().splitlines()]
+    probe = read_probe(probe_dir, "probe")
     results = {"requests": sent, "ready_s": round(ready_s, 2), "served_s": round(served_s, 2), "stop_time": stop_time}
     run = ServerRun(log=log, results=results, probe=probe, seen=collector.seen(), seconds=seconds,
-                    stop=stop, stop_s=stop_s, returncode=proc.returncode, leftover=leftover)
-    run.pools = [json.loads(line) for path in sorted(probe_dir.glob("pools-*.jsonl"))
-                 for line in path.read_text().splitlines()]
+                    processes=read_probe(probe_dir, "process"), stop=stop, stop_s=stop_s, returncode=proc.returncode,
+                    leftover=leftover)
+    run.pools = read_probe(probe_dir, "pools")
     return run

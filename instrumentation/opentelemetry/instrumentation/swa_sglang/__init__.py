@@ -81,8 +81,9 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
     (``RpcReqInput``, ``Scheduler.handle_rpc_request``) and waits for the answer while a scheduler
     is alive, at most the OTLP timeout (:func:`otel_swa.config.otlp_timeout_s`), so the pending
     samples are delivered and the SDK's buffers exported (:func:`otel_swa.lifecycle.flush_all`).
-    Only when the schedulers are auto-instrumented (``opentelemetry-instrument``'s
-    ``sitecustomize`` on ``PYTHONPATH``).
+    Only when the schedulers are instrumented too (``opentelemetry-instrument``'s
+    ``sitecustomize`` on ``PYTHONPATH``, or otel-swa's SGLang plugin switched on:
+    :mod:`opentelemetry.instrumentation.swa_plugins`).
 ``sglang.srt.utils.common.kill_process_tree`` and ``sglang.srt.entrypoints.http_server._setup_and_run_http_server``
     The other stop paths of the main process (``launch_server``'s end after SIGINT, a child's
     failure): the same flush before SGLang SIGKILLs the schedulers; every way SGLang stops, and
@@ -125,8 +126,9 @@ nothing is wrapped. Each model runner gets its own
 slots); its records become the metrics and events of :mod:`otel_swa.telemetry` (the table
 "Record field → instrument" in ``docs/telemetry.md``) and, with the ``swa_logline`` logs exporter,
 otel-swa's line (``otel_swa[verify=...] kv_canary_swa_divergence={...}``, the record part
-byte-identical to SGLang's). Set only ``OTEL_SWA_DIVERGENCE_INTERVAL``: the SGLang variable also
-switches on SGLang's own reporter, which then logs its line beside ours. Pending samples are
+byte-identical to SGLang's). With SGLang's KV canary on, set only ``OTEL_SWA_DIVERGENCE_INTERVAL``:
+the SGLang variable also switches on SGLang's own reporter there (sglang 0.5.23 reads it only in
+``CanaryManager.__init__``), which then logs its line beside ours. Pending samples are
 delivered at every stop of the engine or server (above, and
 :mod:`~opentelemetry.instrumentation.swa_sglang.stop_paths`), when the model runner is
 garbage-collected, at interpreter exit, and at ``uninstrument()``; while the engine runs, metrics
@@ -151,6 +153,8 @@ restores the original functions (the same objects); both calls are idempotent.
 
 Usage::
 
+    # SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL=20 python -m sglang.launch_server ...
+    # (SGLang's plugin framework runs it in every process: opentelemetry.instrumentation.swa_plugins)
     # OTEL_SWA_DIVERGENCE_INTERVAL=20 opentelemetry-instrument python -m sglang.launch_server ...
     # (instrument() called in a script does not reach SGLang's spawned scheduler processes; in a
     # process that runs the model runner itself:)
@@ -276,10 +280,11 @@ class SwaSglangInstrumentor(EngineInstrumentor):
         super()._set_up_telemetry(kwargs)
         self._pools = pool_metrics(self._providers[1])
 
-    def _wrap(self, targets: list) -> None:
-        super()._wrap(targets)
+    def _wrap(self, targets: list, registry: Any = None) -> None:
+        super()._wrap(targets, registry)
         for index, (cls, _function) in targets:
             if self.wrapped[index][1] == "Scheduler" and self._ready:
+                # an added method: SGLang's HookRegistry hooks attributes that exist, so this is set here
                 self._provide(cls, FLUSH_RPC_METHOD, stop_paths.flush_rpc)
 
     # ------------------------------------------------------------------ reporters

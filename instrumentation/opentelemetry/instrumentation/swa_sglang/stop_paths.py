@@ -80,6 +80,7 @@ __all__ = [
     "flush_before_kill",
     "remember_scheduler",
     "answer_pending_flush",
+    "note_children_instrumented",
 ]
 
 _log = logging.getLogger("opentelemetry.instrumentation.swa_sglang")
@@ -178,9 +179,23 @@ def answer_pending_flush(wait_s: float = EXIT_REQUEST_WAIT_S) -> "str | None":
 
 
 # ---------------------------------------------------------------------- main process
+#: Set by otel-swa's SGLang plugin when it instrumented this process (:func:`note_children_instrumented`).
+_plugin = {"children": False}
+
+
+def note_children_instrumented() -> None:
+    """Called by otel-swa's SGLang plugin when it instruments this process: SGLang's processes
+    started from here load the plugin too (``load_plugins()`` in every scheduler, with the same
+    environment: the switch and ``SGLANG_PLUGINS``), so their schedulers have otel-swa's flush."""
+    _plugin["children"] = True
+
+
 def children_auto_instrumented() -> bool:
     """Whether processes started from here load the instrumentors too: ``opentelemetry-instrument``
-    puts its ``sitecustomize`` directory on ``PYTHONPATH``, which SGLang's spawned schedulers inherit."""
+    puts its ``sitecustomize`` directory on ``PYTHONPATH``, which SGLang's spawned schedulers
+    inherit; or otel-swa's SGLang plugin instrumented this process (:func:`note_children_instrumented`)."""
+    if _plugin["children"]:
+        return True
     try:
         from opentelemetry.instrumentation import auto_instrumentation
     except ImportError:

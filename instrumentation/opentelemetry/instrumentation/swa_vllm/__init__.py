@@ -88,6 +88,8 @@ restores the original functions (the same objects); both calls are idempotent.
 
 Usage::
 
+    # OTEL_SWA_DIVERGENCE_INTERVAL=20 vllm serve google/gemma-3-1b-it
+    # (vLLM's load_general_plugins() runs it in every process: opentelemetry.instrumentation.swa_plugins)
     # OTEL_SWA_DIVERGENCE_INTERVAL=20 opentelemetry-instrument vllm serve google/gemma-3-1b-it
     from opentelemetry.instrumentation.swa_vllm import SwaVllmInstrumentor
 

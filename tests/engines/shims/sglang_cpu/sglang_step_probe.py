@@ -31,6 +31,11 @@ process per rank. This module is imported there (through the shims' ``.pth`` fil
   SGLang builds a step's ``ForwardBatch`` (:func:`on_forward_batch`), before and after each forward
   step (:func:`before_forward`, :func:`after_forward`) and before SGLang processes a batch's result
   (:func:`before_result`), and the ``ScheduleBatch`` being run (:func:`current_batch`);
+* **the process** at its first forward step: which of the methods otel-swa's SGLang instrumentor
+  wraps carry otel-swa's wrapper and how (:func:`otel_swa_wrappers`), whether the instrumentor's
+  module was imported at all, and how many otel-swa reporters live in the process (one JSON
+  object in ``process-<pid>.json``): what tells a plugin run, an ``opentelemetry-instrument`` run,
+  both at once and an engine with the switch off apart from inside;
 * **by hand** (``OTEL_SWA_TEST_SGLANG_BY_HAND=1``): replaces the reporter SGLang's KV canary builds
   (``canary_manager.SwaDivergenceReporter``) by otel-swa's :class:`~otel_swa.views.sglang.KvCanaryHooks`
   with the SGLang log line as its sink, the one-line substitution ``docs/engines.md`` describes for
@@ -39,8 +44,10 @@ process per rank. This module is imported there (through the shims' ``.pth`` fil
 
 from __future__ import annotations
 
+import gc
 import json
 import os
+import sys
 
 import sglang_cpu_patches
 
@@ -95,6 +102,82 @@ _MODEL_RUNNER = "sglang.srt.model_executor.model_runner"
 _SCHEDULER = "sglang.srt.managers.scheduler"
 _CANARY_MANAGER = "sglang.srt.kv_canary.runner.canary_manager"
 _FORWARD_BATCH_INFO = "sglang.srt.model_executor.forward_batch_info"
+
+
+#: ``(module, class ("": a module function), method)`` of every method otel-swa's SGLang instrumentor
+#: wraps (its ``WRAPPED`` and ``stop_paths.WRAPPED``; a suite test keeps the two equal), spelled out
+#: here so that the probe never imports the instrumentor itself.
+INSTRUMENTED = (
+    ("sglang.srt.model_executor.model_runner", "ModelRunner", "forward"),
+    ("sglang.srt.kv_canary.runner.canary_manager", "CanaryManager", "__init__"),
+    ("sglang.srt.kv_canary.runner.canary_manager", "CanaryManager", "pre_ops_maybe_inside_graph"),
+    ("sglang.srt.managers.scheduler", "Scheduler", "run_batch"),
+    ("sglang.srt.entrypoints.engine", "Engine", "shutdown"),
+    ("sglang.srt.layers.radix_attention", "RadixAttention", "forward"),
+    ("sglang.srt.model_executor.model_runner", "ModelRunner", "init_cuda_graphs"),
+    ("sglang.srt.utils.common", "", "kill_process_tree"),
+    ("sglang.srt.entrypoints.http_server", "", "_setup_and_run_http_server"),
+)
+#: Where otel-swa's code lives (its wrappers copy the wrapped function's name and module, not its code).
+_OUR_CODE = (os.sep + os.path.join("opentelemetry", "instrumentation", "swa_"), os.sep + "otel_swa" + os.sep)
+_HOOK_REGISTRY_CODE = os.path.join("sglang", "srt", "plugins", "hook_registry.py")
+
+
+def _has_our_code(function, depth: int = 6) -> bool:
+    """Whether ``function``, or a function it wraps (``__wrapped__``; the hook a HookRegistry wrapper
+    calls, from its closure), is otel-swa's code."""
+    stack, seen = [(function, 0)], set()
+    while stack:
+        item, level = stack.pop()
+        if item is None or id(item) in seen or level > depth:
+            continue
+        seen.add(id(item))
+        code = getattr(item, "__code__", None)
+        if code is not None and any(part in code.co_filename for part in _OUR_CODE):
+            return True
+        stack.append((getattr(item, "__wrapped__", None), level + 1))
+        if code is None or not code.co_filename.endswith(_HOOK_REGISTRY_CODE):
+            continue  # another wrapper's closure (this probe's own) holds what it calls, not what it wraps
+        for cell in getattr(item, "__closure__", None) or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if callable(value):
+                stack.append((value, level + 1))
+    return False
+
+
+def otel_swa_wrappers() -> dict:
+    """How each method of :data:`INSTRUMENTED` whose module this process imported is wrapped by
+    otel-swa: ``"hook_registry"`` (SGLang's HookRegistry wrapper around otel-swa's hook), ``"direct"``
+    (otel-swa's wrapper set by the instrumentor itself); unwrapped methods are left out. Also
+    ``"Scheduler.otel_swa_flush": "added"`` when the instrumentor added its flush method."""
+    found = {}
+    for module_name, class_name, method in INSTRUMENTED:
+        module = sys.modules.get(module_name)
+        owner = getattr(module, class_name, None) if class_name else module
+        function = getattr(owner, "__dict__", {}).get(method) if owner is not None else None
+        if function is None or not _has_our_code(function):
+            continue
+        code = getattr(function, "__code__", None)
+        how = "hook_registry" if code is not None and code.co_filename.endswith(_HOOK_REGISTRY_CODE) else "direct"
+        found[f"{class_name or module_name.rsplit('.', 1)[-1]}.{method}"] = how
+    scheduler = getattr(sys.modules.get("sglang.srt.managers.scheduler"), "Scheduler", None)
+    if scheduler is not None and "otel_swa_flush" in scheduler.__dict__:
+        found["Scheduler.otel_swa_flush"] = "added"
+    return found
+
+
+def otel_swa_process() -> dict:
+    """What otel-swa did in this process (see the module docstring): its wrappers, whether its
+    SGLang instrumentor's module is imported, and the otel-swa reporters alive."""
+    reporters = 0
+    reporter_module = sys.modules.get("otel_swa.reporter")
+    if reporter_module is not None:
+        reporters = sum(1 for o in gc.get_objects() if isinstance(o, reporter_module.SwaDivergenceReporter))
+    return {"pid": os.getpid(), "wrappers": otel_swa_wrappers(), "reporters": reporters,
+            "instrumentor_imported": "opentelemetry.instrumentation.swa_sglang" in sys.modules}
 
 
 def recount(mapping: list[int], req_to_token, rows: list[int], seq_lens: list[int]) -> tuple[int, int, int]:
@@ -167,6 +250,9 @@ def _patch_model_runner(module) -> None:
         if draft:
             return output
         state["step"] += 1
+        if state["step"] == 1:
+            with open(os.path.join(out_dir, f"process-{os.getpid()}.json"), "w") as out:
+                json.dump({"role": "scheduler", **otel_swa_process()}, out)
         allocator = self.token_to_kv_pool_allocator
         line = {"pid": os.getpid(), "step": state["step"]}
         mapping = getattr(allocator, "full_to_swa_index_mapping", None)
