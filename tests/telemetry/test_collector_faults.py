@@ -5,6 +5,7 @@ collector is back (cumulative temporality)."""
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -34,20 +35,42 @@ def _export_warnings(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "Failed to export" in line or "Transient error" in line]
 
 
-def test_a_closed_port_is_reported_once_per_kind_and_in_a_summary():
+def test_a_closed_port_is_reported_once_per_kind_in_a_summary_and_in_the_exit_status():
     port = free_port()  # nothing listens there
+    started = time.monotonic()
     run = subprocess.run(REPLAY, env=_env(f"http://127.0.0.1:{port}", OTEL_EXPORTER_OTLP_TIMEOUT="1"),
                          capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
+    elapsed = time.monotonic() - started
+    assert run.returncode == 3, run.stderr[-2000:]  # every export of every signal failed
     assert find_all(run.stdout)  # the lines are written whatever the collector does
     warnings = _export_warnings(run.stderr)
     # one line per kind (transient retry, final failure) and signal at most, not one per retry
     assert 1 <= len(warnings) <= 6, "\n".join(warnings)
     summary = [line for line in run.stderr.splitlines() if "otel-swa: exports failed" in line]
-    assert len(summary) == 1 and "metrics:" in summary[0] and "repeated exporter warning(s) not logged" in summary[0]
+    assert len(summary) == 1 and "metrics:" in summary[0]
+    repeats = re.search(r"; (\d+) repeated exporter warning\(s\) not logged$", summary[0])
+    assert repeats is None or int(repeats.group(1)) > 0, summary[0]  # never "0 ... not logged"
+    assert run.stderr.splitlines()[-1] == ("otel-swa replay: every export of traces, metrics, logs failed: nothing of "
+                                           "it reached its destination; exit status 3")
     # "samples delivered 14 / 14" is never the only word: the summary says nothing was sent
     exported = next(line for line in run.stdout.splitlines() if line.strip().startswith("exported"))
     assert "traces 0 spans" in exported and "metrics 0 data points" in exported and "EXPORTS FAILED" in exported
+    # the wall time is the process's, the stop's waits on the exporters included
+    row = re.search(r"^  wall time\s+(\d+\.\d) s \(replay (\d+\.\d) s, stop (\d+\.\d) s\)$", run.stdout, re.MULTILINE)
+    total, replayed, stop = (float(value) for value in row.groups())
+    assert replayed + stop <= total + 0.1 and total <= elapsed + 0.05
+
+
+def test_a_run_whose_exports_partly_failed_keeps_its_exit_status():
+    from otel_swa.commands._replay_summary import verdict_of
+    from otel_swa.telemetry.exporters import ExportCounts
+
+    partly = {"traces": ExportCounts(10, 5, 1, 0), "metrics": ExportCounts(40, 0, 0, 0)}
+    assert verdict_of([], None, False, partly).exit_status == 0
+    nothing = {"traces": ExportCounts(10, 5, 1, 0), "metrics": ExportCounts(0, 40, 2, 0)}
+    verdict = verdict_of([], None, False, nothing)
+    assert (verdict.exports_failed, verdict.exit_status) == (("metrics",), 3)
+    assert verdict_of([], None, True, nothing).exit_status == 130
 
 
 class Blackhole:
