@@ -4,8 +4,9 @@ The default run (no options) replays the first 200 requests of the Azure LLM inf
 (conversation service) shipped with the package, samples the SWA KV cache every 20 forward steps,
 prints each sample as SGLang's ``kv_canary_swa_divergence=`` line and ends with a summary.
 
-Environment (read through :mod:`otel_swa.config`; an unusable value exits with status 2 and names
-the variable):
+Environment (read through :mod:`otel_swa.config`; every ``OTEL_SWA_*`` variable is checked first,
+those the run does not use included: an unusable value exits with status 2 and one line,
+``NAME='value': expected ...``):
 
 * ``OTEL_SWA_DIVERGENCE_INTERVAL`` (else SGLang's ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``):
   the sampling interval when ``--interval`` is not given; ``0`` switches the reporter off (no line;
@@ -16,8 +17,10 @@ the variable):
 
 Exit status: 0 the run ended and found nothing wrong; 1 its own SWA slot audit found leaked slots,
 stale tokens or shared slots, or the reporter was on and took no sample (the run was shorter than
-the interval); 2 unusable options, input or environment (one line on stderr); 130 interrupted
-(Ctrl-C): every sample taken so far is delivered and the summary printed first. Standard output
+the interval); 2 unusable options, input or environment (one line on stderr); 3 every export of a
+signal to an exporter that sends failed (nothing of it reached a collector); 130 interrupted
+(Ctrl-C): every sample taken so far is delivered and the summary printed first. The summary's wall
+time is the process's, from its start to the summary (the stop after the replay included). Standard output
 that its reader closes (``| head``) stops quietly; one that cannot take more (``> /dev/full``) is
 said once on stderr; neither changes the exit status.
 """
@@ -35,6 +38,7 @@ import time
 from typing import Any
 
 from otel_swa import config as otel_swa_config
+from otel_swa import environment_variables as ev
 from otel_swa.commands._args import non_negative_int, positive_float, positive_int
 from otel_swa.commands._output import GuardedStdout, StdoutLogHandler
 from otel_swa.commands._replay_checks import (
@@ -46,7 +50,6 @@ from otel_swa.commands._replay_checks import (
     pool_too_large,
 )
 from otel_swa.commands._replay_summary import Progress, WallTime, export_row, print_summary, summary_rows, verdict_of
-from otel_swa import environment_variables as ev
 from otel_swa.record import SwaDivergenceRecord
 
 #: The SGLang log format (``[time{rank tokens}] message``), so the output reads like an engine's log.
