@@ -32,21 +32,19 @@ from typing import Any, BinaryIO, Iterable, Union
 from otel_swa.record import (
     AUDIT_FIELDS,
     FIELDS,
-    AuditMatch,
-    FaultMatch,
+    PROVENANCE_FIELDS,
     AuditPairing,
     LivenessMatch,
     LogPrefix,
     MalformedRecordError,
     PrefixClaims,
     RecordMatch,
-    _rank_sure,
     RunStartMatch,
     SwaDivergenceRecord,
-    _clean,
     iter_entries,
     parse_log_prefix,
 )
+from otel_swa.record.matches import rank_sure as _rank_sure
 
 __all__ = [
     "LogPrefix",
@@ -69,9 +67,11 @@ __all__ = [
 #: Columns of a record as data (``otel-swa records``): where it was found, the run it belongs to,
 #: what wrote it (``verify_source``: otel-swa's tag; empty for SGLang's own lines), the five
 #: fields, the audit fields (empty when the record was not audited), ``micro_batch`` (empty
-#: without pipeline parallelism), then ``offenders``: the first offender of each fault its fault
-#: lines name, a list of objects ``{"fault": ..., <location>: ...}`` (empty without faults).
-ROW_FIELDS = ("line_no", "timestamp", "rank", "run", "verify_source") + FIELDS + AUDIT_FIELDS + ("micro_batch", "offenders")
+#: without pipeline parallelism), ``offenders``: the first offender of each fault its fault lines
+#: name, a list of objects ``{"fault": ..., <location>: ...}`` (empty without faults), then the
+#: provenance fields (empty when the record has no provenance line).
+ROW_FIELDS = (("line_no", "timestamp", "rank", "run", "verify_source") + FIELDS + AUDIT_FIELDS
+              + ("micro_batch", "offenders") + PROVENANCE_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +108,7 @@ class LoggedRecord:
         row.update({name: getattr(self.record, name) for name in AUDIT_FIELDS})
         row["micro_batch"] = self.record.micro_batch
         row["offenders"] = [{"fault": o.fault, **o.location()} for o in self.record.offenders] or None
+        row.update({name: getattr(self.record, name) for name in PROVENANCE_FIELDS})
         return row
 
 
@@ -216,7 +217,7 @@ def logged_entries(
             continue
         if isinstance(entry, LivenessMatch):
             out.append(entry)
-        elif isinstance(entry, (AuditMatch, FaultMatch)):
+        elif entry.per_record:
             error = pairing.attach(entry)
             if error is not None and errors is not None:
                 errors.append(error)

@@ -113,6 +113,7 @@ class _Pending(NamedTuple):
     # or ("dense", batch, max_context_len); of the sample where the audit's pass began
     batch_holders: "tuple | None" = None
     audit_request_ids: "tuple[str, ...] | None" = None  # the batch's request ids at that sample
+    block_hashes: Any = None  # the view's kv_block_hashes (host values: views.base.BlockHashFindings)
 
 
 class SwaDivergenceReporter:
@@ -599,6 +600,7 @@ class SwaDivergenceReporter:
             (host[0], host[1]), micro_batch, ids,
             tuple(str(r) for r in blocks.held_request_ids) if blocks is not None else None,
             origin[0] if origin else None, origin[1] if origin else None,
+            block_hashes=getattr(view, "kv_block_hashes", None),
         ))
         # Advanced only now: a sample that failed above leaves its slot free for the next one.
         self._next_slot = (slot + 1) % self._ring.slots
@@ -647,6 +649,7 @@ class SwaDivergenceReporter:
                 kv_leaked_blocks=reading.block["leaked"] if reading.block else None,
                 kv_freed_blocks_in_use=reading.block["freed_in_use"] if reading.block else None,
                 kv_shared_blocks=reading.block["shared"] if reading.block else None,
+                **_block_hash_fields(pending.block_hashes),
                 verify_source=self.verify_source,
                 micro_batch=pending.micro_batch,
                 offenders=_offenders(reading, pending),
@@ -741,4 +744,24 @@ def _offenders(reading: Any, pending: _Pending) -> "tuple[Offender, ...]":
                     position=block[f"{prefix}_position"], block=block[f"{prefix}_block"],
                     kv_cache_group=block[f"{prefix}_group"],
                 ))
+    offenders.extend(_block_hash_offenders(pending.block_hashes))
     return tuple(offenders)
+
+
+def _block_hash_fields(found: Any) -> dict:
+    """The record's block-hash provenance fields from the view's findings (``None``: not measured)."""
+    if found is None:
+        return {}
+    return {"kv_cache_entries_checked": found.entries_checked, "kv_stale_cache_entries": found.stale_entries,
+            "kv_foreign_blocks": found.foreign_blocks}
+
+
+def _block_hash_offenders(found: Any) -> "list[Offender]":
+    """The first stale prefix-cache entry and the first foreign block the view's findings name."""
+    if found is None:
+        return []
+    return [Offender(fault, request=o.request, position=o.position, block=o.block, kv_cache_group=o.kv_cache_group,
+                     other_request=o.other_request)
+            for fault, count, o in (("kv_stale_cache_entries", found.stale_entries, found.first_stale),
+                                    ("kv_foreign_blocks", found.foreign_blocks, found.first_foreign))
+            if count > 0 and o is not None]

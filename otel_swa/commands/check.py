@@ -5,8 +5,11 @@ The shell form of :func:`otel_swa.testing.assert_swa_divergence_observed`, with 
 ``swa_full_idx_divergence`` >= ``--min-divergence`` and peak ``swa_out_of_window_tokens`` >=
 ``--min-out-of-window``, ``verify_swa < verify_full`` on the last record (unless
 ``--no-verify-lag``), and, where otel-swa's audit lines are present, no leaked SWA slot, stale token,
-shared SWA slot or premature eviction (a live token inside the sliding window without an SWA slot)
-(unless ``--no-audit``); late-held SWA slots are shown, not judged. A rank whose runs are interleaved (two runs writing the
+shared SWA slot or premature eviction (a live token inside the sliding window without an SWA slot),
+and, where its provenance lines are present, no KV write to the wrong slot, no slot holding another
+token's KV, no K/V bytes changed after the write, no stale prefix-cache entry and no foreign block
+(unless ``--no-audit``; each failure names its first offender); late-held SWA slots and unchecked
+counts are shown, not judged. A rank whose runs are interleaved (two runs writing the
 log at once) fails.
 
 Exit status: 0 observed; 1 not observed (the explanation is printed on stdout); 2 unusable input (a
@@ -50,7 +53,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="do not require verify_swa < verify_full on the last record")
     parser.add_argument("--no-audit", dest="require_clean_audit", action="store_false",
                         help="do not fail on leaked SWA slots, stale tokens, shared SWA slots or premature evictions found by otel-swa's "
-                             "audit lines (default: fail when any is above 0)")
+                             "audit lines, nor on the KV provenance faults of its provenance lines (write mismatches, "
+                             "foreign or corrupt tokens, stale prefix-cache entries, foreign blocks) (default: fail when "
+                             "any is above 0)")
     parser.add_argument("--run", dest="runs", choices=RUN_MODES, default="last",
                         help="which run of a log that several runs wrote (forward_ct going back, or otel-swa's run "
                              "start lines): the last (default), each (all must pass) or all (the whole log as one)")

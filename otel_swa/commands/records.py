@@ -5,8 +5,11 @@ written there, empty/null when absent), ``rank`` (SGLang's rank tokens such as `
 when absent), ``run`` (1-based run of the log, counted per writer: see
 :mod:`otel_swa.testing.runs`), ``verify_source`` (otel-swa's tag; empty/null for SGLang's own lines),
 the five record fields in SGLang's order, the SWA slot audit fields (empty/null when the record
-has no audit line), then ``micro_batch`` (the pipeline micro-batch sampled; empty/null without one). Malformed lines are skipped and counted on stderr with the first reason (every
-one with ``--verbose``).
+has no audit line), ``micro_batch`` (the pipeline micro-batch sampled; empty/null without one),
+``offenders`` (the first offender of each fault, as JSON), then the provenance fields
+(``kv_write_checks`` ... ``kv_foreign_blocks``; empty/null when the record has no provenance line).
+Malformed lines are skipped and counted on stderr with the first reason (every one with
+``--verbose``).
 
 Numbers are written exactly, as decimal integers (up to 2**63 - 1). Some readers round integers
 above 2**53 (JavaScript's ``JSON.parse`` and viewers built on it, jq 1.6); pandas, Python's ``json``

@@ -24,7 +24,10 @@ event gives the record back whole), and as one more event per offender, of the s
 :data:`~otel_swa.telemetry.semconv.FAULT_EVENT_NAME` (``kv_cache.swa.fault``), with attributes
 ``kv_cache.swa.forward_ct``, ``kv_cache.swa.fault.kind`` (the fault field) and
 ``kv_cache.swa.fault.<location>`` for each location known (request, row, position, FULL and SWA
-slot, page, layer, block...), severity WARN, body the fault line.
+slot, page, layer, block...; a provenance fault's pool, ``expected_token``, ``expected_position``,
+``found_token``, ``found_position`` and ``other_request``), severity WARN, body the fault line.
+The sample event also carries the provenance fields present (``kv_cache.swa.kv_foreign_tokens``...),
+so the ``swa_logline`` exporter writes the record's provenance line from it.
 """
 
 from __future__ import annotations
@@ -48,12 +51,15 @@ __all__ = ["record_attributes", "record_from_attributes", "offender_attributes",
 
 def record_attributes(record: SwaDivergenceRecord) -> dict[str, int | bool | str]:
     """The event attributes of ``record``: ``{"kv_cache.swa.<field>": value}`` in SGLang's order,
-    then the SWA slot audit fields when present, ``kv_cache.swa.divergence_applicable=False``
+    then the SWA slot audit fields and the provenance fields when present,
+    ``kv_cache.swa.divergence_applicable=False``
     for engines without a FULL-to-SWA mapping, ``kv_cache.swa.verify_source`` and
     ``kv_cache.swa.micro_batch`` when known."""
     attributes: dict[str, int | bool] = {sc.RECORD_ATTRIBUTES[name]: getattr(record, name) for name in FIELDS}
     for name, value in record.audit_dict().items():
         attributes[sc.AUDIT_ATTRIBUTES[name]] = value
+    for name, value in record.provenance_dict().items():
+        attributes[sc.PROVENANCE_ATTRIBUTES[name]] = value
     if not record.divergence_applicable:
         attributes[sc.ATTR_DIVERGENCE_APPLICABLE] = False
     if record.verify_source is not None:
@@ -91,7 +97,8 @@ def record_from_attributes(attributes) -> SwaDivergenceRecord:
         if key not in attributes:
             raise KeyError(f"event attribute {key!r} is missing")
         values[name] = attributes[key]
-    extras = {name: attributes[key] for name, key in sc.AUDIT_ATTRIBUTES.items() if key in attributes}
+    extras = {name: attributes[key] for names in (sc.AUDIT_ATTRIBUTES, sc.PROVENANCE_ATTRIBUTES)
+              for name, key in names.items() if key in attributes}
     applicable = attributes.get(sc.ATTR_DIVERGENCE_APPLICABLE, True)
     source = attributes.get(sc.ATTR_VERIFY_SOURCE)
     micro_batch = attributes.get(sc.ATTR_MICRO_BATCH)

@@ -63,9 +63,6 @@ _POOL_SOURCE = {
     for source in VERIFY_SOURCES
 }
 _NONE: Attributes = {}
-_READ_AGREE: Attributes = {sc.ATTR_READ_OUTCOME: sc.READ_AGREE}
-_READ_DISAGREE: Attributes = {sc.ATTR_READ_OUTCOME: sc.READ_DISAGREE}
-_READ_UNCHECKED: Attributes = {sc.ATTR_READ_OUTCOME: sc.READ_UNCHECKED}
 
 
 def _pool(pool: str, record: SwaDivergenceRecord) -> Attributes:
@@ -97,6 +94,27 @@ def _field(name: str) -> Callable[[SwaDivergenceRecord], tuple]:
         return ((value, _NONE),) if value is not None else ()
 
     return read
+
+def _outcomes(attribute: str, checks: str, disagree: str, unchecked: str | None = None) -> Callable[[SwaDivergenceRecord], tuple]:
+    """Reader of a check's counts by outcome (``attribute`` = ``agree``, ``disagree``,
+    ``unchecked``): ``checks - disagree``, ``disagree`` and, when named, ``unchecked``; no point when
+    the record has no ``checks`` (the engine does not run the check). Every outcome is given, 0
+    too, so the series exist from the first checked sample."""
+    agree_at, disagree_at, unchecked_at = ({attribute: value} for value in (sc.READ_AGREE, sc.READ_DISAGREE,
+                                                                             sc.READ_UNCHECKED))
+
+    def read(record: SwaDivergenceRecord) -> tuple:
+        total = getattr(record, checks)
+        if total is None:
+            return ()
+        bad = getattr(record, disagree) or 0
+        points = ((max(0, total - bad), agree_at), (bad, disagree_at))
+        if unchecked is None:
+            return points
+        return points + ((getattr(record, unchecked) or 0, unchecked_at),)
+
+    return read
+
 
 #: Bucket boundaries of the delivery-delay histogram, in forward steps. With a ring of a few slots a
 #: sample normally lands one or two steps after it was taken; the tail shows a stalled copy.
@@ -220,9 +238,50 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
         "(attention read other KV than the mapping's: must stay 0), unchecked (a variant the check does not cover)",
         "swa_read_checks - swa_read_mismatches (agree), swa_read_mismatches (disagree), swa_read_unchecked "
         "(unchecked), when the engine runs the read check",
-        lambda r: () if r.swa_read_checks is None else (
-            (r.swa_read_checks - r.swa_read_mismatches, _READ_AGREE), (r.swa_read_mismatches, _READ_DISAGREE),
-            (r.swa_read_unchecked or 0, _READ_UNCHECKED)),
+        _outcomes(sc.ATTR_READ_OUTCOME, "swa_read_checks", "swa_read_mismatches", "swa_read_unchecked"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "write_check.tokens", SAMPLE_COUNTER, "{token}",
+        "New tokens' K/V writes (one token at one layer each) the write check compared with what the KV pool "
+        "holds at the slot the engine's tables name, by outcome (kv_cache.swa.write_check.outcome): agree, "
+        "disagree (the pool holds other values there: a write to the wrong index; must stay 0), unchecked (a "
+        "quantized cache or a layout the check does not cover)",
+        "kv_write_checks - kv_write_mismatches (agree), kv_write_mismatches (disagree), kv_write_unchecked "
+        "(unchecked), when the engine runs the write check",
+        _outcomes(sc.ATTR_WRITE_OUTCOME, "kv_write_checks", "kv_write_mismatches", "kv_write_unchecked"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "provenance.stamps", SAMPLE_COUNTER, "{slot}",
+        "Live token slots (FULL and SWA pools) whose provenance stamp was compared with the one the request's "
+        "own tokens give, by outcome (kv_cache.swa.provenance.outcome): agree, disagree (the slot holds another "
+        "token's KV; must stay 0), unchecked (never stamped, token ids unknown, over the per-sample budget)",
+        "kv_stamp_checks - kv_foreign_tokens (agree), kv_foreign_tokens (disagree), kv_stamp_unchecked "
+        "(unchecked), when the engine stamps its slots",
+        _outcomes(sc.ATTR_PROVENANCE_OUTCOME, "kv_stamp_checks", "kv_foreign_tokens", "kv_stamp_unchecked"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "provenance.checksums", SAMPLE_COUNTER, "{slot}",
+        "Live token slots whose K/V bytes were hashed again and compared with the hash taken at the write, by "
+        "outcome (kv_cache.swa.provenance.outcome): agree, disagree (the bytes changed after the write; must "
+        "stay 0)",
+        "kv_checksum_checks - kv_corrupt_tokens (agree), kv_corrupt_tokens (disagree), when the engine "
+        "checksums its slots",
+        _outcomes(sc.ATTR_PROVENANCE_OUTCOME, "kv_checksum_checks", "kv_corrupt_tokens"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "tokens.foreign", GAUGE, "{token}",
+        "Live token slots of the sampled step whose provenance stamp is another token's: the slot holds other "
+        "KV than the tables say (swapped ownership, stale prefix reuse, a slot overwritten, a wrong position); "
+        "must be 0",
+        "kv_foreign_tokens (when the engine stamps its slots)",
+        _field("kv_foreign_tokens"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "tokens.corrupt", GAUGE, "{token}",
+        "Live token slots of the sampled step whose K/V bytes changed after they were written (a stray write, a "
+        "bad load-back, a bit flip); must be 0",
+        "kv_corrupt_tokens (when the engine checksums its slots)",
+        _field("kv_corrupt_tokens"),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "blocks.leaked", GAUGE, "{block}",
@@ -244,6 +303,27 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
         "while in use (block-pool engines: vLLM)",
         "kv_shared_blocks (when the engine gives the KV block audit's inputs)",
         _field("kv_shared_blocks"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "provenance.block_hashes", SAMPLE_COUNTER, "{entry}",
+        "Prefix-cache map entries and block-table entries whose block hash was compared with the key or the "
+        "request's block hash for that index (block-pool engines: vLLM)",
+        "kv_cache_entries_checked (when the engine checks its block hashes)",
+        _field("kv_cache_entries_checked"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "blocks.stale_cached", GAUGE, "{block}",
+        "Prefix-cache map entries naming a block whose own hash is not the entry's key: a stale entry left after "
+        "eviction or reuse, whose hit reads other tokens' KV (block-pool engines: vLLM); must be 0",
+        "kv_stale_cache_entries (when the engine checks its block hashes)",
+        _field("kv_stale_cache_entries"),
+    ),
+    InstrumentSpec(
+        sc.NAMESPACE + "blocks.foreign", GAUGE, "{block}",
+        "Blocks in a request's block table whose hash is not the request's block hash for that index, or blocks "
+        "of another KV cache group: they hold other tokens' KV (block-pool engines: vLLM); must be 0",
+        "kv_foreign_blocks (when the engine checks its block hashes)",
+        _field("kv_foreign_blocks"),
     ),
     InstrumentSpec(
         sc.NAMESPACE + "reporter.delivery.delay", DELAY_HISTOGRAM, "{forward}",

@@ -17,7 +17,7 @@ of the engine process (tensor/data/pipeline parallel) is a *resource* attribute 
 from __future__ import annotations
 
 from otel_swa.ranks import RANK_ATTRIBUTES
-from otel_swa.record import AUDIT_FIELDS, FIELDS, OFFENDER_KEYS
+from otel_swa.record import AUDIT_FIELDS, FIELDS, OFFENDER_KEYS, PROVENANCE_FIELDS
 
 #: Prefix of every metric name, event name and record attribute key.
 NAMESPACE = "kv_cache.swa."
@@ -54,6 +54,10 @@ RECORD_ATTRIBUTES = {name: NAMESPACE + name for name in FIELDS}
 #: Event attribute key of each SWA slot audit field (present only when the sample was audited).
 AUDIT_ATTRIBUTES = {name: NAMESPACE + name for name in AUDIT_FIELDS}
 
+#: Event attribute key of each provenance field (present only when the engine checks the KV held in
+#: the slots: the write check, the provenance stamps, the content checksum, vLLM's block hashes).
+PROVENANCE_ATTRIBUTES = {name: NAMESPACE + name for name in PROVENANCE_FIELDS}
+
 #: Event attribute set to ``False`` when the engine has no FULL-to-SWA mapping (vLLM): the
 #: divergence attribute is then a placeholder 0, kept for the SGLang line.
 ATTR_DIVERGENCE_APPLICABLE = NAMESPACE + "divergence_applicable"
@@ -79,6 +83,15 @@ ATTR_READ_OUTCOME = NAMESPACE + "read_check.outcome"
 READ_AGREE = "agree"
 READ_DISAGREE = "disagree"
 READ_UNCHECKED = "unchecked"
+#: Metric attribute of ``kv_cache.swa.write_check.tokens``: what the write check found for a new
+#: token's K/V at one layer (``agree``; ``disagree``: the pool holds other values at the slot the
+#: tables name; ``unchecked``: a quantized cache or a layout the check does not cover). Values as
+#: the read check's.
+ATTR_WRITE_OUTCOME = NAMESPACE + "write_check.outcome"
+#: Metric attribute of ``kv_cache.swa.provenance.stamps`` and ``kv_cache.swa.provenance.checksums``:
+#: what a live token slot's check found (``agree``; ``disagree``: its stamp is another token's, or
+#: its bytes changed after the write; ``unchecked``: a stamp not judged). Values as the read check's.
+ATTR_PROVENANCE_OUTCOME = NAMESPACE + "provenance.outcome"
 
 #: Name of the event emitted for each first offender of a sample (Logs API event and span event):
 #: where the fault was first seen (:class:`otel_swa.record.Offender`).

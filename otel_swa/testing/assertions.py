@@ -70,12 +70,18 @@ def judge_snapshot(snapshot: Snapshot, describe: str, waited_s: float = 0.0, **r
 
 
 def _awaits_audit_line(records: Sequence[RunRecord]) -> bool:
-    """Whether the last record of some place is otel-swa's and has no audit line yet (a line sink
-    writes it right after the record, in a second write)."""
+    """Whether the last record of some place is otel-swa's and has no audit line yet, or no
+    provenance line where the place's records carry them (a line sink writes them right after the
+    record, in writes of their own)."""
     last: dict = {}
+    provenance: set = set()
     for item in records:
         last[item.part] = item.record
-    return any(record.verify_source is not None and record.audit_line() is None for record in last.values())
+        if item.record.provenance_checked:
+            provenance.add(item.part)
+    return any(record.verify_source is not None
+               and (record.audit_line() is None or (part in provenance and not record.provenance_checked))
+               for part, record in last.items())
 
 
 def _part_counts(records: Sequence[RunRecord]) -> dict:
@@ -162,7 +168,8 @@ def wait_for_observation(
     late record; if it still does not exist at the end, :attr:`SwaObservation.problem` says so.
     The wait ends at the first read that passes: a fault logged later is not seen then (judge the
     finished log again for that). A pass whose last record is otel-swa's and has no audit line yet
-    is read once more, one ``poll_s`` later: the line sink writes the audit line right after it.
+    (or no provenance line where the records carry them) is read once more, one ``poll_s`` later:
+    the line sink writes those lines right after it.
 
     ``new_only``: judge only the run being written, into a log that already holds finished runs
     (``--log-file`` appends): nothing passes until a record is written during the wait; then the
@@ -283,8 +290,8 @@ def assert_swa_divergence_observed(
     lines or else SGLang's (``lines``): the peak ``swa_full_idx_divergence`` is >= ``min_divergence``,
     the peak ``swa_out_of_window_tokens`` is >= ``min_out_of_window``, the last record has
     ``verify_swa < verify_full`` (when ``require_verify_lag``), the SWA slot audit, where present,
-    found no leaked slot, stale token or shared slot (when ``require_clean_audit``), and no rank's
-    runs are interleaved, and no run of otel-swa's lines is only its start marker or liveness
+    found no leaked slot, stale token or shared slot, the provenance checks, where present, no
+    fault (when ``require_clean_audit``), and no rank's runs are interleaved, and no run of otel-swa's lines is only its start marker or liveness
     warning. ``source`` is any of :func:`open_source`'s kinds; waiting follows
     :func:`wait_for_observation`: by default it returns at the first read that passes (a fault
     logged later is not seen); ``until="end"`` waits for the end of the run being written (the

@@ -12,13 +12,6 @@ from opentelemetry.context import Context
 
 from otel_swa.logsource import LogFollower, logged_entries
 from otel_swa.record import (
-    AUDIT_PREFIX,
-    FAULT_PREFIX,
-    LINE_PREFIX,
-    LIVENESS_PREFIX,
-    RUN_START_PREFIX,
-    AuditMatch,
-    FaultMatch,
     AuditPairing,
     LivenessMatch,
     LivenessWarning,
@@ -26,6 +19,7 @@ from otel_swa.record import (
     SwaDivergenceRecord,
     iter_entries,
 )
+from otel_swa.record.prefixes import PREFIX_RE
 from otel_swa.testing.assertions import DEFAULT_POLL_S, DEFAULT_QUIET_S, SwaObservation, assert_swa_divergence_observed
 from otel_swa.testing.runs import RunRecord, RunRecords, split_runs
 from otel_swa.testing.sources import Snapshot, Source, follower_problem, text_of
@@ -45,8 +39,7 @@ class _RecordLogHandler(logging.Handler):
             message = log_record.getMessage()
         except Exception:  # a message whose arguments do not format is not ours to judge
             return
-        if (LINE_PREFIX in message or AUDIT_PREFIX in message or RUN_START_PREFIX in message or FAULT_PREFIX in message
-                or LIVENESS_PREFIX in message):
+        if PREFIX_RE.search(message) is not None:  # a line of any kind otel-swa reads
             self._capture._add_logged(message)
 
 
@@ -128,7 +121,7 @@ class SwaRecordCapture:
         entries = list(iter_entries(message, errors))
         with self._lock:
             for entry in entries:
-                if isinstance(entry, (AuditMatch, FaultMatch)):
+                if entry.per_record:
                     error = self._logged_pairing.attach(entry)
                     if error is not None:
                         errors.append(error)

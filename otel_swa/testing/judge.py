@@ -23,6 +23,12 @@ The signals, as SGLang's CI helper ``assert_swa_divergence_observed`` defines th
   window without an SWA slot) (``require_clean_audit``, default on). The late-held SWA slots
   (:data:`REPORTED_RULES`) are shown with their peak, never judged: an engine may keep a few by
   design, and more show as SWA pool usage first;
+* ``provenance``: when the group's records carry otel-swa's provenance lines (the checks of the KV
+  held in the slots), the peak of each fault of :data:`PROVENANCE_RULES` present is 0: no write
+  to the wrong slot, no slot holding another token's KV, no K/V bytes changed after the write, no
+  stale prefix-cache entry, no block holding other tokens' KV; a failure names the first offender
+  (``require_clean_audit`` switches it off too). The unchecked counts (:data:`REPORTED_RULES`) are
+  shown, never judged;
 * ``runs``: no rank shows runs interleaved in one log (``forward_ct`` going back and forth: two
   runs writing the same log at once), which no rule can split;
 * ``liveness``: a rank run whose otel-swa lines are only its run start marker or a liveness
@@ -31,7 +37,10 @@ The signals, as SGLang's CI helper ``assert_swa_divergence_observed`` defines th
 
 A record without an audit line, in a group whose other records carry one, fails the audit signal
 ("audit line missing ...": its faults cannot be ruled out), unless it is the log's very last line
-(still being written). Exact duplicate adjacent lines were read once (the explanation says so).
+(still being written); a record without a provenance line, in a group whose other records carry
+one, fails the provenance signal the same way. A group none of whose records carries one (an
+engine or configuration with provenance off) is asked for none. An audit or provenance line that
+cannot be read or attached to its record fails its signal. Exact duplicate adjacent lines were read once (the explanation says so).
 
 Peaks, because under pipeline parallelism one micro-batch is sampled per interval and a single
 sample may show an idle one.
@@ -57,9 +66,17 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
-from otel_swa.record import AUDIT_FIELDS, AUDIT_PREFIX, LINE_PREFIX, MalformedRecordError, Offender, SwaDivergenceRecord
+from otel_swa.record import (
+    AUDIT_FIELDS,
+    AUDIT_PREFIX,
+    LINE_PREFIX,
+    PROVENANCE_PREFIX,
+    MalformedRecordError,
+    Offender,
+    SwaDivergenceRecord,
+)
 from otel_swa.testing.runs import OTEL_SWA_LINES, SGLANG_LINES, RunRecord, RunRecords, split_runs
 
 __all__ = [
@@ -71,6 +88,7 @@ __all__ = [
     "AuditRule",
     "AUDIT_RULES",
     "REPORTED_RULES",
+    "PROVENANCE_RULES",
     "Failure",
     "AuditPeak",
     "GroupVerdict",
@@ -80,7 +98,7 @@ __all__ = [
 ]
 
 #: The signals, by name, in the order they are judged and reported.
-SIGNALS = ("divergence", "out-of-window", "verify lag", "audit", "runs")
+SIGNALS = ("divergence", "out-of-window", "verify lag", "audit", "provenance", "runs")
 SIGNALS += ("liveness",)  # a reporter on and delivering nothing (a run of only its marker or warning)
 RUN_MODES = ("last", "each", "all")
 RANK_MODES = ("each", "all")
@@ -97,7 +115,8 @@ class AuditRule:
     """One SWA slot audit field the judge requires to be 0.
 
     Attributes:
-        field: the record field (one of :data:`otel_swa.record.AUDIT_FIELDS`).
+        field: the record field (one of :data:`otel_swa.record.AUDIT_FIELDS` or
+            :data:`otel_swa.record.PROVENANCE_FIELDS`).
         label: what a non-zero value is, in words.
         meaning: what the field counts.
         explain: how a failure reads, a format with ``{peak}``, or ``None`` for ``label``.
@@ -131,13 +150,43 @@ AUDIT_RULES = (
               "KV blocks not in the prefix cache that two requests' block tables reference"),
 )
 
-#: Audit fields shown with their peak but never judged.
+#: The provenance fields judged (the faults of the provenance line), one rule each: their peak over a
+#: group's records that carry them must be 0.
+PROVENANCE_RULES = (
+    AuditRule("kv_write_mismatches", "KV write mismatches",
+              "token-layer pairs whose K/V in the pool differs from what the layer was given to store",
+              "{peak} token-layer pair(s) of a step's new tokens were not stored at the slot the tables name (the "
+              "pool holds other K/V there: a write to the wrong index)"),
+    AuditRule("kv_foreign_tokens", "foreign tokens",
+              "live token slots whose provenance stamp is not the one the request's own tokens give",
+              "{peak} live token slot(s) hold another token's KV (their provenance stamp is not the request's own: "
+              "swapped ownership, a stale prefix reuse, a slot overwritten, a wrong position)"),
+    AuditRule("kv_corrupt_tokens", "corrupt tokens",
+              "live token slots whose K/V bytes changed after they were written",
+              "{peak} live token slot(s) hold K/V bytes that changed after they were written (their checksum differs: "
+              "a stray write, a bad load-back, a bit flip)"),
+    AuditRule("kv_stale_cache_entries", "stale prefix-cache entries",
+              "prefix-cache map entries naming a block whose own hash is not the entry's key",
+              "{peak} prefix-cache entr(ies) name a block whose own hash is not the key (stale after eviction or "
+              "reuse: a hit would read other tokens' KV)"),
+    AuditRule("kv_foreign_blocks", "foreign KV blocks",
+              "blocks in a request's table whose hash is not the request's block hash for that index",
+              "{peak} block(s) in a request's table hold other tokens' KV (their hash is not the request's for that "
+              "index, or they belong to another KV cache group)"),
+)
+
+#: Audit and provenance fields shown with their peak but never judged.
 REPORTED_RULES = (
     AuditRule("swa_late_held_slots", "late-held SWA slots",
               "SWA slots still held by tokens older than the step's sliding windows plus the engine's eviction allowance"),
     AuditRule("swa_read_unchecked", "unchecked reads",
               "queries of sliding-window layers the read check could not recompute (an attention variant it does "
               "not cover, a step replayed from a CUDA graph)"),
+    AuditRule("kv_write_unchecked", "unchecked KV writes",
+              "token-layer pairs the write check could not compare (a quantized cache, a layout it does not cover)"),
+    AuditRule("kv_stamp_unchecked", "unchecked stamps",
+              "live token slots whose provenance stamp was not judged (never stamped, token ids unknown, over the "
+              "per-sample budget)"),
 )
 
 
@@ -195,6 +244,8 @@ class GroupVerdict:
         audited: how many of its records carry the SWA slot audit or the window check.
         audit_peaks: one :class:`AuditPeak` per :data:`AUDIT_RULES` field present.
         reported_peaks: one :class:`AuditPeak` per :data:`REPORTED_RULES` field present.
+        provenance_checked: how many of its records carry provenance fields (a provenance line).
+        provenance_peaks: one :class:`AuditPeak` per :data:`PROVENANCE_RULES` field present.
         failures: the failed signals with their reasons, in :data:`SIGNALS` order.
         missing_from: for a rank without records in this run, the runs where it has some.
         divergence_applicable: ``False`` when a record of the group says its engine has no
@@ -229,6 +280,8 @@ class GroupVerdict:
     liveness: str | None = None
     warnings: tuple[str, ...] = ()
     other_names: tuple[str, ...] = ()
+    provenance_checked: int = 0
+    provenance_peaks: tuple[AuditPeak, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -384,14 +437,19 @@ def _group_lines(group: GroupVerdict, obs: SwaObservation) -> list[str]:
         out.append("skip   verify lag: not required")
     else:
         out.append(f"{verdict('verify lag')} verify lag: {failed.get('verify lag') or _lag_text(group.last)}")
-    if group.audited or "audit" in failed:
+    for signal, label, count, peaks, clean in (
+            ("audit", "SWA slot audit", group.audited, group.audit_peaks, "clean in {n} audited record(s)"),
+            ("provenance", "provenance", group.provenance_checked, group.provenance_peaks,
+             "the KV in the slots is the tokens' own in {n} checked record(s)")):
+        if not count and signal not in failed:
+            continue
         if not obs.require_clean_audit:
-            out.append("skip   SWA slot audit: not required")
-        elif "audit" in failed:
-            out.append(f"FAILED SWA slot audit: {failed['audit']}")
+            out.append(f"skip   {label}: not required")
+        elif signal in failed:
+            out.append(f"FAILED {label}: {failed[signal]}")
         else:
-            fields = ", ".join(f"{p.rule.field}=0" for p in group.audit_peaks)
-            out.append(f"ok     SWA slot audit: clean in {group.audited} audited record(s) ({fields} throughout)")
+            fields = ", ".join(f"{p.rule.field}=0" for p in peaks)
+            out.append(f"ok     {label}: {clean.format(n=count)} ({fields} throughout)")
     for peak in group.reported_peaks:
         out.append(f"info   {peak.rule.label}: peak {peak.rule.field}={peak.peak}{at(peak.peak_at)} "
                    f"({peak.rule.meaning}; reported, not judged)")
@@ -473,12 +531,17 @@ def _evaluate(
             failures.append(Failure("verify lag", _lag_text(last)))
     audited = [item for item in items if any(getattr(item.record, rule.field) is not None for rule in AUDIT_RULES)]
     peaks = _peaks(audited, AUDIT_RULES)
+    checked = [item for item in items if item.record.provenance_checked]
+    provenance_peaks = _peaks(checked, PROVENANCE_RULES)
     if require_clean_audit:
-        faults = [p for p in peaks if p.peak > 0]
-        if faults:
-            failures.append(Failure("audit", "; ".join(_audit_reason(p) for p in faults)
-                                    + f" (in {len(audited)} audited record(s){where}; each must stay 0)"))
-        _add_missing_audit_lines(failures, items, log_end)
+        for signal, judged, faults, what in (("audit", audited, peaks, "audited"),
+                                              ("provenance", checked, provenance_peaks, "provenance-checked")):
+            faults = [p for p in faults if p.peak > 0]
+            if faults:
+                failures.append(Failure(signal, "; ".join(_audit_reason(p) for p in faults)
+                                        + f" (in {len(judged)} {what} record(s){where}; each must stay 0)"))
+        _add_missing_lines(failures, items, log_end, "audit", _has_audit_line)
+        _add_missing_lines(failures, items, log_end, "provenance", _has_provenance_line)
     return GroupVerdict(
         writer=writer, run=run, rank=rank, part=part, records=len(items),
         first_line_no=items[0].line_no if items else None,
@@ -486,8 +549,8 @@ def _evaluate(
         peak_divergence=peak_div, peak_divergence_at=peak_div_at,
         peak_out_of_window=peak_oow, peak_out_of_window_at=peak_oow_at,
         last=last, audited=len(audited), audit_peaks=tuple(peaks),
-        failures=tuple(failures), missing_from=missing_from, reported_peaks=tuple(_peaks(audited, REPORTED_RULES)),
-        divergence_applicable=applicable,
+        failures=tuple(failures), missing_from=missing_from, reported_peaks=tuple(_peaks(items, REPORTED_RULES)),
+        divergence_applicable=applicable, provenance_checked=len(checked), provenance_peaks=tuple(provenance_peaks),
     )
 
 
@@ -637,12 +700,14 @@ def judge(
     if require_clean_audit:
         # an audit line otel-swa wrote but that cannot be read or attached to its record may carry
         # the very fault the audit exists to report: it never passes for a clean audit
-        unread = [e for e in errors if getattr(e, "prefix", None) == AUDIT_PREFIX]
-        if unread:
-            first = unread[0]
-            where = f"line {first.line_no}" if first.line_no is not None else "one"
-            failures.append(Failure("audit", f"{len(unread)} SWA slot audit line(s) could not be read or attached to "
-                                             f"their record ({where}: {first.reason}); their faults cannot be ruled out"))
+        for prefix, signal, words in ((AUDIT_PREFIX, "audit", "SWA slot audit line(s)"),
+                                      (PROVENANCE_PREFIX, "provenance", "provenance line(s)")):
+            unread = [e for e in errors if getattr(e, "prefix", None) == prefix]
+            if unread:
+                first = unread[0]
+                where = f"line {first.line_no}" if first.line_no is not None else "one"
+                failures.append(Failure(signal, f"{len(unread)} {words} could not be read or attached to their "
+                                                f"record ({where}: {first.reason}); their faults cannot be ruled out"))
 
     judged = [item for group in groups for item in _group_items(items, group)]
     judged.sort(key=lambda item: (item.line_no is None, item.line_no or 0))
@@ -705,25 +770,32 @@ def _log_end(items: Sequence[RunRecord], silent: Sequence[Any]) -> dict:
     return end
 
 
-def _add_missing_audit_lines(failures: list[Failure], items: Sequence[RunRecord], log_end: dict | None) -> None:
-    """Fail the audit signal for otel-swa records without an audit line in a group whose other
-    records carry one (lost: its faults cannot be ruled out), but the log's very last line (an
-    audit line still to be written)."""
+#: What each signal's line of a record is called (:func:`_add_missing_lines`, unread lines).
+_LINE_WORDS = {"audit": "audit line", "provenance": "provenance line"}
+
+
+def _add_missing_lines(failures: list[Failure], items: Sequence[RunRecord], log_end: dict | None, signal: str,
+                       has_line: Callable[[SwaDivergenceRecord], bool]) -> None:
+    """Fail ``signal`` for otel-swa records without their line of it (the audit line, the
+    provenance line: ``has_line``) in a group whose other records carry one (lost: its faults cannot
+    be ruled out), but the log's very last line (a line still to be written). A group none of whose
+    records carries one (an engine or configuration without it) is not asked for one."""
     logged = [item for item in items if item.line_no is not None and item.record.verify_source is not None]
-    carries = [_has_audit_line(item.record) for item in logged]
+    carries = [has_line(item.record) for item in logged]
     if not any(carries):
         return
     missing = [item for item, has in zip(logged, carries) if not has and item.line_no != (log_end or {}).get(item.part)]
     if not missing:
         return
-    reason = f"audit line missing for the record at line {missing[0].line_no}: its faults cannot be ruled out"
+    words = _LINE_WORDS[signal]
+    reason = f"{words} missing for the record at line {missing[0].line_no}: its faults cannot be ruled out"
     if len(missing) > 1:
-        reason += f" (and {len(missing) - 1} more record(s) without their audit line)"
+        reason += f" (and {len(missing) - 1} more record(s) without their {words})"
     for index, failure in enumerate(failures):
-        if failure.signal == "audit":
-            failures[index] = Failure("audit", f"{failure.reason}; {reason}")
+        if failure.signal == signal:
+            failures[index] = Failure(signal, f"{failure.reason}; {reason}")
             return
-    failures.append(Failure("audit", reason))
+    failures.append(Failure(signal, reason))
 
 
 def _has_audit_line(record: SwaDivergenceRecord) -> bool:
@@ -731,6 +803,11 @@ def _has_audit_line(record: SwaDivergenceRecord) -> bool:
     ``None``), without formatting it."""
     return (record.micro_batch is not None or not record.divergence_applicable
             or any(getattr(record, name) is not None for name in AUDIT_FIELDS))
+
+
+def _has_provenance_line(record: SwaDivergenceRecord) -> bool:
+    """Whether ``record`` came with a provenance line (a provenance field is present)."""
+    return record.provenance_checked
 
 
 def _reading_notes(extras: Any, duplicates: int, first_duplicate_line_no: int | None) -> list[str]:

@@ -289,8 +289,8 @@ def _entry_kind(entry: Any) -> str:
     if record is None:
         if hasattr(entry, "pid") and hasattr(entry, "verify_source"):
             return "start"
-        if (hasattr(entry, "audit") or hasattr(entry, "offender")) and hasattr(entry, "forward_ct"):
-            return "audit"  # an audit or fault line, already attached
+        if getattr(entry, "per_record", False):
+            return "audit"  # a line of a record (audit, fault...), already attached
         raise TypeError(f"expected log entries or SwaDivergenceRecord items, got {type(entry).__name__}: {entry!r}")
     if not isinstance(record, SwaDivergenceRecord):
         raise TypeError(f"expected a SwaDivergenceRecord in {type(entry).__name__}, got {type(record).__name__}")

@@ -74,6 +74,10 @@ and, optionally:
     request's block table): the reporter then also counts leaked KV blocks and blocks freed while in
     use, for engines whose pool is of blocks rather than mapped slots (vLLM; see
     :mod:`otel_swa.device.block_audit`).
+``kv_block_hashes``
+    a :class:`BlockHashFindings`: what a block-hash provenance check of the engine's prefix cache
+    and block tables found at this step, computed on the host by the view (vLLM; see
+    :mod:`otel_swa.views.vllm_block_hashes`); the reporter carries it into the record unchanged.
 ``swa_eviction_allowance``
     tokens older than the positions this step reads (the last ``window + extend_len - 1``) that
     may still hold an SWA slot without counting as late-held: an ``int >= 0``, or one per batch
@@ -90,7 +94,10 @@ from typing import Any, Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["SwaBatchView", "SwaBatch", "SwaAuditInputs", "KvBlockAuditInputs", "validate_view"]
+__all__ = [
+    "SwaBatchView", "SwaBatch", "SwaAuditInputs", "KvBlockAuditInputs", "BlockHashOffender", "BlockHashFindings",
+    "validate_view",
+]
 
 
 @runtime_checkable
@@ -170,6 +177,43 @@ class KvBlockAuditInputs:
 
 
 @dataclass(frozen=True)
+class BlockHashOffender:
+    """Where a block-hash provenance fault was first seen (host values; see
+    :mod:`otel_swa.views.vllm_block_hashes`).
+
+    Attributes:
+        block: the KV block id.
+        kv_cache_group: a foreign block: the group of the table holding it; a stale entry: the group
+            of the map key.
+        request: the request whose table holds the block (a stale entry: a request that took the
+            block through it), when known.
+        position: the first token position the block covers in that request, when known.
+        other_request: another request whose table holds the block (whose KV it holds), when known.
+    """
+
+    block: int
+    kv_cache_group: int
+    request: "str | None" = None
+    position: "int | None" = None
+    other_request: "str | None" = None
+
+
+@dataclass(frozen=True)
+class BlockHashFindings:
+    """What the block-hash provenance check found at one sample (host ints; see
+    :mod:`otel_swa.views.vllm_block_hashes`): the record's ``kv_cache_entries_checked``,
+    ``kv_stale_cache_entries`` and ``kv_foreign_blocks``, and the first offender of each fault
+    (``None`` when its count is 0).
+    """
+
+    entries_checked: int
+    stale_entries: int
+    foreign_blocks: int
+    first_stale: BlockHashOffender | None = None
+    first_foreign: BlockHashOffender | None = None
+
+
+@dataclass(frozen=True)
 class SwaBatch:
     """A plain :class:`SwaBatchView`: the engine's tensors for one forward step, by reference.
 
@@ -178,7 +222,7 @@ class SwaBatch:
     ``req_pool_indices_cpu`` is the same for ``req_pool_indices`` (read only with ``seq_lens_cpu``).
     ``sliding_window``, ``extend_lens_cpu`` and ``swa_eviction_allowance``: the window check (module
     docstring). ``request_ids``: the batch's request ids, for offenders. ``kv_block_audit``: the KV
-    block audit's inputs.
+    block audit's inputs. ``kv_block_hashes``: what the block-hash provenance check found.
     """
 
     req_to_token: torch.Tensor
@@ -194,6 +238,7 @@ class SwaBatch:
     extend_lens_cpu: "int | torch.Tensor | Sequence[int] | None" = None
     request_ids: "Sequence[str | int] | None" = None
     kv_block_audit: KvBlockAuditInputs | None = None
+    kv_block_hashes: BlockHashFindings | None = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

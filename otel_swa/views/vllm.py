@@ -38,7 +38,9 @@ Two ways in:
 The whole pool, beside the batch: :func:`kv_block_audit_inputs` (the KV block audit's inputs:
 the ``BlockPool``'s free queue, the prefix cache's blocks, every group's tables) and
 :func:`kv_cache_pool_usage` (the pool gauges, free counted as vLLM's ``get_usage()`` counts it);
-:func:`window_allowance` gives the window check vLLM's own trimming.
+:func:`window_allowance` gives the window check vLLM's own trimming. Whose KV the blocks hold (the
+prefix cache's keys and the tables' block hashes against the requests' own): the block-hash
+provenance check, :mod:`otel_swa.views.vllm_block_hashes`.
 
 Nothing here imports vLLM.
 """
@@ -54,7 +56,8 @@ import numpy as np
 import torch
 
 from otel_swa.pool_usage import POOL_FULL, POOL_SWA, PoolUsage
-from otel_swa.views.base import KvBlockAuditInputs, SwaBatch
+from otel_swa.views.base import BlockHashFindings, KvBlockAuditInputs, SwaBatch
+from otel_swa.views.vllm_block_hashes import good_entry
 
 __all__ = [
     "NULL_BLOCK_ID",
@@ -264,6 +267,7 @@ class WindowTable:
         swa_eviction_allowance: "int | Sequence[int] | None" = None,
         extend_lens_cpu: "Sequence[int] | None" = None,
         kv_block_audit: "KvBlockAuditInputs | None" = None,
+        kv_block_hashes: "BlockHashFindings | None" = None,
     ) -> SwaBatch:
         """The reporter's view (:class:`otel_swa.views.SwaBatch`) of this read, on ``device``.
 
@@ -289,7 +293,9 @@ class WindowTable:
 
         The view carries the batch's ``request_ids`` (a fault's first offender names its request)
         and ``kv_block_audit`` (e.g. :func:`kv_block_audit_inputs`: the KV block audit of the
-        whole pool, leaked blocks and blocks freed while in use).
+        whole pool, leaked blocks and blocks freed while in use) and ``kv_block_hashes`` (what
+        :class:`otel_swa.views.vllm_block_hashes.BlockHashCheck` found: stale prefix-cache entries
+        and foreign blocks).
         """
         device = torch.device(device)
         batch = len(self.num_tokens)
@@ -314,6 +320,7 @@ class WindowTable:
             extend_lens_cpu=list(extend_lens_cpu) if isinstance(extend_lens_cpu, tuple) else extend_lens_cpu,
             request_ids=self.request_ids,
             kv_block_audit=kv_block_audit,
+            kv_block_hashes=kv_block_hashes,
         )
 
 
@@ -617,17 +624,20 @@ def free_queue(block_pool: Any) -> list:
 
 
 def _cached_block_ids(block_pool: Any) -> list[int]:
-    """Ids of the blocks a block hash maps to in the prefix cache (``cached_block_hash_to_block``:
-    a ``BlockHashToBlockMap`` whose values are a ``KVCacheBlock`` or a dict of them by id)."""
+    """Ids of the blocks the prefix cache holds (``cached_block_hash_to_block``: a
+    ``BlockHashToBlockMap`` whose values are a ``KVCacheBlock`` or a dict of them by id), through
+    good entries only (:func:`otel_swa.views.vllm_block_hashes.good_entry`: the key is the block's
+    own hash or one of its secondary keys): a stale entry, left behind when its block was evicted,
+    does not make the block cached (it would excuse an unhashed block two tables share)."""
     cache = getattr(block_pool.cached_block_hash_to_block, "_cache", None)
     if not isinstance(cache, dict):
         raise TypeError(f"BlockPool.cached_block_hash_to_block has no dict _cache; expected {SUPPORTED_VLLM}")
+    secondary = getattr(block_pool, "cached_block_hashes_by_block", {})
     ids: list[int] = []
-    for entry in list(cache.values()):
-        if isinstance(entry, dict):
-            ids.extend(entry)
-        else:
-            ids.append(entry.block_id)
+    for key, entry in list(cache.items()):
+        for block in (entry.values() if isinstance(entry, dict) else (entry,)):
+            if good_entry(key, block, secondary):
+                ids.append(block.block_id)
     return ids
 
 
@@ -637,7 +647,8 @@ def kv_block_audit_inputs(kv_cache_manager: Any, *, device: "str | torch.device"
 
     * ``free_block_ids``: the free queue (:func:`free_queue`), front first;
     * ``cached_block_ids``: every block the prefix cache maps a hash to
-      (``BlockPool.cached_block_hash_to_block``), free or not;
+      (``BlockPool.cached_block_hash_to_block``), free or not, through a good entry only (a stale
+      entry, whose key is not the block's own hash, makes no block cached);
     * held entries: every entry of every request's table (``req_to_blocks``) of every group, in
       group order, then request order, then block order; the null block (``block_id`` 0,
       ``BlockPool.null_block``) left out. ``held_positions``: entry ``j`` of a group of block size

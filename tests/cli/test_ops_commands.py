@@ -156,7 +156,11 @@ def test_records_jsonl(tmp_path, capsys):
                        "swa_pages_referenced": None, "swa_premature_evictions": None,
                        "swa_late_held_slots": None, "swa_read_checks": None, "swa_read_mismatches": None,
                        "swa_read_unchecked": None, "kv_leaked_blocks": None, "kv_freed_blocks_in_use": None,
-                       "kv_shared_blocks": None, "micro_batch": None, "offenders": None}
+                       "kv_shared_blocks": None, "micro_batch": None, "offenders": None, "kv_write_checks": None,
+                       "kv_write_mismatches": None, "kv_write_unchecked": None, "kv_stamp_checks": None,
+                       "kv_foreign_tokens": None, "kv_stamp_unchecked": None, "kv_checksum_checks": None,
+                       "kv_corrupt_tokens": None, "kv_cache_entries_checked": None, "kv_stale_cache_entries": None,
+                       "kv_foreign_blocks": None}
     assert [(r["line_no"], r["rank"], r["forward_ct"], r["swa_out_of_window_tokens"]) for r in rows] == [
         (1, "DP0 TP0", 20, 0), (2, "DP1 TP0", 20, 12), (4, "DP0 TP0", 40, 30), (5, "DP1 TP0", 40, 25)]
 
@@ -173,9 +177,12 @@ def test_records_csv_from_stdin_plain_logging(monkeypatch, capsys):
          "swa_full_idx_divergence", "swa_out_of_window_tokens", "swa_leaked_slots", "swa_stale_tokens",
          "swa_shared_slots", "swa_pages_in_use", "swa_pages_referenced", "swa_premature_evictions",
          "swa_late_held_slots", "swa_read_checks", "swa_read_mismatches", "swa_read_unchecked", "kv_leaked_blocks",
-         "kv_freed_blocks_in_use", "kv_shared_blocks", "micro_batch", "offenders"],
-        ["1", "2025-06-01 12:34:56,789", "", "1", "", "20", "10", "4", "1", "2"] + [""] * 15,
-        ["3", "", "", "1", "", "40", "20", "8", "3", "4"] + [""] * 15,
+         "kv_freed_blocks_in_use", "kv_shared_blocks", "micro_batch", "offenders", "kv_write_checks",
+         "kv_write_mismatches", "kv_write_unchecked", "kv_stamp_checks", "kv_foreign_tokens", "kv_stamp_unchecked",
+         "kv_checksum_checks", "kv_corrupt_tokens", "kv_cache_entries_checked", "kv_stale_cache_entries",
+         "kv_foreign_blocks"],
+        ["1", "2025-06-01 12:34:56,789", "", "1", "", "20", "10", "4", "1", "2"] + [""] * 26,
+        ["3", "", "", "1", "", "40", "20", "8", "3", "4"] + [""] * 26,
     ]
     assert captured.err.splitlines() == [
         "otel-swa: 1 malformed line(s) skipped",

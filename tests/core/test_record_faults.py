@@ -132,3 +132,15 @@ def test_a_clean_read_check_passes():
     records = [_record(20, 0), _record(40, 0)]
     text = "\n".join(line for record in records for line in record.lines())
     assert judge(find_all(text).entries).ok
+
+
+def test_a_fault_line_read_while_two_log_prefixes_wait_is_attached_not_a_crash():
+    # two processes' prefixes before one message (lines written in parts): the fault line's rank is
+    # a guess between them; the reader used to raise ValueError on it (no rank_candidates field)
+    record = _record(20, 0, [Offender("swa_stale_tokens", swa_slot=9)], stale=2)
+    line, audit, fault = record.lines()
+    p0, p1 = "[2026-01-01 00:00:00 TP0] ", "[2026-01-01 00:00:00 TP1] "
+    found = find_all(f"{p0}{line}\n{p0}{audit}\n{p0}{p1}{fault}\n")
+    assert found.errors == []
+    assert found[0].offenders == (Offender("swa_stale_tokens", swa_slot=9),)
+    assert found.entries[-1].rank_candidates == ("TP0", "TP1")

@@ -1,6 +1,7 @@
 """otel-swa's lines against SGLang's own parser (sglang 0.5.23 ``SwaDivergenceLog`` of its KV canary).
 
-* A log as otel-swa's line sinks write it (run start markers, tagged lines, audit lines), beside
+* A log as otel-swa's line sinks write it (run start markers, tagged lines, audit, provenance and
+  fault lines), beside
   SGLang's own lines, two ranks, two runs: SGLang's ``find_all`` reads every record line for line,
   exactly the records (and matched texts) otel-swa's ``find_all`` reads, and nothing of the extra
   lines.
@@ -17,7 +18,7 @@ import logging
 import pytest
 
 from otel_swa.logline import LogLineSink
-from otel_swa.record import SwaDivergenceRecord, find_all
+from otel_swa.record import Offender, SwaDivergenceRecord, find_all
 
 pytestmark = pytest.mark.sglang
 
@@ -48,8 +49,15 @@ def test_sglangs_find_all_reads_our_log_with_audit_lines_and_run_starts_line_for
                                  swa_pages_in_use=30 + ct, swa_pages_referenced=30 + ct - n)
                     # pipeline parallelism in the second run: each record says which micro-batch it sampled
                     micro_batch = (ct // 20) % 2 if run else None
+                    # the checks of the KV in the slots: TP1 finds a foreign token at step 40
+                    foreign = int(rank == "TP1" and ct == 40)
+                    provenance = dict(kv_write_checks=16, kv_write_mismatches=0, kv_stamp_checks=ct,
+                                      kv_foreign_tokens=foreign, kv_stamp_unchecked=1)
+                    offenders = (Offender("kv_foreign_tokens", request="r7", position=3, swa_slot=70, pool="swa",
+                                          expected_token=11, expected_position=3, found_token=12, found_position=3,
+                                          other_request="r9"),) if foreign else ()
                     sink(R(ct, 90 * ct, 30 * ct + run, 5 + n, 40, verify_source="kv_canary", micro_batch=micro_batch,
-                           **audit), None)
+                           offenders=offenders, **audit, **provenance), None)
                     # SGLang's own reporter logs its line of the same step through the same handler
                     loggers[rank][0].info(SwaDivergenceLog(forward_ct=ct, verify_full=90 * ct, verify_swa=30 * ct,
                                                            swa_full_idx_divergence=5, swa_out_of_window_tokens=40).format())
@@ -58,6 +66,7 @@ def test_sglangs_find_all_reads_our_log_with_audit_lines_and_run_starts_line_for
             logger.removeHandler(handler)
     text = stream.getvalue()
     assert text.count("otel_swa_run_start=") == 4 and text.count("otel_swa_audit=") == 12
+    assert text.count("otel_swa_provenance=") == 12 and text.count("otel_swa_fault=") == 2
 
     theirs = SwaDivergenceLog.find_all(text)  # raises on any line it cannot take
     ours = find_all(text)
@@ -71,12 +80,17 @@ def test_sglangs_find_all_reads_our_log_with_audit_lines_and_run_starts_line_for
         if "kv_canary_swa_divergence=" in line:
             assert parsed == SwaDivergenceLog(**R.parse(line).to_dict())
         else:
-            assert parsed is None and ("otel_swa_audit=" in line or "otel_swa_run_start=" in line)
+            assert parsed is None and any(prefix in line for prefix in (
+                "otel_swa_audit=", "otel_swa_run_start=", "otel_swa_provenance=", "otel_swa_fault="))
     # ours keeps what SGLang's does not: the audit on its record, the tag, the rank
     audited = [(m.rank, m.record.swa_leaked_slots) for m in ours.matches if m.record.verify_source]
     assert audited == [("TP0", 0), ("TP1", 1)] * 6
     micro_batches = [m.record.micro_batch for m in ours.matches if m.record.verify_source]
     assert micro_batches == [None] * 6 + [1, 1, 0, 0, 1, 1]
+    stamps = [(m.rank, m.record.kv_stamp_checks, m.record.kv_foreign_tokens, len(m.record.offenders))
+              for m in ours.matches if m.record.verify_source]
+    assert stamps == [("TP0", 20, 0, 0), ("TP1", 20, 0, 0), ("TP0", 40, 0, 0), ("TP1", 40, 1, 1),
+                      ("TP0", 60, 0, 0), ("TP1", 60, 0, 0)] * 2
 
 
 COMPACT = '{"forward_ct":20,"verify_full":9,"verify_swa":4,"swa_full_idx_divergence":1,"swa_out_of_window_tokens":2}'

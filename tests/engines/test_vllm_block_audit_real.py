@@ -26,7 +26,7 @@ import torch
 import detection_table
 from opentelemetry.instrumentation.swa_vllm import SwaVllmInstrumentor
 from otel_swa.cli import main as otel_swa_cli
-from otel_swa.testing.judge import AUDIT_RULES, REPORTED_RULES
+from otel_swa.testing.judge import AUDIT_RULES, PROVENANCE_RULES, REPORTED_RULES
 from otel_swa.views import vllm as vllm_view
 from vllm_support import (
     BLOCK,
@@ -43,11 +43,12 @@ pytestmark = pytest.mark.vllm
 
 ENGINE = detection_table.ENGINE
 FAULT_STEP = 30
-FAILING = tuple(rule.field for rule in AUDIT_RULES)
+FAILING = tuple(rule.field for rule in AUDIT_RULES + PROVENANCE_RULES)
 REPORTED = tuple(rule.field for rule in REPORTED_RULES)
-#: The audit fields a vLLM record carries (the others, SGLang's slot audit and the read check, are
-#: not measured on vLLM: None).
-MEASURED = ("swa_premature_evictions", "kv_leaked_blocks", "kv_freed_blocks_in_use", "kv_shared_blocks", "swa_late_held_slots")
+#: The audit and provenance fields a vLLM record carries (the others, SGLang's slot audit, the read
+#: check, the write check and the stamps, are not measured on vLLM: None).
+MEASURED = ("swa_premature_evictions", "kv_leaked_blocks", "kv_freed_blocks_in_use", "kv_shared_blocks",
+            "kv_stale_cache_entries", "kv_foreign_blocks", "swa_late_held_slots")
 
 
 @pytest.fixture
@@ -86,7 +87,19 @@ def assert_matches_the_recounts(run) -> None:
         if audit.shared:  # an entry of a shared block (which of its requests: the audit's table keeps one)
             o = offenders["kv_shared_blocks"]
             assert o.block in audit.shared and (o.block, o.kv_cache_group, o.request, o.position) in audit.entries, step
-        assert set(offenders) <= {"kv_leaked_blocks", "kv_freed_blocks_in_use", "kv_shared_blocks"} | (
+        hashes = run.hashes[step]
+        assert (record.kv_cache_entries_checked, record.kv_stale_cache_entries, record.kv_foreign_blocks) == (
+            hashes.checked, len(hashes.stale), len(hashes.foreign)), step
+        if hashes.stale:
+            o = offenders["kv_stale_cache_entries"]
+            assert (o.block, o.kv_cache_group) == hashes.stale[0], step
+            assert {o.request, o.other_request} - {None} <= set(hashes.holders.get(o.block, ())), step
+        if hashes.foreign:
+            o = offenders["kv_foreign_blocks"]
+            assert (o.request, o.position, o.block, o.kv_cache_group) == hashes.foreign[0], step
+            assert o.other_request is None or o.other_request in hashes.holders[o.block], step
+        assert set(offenders) <= {"kv_leaked_blocks", "kv_freed_blocks_in_use", "kv_shared_blocks",
+                                  "kv_stale_cache_entries", "kv_foreign_blocks"} | (
             {"swa_premature_evictions"} if premature else set()), step
         recount, usages, vllm_usage = run.pools[step]
         assert {u.pool: (u.used, u.available, u.evictable, u.total) for u in usages} == recount, step
@@ -143,8 +156,11 @@ HEALTHY = {
 @pytest.mark.parametrize("name", list(HEALTHY))
 def test_clean_runs_have_no_fault_of_any_kind(vllm_classes, tmp_path, instrumented, name):
     """Healthy runs of every configuration: at every forward step 0 leaked blocks, 0 blocks freed
-    while in use, 0 shared blocks, 0 premature evictions and 0 late-held slots, each equal to the recount; the pool
-    gauges equal vLLM's own usage; ``otel-swa check`` passes the run's log."""
+    while in use, 0 shared blocks, 0 stale prefix-cache entries, 0 foreign blocks, 0 premature
+    evictions and 0 late-held slots, each equal to the recount; the block hashes compared (every map
+    entry and every hashed table entry at every step: the suite's pool is within the check's budget)
+    are above 0 with prefix caching on and 0 without; the pool gauges equal vLLM's own usage;
+    ``otel-swa check`` passes the run's log."""
     args = HEALTHY[name]
     run = instrumented_run(vllm_classes, tmp_path, **args)
     assert run.outcome == "finished"
@@ -154,6 +170,11 @@ def test_clean_runs_have_no_fault_of_any_kind(vllm_classes, tmp_path, instrument
         assert measured == dict.fromkeys(MEASURED, 0), step
         assert record.offenders == (), step
     assert all(not run.audit[s].freed_cached and not run.audit[s].shared for s in run.audit)
+    compared = [record.kv_cache_entries_checked for record in run.records.values()]
+    if args.get("prefix_caching") is False:
+        assert set(compared) == {0}
+    else:
+        assert min(compared[10:]) > 0 and sum(compared) > 1000
     status, output = check(run.log)
     assert status == 0, output
     assert run.driver.prefix_hits > 0 or args.get("prefix_caching") is False
@@ -178,6 +199,10 @@ ZOO = (
     ("leaked_tail_block", "Scheduler", dict(), "neuralmagic/vllm#71 (vllm#27073)"),
     ("leaked_tail_block", "AsyncScheduler", dict(async_scheduling=True), "neuralmagic/vllm#71 (vllm#27073)"),
     ("late_eviction", "AsyncScheduler", dict(async_scheduling=True), "vllm#33711"),
+    ("stale_cache_entry", "Scheduler", dict(), "local-inference-lab/vllm#480 (vllm#49125)"),
+    ("stale_cache_entry", "AsyncScheduler", dict(async_scheduling=True), "local-inference-lab/vllm#480 (vllm#49125)"),
+    ("other_group_block", "AsyncScheduler", dict(async_scheduling=True), "vllm#47574"),
+    ("hash_of_another_index", "Scheduler", dict(), "ovg-project/kvcached#446 (#451)"),
 )
 
 
@@ -270,6 +295,48 @@ def test_early_frees_are_flagged_with_or_without_the_prefix_cache(zoo):
             assert run.audit[made + 1].freed_cached, row
 
 
+#: The prefix-cache faults and the fault each fails ``check`` on first.
+PREFIX_CACHE_SIGNALS = {"stale_cache_entry": "kv_stale_cache_entries", "other_group_block": "kv_foreign_blocks",
+                        "hash_of_another_index": "kv_foreign_blocks"}
+
+
+def test_prefix_cache_faults_fail_check_at_the_step_made_naming_block_and_request(zoo):
+    """Stale prefix-cache entries, another group's blocks and blocks cached under another index's hash:
+    vLLM runs on without a word (every run finishes); each record equals the recount
+    (``test_every_fault_was_made_and_every_record_equals_the_recount``), and ``check`` fails at the
+    step the fault was made, naming the block and its group and a request: the one whose table
+    holds it (foreign), or, for a stale entry, the request whose KV the block now holds; the first
+    block a stale entry hands out is then a foreign block of the request that took it."""
+    for run, row in zoo:
+        fault = row["fault"].split(" ")[0]
+        if fault not in PREFIX_CACHE_SIGNALS:
+            continue
+        made = run.injection.injected_at
+        assert row["signal"] == PREFIX_CACHE_SIGNALS[fault] and row["first_forward_ct"] == made, row
+        assert row["check_exit"] == 1 and run.outcome == "finished", row
+        offender = run.records[made].offender(row["signal"])
+        assert offender.block is not None and offender.kv_cache_group is not None, row
+        assert (offender.request or offender.other_request) is not None, row
+        status, output = check(run.log)
+        assert status == 1 and row["offender"] in output, output
+        if fault == "stale_cache_entry":
+            assert max(r.kv_stale_cache_entries for r in run.records.values()) > 10
+            # what the stale entries handed out: blocks holding other tokens' KV (their new owner cached
+            # them under another hash; the owner may have finished since), named with the request that
+            # took them, and unhashed blocks two tables share (no longer excused by the stale entry)
+            step = min(s for s, r in run.records.items() if r.kv_foreign_blocks)
+            taken = run.records[step].offender("kv_foreign_blocks")
+            assert taken.block in {block for block, _ in run.hashes[step].stale}, row
+            assert any(r.kv_shared_blocks for r in run.records.values())
+        if fault == "other_group_block":
+            assert offender.kv_cache_group == 1 and offender.request == run.injection.request, row
+        print(f"\n{row['fault']}: made at step {made}, flagged at {row['first_forward_ct']}; peak "
+              f"stale entries {max(r.kv_stale_cache_entries for r in run.records.values())}, peak foreign "
+              f"blocks {max(r.kv_foreign_blocks for r in run.records.values())}, records with a provenance "
+              f"fault {sum(1 for r in run.records.values() if r.kv_stale_cache_entries or r.kv_foreign_blocks)} "
+              f"of {len(run.records)}; {offender.describe()}")
+
+
 def test_the_detection_rows_are_the_docs_table(zoo):
     rows = [row for _, row in zoo]
     path = detection_table.write_rows(ENGINE, rows)
@@ -290,6 +357,10 @@ VLLM_OUTCOMES = {
     "leaked_tail_block (Scheduler)": "finished",
     "leaked_tail_block (AsyncScheduler)": "stalled",
     "late_eviction (AsyncScheduler)": "finished",
+    "stale_cache_entry (Scheduler)": "finished",
+    "stale_cache_entry (AsyncScheduler)": "finished",
+    "other_group_block (AsyncScheduler)": "finished",
+    "hash_of_another_index (Scheduler)": "finished",
 }
 
 

@@ -319,26 +319,28 @@ class SlidingWindowManager(FullAttentionManager):
     pass
 
 
-def group_hash(group: int) -> bytes:
-    """A ``BlockHashWithGroupId``: the hash bytes, then the group id in 4 bytes big-endian."""
-    return b"\x07" * 32 + group.to_bytes(4, "big")
+def group_hash(group: int, block_id: int = 7) -> bytes:
+    """A ``BlockHashWithGroupId``: the hash bytes (one per block), then the group id in 4 bytes big-endian."""
+    return bytes([block_id]) * 32 + group.to_bytes(4, "big")
 
 
 def hand_built_cache(tables_full, tables_swa, free_ids, hashed=None, counted=None):
     """A ``KVCacheManager``-shaped holder: 10 blocks (0 the null block), the free queue a linked
     list between two sentinels in ``free_ids`` order (``num_free_blocks``: ``counted`` or its
-    length), ``hashed``: block id -> group of its hash (those blocks are in the prefix cache)."""
+    length), ``hashed``: block id -> group of its hash (those blocks are in the prefix cache, each
+    under its own hash)."""
     hashed = hashed or {}
-    blocks = [PoolBlock(i, is_null=i == 0, block_hash=group_hash(hashed[i]) if i in hashed else None) for i in range(10)]
+    blocks = [PoolBlock(i, is_null=i == 0, block_hash=group_hash(hashed[i], i) if i in hashed else None)
+              for i in range(10)]
     head, tail = PoolBlock(-1), PoolBlock(-1)
     chain = [head] + [blocks[i] for i in free_ids] + [tail]
     for a, b in zip(chain, chain[1:]):
         a.next_free_block = b
     queue = SimpleNamespace(num_free_blocks=len(free_ids) if counted is None else counted,
                             fake_free_list_head=head, fake_free_list_tail=tail)
-    pool = SimpleNamespace(blocks=blocks, num_gpu_blocks=10, free_block_queue=queue,
+    pool = SimpleNamespace(blocks=blocks, num_gpu_blocks=10, free_block_queue=queue, cached_block_hashes_by_block={},
                            cached_block_hash_to_block=SimpleNamespace(_cache={
-                               group_hash(g) + bytes([i]): blocks[i] for i, g in hashed.items()}))
+                               blocks[i].block_hash: blocks[i] for i in hashed}))
     as_blocks = lambda tables: {rid: [blocks[i] for i in ids] for rid, ids in tables.items()}  # noqa: E731
     managers = (FullAttentionManager(4, as_blocks(tables_full)), SlidingWindowManager(4, as_blocks(tables_swa)))
     return SimpleNamespace(coordinator=SimpleNamespace(single_type_managers=managers, block_pool=pool)), blocks
@@ -399,3 +401,22 @@ def test_block_audit_inputs_from_a_hand_built_cache():
     assert (record.kv_leaked_blocks, record.kv_freed_blocks_in_use) == (1, 1)
     assert record.offenders == (Offender("kv_leaked_blocks", block=9),
                                 Offender("kv_freed_blocks_in_use", request="c", position=4, block=8, kv_cache_group=1))
+
+
+def test_a_stale_prefix_cache_entry_does_not_make_its_block_cached():
+    """Block 2 has no hash (evicted) and the tables of a and b both hold it; the map still names it
+    under its old key (a stale entry). It is not cached for the audit, so the two tables sharing it
+    are a fault, as without the entry; a good entry (the block's own hash) would excuse it."""
+    kv, blocks = hand_built_cache({"a": [1, 2], "b": [2]}, {}, [6, 7, 8])
+    cache = kv.coordinator.block_pool.cached_block_hash_to_block._cache
+    cache[group_hash(0, 2)] = blocks[2]  # stale: the block's own hash is None
+    inputs = vllm.kv_block_audit_inputs(kv)
+    assert inputs.cached_block_ids.tolist() == []
+    record = sample(vllm.read_window_table(kv.coordinator.single_type_managers[1], [], []).view(kv_block_audit=inputs))
+    assert record.kv_shared_blocks == 1
+    assert record.offender("kv_shared_blocks").block == 2
+    blocks[2].block_hash = group_hash(0, 2)  # now a good entry: a prefix-cache hit shares it
+    inputs = vllm.kv_block_audit_inputs(kv)
+    assert inputs.cached_block_ids.tolist() == [2]
+    record = sample(vllm.read_window_table(kv.coordinator.single_type_managers[1], [], []).view(kv_block_audit=inputs))
+    assert record.kv_shared_blocks == 0

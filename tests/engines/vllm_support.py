@@ -316,6 +316,51 @@ def block_audit_recount(kv_cache_manager) -> SimpleNamespace:
     )
 
 
+def block_hash_recount(kv_cache_manager, requests) -> SimpleNamespace:
+    """The block-hash provenance check's definitions (``otel_swa.views.vllm_block_hashes``), by plain
+    loops over vLLM's real objects, for this suite's groups (block size = hash block size, full
+    blocks only, no partial prefix entries).
+
+    Returns ``checked`` (map entries plus hashed table entries), ``stale`` (``(block, key's group)``
+    of each map entry whose key is not the block's hash nor one of its
+    ``cached_block_hashes_by_block`` keys, in map order; ``stale_keys``: their ``(key, block)``),
+    ``foreign`` (``(request, position, block,
+    group)`` of each table entry whose block's hash is not ``make_block_hash_with_group_id(
+    request.block_hashes[j], group)`` for its index ``j``, or covers another number of tokens than
+    ``(j + 1) * block_size``: requests in the order first met over the groups' tables, then group,
+    then index) and ``holders`` (block id -> the requests whose tables hold it)."""
+    from vllm.v1.core.kv_cache_utils import get_group_id, make_block_hash_with_group_id
+
+    pool = kv_cache_manager.coordinator.block_pool
+    managers = kv_cache_manager.coordinator.single_type_managers
+    checked, stale, stale_keys, foreign, holders = 0, [], set(), [], {}
+    for key, entry in pool.cached_block_hash_to_block._cache.items():
+        for block in (entry.values() if isinstance(entry, dict) else [entry]):
+            checked += 1
+            own = {block.block_hash, *pool.cached_block_hashes_by_block.get(block.block_id, ())}
+            if block.is_null or key not in own:
+                stale.append((block.block_id, get_group_id(key)))
+                stale_keys.add((key, block.block_id))
+    order = list(dict.fromkeys(rid for m in managers for rid in m.req_to_blocks))
+    for rid in order:
+        for m in managers:
+            if type(m).__name__ not in ("FullAttentionManager", "SlidingWindowManager"):
+                continue
+            for j, block in enumerate(m.req_to_blocks.get(rid, ())):
+                if block.is_null:
+                    continue
+                holders.setdefault(block.block_id, []).append(rid)
+                if block.block_hash is None or rid not in requests:
+                    continue
+                checked += 1
+                hashes = requests[rid].block_hashes
+                good = (j < len(hashes) and block.block_hash_num_tokens == (j + 1) * m.block_size
+                        and block.block_hash == make_block_hash_with_group_id(hashes[j], m.kv_cache_group_id))
+                if not good:
+                    foreign.append((rid, j * m.block_size, block.block_id, m.kv_cache_group_id))
+    return SimpleNamespace(checked=checked, stale=stale, stale_keys=stale_keys, foreign=foreign, holders=holders)
+
+
 def window_recount(scheduler, output, manager) -> tuple[int, int, int]:
     """``(premature, late_held, past_rounding)`` of one scheduled batch, position by position over
     the SWA table: a null block at a position the step's queries read (``n - s - sliding_window +
@@ -375,11 +420,12 @@ def instrumented_run(v: SimpleNamespace, directory: Path, *, fault: "str | None"
     ``fault``: a ``tests/engines/shims/vllm_faults.py`` spec (``<fault>@<step>``). The reporter's
     records are kept and written, as otel-swa's line sink writes them, to ``directory/run.log``;
     after every ``schedule()`` the recounts of that moment are kept by forward step: the window
-    (:func:`window_recount`), the block audit (:func:`block_audit_recount`), the pools
+    (:func:`window_recount`), the block audit (:func:`block_audit_recount`), the block hashes
+    (:func:`block_hash_recount`), the pools
     (:func:`pool_recount`) beside otel-swa's figures (``kv_cache_pool_usage``) and vLLM's own usage
     (``KVCacheManager.usage``).
 
-    Returns a namespace: ``records`` (by ``forward_ct``), ``window``, ``audit``, ``pools``,
+    Returns a namespace: ``records`` (by ``forward_ct``), ``window``, ``audit``, ``hashes``, ``pools``,
     ``injection``, ``outcome`` (``"finished"``, ``"stalled"``, or vLLM's exception, where it was
     raised and at which forward step: ``"AssertionError in block_pool.get_new_blocks at step 37"``), ``steps``,
     ``log``, ``driver``, ``scheduler``.
@@ -408,13 +454,14 @@ def instrumented_run(v: SimpleNamespace, directory: Path, *, fault: "str | None"
     injection = vllm_faults.install(scheduler, fault) if fault else None
     kv = scheduler.kv_cache_manager
     swa = swa_manager(v, kv)
-    run = SimpleNamespace(records=records, window={}, audit={}, pools={}, injection=injection, log=log,
+    run = SimpleNamespace(records=records, window={}, audit={}, pools={}, hashes={}, injection=injection, log=log,
                           scheduler=scheduler, outcome="finished")
 
     def on_schedule(output):
         step = driver.forward_ct
         run.window[step] = window_recount(scheduler, output, swa)
         run.audit[step] = block_audit_recount(kv)
+        run.hashes[step] = block_hash_recount(kv, scheduler.requests)
         run.pools[step] = (pool_recount(kv), vllm_view.kv_cache_pool_usage(kv), kv.usage)
 
     driver = SchedulerDriver(scheduler, on_schedule=on_schedule)

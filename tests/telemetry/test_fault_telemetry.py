@@ -83,7 +83,8 @@ def test_the_block_audit_gauges():
                                  kv_freed_blocks_in_use=1, kv_shared_blocks=2)
     read = {spec.name: spec.read(record) for spec in INSTRUMENTS if spec.name.startswith("kv_cache.swa.blocks.")}
     assert read == {"kv_cache.swa.blocks.leaked": ((4, {}),), "kv_cache.swa.blocks.freed_in_use": ((1, {}),),
-                    "kv_cache.swa.blocks.shared": ((2, {}),)}
+                    "kv_cache.swa.blocks.shared": ((2, {}),), "kv_cache.swa.blocks.stale_cached": (),
+                    "kv_cache.swa.blocks.foreign": ()}
 
 
 def test_the_logline_exporter_writes_the_fault_lines_after_the_audit_line(pipeline):

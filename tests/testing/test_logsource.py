@@ -56,7 +56,10 @@ def test_logged_records_keep_line_timestamp_rank():
         "swa_pages_in_use": None, "swa_pages_referenced": None, "swa_premature_evictions": None,
         "swa_late_held_slots": None, "swa_read_checks": None, "swa_read_mismatches": None, "swa_read_unchecked": None,
         "kv_leaked_blocks": None, "kv_freed_blocks_in_use": None, "kv_shared_blocks": None, "micro_batch": None,
-        "offenders": None,
+        "offenders": None, "kv_write_checks": None, "kv_write_mismatches": None, "kv_write_unchecked": None,
+        "kv_stamp_checks": None, "kv_foreign_tokens": None, "kv_stamp_unchecked": None, "kv_checksum_checks": None,
+        "kv_corrupt_tokens": None, "kv_cache_entries_checked": None, "kv_stale_cache_entries": None,
+        "kv_foreign_blocks": None,
     }
     groups = group_by_rank(found)
     assert list(groups) == ["DP0 TP0", "DP1 TP0", None]

@@ -149,3 +149,19 @@ def test_a_last_record_without_an_audit_line_passes_after_one_more_poll(tmp_path
     log.write_text(_run_lines(1, True))  # records without audit lines (no audit, no window)
     observation = wait_for_observation(log, timeout_s=5.0, poll_s=0.2)
     assert observation.ok and 0.2 <= observation.waited_s < 5.0  # one more poll, not the whole wait
+
+
+def test_a_pass_waits_one_poll_for_the_provenance_line_of_the_last_record(tmp_path):
+    log = tmp_path / "app.log"
+    audit = dict(swa_leaked_slots=0, swa_stale_tokens=0, swa_shared_slots=0)
+    first = SwaDivergenceRecord(20, 200, 60, 3, 4, verify_source="attention", kv_stamp_checks=40, kv_foreign_tokens=0,
+                                **audit)
+    last = SwaDivergenceRecord(40, 400, 120, 3, 4, verify_source="attention", kv_stamp_checks=80, kv_foreign_tokens=2,
+                               **audit)
+    *written, provenance = last.lines()  # its audit line is there, its provenance line not yet
+    log.write_text("".join(f"[2026-01-01 00:00:00 TP0] {line}\n" for line in first.lines() + written))
+
+    writer = _append_later(log, f"[2026-01-01 00:00:00 TP0] {provenance}\n", 0.15)
+    observation = wait_for_observation(log, timeout_s=3.0, poll_s=0.3)
+    writer.join()
+    assert not observation.ok and observation.groups[0].failed == ("provenance",)

@@ -39,11 +39,36 @@ The faults (:data:`FAULTS`):
     vllm-project/vllm#33711 proposed ("keep one extra block", closed): from the step on, every
     trim runs on ``block_size`` tokens fewer. Blocks that left the window stay held: late-held
     SWA slots, which otel-swa reports and does not fail.
+``stale_cache_entry``
+    the class of local-inference-lab/vllm#480 ("KV-cache corruption under prefix-cache churn
+    (phantom APC hits after full eviction)": requests received foreign KV, localised to stale
+    prefix-cache hits after eviction, scheduler-side) and of vllm-project/vllm#49125 (a superseded
+    prefix-cache hash put back into the map while its block holds other content): from the step
+    on, every eviction of a cached block (``BlockPool._maybe_evict_cached_block``, when
+    ``get_new_blocks`` hands a free cached block out again) resets the block's hash as vLLM does
+    but leaves its map entries behind. The block goes to another request; a later request whose
+    prefix has the old hash "hits" it and reads the new owner's KV. vLLM says nothing.
+``other_group_block``
+    vllm-project/vllm#47574 (a KV block of one KV cache group handed to another group): from the
+    step on, the sliding-window group's prefix-cache lookups (``BlockPool.get_cached_block`` for
+    that group) find the full-attention group's blocks (the key built with group 0's id), so a
+    request's sliding-window table holds blocks whose KV the full-attention layers wrote.
+``hash_of_another_index``
+    the class of ovg-project/kvcached#446 (fixed by #451: vLLM blocks "cached under incorrect
+    prefix hashes" when the hash block size was lost, Gemma-4's sliding-window model diverging
+    with prefix caching on): from the step on, ``BlockPool.cache_full_blocks`` caches each new
+    full block ``j >= 1`` under the request's hash of block ``j - 1`` (the prefix one block
+    shorter; block 0 is left uncached), so a later request sharing only that shorter prefix may
+    take a block holding tokens it does not have.
 
 :func:`install` returns an :class:`Injection` that says when and where the fault was made.
 ``injected_at`` is the forward step it was made in: a fault made inside ``schedule()`` (the trims)
 is there for that step's sample already; one made in ``update_from_output()`` (the frees, after
-the step's forward) is first seen by the next step's sample.
+the step's forward) is first seen by the next step's sample. The prefix-cache faults
+(``stale_cache_entry``, ``other_group_block``, ``hash_of_another_index``) are made inside
+``schedule()`` (an allocation's eviction, an admission's lookup, the caching of a step's full
+blocks); they stay armed after the first time (``times`` counts them) and keep the first one's
+step, request and blocks.
 """
 
 from __future__ import annotations
@@ -77,6 +102,7 @@ class Injection:
     times: int = 0
     forward_ct: int = field(default=0, repr=False)  # schedule() calls that scheduled tokens, so far
     in_schedule: bool = field(default=False, repr=False)
+    seen: set = field(default_factory=set, repr=False)  # requests a fault was already made for
 
     @property
     def armed(self) -> bool:
@@ -231,10 +257,94 @@ def _late_eviction(scheduler: Any, injection: Injection) -> None:
     manager.remove_skipped_blocks = remove_skipped_blocks
 
 
+def _stale_cache_entry(scheduler: Any, injection: Injection) -> None:
+    pool = scheduler.kv_cache_manager.block_pool
+    evict = pool._maybe_evict_cached_block
+
+    def maybe_evict_cached_block(block):
+        if not injection.armed or block.block_hash is None:
+            return evict(block)
+        keys = [block.block_hash, *pool.cached_block_hashes_by_block.get(block.block_id, ())]
+        evicted = evict(block)  # removes every entry of the block and resets its hash
+        if evicted:
+            for key in keys:  # the entries stay behind
+                pool.cached_block_hash_to_block.insert(key, block)
+            owner = next((rid for m in _managers(scheduler) for rid, t in m.req_to_blocks.items()
+                          if any(b is block for b in t)), None)
+            injection.made(owner, [block.block_id])
+        return evicted
+
+    pool._maybe_evict_cached_block = maybe_evict_cached_block
+
+
+def _other_group_block(scheduler: Any, injection: Injection) -> None:
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    swa = _sliding_window_manager(scheduler)
+    group = swa.kv_cache_group_id
+    other = next(m.kv_cache_group_id for m in _managers(scheduler) if type(m).__name__ == "FullAttentionManager")
+    lookup, allocate = pool.get_cached_block, kv.allocate_slots
+
+    def get_cached_block(block_hash, kv_cache_group_ids):
+        if injection.armed and list(kv_cache_group_ids) == [group]:
+            return lookup(block_hash, [other])
+        return lookup(block_hash, kv_cache_group_ids)
+
+    def allocate_slots(request, *args, **kwargs):
+        blocks = allocate(request, *args, **kwargs)
+        if blocks is not None and injection.armed:
+            taken = [b.block_id for b in swa.req_to_blocks.get(request.request_id, ())
+                     if not b.is_null and b.block_hash is not None
+                     and int.from_bytes(bytes(b.block_hash)[-4:], "big") != group]
+            if taken and request.request_id not in injection.seen:
+                injection.seen.add(request.request_id)
+                injection.made(request.request_id, taken)
+        return blocks
+
+    pool.get_cached_block = get_cached_block
+    kv.allocate_slots = allocate_slots
+
+
+class _HashesOneBlockBack:
+    """A request whose ``block_hashes`` are its own moved one block on: entry ``k`` is the request's
+    hash ``k - 1`` (entry 0 its hash 0, left uncached by the caller)."""
+
+    def __init__(self, request: Any) -> None:
+        self._request = request
+        self.block_hashes = [*request.block_hashes[:1], *request.block_hashes]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._request, name)
+
+
+def _hash_of_another_index(scheduler: Any, injection: Injection) -> None:
+    pool = scheduler.kv_cache_manager.block_pool
+    cache_full_blocks = pool.cache_full_blocks
+
+    def cache(request, blocks, num_cached_blocks, num_full_blocks, block_size, kv_cache_group_id, block_mask=None):
+        if not injection.armed or num_cached_blocks >= num_full_blocks:
+            return cache_full_blocks(request, blocks, num_cached_blocks, num_full_blocks, block_size,
+                                     kv_cache_group_id, block_mask=block_mask)
+        mask = list(block_mask) if block_mask is not None else [True] * (num_full_blocks - num_cached_blocks)
+        if num_cached_blocks == 0:
+            mask[0] = False  # block 0 has no shorter prefix
+        cache_full_blocks(_HashesOneBlockBack(request), blocks, num_cached_blocks, num_full_blocks, block_size,
+                          kv_cache_group_id, block_mask=mask)
+        moved = [blocks[num_cached_blocks + i].block_id for i, on in enumerate(mask)
+                 if on and not blocks[num_cached_blocks + i].is_null]
+        if moved:
+            injection.made(request.request_id, moved)
+
+    pool.cache_full_blocks = cache
+
+
 #: The faults by name (see the module docstring).
 FAULTS: "dict[str, Callable[[Any, Injection], None]]" = {
     "stale_table_entry": _stale_table_entry,
     "foreign_free": _foreign_free,
     "leaked_tail_block": _leaked_tail_block,
     "late_eviction": _late_eviction,
+    "stale_cache_entry": _stale_cache_entry,
+    "other_group_block": _other_group_block,
+    "hash_of_another_index": _hash_of_another_index,
 }

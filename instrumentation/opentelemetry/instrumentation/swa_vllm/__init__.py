@@ -30,8 +30,13 @@ Instrumenting wraps three methods:
       ``extra_retained_tokens``); the KV block audit reads the whole ``BlockPool`` (free queue,
       prefix cache, every group's tables: :func:`otel_swa.views.vllm.kv_block_audit_inputs`), so
       each sample counts leaked blocks and blocks freed while in use and names the first of each
-      (block id, KV cache group, request, position). The audit is off for a scheduler with a KV
-      connector (``Scheduler.connector``), which may hold blocks outside the tables.
+      (block id, KV cache group, request, position); the block-hash provenance check
+      (:class:`otel_swa.views.vllm_block_hashes.BlockHashCheck`) compares the prefix cache's map
+      and the requests' tables with the requests' own block hashes (``Request.block_hashes``), so
+      each sample counts stale prefix-cache entries and foreign blocks (blocks holding other
+      tokens' KV, or another KV cache group's) and names the first of each (request, position,
+      block, KV cache group, the other request holding the block). Both are off for a scheduler
+      with a KV connector (``Scheduler.connector``), which may hold blocks outside the tables.
 
     At its first call per scheduler, the scheduler's KV cache is registered for the pool usage
     gauges (``kv_cache.pool.*``, ``pool=full|swa``), read when the SDK collects by
@@ -162,6 +167,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
     # ------------------------------------------------------------------ scheduler side
     def _wire(self, scheduler: Any) -> Any:
         from otel_swa.views.vllm import scheduler_pool_usage
+        from otel_swa.views.vllm_block_hashes import BlockHashCheck
 
         try:
             self._pools.register(scheduler_pool_usage, owner=scheduler)
@@ -180,7 +186,8 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                              and not getattr(scheduler, "defer_block_free", False)
                              and getattr(scheduler.kv_cache_manager.coordinator, "block_pool", None) is not None)
                     wiring = SimpleNamespace(reporter=reporter, manager=swa, read_failures=0,
-                                             block_audit=audit, audit_failures=0)
+                                             block_audit=audit, audit_failures=0,
+                                             block_hashes=BlockHashCheck() if audit else None)
                     weakref.finalize(scheduler, reporter.close)
         except Exception:
             _log.exception("instrumenting a vLLM scheduler failed; it runs uninstrumented")
@@ -237,25 +244,28 @@ class SwaVllmInstrumentor(EngineInstrumentor):
             table = read(every_entry=True)
             if table is None:
                 return view.read_window_table(wiring.manager, (), ()).view()
-            audit = None
+            audit = hashes = None
             if wiring.block_audit:
                 try:
                     audit = view.kv_block_audit_inputs(scheduler.kv_cache_manager)
+                    hashes = wiring.block_hashes.check(scheduler.kv_cache_manager, requests)
                 except Exception:
                     wiring.audit_failures += 1
                     if wiring.audit_failures == 1:
-                        _log.exception("vLLM's block pool not read; samples without the KV block audit")
+                        _log.exception("vLLM's block pool not read; samples without the KV block audit "
+                                       "and the block-hash check")
+                    audit = hashes = None
             manager = wiring.manager
             window = getattr(manager, "sliding_window", None)
             if type(window) is not int or window < 1:  # noqa: E721
-                return table.view(kv_block_audit=audit)
+                return table.view(kv_block_audit=audit, kv_block_hashes=hashes)
             scheduled = [int(output.num_scheduled_tokens[rid]) for rid in request_ids]
             in_flight = [int(getattr(requests[rid], "num_in_flight_tokens", s)) for rid, s in zip(request_ids, scheduled)]
             allowance = view.window_allowance(
                 num_tokens, scheduled, in_flight, block_size=table.block_size, sliding_window=window,
                 extra_retained_tokens=int(getattr(manager, "extra_retained_tokens", 0) or 0))
             return table.view(sliding_window=window, extend_lens_cpu=scheduled, swa_eviction_allowance=allowance,
-                              kv_block_audit=audit)
+                              kv_block_audit=audit, kv_block_hashes=hashes)
 
         reporter.step(sample)
 

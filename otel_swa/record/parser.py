@@ -1,0 +1,168 @@
+"""Every line of a text, of every kind in :data:`~otel_swa.record.kinds.LINE_KINDS`, found in order
+(:func:`iter_entries`), and the records with the lines that belong to them attached
+(:func:`find_all`, :func:`iter_matches`, :func:`find_last`)."""
+
+from __future__ import annotations
+
+import bisect
+import re
+from typing import Iterator
+
+from otel_swa.record.decoding import MalformedRecordError, decode_object
+from otel_swa.record.kinds import KIND_OF_PREFIX
+from otel_swa.record.logtext import LogPrefix, PrefixClaims, clean_marked, glued_tag, nearest_prefix, tag_before
+from otel_swa.record.matches import LineMatch
+from otel_swa.record.pairing import AuditPairing
+from otel_swa.record.prefixes import PREFIX_RE
+from otel_swa.record.sglang_line import RecordMatch, SwaDivergenceRecord
+
+__all__ = ["Entry", "FoundRecords", "decode_at", "iter_entries", "iter_matches", "find_all", "find_last"]
+
+#: A line found in a text: a :class:`~otel_swa.record.LineMatch` of its kind's type.
+Entry = LineMatch
+
+
+def decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix, line_start: int | None = None) -> Entry:
+    """The entry whose prefix is ``match`` in the cleaned ``text`` (``line_start``: where its
+    line starts, found when not given), decoded by its kind.
+
+    Raises:
+        MalformedRecordError: what follows the prefix is not valid (the reason says why).
+    """
+    kind = KIND_OF_PREFIX[match.group(0)]
+    data, end = decode_object(text, match, line_no)
+    shown = text[match.start():end]
+    if line_start is None:
+        line_start = text.rfind("\n", 0, match.start()) + 1
+    source = tag_before(text, line_start, match.start()) if "]" in text[line_start:match.start()] else None
+    if source is None and kind.pairs != "record":
+        # an audit line or run start glued right after a record on one line belongs with that
+        # record: it takes the tag the record had
+        source = glued_tag(text, line_start, match.start())
+
+    def fail(reason: str) -> MalformedRecordError:
+        return MalformedRecordError(shown, reason, line_no, kind.prefix)
+
+    value, forward_ct = kind.decode(data, fail, source)
+    return kind.match_type(value, shown, line_no, prefix.rank, prefix.timestamp, source, (), forward_ct)
+
+
+def iter_entries(
+    text: str, errors: list[MalformedRecordError] | None = None, *, first_line_no: int = 1,
+    prefixes: PrefixClaims | None = None,
+) -> Iterator[Entry]:
+    """Yield every line of every kind in ``text`` (records, audit lines, fault lines, run start
+    markers, liveness warnings), in order, as found (a line that belongs to a record is not
+    attached to it here: see :class:`~otel_swa.record.AuditPairing` and :func:`find_all`).
+
+    Malformed ones are skipped; when ``errors`` is given, their errors (with line number and
+    reason) are appended to it. ``first_line_no`` is the number of the first line of ``text`` in
+    the whole log (a later chunk of a file being followed), ``prefixes`` the
+    :class:`~otel_swa.record.PrefixClaims` of the chunks before it.
+    """
+    cleaned, bare_crs = clean_marked(text)
+    claims = PrefixClaims() if prefixes is None else prefixes
+    line_no = first_line_no
+    last_pos = 0
+    consumed = 0  # end of the last object decoded: a prefix inside it is not a new entry
+    for match in PREFIX_RE.finditer(cleaned):
+        if match.start() < consumed:
+            continue
+        line_no += cleaned.count("\n", last_pos, match.start())
+        if bare_crs:  # a bare CR ends a line for the parser, not for the line numbers
+            line_no -= bisect.bisect_left(bare_crs, match.start()) - bisect.bisect_left(bare_crs, last_pos)
+        last_pos = match.start()
+        line_start = cleaned.rfind("\n", 0, match.start()) + 1
+        claims.read(cleaned, consumed, match.start())
+        prefix = nearest_prefix(cleaned[line_start:match.start()])
+        claimed, rank, candidates = claims.claim()
+        # its rank: the prefix nearest before it, when one stands between the entry before and it
+        # (no rank's sequence known yet says otherwise: :mod:`otel_swa.testing.runs` may move it),
+        # else the prefix it claims (it stands after another record, or at the start of a line)
+        own = nearest_prefix(cleaned[max(line_start, consumed):match.start()]).rank
+        if own is not None:
+            rank = own
+        if claimed and rank != prefix.rank:
+            prefix = LogPrefix(prefix.timestamp, rank)
+        try:
+            entry = decode_at(cleaned, match, line_no, prefix, line_start)
+        except MalformedRecordError as exc:
+            if errors is not None:
+                errors.append(exc)
+            consumed = match.end()
+            continue
+        consumed = match.start() + len(entry.text)
+        if candidates:
+            entry = entry._replace(rank_candidates=candidates)
+        yield entry
+
+
+class FoundRecords(list):
+    """The records found in a text, in order (a ``list`` of
+    :class:`~otel_swa.record.SwaDivergenceRecord`), each with the fields of the lines that belong
+    to it (its audit line, its fault lines...) when they followed it.
+
+    Attributes:
+        matches: a :class:`~otel_swa.record.RecordMatch` per record, same order.
+        entries: every line found, in order (records, audit and fault lines, run start markers,
+            liveness warnings: :class:`~otel_swa.record.LineMatch` of each kind).
+        malformed: how many prefixes were followed by something that is not valid; they were
+            skipped.
+        errors: the :class:`~otel_swa.record.MalformedRecordError` for each skipped one (line
+            number and reason).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matches: list[RecordMatch] = []
+        self.entries: list[Entry] = []
+        self.errors: list[MalformedRecordError] = []
+
+    @property
+    def malformed(self) -> int:
+        return len(self.errors)
+
+
+def find_all(text: str) -> FoundRecords:
+    """Every record in ``text``, in order, the lines that belong to each attached
+    (:class:`~otel_swa.record.AuditPairing`); an empty result when there is none.
+
+    Malformed lines are skipped and counted in ``result.malformed`` (``result.errors`` says where
+    and why); nothing is raised.
+    """
+    found = FoundRecords()
+    pairing = AuditPairing()
+    for entry in iter_entries(text, found.errors):
+        if entry.per_record:
+            error = pairing.attach(entry)
+            if error is not None:
+                found.errors.append(error)
+            found.entries.append(entry)
+        else:
+            pairing.add(found.entries, entry)
+    found.matches.extend(entry for entry in found.entries if isinstance(entry, RecordMatch))
+    found.extend(match.record for match in found.matches)
+    return found
+
+
+def iter_matches(text: str, errors: list[MalformedRecordError] | None = None) -> Iterator[RecordMatch]:
+    """Yield every record in ``text`` (any number of lines), in order, audit lines attached.
+
+    Malformed lines are skipped; when ``errors`` is given, their errors are appended to it.
+    """
+    found = find_all(text)
+    if errors is not None:
+        errors.extend(found.errors)
+    yield from found.matches
+
+
+def find_last(text: str) -> tuple[SwaDivergenceRecord, str] | None:
+    """The last valid record in ``text`` and the matched text, or ``None`` when there is none.
+
+    Mirrors SGLang's ``find_last``; malformed records are skipped.
+    """
+    found = find_all(text)
+    if not found.matches:
+        return None
+    last = found.matches[-1]
+    return last.record, last.text
