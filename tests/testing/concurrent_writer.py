@@ -8,8 +8,9 @@ parts. It writes, through its own ``O_APPEND`` descriptor, the lines otel-swa's 
 SGLang-style prefix ``[time TPn]``. Standard library only, so that the processes start in a few
 milliseconds and write at once.
 
-Usage: ``python concurrent_writer.py PATH RANK RECORDS PARTS SEED START_AT YIELD [broken]``: it
-waits until the wall-clock time ``START_AT`` (so that the ranks write at once) and, for the
+Usage: ``python concurrent_writer.py PATH RANK RECORDS PARTS SEED YIELD [broken]``: it waits
+until its standard input closes (the test closes every writer's at once, when all are up: the ranks
+write at once) and, for the
 fraction ``YIELD`` of its lines, yields the processor between their parts (a handler formatting
 between its writes, a process descheduled), so that the parts of other ranks' lines land in
 between. Where they land depends on the machine and its load: :func:`interleaved` makes the same
@@ -23,7 +24,6 @@ import json
 import os
 import random
 import sys
-import time
 
 RECORD = "kv_canary_swa_divergence="
 AUDIT = "otel_swa_audit="
@@ -98,10 +98,10 @@ def interleaved(writers, seed, switch_in_line=0.03, switch_in_pause=0.6, switch_
             current = pick.choice(left)
 
 
-def main(path, rank, records, parts, seed, start_at, yield_share, broken):
+def main(path, rank, records, parts, seed, yield_share, broken):
     lines = rank_lines(rank, records, parts, seed, yield_share, broken, pid=os.getpid())
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    time.sleep(max(0.0, start_at - time.time()))
+    sys.stdin.read()  # the start: every writer is up
     for chunks, pause in lines:
         for chunk in chunks:
             os.write(fd, chunk.encode())
@@ -112,5 +112,4 @@ def main(path, rank, records, parts, seed, start_at, yield_share, broken):
 
 if __name__ == "__main__":
     path, rank, records, parts, seed = sys.argv[1], *map(int, sys.argv[2:6])
-    main(path, rank, records, parts, seed, float(sys.argv[6]), float(sys.argv[7]),
-         broken=len(sys.argv) > 8 and sys.argv[8] == "broken")
+    main(path, rank, records, parts, seed, float(sys.argv[6]), broken=len(sys.argv) > 7 and sys.argv[7] == "broken")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -41,14 +40,15 @@ _PREFIX = re.compile(r"\[2026-01-01 00:00:00 TP\d+\] ")
 def write_logs(tmp_path: Path, ranks: int, parts: int) -> tuple[Path, Path]:
     """The healthy and the broken log, each written by ``ranks`` processes at once."""
     healthy, broken = tmp_path / "healthy.log", tmp_path / "broken.log"
-    start_at = str(time.time() + 1.0)  # every process is up by then: they write at once
     procs = []
     for path in (healthy, broken):
         for rank in range(ranks):
-            argv = [sys.executable, str(WRITER), str(path), str(rank), str(RECORDS), str(parts), "1", start_at, YIELD]
+            argv = [sys.executable, str(WRITER), str(path), str(rank), str(RECORDS), str(parts), "1", YIELD]
             if path is broken and rank == ranks - 1:
                 argv.append("broken")
-            procs.append(subprocess.Popen(argv))
+            procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE))
+    for proc in procs:  # the start: each writer waits for its standard input to close
+        proc.stdin.close()
     for proc in procs:
         assert proc.wait(timeout=120) == 0
     return healthy, broken
