@@ -5,8 +5,10 @@ Each subcommand lives in its own module under :mod:`otel_swa.commands` with two 
 
 Exit status: 0 success; 1 the command ran and its check failed (``check``: the SWA path was not
 observed; ``replay``: its own SWA slot audit found faults, or it took no sample; ``records``: its
-output could not be written); 2 unusable input or arguments (the message names the value and what
-was expected); 130 ``replay`` interrupted (Ctrl-C), after its summary. When the reader of standard
+output could not be written); 2 unusable input, arguments or environment (the message names the
+value and what was expected; ``check``, ``records`` and ``plot``: also an empty file, one that is
+not a text log, and, for ``records`` and ``plot``, a log whose records are all malformed); 3 ``replay`` ran but every export of a signal failed
+(nothing reached the collector); 130 ``replay`` interrupted (Ctrl-C), after its summary. When the reader of standard
 output goes away (``otel-swa replay | head -1``), output stops quietly and the exit status is the
 one the command would have had (``check`` keeps its verdict); when standard output cannot take
 more (``> /dev/full``), one line on stderr says so.
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import time
 from typing import Sequence
 
 from otel_swa.version import __version__
@@ -51,9 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _process_started_at() -> float | None:
+    """When this process started, on the ``time.monotonic()`` clock (Linux: ``/proc/self/stat``'s
+    start time against ``CLOCK_BOOTTIME``, to 10 ms), or ``None`` where that cannot be read."""
+    try:
+        with open("/proc/self/stat", "rb") as stream:
+            fields = stream.read().rsplit(b")", 1)[1].split()
+        age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+    return time.monotonic() - age_s if age_s >= 0 else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    # The wall time ``replay`` prints counts from the start of the process when this is its command
+    # (``argv`` None: the interpreter's start-up and imports included), else from this call.
+    now = time.monotonic()
+    started_at = (_process_started_at() if argv is None else None) or now
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.started_at = started_at
     if getattr(args, "_run", None) is None:
         parser.print_help()
         return 2

@@ -7,13 +7,21 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from typing import Mapping, MutableMapping
 
 from otel_swa import environment_variables as ev
 
 __all__ = [
     "ConfigError",
+    "invalid",
     "read_int",
+    "check_environment",
+    "VARIABLE_READERS",
+    "require_sglang",
+    "require_vllm",
+    "warned_names",
+    "prometheus_port_offset",
     "divergence_interval",
     "divergence_interval_if_set",
     "ring_size",
@@ -31,6 +39,10 @@ __all__ = [
     "DEFAULT_PROMETHEUS_PORT",
     "liveness_steps",
     "DEFAULT_LIVENESS_INTERVALS",
+    "graph_checks",
+    "GRAPH_CHECKS_CHOICES",
+    "provenance",
+    "PROVENANCE_CHOICES",
 ]
 
 DEFAULT_RING_SIZE = 4
@@ -43,6 +55,13 @@ class ConfigError(ValueError):
     """An environment variable (or an argument standing for one) has an unusable value."""
 
 
+def invalid(name: str, value: str | None, expected: str) -> ConfigError:
+    """The error for variable ``name`` holding ``value``, in the one shape every variable's error
+    has: ``NAME='value': expected <what>`` (e.g. ``OTEL_SWA_RING_SIZE='0': expected an integer from
+    1 to 1024``)."""
+    return ConfigError(f"{name}={value!r}: expected {expected}")
+
+
 def read_int(name: str, value: str | None, *, default: int, minimum: int, maximum: int | None = None) -> int:
     """Parse ``value`` (the raw text of variable ``name``) as a base-10 integer >= ``minimum`` (and
     <= ``maximum`` when given).
@@ -51,7 +70,7 @@ def read_int(name: str, value: str | None, *, default: int, minimum: int, maximu
 
     Raises:
         ConfigError: the text is not an integer ("abc", "2.5") or is out of range ("-3"); the
-            message names the variable, the value and the range expected.
+            message (:func:`invalid`) names the variable, the value and the range expected.
     """
     if value is None or value.strip() == "":
         return default
@@ -60,12 +79,26 @@ def read_int(name: str, value: str | None, *, default: int, minimum: int, maximu
     try:
         number = int(text, 10)
     except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer; expected {expected}") from None
-    if number < minimum:
-        raise ConfigError(f"{name}={value!r} is below {minimum}; expected {expected}")
-    if maximum is not None and number > maximum:
-        raise ConfigError(f"{name}={value!r} is above {maximum}; expected {expected}")
+        raise invalid(name, value, expected) from None
+    if number < minimum or (maximum is not None and number > maximum):
+        raise invalid(name, value, expected)
     return number
+
+
+def _read_flag(name: str, environ: Mapping[str, str] | None, default: bool) -> bool:
+    """Variable ``name`` as a switch: ``1`` on, ``0`` off (blanks ignored; unset or blank:
+    ``default``).
+
+    Raises:
+        ConfigError: any other value ("maybe", "true", "2").
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    if raw.strip() not in ("0", "1"):
+        raise invalid(name, raw, "0 or 1")
+    return raw.strip() == "1"
 
 
 def divergence_interval(environ: Mapping[str, str] | None = None) -> int:
@@ -158,8 +191,26 @@ def sigterm_flush(environ: Mapping[str, str] | None = None) -> bool:
     Raises:
         ConfigError: a value other than 0 or 1.
     """
-    env = os.environ if environ is None else environ
-    return read_int(ev.OTEL_SWA_SIGTERM_FLUSH, env.get(ev.OTEL_SWA_SIGTERM_FLUSH), default=1, minimum=0, maximum=1) == 1
+    return _read_flag(ev.OTEL_SWA_SIGTERM_FLUSH, environ, default=True)
+
+
+def require_sglang(environ: Mapping[str, str] | None = None) -> bool:
+    """``OTEL_SWA_REQUIRE_SGLANG`` (test suite only): whether an SGLang that does not import fails
+    the SGLang engine tests instead of skipping them (default False).
+
+    Raises:
+        ConfigError: a value other than 0 or 1.
+    """
+    return _read_flag(ev.OTEL_SWA_REQUIRE_SGLANG, environ, default=False)
+
+
+def require_vllm(environ: Mapping[str, str] | None = None) -> bool:
+    """``OTEL_SWA_REQUIRE_VLLM`` (test suite only): as :func:`require_sglang`, for vLLM.
+
+    Raises:
+        ConfigError: a value other than 0 or 1.
+    """
+    return _read_flag(ev.OTEL_SWA_REQUIRE_VLLM, environ, default=False)
 
 
 #: Default of ``OTEL_SWA_METRIC_EXPORT_INTERVAL`` (milliseconds): the OpenTelemetry default of
@@ -221,7 +272,7 @@ def _choice(name: str, choices: tuple[str, ...], environ: Mapping[str, str] | No
         return choices[0]
     value = raw.strip().lower()
     if value not in choices:
-        raise ConfigError(f"{name}={raw!r}; expected one of {', '.join(choices)}")
+        raise invalid(name, raw, f"one of {', '.join(choices)}")
     return value
 
 
@@ -300,14 +351,38 @@ def provenance(environ: Mapping[str, str] | None = None) -> "tuple[str, int] | N
     return None if checksum == "off" else (checksum, budget)
 
 
+#: What ``OTEL_SWA_WARNED`` holds: instrumentor names (``swa_sglang``), comma-separated.
+_WARNED_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def warned_names(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``OTEL_SWA_WARNED``: the instrumentors that already logged their one warning in this process
+    tree (comma-separated names of letters, digits, ``_``, ``.``, ``-``; blanks around them ignored).
+
+    Raises:
+        ConfigError: an item that is no such name (``"swa_sglang;swa_vllm"``).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ev.OTEL_SWA_WARNED, "")
+    names = [item.strip() for item in raw.split(",") if item.strip()]
+    if not all(_WARNED_NAME_RE.fullmatch(item) for item in names):
+        raise invalid(ev.OTEL_SWA_WARNED, raw, "instrumentor names separated by commas (set by otel-swa itself)")
+    return names
+
+
 def warn_once(name: str, environ: "MutableMapping[str, str] | None" = None) -> bool:
     """Whether this process tree has not yet logged ``name``'s one warning; marks it as logged.
 
     The marker is ``OTEL_SWA_WARNED`` (comma-separated names) in ``os.environ``, which child
-    processes inherit, so each engine process started after the first warning stays quiet.
+    processes inherit, so each engine process started after the first warning stays quiet. An
+    unusable marker (:func:`warned_names`) counts as empty and is replaced: this runs inside
+    engines, where it must not raise.
     """
     env = os.environ if environ is None else environ
-    warned = [item for item in env.get(ev.OTEL_SWA_WARNED, "").split(",") if item]
+    try:
+        warned = warned_names(env)
+    except ConfigError:
+        warned = []
     if name in warned:
         return False
     env[ev.OTEL_SWA_WARNED] = ",".join(warned + [name])
@@ -337,8 +412,8 @@ def prometheus_address(ranks: Mapping[str, int], environ: Mapping[str, str] | No
     host = (env.get("OTEL_EXPORTER_PROMETHEUS_HOST") or "").strip() or DEFAULT_PROMETHEUS_HOST
     base = read_int("OTEL_EXPORTER_PROMETHEUS_PORT", env.get("OTEL_EXPORTER_PROMETHEUS_PORT"),
                     default=DEFAULT_PROMETHEUS_PORT, minimum=1, maximum=65535)
-    raw = (env.get(ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET) or "").strip().lower()
-    if raw in ("", "rank"):
+    chosen = prometheus_port_offset(env)
+    if chosen == "rank":
         if "local_rank" in ranks:
             offset, source = ranks["local_rank"], "LOCAL_RANK"
         elif "rank" in ranks:
@@ -346,18 +421,31 @@ def prometheus_address(ranks: Mapping[str, int], environ: Mapping[str, str] | No
         else:
             offset, source = 0, ""
     else:
-        try:
-            offset = read_int(ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET, raw, default=0, minimum=0)
-        except ConfigError:
-            raise ConfigError(f"{ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET}={env.get(ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET)!r}; "
-                              "expected 'rank' or an integer >= 0") from None
-        source = ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET
+        offset, source = chosen, ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET
     port = base + offset
     why = f"{base} + {source} {offset}" if source else f"{base}"
     if port > 65535:
         raise ConfigError(f"the Prometheus port {why} = {port} is above 65535; lower OTEL_EXPORTER_PROMETHEUS_PORT "
                           f"or set {ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET}")
     return host, port, why
+
+
+def prometheus_port_offset(environ: Mapping[str, str] | None = None) -> "int | str":
+    """``OTEL_SWA_PROMETHEUS_PORT_OFFSET``: ``"rank"`` (unset, blank or ``rank``, any case) or the
+    integer >= 0 given.
+
+    Raises:
+        ConfigError: anything else.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET)
+    text = (raw or "").strip().lower()
+    if text in ("", "rank"):
+        return "rank"
+    try:
+        return read_int(ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET, text, default=0, minimum=0)
+    except ConfigError:
+        raise invalid(ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET, raw, "'rank' or an integer >= 0") from None
 
 
 def prometheus_linger(environ: Mapping[str, str] | None = None) -> float:
@@ -376,5 +464,50 @@ def prometheus_linger(environ: Mapping[str, str] | None = None) -> float:
     except ValueError:
         value = float("nan")
     if not 0 <= value <= MAX_PROMETHEUS_LINGER_S:
-        raise ConfigError(f"{ev.OTEL_SWA_PROMETHEUS_LINGER}={raw!r}; expected seconds from 0 to {MAX_PROMETHEUS_LINGER_S:g}")
+        raise invalid(ev.OTEL_SWA_PROMETHEUS_LINGER, raw, f"seconds from 0 to {MAX_PROMETHEUS_LINGER_S:g}")
     return value
+
+
+#: Each variable of :mod:`otel_swa.environment_variables` -> the function here that reads and
+#: validates it (``environ`` in, the value out; ``ConfigError`` for an unusable value). Every name
+#: of that module is here: :func:`check_environment` validates them all, and a test walks this
+#: table with bad values.
+VARIABLE_READERS: dict = {
+    ev.OTEL_SWA_DIVERGENCE_INTERVAL: divergence_interval,
+    ev.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL: lambda env: read_int(
+        ev.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL, env.get(ev.SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL),
+        default=0, minimum=0),
+    ev.OTEL_SWA_RING_SIZE: ring_size,
+    ev.OTEL_SWA_TP_RANK: parallel_ranks,
+    ev.OTEL_SWA_DP_RANK: parallel_ranks,
+    ev.OTEL_SWA_PP_RANK: parallel_ranks,
+    ev.OTEL_SWA_REQUIRE_SGLANG: require_sglang,
+    ev.OTEL_SWA_REQUIRE_VLLM: require_vllm,
+    ev.OTEL_SWA_SIGTERM_FLUSH: sigterm_flush,
+    ev.OTEL_SWA_METRIC_EXPORT_INTERVAL: metric_export_interval_ms,
+    ev.OTEL_SWA_MICRO_BATCHES: micro_batches,
+    ev.OTEL_SWA_LIVENESS_STEPS: lambda env: liveness_steps(1, env),
+    ev.OTEL_SWA_FORWARD_SPANS: forward_spans,
+    ev.OTEL_SWA_READ_CHECK: read_check,
+    ev.OTEL_SWA_READ_CHECK_QUERIES: read_check,
+    ev.OTEL_SWA_WARNED: warned_names,
+    ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET: prometheus_port_offset,
+    ev.OTEL_SWA_PROMETHEUS_LINGER: prometheus_linger,
+    ev.OTEL_SWA_GRAPH_CHECKS: graph_checks,
+    ev.OTEL_SWA_PROVENANCE: provenance,
+    ev.OTEL_SWA_PROVENANCE_BUDGET: provenance,
+}
+
+
+def check_environment(environ: Mapping[str, str] | None = None) -> None:
+    """Validate every variable of :data:`VARIABLE_READERS` (all of
+    :mod:`otel_swa.environment_variables`), set or not, in that order: the commands call it before
+    they do anything, the engine instrumentors before they wrap anything.
+
+    Raises:
+        ConfigError: the first unusable value (the message names the variable, the value and what
+            was expected: :func:`invalid`).
+    """
+    env = os.environ if environ is None else environ
+    for read in dict.fromkeys(VARIABLE_READERS.values()):
+        read(env)

@@ -233,7 +233,8 @@ class EngineInstrumentor(BaseInstrumentor):
     then:
 
     1. does nothing when the interval variable is 0 or unset (no wrapping, no reporter work), or
-       logs and does nothing when it is unusable;
+       logs and does nothing when any otel-swa variable is unusable
+       (:func:`otel_swa.config.check_environment`): the engine runs as it is;
     2. does nothing when the engine is not installed or its version is outside ``instruments``
        (``opentelemetry-instrument`` calls ``instrument(skip_dep_check=True)``, so the check is made
        here too), with one warning per process tree (:func:`otel_swa.config.warn_once`: an
@@ -349,9 +350,10 @@ class EngineInstrumentor(BaseInstrumentor):
         from otel_swa import config
 
         try:
+            config.check_environment()  # every otel-swa variable, before anything is wrapped
             interval = config.divergence_interval()
-        except config.ConfigError:
-            self._log.exception("%s: %s is not instrumented: unusable interval variable", self.name, self.engine)
+        except config.ConfigError as exc:  # logged; the engine runs as it is, never stopped by a variable
+            self._log.error("%s: %s is not instrumented: %s", self.name, self.engine, exc)
             return
         if interval == 0:
             return  # off: nothing wrapped, no reporter work at all

@@ -56,6 +56,9 @@ __all__ = [
     "logged_entries",
     "logged_records",
     "read_entries",
+    "read_data",
+    "decode_log",
+    "not_a_text_log",
     "read_log",
     "group_by_rank",
     "ROW_FIELDS",
@@ -342,14 +345,52 @@ class LogFollower:
         return [entry for entry in new if isinstance(entry, LoggedRecord)]
 
 
-def _read_text(source: str | os.PathLike[str] | BinaryIO | None) -> str:
+def read_data(source: str | os.PathLike[str] | BinaryIO | None) -> "bytes | str":
+    """The whole content of a log: a file path, ``"-"`` or ``None`` (standard input, read to its
+    end), or a binary (or text) stream.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError, PermissionError: the file cannot be read.
+    """
     if source is None or (isinstance(source, str) and source == "-"):
-        data: Any = sys.stdin.buffer.read()
-    elif isinstance(source, (str, os.PathLike)):
-        data = Path(source).read_bytes()
-    else:
-        data = source.read()
+        return sys.stdin.buffer.read()
+    if isinstance(source, (str, os.PathLike)):
+        return Path(source).read_bytes()
+    return source.read()
+
+
+def decode_log(data: "bytes | str") -> str:
+    """Log content as text: bytes decoded as UTF-8, undecodable bytes as U+FFFD."""
     return data if isinstance(data, str) else data.decode("utf-8", errors="replace")
+
+
+#: How much of a log :func:`not_a_text_log` looks at (bytes).
+TEXT_PROBE_BYTES = 65536
+#: The share of undecodable bytes in that much above which a log is not UTF-8 text.
+UNDECODABLE_SHARE = 0.1
+
+
+def not_a_text_log(data: "bytes | str") -> str | None:
+    """Why ``data`` (a log's content, or its start) is no log to read records from, else ``None``:
+    ``"empty"`` (no text at all, or only blanks), or ``"not a text log"`` with the reason (a NUL
+    byte, which text never holds: a binary file, or text in UTF-16; or more than
+    :data:`UNDECODABLE_SHARE` of the first :data:`TEXT_PROBE_BYTES` bytes not UTF-8)."""
+    if not data.strip():
+        return "empty"
+    if isinstance(data, str):
+        return None
+    head = data[:TEXT_PROBE_BYTES]
+    nul = head.find(b"\0")
+    if nul >= 0:
+        return f"not a text log (a NUL byte at byte {nul}: a binary file, or text that is not UTF-8)"
+    bad = head.decode("utf-8", errors="replace").count("\ufffd") - head.decode("utf-8", errors="ignore").count("\ufffd")
+    if bad > UNDECODABLE_SHARE * len(head):
+        return f"not a text log ({bad} of its first {len(head)} bytes are not UTF-8)"
+    return None
+
+
+def _read_text(source: str | os.PathLike[str] | BinaryIO | None) -> str:
+    return decode_log(read_data(source))
 
 
 def read_entries(

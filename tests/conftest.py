@@ -1,11 +1,17 @@
 """Shared test configuration: GPU tests are skipped when no CUDA device is present; each test starts
 without otel-swa's "already warned" marker, so that warnings logged once per process tree are
-seen by the test that expects them."""
+seen by the test that expects them; torch runs on one intra-op thread in the test process."""
 
 import pytest
 import torch
 
 from otel_swa import environment_variables as ev
+
+
+# The tests' tensors are small: on a loaded 2-core machine torch's thread pool spent most of their
+# time waking its threads (an SWA audit at every step of 30 requests: 27 s on the default threads,
+# 2.5-3 s on one). Subprocesses keep their own settings (otel-swa replay uses one thread already).
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):

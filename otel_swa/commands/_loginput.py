@@ -7,7 +7,7 @@ import sys
 
 from otel_swa.commands._args import non_negative_int, positive_seconds, seconds
 from otel_swa.commands._output import stdout_closed
-from otel_swa.logsource import LoggedEntry, LoggedRecord, read_entries
+from otel_swa.logsource import LoggedEntry, LoggedRecord, decode_log, logged_entries, not_a_text_log, read_data
 from otel_swa.record import MalformedRecordError
 
 __all__ = [
@@ -17,6 +17,8 @@ __all__ = [
     "positive_seconds",
     "add_source_argument",
     "load_entries",
+    "source_name",
+    "unusable_text",
     "load_records",
     "malformed_summary",
     "error",
@@ -32,27 +34,47 @@ def add_source_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("source", metavar="FILE|-", help="log file to read, or '-' for standard input")
 
 
+def source_name(source: str) -> str:
+    """The source in words: ``standard input`` for ``-``, else ``log file 'PATH'``."""
+    return "standard input" if source == "-" else f"log file {source!r}"
+
+
+def unusable_text(source: str, data: "bytes | str") -> InputError | None:
+    """The error for a source whose content (or its start) ``data`` is empty or not a text log
+    (:func:`otel_swa.logsource.not_a_text_log`), else ``None``."""
+    why = not_a_text_log(data)
+    if why is None:
+        return None
+    if why == "empty":
+        return InputError(f"{source_name(source)} is empty: no log text at all (did the engine log to another "
+                          "stream or file?)")
+    return InputError(f"{source_name(source)} is {why}")
+
+
 def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]]:
     """The records and run start markers of a complete log, and the malformed lines skipped.
 
     Raises:
-        InputError: the file is missing or cannot be read.
+        InputError: the file is missing or cannot be read, is empty, or is not a text log.
     """
     errors: list[MalformedRecordError] = []
     try:
-        found = read_entries(source, errors=errors)
+        data = read_data(source)
     except FileNotFoundError:
         raise InputError(f"log file {source!r} does not exist") from None
     except OSError as exc:
-        raise InputError(f"log file {source!r} cannot be read: {exc.strerror or exc}") from None
-    return found, errors
+        raise InputError(f"{source_name(source)} cannot be read: {exc.strerror or exc}") from None
+    problem = unusable_text(source, data)
+    if problem is not None:
+        raise problem
+    return logged_entries(decode_log(data), errors=errors), errors
 
 
 def load_records(source: str) -> tuple[list[LoggedRecord], int]:
     """The records of a complete log and the number of malformed lines skipped.
 
     Raises:
-        InputError: the file is missing or cannot be read.
+        InputError: the file is missing or cannot be read, is empty, or is not a text log.
     """
     entries, errors = load_entries(source)
     return [entry for entry in entries if isinstance(entry, LoggedRecord)], len(errors)

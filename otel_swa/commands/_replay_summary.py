@@ -2,8 +2,10 @@
 
 The verdict (:class:`ReplayVerdict`) gives the exit status: 1 when the SWA slot audit of the run
 found leaked slots, stale tokens or shared slots, or when the reporter was on and took no sample
-(the run ended before the first sampling step); 130 when the run was interrupted (Ctrl-C), after
-every sample taken so far was delivered; else 0.
+(the run ended before the first sampling step); 3 when every export of a signal (traces, metrics
+or logs) to an exporter that sends (OTLP, console) failed, so that nothing of it reached its
+destination (a collector down, a wrong endpoint); 130 when the run was interrupted (Ctrl-C), after
+every sample taken so far was delivered; else 0. When several apply, the first of 130, 1, 3.
 """
 
 from __future__ import annotations
@@ -15,10 +17,27 @@ from typing import Any, Sequence, TextIO
 from otel_swa.record import SwaDivergenceRecord
 from otel_swa.testing.judge import AUDIT_RULES
 
-__all__ = ["ReplayVerdict", "Progress", "verdict_of", "summary_rows", "print_summary", "export_row"]
+__all__ = ["ReplayVerdict", "Progress", "WallTime", "verdict_of", "summary_rows", "print_summary", "export_row",
+           "EXPORTS_FAILED"]
 
 #: Exit status of a run interrupted by SIGINT (128 + 2, as a shell reports it).
 INTERRUPTED = 130
+#: Exit status of a run whose exports of a signal all failed (nothing of it was sent).
+EXPORTS_FAILED = 3
+
+
+@dataclass(frozen=True)
+class WallTime:
+    """Wall-clock seconds of the command, for the summary.
+
+    Attributes:
+        total_s: from the start of the command to the summary: the run, and the stop after it
+            (the reporter's last samples delivered, the exporters' last exports and their waits).
+        stop_s: the stop alone.
+    """
+
+    total_s: float
+    stop_s: float
 
 
 @dataclass
@@ -46,17 +65,22 @@ class ReplayVerdict:
         audit_faults: the peak of each audit field over the audited samples, when any is above 0.
         no_sample: the reporter was on and took no sample.
         interrupted: the run was interrupted (SIGINT).
+        exports_failed: the signals whose every export failed (none of their items was sent), in
+            the order traces, metrics, logs.
     """
 
     audit_faults: dict
     no_sample: bool
     interrupted: bool
+    exports_failed: tuple = ()
 
     @property
     def exit_status(self) -> int:
         if self.interrupted:
             return INTERRUPTED
-        return 1 if self.audit_faults or self.no_sample else 0
+        if self.audit_faults or self.no_sample:
+            return 1
+        return EXPORTS_FAILED if self.exports_failed else 0
 
     def reasons(self, interval: int, forward_steps: int) -> list[str]:
         """One line per reason for a non-zero exit status (for stderr)."""
@@ -75,21 +99,31 @@ class ReplayVerdict:
         if self.no_sample:
             out.append(f"the reporter took no sample in {forward_steps} forward step(s) (interval {interval}); "
                        "exit status 1")
+        if self.exports_failed:
+            status = "" if self.audit_faults or self.no_sample or self.interrupted else f"; exit status {EXPORTS_FAILED}"
+            out.append(f"every export of {', '.join(self.exports_failed)} failed: nothing of it reached its "
+                       f"destination{status}")
         if self.interrupted:
             out.append(f"interrupted at forward step {forward_steps}; every sample taken was delivered; exit status "
                        f"{INTERRUPTED}")
         return out
 
 
-def verdict_of(records: Sequence[SwaDivergenceRecord], stats: Any, interrupted: bool) -> ReplayVerdict:
-    """The run's verdict from its records and the reporter's stats (``None``: reporter off)."""
+def verdict_of(records: Sequence[SwaDivergenceRecord], stats: Any, interrupted: bool,
+               export_stats: "dict | None" = None) -> ReplayVerdict:
+    """The run's verdict from its records, the reporter's stats (``None``: reporter off) and what
+    the exporters sent (:meth:`otel_swa.telemetry.SwaTelemetry.export_stats`; ``None`` or empty:
+    no exporter that sends)."""
     faults = {}
     for rule in AUDIT_RULES:
         values = [getattr(r, rule.field) for r in records if getattr(r, rule.field) is not None]
         if values and max(values) > 0:
             faults[rule.field] = max(values)
     no_sample = stats is not None and stats.samples_taken == 0 and not interrupted
-    return ReplayVerdict(faults, no_sample, interrupted)
+    failed = tuple(signal for signal in ("traces", "metrics", "logs")
+                   if signal in (export_stats or {}) and export_stats[signal].failed_exports
+                   and not export_stats[signal].exported)
+    return ReplayVerdict(faults, no_sample, interrupted, failed)
 
 
 def summary_rows(
@@ -100,9 +134,11 @@ def summary_rows(
     stats: Any,
     verdict: ReplayVerdict,
     total: int,
+    wall: "WallTime | None" = None,
 ) -> list[tuple[str, str]]:
     """The rows of the summary, ``(name, value)``. ``summary`` is the engine's ``ReplaySummary``,
-    or a :class:`Progress` when the run was interrupted; ``total``: requests submitted."""
+    or a :class:`Progress` when the run was interrupted; ``total``: requests submitted; ``wall``:
+    the command's wall time (default: the replay's own, ``summary.wall_s``, when it ended)."""
     last = records[-1] if records else None
     complete = not verdict.interrupted
     finished = summary.requests_finished if complete else summary.finished
@@ -128,9 +164,13 @@ def summary_rows(
     if complete:
         rows.append(("peak slots in use", f"FULL {summary.peak_full_slots} / {summary.full_pool_size}, "
                                           f"SWA {summary.peak_swa_slots} / {summary.swa_pool_size}"))
-        rows.append(("wall time", f"{summary.wall_s:.1f} s"))
     else:
         rows.append(("interrupted", f"at forward step {summary.forward_steps} (Ctrl-C); every sample taken was delivered"))
+    if wall is not None:
+        replayed = f"replay {summary.wall_s:.1f} s, " if complete else ""
+        rows.append(("wall time", f"{wall.total_s:.1f} s ({replayed}stop {wall.stop_s:.1f} s)"))
+    elif complete:
+        rows.append(("wall time", f"{summary.wall_s:.1f} s"))
     return rows
 
 

@@ -13,7 +13,8 @@ counts are shown, not judged. A rank whose runs are interleaved (two runs writin
 log at once) fails.
 
 Exit status: 0 observed; 1 not observed (the explanation is printed on stdout); 2 unusable input (a
-missing or unreadable file; the message is on stderr). The exit status is the verdict even when the
+missing or unreadable file, an empty one, one that is not a text log such as a binary file; the
+message is on stderr). The exit status is the verdict even when the
 explanation cannot be written (a reader that closed the pipe, a full disk). With ``--wait SECONDS`` a
 file that is still being written (or does not exist yet) is read again every ``--poll`` seconds
 until the verdict is a pass or the time is up; with ``--until end``, until the run being written
@@ -25,7 +26,6 @@ marker or a liveness warning ("instrumented, 0 samples in N steps") fails.
 from __future__ import annotations
 
 import argparse
-
 import sys
 
 from otel_swa.commands._loginput import (
@@ -34,7 +34,9 @@ from otel_swa.commands._loginput import (
     non_negative_int,
     positive_seconds,
     seconds,
+    unusable_text,
 )
+from otel_swa.logsource import TEXT_PROBE_BYTES
 from otel_swa.commands._output import print_result
 from otel_swa.testing.assertions import DEFAULT_POLL_S, DEFAULT_QUIET_S, UNTIL_MODES, wait_for_observation
 from otel_swa.testing.judge import LINE_MODES, RANK_MODES, RUN_MODES
@@ -84,6 +86,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="print nothing when the check passes")
 
 
+def _file_problem(path: str) -> str | None:
+    """Why the file at ``path`` is no log to judge (empty, not a text log), from its first bytes."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(TEXT_PROBE_BYTES)
+    except OSError:
+        return None  # the source itself said whether it could be read
+    problem = unusable_text(path, head)
+    return None if problem is None else str(problem)
+
+
 def run(args: argparse.Namespace) -> int:
     rules = dict(
         min_divergence=args.min_divergence,
@@ -99,12 +112,19 @@ def run(args: argparse.Namespace) -> int:
             data = sys.stdin.buffer.read()
         except OSError as exc:
             return error(f"standard input cannot be read ({exc.strerror or exc})")
+        problem = unusable_text(args.source, data)
+        if problem is not None:
+            return error(str(problem))
         observation = wait_for_observation(text_source(data, "standard input"), **rules)
     else:
         observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, new_only=args.new,
                                            until=args.until, quiet_s=args.quiet_s, **rules)
         if observation.problem is not None:
             return error(observation.problem)
+        if observation.records == 0:  # at the end of the wait: empty, or no log at all?
+            problem = _file_problem(args.source)
+            if problem is not None:
+                return error(problem)
     if not (observation.ok and args.quiet):
         print_result(observation.explain(verbose=args.verbose))  # the verdict stands even when it cannot be printed
     return 0 if observation.ok else 1

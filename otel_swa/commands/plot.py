@@ -6,7 +6,8 @@ several runs wrote the log (``run 2 TP0``; runs as ``otel-swa check`` counts the
 back to its start. ``--run last`` draws the last run only. When otel-swa's tagged lines and
 SGLang's own lines are both in the log, otel-swa's are drawn. The image format follows the suffix of
 ``-o`` (``.png``, ``.svg``, ``.pdf``). Needs matplotlib, the optional extra ``plot`` (``pip install
-'otel-swa[plot]'``). Exit status 2 when the input is missing, unreadable or holds no record, when
+'otel-swa[plot]'``). Exit status 2 when the input is missing, unreadable, empty, not a text log or
+holds no record, when
 the rows would be too many to read (more than :data:`MAX_ROWS`), or when matplotlib is not installed.
 """
 

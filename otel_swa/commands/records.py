@@ -13,8 +13,10 @@ Malformed lines are skipped and counted on stderr with the first reason (every o
 
 Numbers are written exactly, as decimal integers (up to 2**63 - 1). Some readers round integers
 above 2**53 (JavaScript's ``JSON.parse`` and viewers built on it, jq 1.6); pandas, Python's ``json``
-and ``csv`` keep them. Exit status 2 when the file is missing or unreadable; 1 when standard output
-cannot be written (a full disk: one line on stderr); a reader that closes the pipe is not an error.
+and ``csv`` keep them. Exit status 2 when the file is missing, unreadable, empty or not a text log,
+or when it holds malformed records and no valid one; 1 when standard output cannot be written (a
+full disk: one line on stderr); a reader that closes the pipe is not an error. A text log without
+any record is no error: nothing is printed (CSV: the header).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from otel_swa.commands._loginput import (
     error,
     load_entries,
     malformed_summary,
+    source_name,
     stdout_closed,
 )
 from otel_swa.commands._output import discard_stdout
@@ -51,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     except InputError as exc:
         return error(str(exc))
     records = [entry for entry in entries if isinstance(entry, LoggedRecord)]
+    if not records and errors:  # records there were, and none could be read
+        for line in malformed_summary(errors, args.verbose):
+            print(line, file=sys.stderr)
+        return error(f"no valid record in {source_name(args.source)}: its {len(errors)} record line(s) are all malformed")
     runs = [item.run for item in split_runs(entries)]
     try:
         out = sys.stdout

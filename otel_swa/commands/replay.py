@@ -4,8 +4,9 @@ The default run (no options) replays the first 200 requests of the Azure LLM inf
 (conversation service) shipped with the package, samples the SWA KV cache every 20 forward steps,
 prints each sample as SGLang's ``kv_canary_swa_divergence=`` line and ends with a summary.
 
-Environment (read through :mod:`otel_swa.config`; an unusable value exits with status 2 and names
-the variable):
+Environment (read through :mod:`otel_swa.config`; every ``OTEL_SWA_*`` variable is checked first,
+those the run does not use included: an unusable value exits with status 2 and one line,
+``NAME='value': expected ...``):
 
 * ``OTEL_SWA_DIVERGENCE_INTERVAL`` (else SGLang's ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``):
   the sampling interval when ``--interval`` is not given; ``0`` switches the reporter off (no line;
@@ -16,8 +17,10 @@ the variable):
 
 Exit status: 0 the run ended and found nothing wrong; 1 its own SWA slot audit found leaked slots,
 stale tokens or shared slots, or the reporter was on and took no sample (the run was shorter than
-the interval); 2 unusable options, input or environment (one line on stderr); 130 interrupted
-(Ctrl-C): every sample taken so far is delivered and the summary printed first. Standard output
+the interval); 2 unusable options, input or environment (one line on stderr); 3 every export of a
+signal to an exporter that sends failed (nothing of it reached a collector); 130 interrupted
+(Ctrl-C): every sample taken so far is delivered and the summary printed first. The summary's wall
+time is the process's, from its start to the summary (the stop after the replay included). Standard output
 that its reader closes (``| head``) stops quietly; one that cannot take more (``> /dev/full``) is
 said once on stderr; neither changes the exit status.
 """
@@ -31,9 +34,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from typing import Any
 
 from otel_swa import config as otel_swa_config
+from otel_swa import environment_variables as ev
 from otel_swa.commands._args import non_negative_int, positive_float, positive_int
 from otel_swa.commands._output import GuardedStdout, StdoutLogHandler
 from otel_swa.commands._replay_checks import (
@@ -44,7 +49,7 @@ from otel_swa.commands._replay_checks import (
     is_allocation_error,
     pool_too_large,
 )
-from otel_swa.commands._replay_summary import Progress, export_row, print_summary, summary_rows, verdict_of
+from otel_swa.commands._replay_summary import Progress, WallTime, export_row, print_summary, summary_rows, verdict_of
 from otel_swa.record import SwaDivergenceRecord
 
 #: The SGLang log format (``[time{rank tokens}] message``), so the output reads like an engine's log.
@@ -111,6 +116,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "a line every 30 s of a long run)")
 
 
+#: ``EngineConfig`` fields set from options, and the option that sets each (for messages).
+_POOL_OPTIONS = (("full_pool", "--full-pool"), ("swa_pool", "--swa-pool"))
+
+
+def check_pool_options(args: argparse.Namespace) -> None:
+    """Refuse pool sizes that are not whole pages and a token budget below ``--max-running``,
+    naming the options (``EngineConfig`` would refuse them too, naming its fields).
+
+    Raises:
+        ValueError: the message names the options, their values and what was expected.
+    """
+    for dest, option in _POOL_OPTIONS:
+        slots = getattr(args, dest)
+        if slots % args.page_size:
+            whole = max(args.page_size, slots - slots % args.page_size)
+            raise ValueError(f"{option} {slots} is not a multiple of --page-size {args.page_size}; expected whole "
+                             f"pages (e.g. {option} {whole})")
+    if args.token_budget < args.max_running:
+        raise ValueError(f"--token-budget {args.token_budget} is below --max-running {args.max_running}; expected "
+                         f"a budget of at least one new token per running request")
+
+
 def _interval(args: argparse.Namespace) -> int:
     """``--interval``, else the environment's interval when set (0 = reporter off), else 20.
 
@@ -168,7 +195,10 @@ def run(args: argparse.Namespace) -> int:
     from otel_swa.reference.trace import load_trace
     from otel_swa.reporter import SwaDivergenceReporter
 
+    started = getattr(args, "started_at", None) or time.monotonic()
     try:
+        otel_swa_config.check_environment()  # every OTEL_SWA_* variable, used by this run or not
+        check_pool_options(args)
         interval = _interval(args)
         ring_size = otel_swa_config.ring_size()
         prefix = rank_prefix(otel_swa_config.parallel_ranks())
@@ -202,7 +232,8 @@ def run(args: argparse.Namespace) -> int:
     reporter = None
     if interval > 0:  # 0: the reporter is off, as in an engine (no reporter work at all)
         reporter = SwaDivergenceReporter(
-            interval, device="cpu", ring_size=ring_size, sinks=[lambda record, context: records.append(record)]
+            interval, device="cpu", ring_size=ring_size, sinks=[lambda record, context: records.append(record)],
+            micro_batches=otel_swa_config.micro_batches(), liveness_steps=otel_swa_config.liveness_steps(interval),
         )
     logger = None
     if "logline" in exporters and reporter is not None:
@@ -239,6 +270,9 @@ def run(args: argparse.Namespace) -> int:
             return 2
         if reporter is not None:
             telemetry.attach(reporter)
+        endpoint = telemetry.prometheus_endpoint
+        if endpoint is not None:  # where to scrape, before the run's first line
+            print(f"otel-swa replay: metrics for Prometheus at {endpoint.url}", file=sys.stderr, flush=True)
     if logger is not None and not line_by_exporter:
         reporter.add_sink(LogLineSink(logger))
     hooks: dict[str, Any] = {}
@@ -287,20 +321,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"otel-swa replay: {pool_too_large(args, exc)}", file=sys.stderr)
         return 2
     finally:
+        stopping = time.monotonic()
         try:
             if reporter is not None:
                 reporter.close()
             if telemetry is not None:
+                endpoint = telemetry.prometheus_endpoint
+                if endpoint is not None and endpoint.linger_s > 0:
+                    print(f"otel-swa replay: waiting up to {endpoint.linger_s:g} s for one more scrape of "
+                          f"{endpoint.url} ({ev.OTEL_SWA_PROMETHEUS_LINGER})", file=sys.stderr, flush=True)
                 telemetry.shutdown()
             if logger is not None:
                 _close_logger(logger)
         finally:
             if not interrupted:
                 stop.uninstall()
+    stop_s = time.monotonic() - stopping
     stats = reporter.stats if reporter is not None else None
-    verdict = verdict_of(records, stats, interrupted)
-    rows = summary_rows(args, interval, summary, records, stats, verdict, len(requests))
-    exported = export_row(telemetry.export_stats()) if telemetry is not None else None
+    export_stats = telemetry.export_stats() if telemetry is not None else {}
+    verdict = verdict_of(records, stats, interrupted, export_stats)
+    wall = WallTime(total_s=time.monotonic() - started, stop_s=stop_s)
+    rows = summary_rows(args, interval, summary, records, stats, verdict, len(requests), wall)
+    exported = export_row(export_stats) if telemetry is not None else None
     if exported is not None:  # what reached a collector, beside what the reporter delivered
         at = next((i + 1 for i, (name, _) in enumerate(rows) if name == "samples delivered"), len(rows))
         rows.insert(at, ("exported", exported))

@@ -137,6 +137,12 @@ class PrefixClaims:
     not), and its rank is sure only when that prefix was the only one waiting, written while none
     was. A prefix followed by other text (an engine log line of its own) is no message's. At most
     :attr:`LIMIT` prefixes wait (the oldest are forgotten).
+
+    The rank :func:`~otel_swa.record.iter_entries` gives a message whose rank is not sure is the
+    nearest prefix before it (``[.. TP0] [.. TP1] <message>``: TP1), when one stands right before
+    it, else the claimed one's; the ranks' sequences (:mod:`otel_swa.testing.runs`) decide among the
+    candidates. On logs of 2 to 8 writers interleaved by a seeded scheduler, the nearest prefix
+    misnamed fewer ranks than the claimed one (4 against 13 wrong verdicts in 960 logs).
     """
 
     LIMIT = 256

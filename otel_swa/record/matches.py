@@ -27,7 +27,8 @@ class LineMatch(NamedTuple):
         line_no: 1-based number of the line (of the cleaned text) it was found on; ``None`` for a
             line that was not read from a log.
         rank, timestamp: from the log prefix nearest before it on its line
-            (:class:`~otel_swa.record.LogPrefix`); the rank is that of the prefix it claims
+            (:class:`~otel_swa.record.LogPrefix`); when it stands after another record or at the
+            start of a line, the rank is that of the prefix it claims
             (:class:`~otel_swa.record.PrefixClaims`).
         verify_source: from the otel-swa tag before it, ``None`` without one.
         rank_candidates: when several log prefixes were waiting for their messages as it was read

@@ -76,6 +76,12 @@ def iter_entries(
         claims.read(cleaned, consumed, match.start())
         prefix = nearest_prefix(cleaned[line_start:match.start()])
         claimed, rank, candidates = claims.claim()
+        # its rank: the prefix nearest before it, when one stands between the entry before and it
+        # (no rank's sequence known yet says otherwise: :mod:`otel_swa.testing.runs` may move it),
+        # else the prefix it claims (it stands after another record, or at the start of a line)
+        own = nearest_prefix(cleaned[max(line_start, consumed):match.start()]).rank
+        if own is not None:
+            rank = own
         if claimed and rank != prefix.rank:
             prefix = LogPrefix(prefix.timestamp, rank)
         try:

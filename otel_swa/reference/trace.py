@@ -179,9 +179,24 @@ def load_trace(source: "str | os.PathLike[str]", limit: int | None = None) -> li
     with open(path, "r", encoding="utf-8", newline="") as stream:
         try:
             return _read(stream, path, limit)
-        except UnicodeDecodeError as exc:
-            raise TraceFormatError(path, 0, f"the file is not UTF-8 text ({exc.reason} at byte {exc.start}); "
-                                            "write the CSV in UTF-8") from None
+        except UnicodeDecodeError:
+            pass  # its offsets are within the decoder's chunk: found again in the whole file below
+    line_no, column, reason = _first_undecodable(path)
+    raise TraceFormatError(path, line_no, f"the line is not UTF-8 text ({reason} at byte {column} of the line); "
+                                          "write the CSV in UTF-8")
+
+
+def _first_undecodable(path: str) -> tuple[int, int, str]:
+    """``(line, byte, reason)`` of the first byte of file ``path`` that is not UTF-8: its 1-based
+    line number (lines ended by LF), its 1-based byte within that line, and the decoder's reason."""
+    with open(path, "rb") as stream:
+        data = stream.read()
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line_start = data.rfind(b"\n", 0, exc.start) + 1
+        return data.count(b"\n", 0, exc.start) + 1, exc.start - line_start + 1, exc.reason
+    return 0, 0, "undecodable text"  # pragma: no cover - the text reader found one
 
 
 def scale_contexts(requests: "list[TraceRequest]", longest: int) -> list[TraceRequest]:

@@ -222,6 +222,9 @@ class SwaTelemetry:
             the given one or, by default, ``request_spans``.
         resource: the resource of the providers built here (``None`` when none was built).
         exporters: the exporter entry-point names per signal that were set up.
+        prometheus_endpoint: the Prometheus endpoint's reader built here
+            (:func:`otel_swa.telemetry.prometheus.start_endpoint`: its ``url`` and ``linger_s``), or
+            ``None`` without one.
     """
 
     tracer_provider: Any
@@ -237,6 +240,7 @@ class SwaTelemetry:
     accounted: list = field(default_factory=list)
     warning_filter: Any = None
     linger_s: float = 0.0
+    prometheus_endpoint: Any = None
     _closed: bool = False
 
     def attach(self, reporter: Any) -> Any:
@@ -324,7 +328,7 @@ class SwaTelemetry:
         exporters' 10 s, plus :data:`SHUTDOWN_MARGIN_S`): a collector that accepts connections and
         never answers cannot hold the process longer. A provider still exporting then is left to
         finish in the background (a daemon thread). Then one warning says what failed, if
-        anything did, and how many repeated exporter warnings were not logged."""
+        anything did, and how many repeated exporter warnings were not logged, if any were."""
         if self._closed:
             return
         self._closed = True
@@ -362,11 +366,11 @@ class SwaTelemetry:
         suppressed = self.suppressed_warnings
         if self.warning_filter is not None:
             self.warning_filter.uninstall()
-        if failed or suppressed:
-            _log.warning(
-                "otel-swa: exports failed (%s); %d repeated exporter warning(s) not logged",
-                "; ".join(failed) or "none", suppressed,
-            )
+        repeats = f"{suppressed} repeated exporter warning(s) not logged" if suppressed else ""
+        if failed:
+            _log.warning("otel-swa: exports failed (%s)%s", "; ".join(failed), f"; {repeats}" if repeats else "")
+        elif repeats:
+            _log.warning("otel-swa: %s (no export failed)", repeats)
 
     def __enter__(self) -> "SwaTelemetry":
         return self
@@ -502,13 +506,15 @@ def configure(
 
     Raises:
         ConfigError: an unknown exporter or protocol, an exporter that is not installed, a rank that
-            is not an integer >= 0, an exporter whose constructor refused its ``OTEL_EXPORTER_*``
+            is not an integer >= 0, an unusable ``OTEL_SWA_SIGTERM_FLUSH`` or
+            ``OTEL_SWA_FORWARD_SPANS``, an exporter whose constructor refused its ``OTEL_EXPORTER_*``
             settings (e.g. ``OTEL_EXPORTER_OTLP_LOGS_COMPRESSION=bogus`` for gRPC). Every exporter is
             created before any provider is built, so nothing is then built or installed as global;
             a failure while building the providers shuts down what was built and installs nothing.
     """
     env = os.environ if environ is None else environ
     config.sigterm_flush(env)  # an unusable OTEL_SWA_SIGTERM_FLUSH is an error here, not later
+    span_mode = config.forward_spans(env)  # and OTEL_SWA_FORWARD_SPANS before anything is built
     names = resolve_exporters(exporters, env)
     if env.get(OTEL_SDK_DISABLED, "").strip().lower() == "true":
         # the specification's switch: the SDK's providers are no-ops then; build no exporter either
@@ -638,11 +644,14 @@ def configure(
     )
     tracer = tracer_provider.get_tracer(sc.SCOPE_NAME, __version__, schema_url=sc.SCHEMA_URL)
     request_spans = RequestSpans(tracer)
-    forward_spans = ForwardSpans(tracer, traceparents if traceparents is not None else request_spans, max_links=max_links)
+    forward_spans = ForwardSpans(tracer, traceparents if traceparents is not None else request_spans, max_links=max_links,
+                                 mode=span_mode, environ=env)
     return SwaTelemetry(
         tracer_provider=tracer_provider, meter_provider=meter_provider, logger_provider=logger_provider,
         owned=tuple(owned), sink=sink, request_spans=request_spans, forward_spans=forward_spans,
         resource=resource, exporters=names, accounted=accounted,
         warning_filter=RepeatedWarningFilter().install() if accounted else None,
         linger_s=max((getattr(reader, "linger_s", 0.0) for reader in made), default=0.0) if "metrics" in owned else 0.0,
+        prometheus_endpoint=next((reader for reader in made if hasattr(reader, "linger_s")), None)
+        if "metrics" in owned else None,
     )

@@ -378,7 +378,7 @@ def _name_sequences(out: list, chains: list, hints: list, sures: list, uncertain
         current[key] = item.rank
         counts = votes.setdefault(item.run, {})
         # the record's own prefix is one of those waiting when it was read: each gets a share, and
-        # the oldest of them (the one it claimed) a little more, to break ties
+        # the one it was read with (the nearest before it, or the one it claimed) a little more, to break ties
         for name in ((hint,) if candidates is None else candidates):
             if name is not None:
                 share = 1 / (1 if candidates is None else len(candidates)) + (0.001 if name == hint else 0)

@@ -75,6 +75,35 @@ def test_check_unusable_input(tmp_path, capsys):
     assert "'-1' is not a finite number >= 0" in capsys.readouterr().err
 
 
+BINARY = b"\x7fELF\x02\x01\x01\x00\x00\x00" + bytes(range(256)) * 4  # an executable's start: NUL bytes
+
+
+@pytest.mark.parametrize("command", [["check"], ["records"], ["plot", "-o", "x.png"]])
+@pytest.mark.parametrize("content, why", [
+    (b"", "is empty: no log text at all (did the engine log to another stream or file?)"),
+    (b" \n\n\t\n", "is empty: no log text at all (did the engine log to another stream or file?)"),
+    (BINARY, "is not a text log (a NUL byte at byte 7: a binary file, or text that is not UTF-8)"),
+    (bytes(range(0x80, 0x100)) * 40 + b"\n", "is not a text log (5120 of its first 5121 bytes are not UTF-8)"),
+])
+def test_an_empty_file_or_one_that_is_no_text_log_is_unusable_input(tmp_path, capsys, monkeypatch, command, content, why):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "in.log"
+    path.write_bytes(content)
+    assert main([command[0], str(path), *command[1:]]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"otel-swa: error: log file {str(path)!r} {why}\n" and captured.out == ""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(content)))
+    assert main([command[0], "-", *command[1:]]) == 2
+    assert capsys.readouterr().err == f"otel-swa: error: standard input {why}\n"
+
+
+def test_check_of_a_text_log_without_records_is_a_failed_check_not_unusable_input(tmp_path, capsys):
+    path = tmp_path / "server.log"
+    path.write_text("[2025-06-01 12:00:00 TP0] Decode batch. #running-req: 3\n" + "caf\u00e9 \xff\n")
+    assert main(["check", str(path)]) == 1
+    assert "no 'kv_canary_swa_divergence=' record found" in capsys.readouterr().out
+
+
 def test_check_waits_for_growing_file(tmp_path, capsys):
     log = tmp_path / "s.log"
     log.write_text(f"[2025-06-01 12:00:00 TP0] {R(20, 100, 100, 0, 0).format()}\n")
@@ -94,6 +123,29 @@ def test_check_waits_for_growing_file(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ records
+def test_records_of_a_log_whose_records_are_all_malformed_exits_2(tmp_path, capsys):
+    path = tmp_path / "bad.log"
+    path.write_text('[2025-06-01 12:00:00 TP0] kv_canary_swa_divergence={"forward_ct":20,"verify_full":1}\n')
+    assert main(["records", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "otel-swa: 1 malformed line(s) skipped",
+        "otel-swa:   line 1: missing field(s) verify_swa, swa_full_idx_divergence",
+        f"otel-swa: error: no valid record in log file {str(path)!r}: its 1 record line(s) are all malformed",
+    ]
+    # one good record beside it: the good one is printed, the bad one counted, exit 0
+    path.write_text(path.read_text() + f"[2025-06-01 12:00:01 TP0] {R(20, 100, 40, 1, 1).format()}\n")
+    assert main(["records", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert [json.loads(line)["line_no"] for line in captured.out.splitlines()] == [2]
+    assert "1 malformed line(s) skipped" in captured.err
+    # a text log without any record: nothing to print, and no error
+    path.write_text("[2025-06-01 12:00:00 TP0] Decode batch.\n")
+    assert main(["records", str(path)]) == 0
+    assert capsys.readouterr() == ("", "")
+
+
 def test_records_jsonl(tmp_path, capsys):
     assert main(["records", str(write_log(tmp_path / "s.log"))]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

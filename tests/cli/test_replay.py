@@ -39,6 +39,20 @@ def replay_run(tmp_path_factory):
     return code, buffer.getvalue(), log_file.read_text()
 
 
+def test_replay_wall_time_is_the_commands_and_counts_the_replay_and_the_stop(capsys):
+    import time
+
+    started = time.monotonic()
+    assert main(["replay", "--requests", "5", "--no-model", "--no-progress", "--exporter", "none"]) == 0
+    elapsed = time.monotonic() - started
+    row = re.search(r"^  wall time\s+(\d+\.\d) s \(replay (\d+\.\d) s, stop (\d+\.\d) s\)$",
+                    capsys.readouterr().out, re.MULTILINE)
+    assert row, "no wall time row"
+    total, replayed, stop = (float(value) for value in row.groups())
+    assert replayed + stop <= total + 0.1  # each rounded to 0.1 s
+    assert total <= elapsed + 0.05  # never more than the command took
+
+
 def test_replay_lines_follow_sglang_rule_and_show_the_swa_path(replay_run):
     code, out, log_text = replay_run
     assert code == 0
@@ -104,6 +118,11 @@ def test_replay_exporter_none_prints_no_line(capsys):
         (["--interval", "0"], "'0' is below 1"),
         (["--requests", "-1"], "'-1' is negative"),
         (["--exporter", "zipkin"], "unknown exporter 'zipkin'"),
+        (["--page-size", "3"], "--full-pool 65536 is not a multiple of --page-size 3; expected whole pages "
+                               "(e.g. --full-pool 65535)"),
+        (["--page-size", "16", "--swa-pool", "1000"], "--swa-pool 1000 is not a multiple of --page-size 16; "
+                                                      "expected whole pages (e.g. --swa-pool 992)"),
+        (["--max-running", "64", "--token-budget", "32"], "--token-budget 32 is below --max-running 64"),
     ],
 )
 def test_replay_bad_arguments(argv, message, capsys):

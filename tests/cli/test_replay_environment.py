@@ -46,8 +46,8 @@ def test_interval_from_the_environment_is_used_and_the_option_wins(monkeypatch, 
 
 
 @pytest.mark.parametrize("value, message", [
-    ("abc", "OTEL_SWA_RING_SIZE='abc' is not an integer"),
-    ("0", "OTEL_SWA_RING_SIZE='0' is below 1"),
+    ("abc", "OTEL_SWA_RING_SIZE='abc': expected an integer from 1 to 1024"),
+    ("0", "OTEL_SWA_RING_SIZE='0': expected an integer from 1 to 1024"),
 ])
 def test_bad_ring_size_exits_2_naming_the_variable(monkeypatch, capsys, value, message):
     monkeypatch.setenv("OTEL_SWA_RING_SIZE", value)
@@ -78,7 +78,7 @@ def test_line_prefix_carries_the_ranks_and_reads_back(monkeypatch, capsys, ranks
 def test_bad_rank_exits_2_naming_the_variable(monkeypatch, capsys):
     monkeypatch.setenv("OTEL_SWA_TP_RANK", "-1")
     assert main(RUN) == 2
-    assert "OTEL_SWA_TP_RANK='-1' is below 0" in capsys.readouterr().err
+    assert "OTEL_SWA_TP_RANK='-1': expected an integer >= 0" in capsys.readouterr().err
 
 
 def _replay_subprocess(extra_env):

@@ -39,9 +39,9 @@ def test_launcher_and_otel_swa_variables_win(monkeypatch):
     assert process_ranks(env) == {"rank": 5, "world_size": 8, "local_rank": 1, "tp": 1, "pp": 2}
 
 
-@pytest.mark.parametrize("env, message", [({"RANK": "x"}, r"RANK='x' is not an integer"),
-                                          ({"WORLD_SIZE": "0"}, r"WORLD_SIZE='0' is below 1"),
-                                          ({"OTEL_SWA_DP_RANK": "-1"}, r"OTEL_SWA_DP_RANK='-1' is below 0")])
+@pytest.mark.parametrize("env, message", [({"RANK": "x"}, r"RANK='x': expected an integer >= 0"),
+                                          ({"WORLD_SIZE": "0"}, r"WORLD_SIZE='0': expected an integer >= 1"),
+                                          ({"OTEL_SWA_DP_RANK": "-1"}, r"OTEL_SWA_DP_RANK='-1': expected an integer >= 0")])
 def test_bad_rank_variables_are_named(env, message):
     with pytest.raises(ConfigError, match=message):
         process_ranks(env)

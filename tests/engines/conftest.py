@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
 import pytest
 
+from otel_swa import config
 from otel_swa import environment_variables as ev
 
 _SHIMS = Path(__file__).parent / "shims"
@@ -37,7 +37,7 @@ _install_shims()
 
 
 def _require_sglang() -> bool:
-    return os.environ.get(ev.OTEL_SWA_REQUIRE_SGLANG, "").strip() == "1"
+    return config.require_sglang()
 
 
 @pytest.fixture(scope="session")

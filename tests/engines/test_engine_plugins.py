@@ -84,7 +84,7 @@ def test_switched_off_the_plugins_import_nothing_but_the_switch(env, capsys):
 def test_an_unusable_value_is_logged_once_and_switches_nothing_on():
     measured, stderr = _run({"OTEL_SWA_DIVERGENCE_INTERVAL": "twenty"})
     assert [line for line in stderr.splitlines() if "OTEL_SWA_DIVERGENCE_INTERVAL='twenty'" in line] == [
-        "otel-swa: OTEL_SWA_DIVERGENCE_INTERVAL='twenty' is not an integer; expected an integer >= 0; "
+        "otel-swa: OTEL_SWA_DIVERGENCE_INTERVAL='twenty': expected an integer >= 0; "
         "the engine is not instrumented"]  # the SGLang plugin said it; the vLLM one, same tree, did not again
     assert "opentelemetry.instrumentation.swa_sglang" not in measured["added"] and measured["tracer_provider"] is None
 

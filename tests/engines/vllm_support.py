@@ -34,6 +34,7 @@ from typing import Callable
 
 import pytest
 
+from otel_swa import config
 from otel_swa import environment_variables as ev
 
 #: Set to 1 (as ``.ci/vllm-tests.sh`` does) to make a failed vLLM import fail the ``vllm`` tests
@@ -53,7 +54,7 @@ PREEMPTING_BLOCKS = 66
 
 def unavailable(reason: str) -> None:
     """Skip the test, or fail it under ``OTEL_SWA_REQUIRE_VLLM=1``."""
-    if os.environ.get(REQUIRE_VLLM, "").strip() == "1":
+    if config.require_vllm():
         pytest.fail(f"{REQUIRE_VLLM}=1 but {reason}")
     pytest.skip(f"{reason}; run .ci/vllm-tests.sh")
 

@@ -101,5 +101,17 @@ def test_a_trace_that_is_not_utf8_names_the_file(tmp_path):
 
     path = tmp_path / "latin1.csv"
     path.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n\xe9\n")
-    with pytest.raises(TraceFormatError, match=r"latin1.csv:0: the file is not UTF-8 text"):
+    with pytest.raises(TraceFormatError, match=r"latin1.csv:3: the line is not UTF-8 text \(invalid continuation byte at byte 1 "):
+        load_trace(path)
+
+
+def test_a_byte_that_is_not_utf8_past_the_decoders_first_chunk_is_found_at_its_line(tmp_path):
+    from otel_swa.reference.trace import TraceFormatError, load_trace
+
+    path = tmp_path / "late.csv"
+    rows = [f"2023-11-16 18:15:{i % 60:02d}.0000000,{i},1" for i in range(600)]  # ~21 KB before the bad byte
+    rows.sort()
+    path.write_bytes(("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "\n".join(rows) + "\n").encode()
+                     + b"2023-11-16 18:16:00.0000000,7\xff,1\n")
+    with pytest.raises(TraceFormatError, match=r"late.csv:602: the line is not UTF-8 text \(invalid start byte at byte 30 "):
         load_trace(path)

@@ -296,7 +296,7 @@ def test_a_bad_mode_is_named(pipeline):
     from otel_swa.config import ConfigError
 
     tracer = pipeline.tracer_provider.get_tracer("engine")
-    with pytest.raises(ConfigError, match="OTEL_SWA_FORWARD_SPANS='every'; expected one of sampled, all, off"):
+    with pytest.raises(ConfigError, match="OTEL_SWA_FORWARD_SPANS='every': expected one of sampled, all, off"):
         ForwardSpans(tracer, environ={"OTEL_SWA_FORWARD_SPANS": "every"})
     with pytest.raises(ValueError, match="mode='some'"):
         ForwardSpans(tracer, mode="some")

@@ -108,7 +108,7 @@ def test_configure_reuses_given_providers_and_never_shuts_them_down(pipeline):
 
 
 def test_configure_refuses_a_bad_rank():
-    with pytest.raises(ConfigError, match="OTEL_SWA_TP_RANK='-1' is below 0"):
+    with pytest.raises(ConfigError, match="OTEL_SWA_TP_RANK='-1': expected an integer >= 0"):
         configure(exporters="none", use_global=False, set_global=False, environ={"OTEL_SWA_TP_RANK": "-1"})
     with pytest.raises(ConfigError, match="pp_rank='1'; expected an integer >= 0"):
         configure(exporters="none", pp_rank="1", use_global=False, set_global=False, environ={})

@@ -87,7 +87,7 @@ def test_configure_logs_the_tls_warning_once(monkeypatch, caplog):
     ("OTEL_METRIC_EXPORT_INTERVAL", "-1", r"from the environment: interval value -1.*OTEL_METRIC_EXPORT_INTERVAL expects"),
     ("OTEL_BSP_SCHEDULE_DELAY", "-1", r"from the environment: schedule_delay_millis.*OTEL_BSP_SCHEDULE_DELAY"),
     ("OTEL_METRICS_EXEMPLAR_FILTER", "bogus", r"from the environment: Unknown exemplar filter 'bogus'.*always_on"),
-    ("OTEL_SWA_SIGTERM_FLUSH", "yes", "OTEL_SWA_SIGTERM_FLUSH='yes' is not an integer"),
+    ("OTEL_SWA_SIGTERM_FLUSH", "yes", "OTEL_SWA_SIGTERM_FLUSH='yes': expected 0 or 1"),
 ])
 def test_settings_the_sdk_or_otel_swa_refuse_are_config_errors(monkeypatch, variable, value, message):
     monkeypatch.setenv(variable, value)

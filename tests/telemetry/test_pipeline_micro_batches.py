@@ -191,7 +191,7 @@ def test_micro_batches_from_the_environment():
     env = {"OTEL_SWA_DIVERGENCE_INTERVAL": "2", "OTEL_SWA_MICRO_BATCHES": " Every "}
     assert SwaDivergenceReporter.from_env(environ=env).micro_batches == "every"
     assert SwaDivergenceReporter.from_env(environ={"OTEL_SWA_DIVERGENCE_INTERVAL": "2"}).micro_batches == "one"
-    with pytest.raises(ConfigError, match="OTEL_SWA_MICRO_BATCHES='each'; expected one of one, every"):
+    with pytest.raises(ConfigError, match="OTEL_SWA_MICRO_BATCHES='each': expected one of one, every"):
         SwaDivergenceReporter.from_env(environ={**env, "OTEL_SWA_MICRO_BATCHES": "each"})
 
 

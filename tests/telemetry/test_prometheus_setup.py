@@ -31,10 +31,10 @@ def test_each_process_of_a_host_gets_its_own_port(ranks, environ, port):
 
 
 @pytest.mark.parametrize("environ, message", [
-    ({"OTEL_EXPORTER_PROMETHEUS_PORT": "http"}, "OTEL_EXPORTER_PROMETHEUS_PORT='http' is not an integer"),
-    ({"OTEL_EXPORTER_PROMETHEUS_PORT": "70000"}, "OTEL_EXPORTER_PROMETHEUS_PORT='70000' is above 65535"),
+    ({"OTEL_EXPORTER_PROMETHEUS_PORT": "http"}, "OTEL_EXPORTER_PROMETHEUS_PORT='http': expected an integer from 1 to 65535"),
+    ({"OTEL_EXPORTER_PROMETHEUS_PORT": "70000"}, "OTEL_EXPORTER_PROMETHEUS_PORT='70000': expected an integer from 1 to 65535"),
     ({"OTEL_EXPORTER_PROMETHEUS_PORT": "65535"}, "65535 + LOCAL_RANK 1 = 65536 is above 65535"),
-    ({"OTEL_SWA_PROMETHEUS_PORT_OFFSET": "-1"}, "OTEL_SWA_PROMETHEUS_PORT_OFFSET='-1'; expected 'rank' or an integer >= 0"),
+    ({"OTEL_SWA_PROMETHEUS_PORT_OFFSET": "-1"}, "OTEL_SWA_PROMETHEUS_PORT_OFFSET='-1': expected 'rank' or an integer >= 0"),
 ])
 def test_unusable_port_settings_name_the_variable(environ, message):
     with pytest.raises(ConfigError, match=message.replace("+", r"\+").replace("(", r"\(")):
@@ -43,7 +43,7 @@ def test_unusable_port_settings_name_the_variable(environ, message):
 
 @pytest.mark.parametrize("text", ["-1", "soon", "601", "nan"])
 def test_unusable_linger_names_the_variable(text):
-    with pytest.raises(ConfigError, match=f"OTEL_SWA_PROMETHEUS_LINGER='{text}'; expected seconds from 0 to 600"):
+    with pytest.raises(ConfigError, match=f"OTEL_SWA_PROMETHEUS_LINGER='{text}': expected seconds from 0 to 600"):
         prometheus_linger({"OTEL_SWA_PROMETHEUS_LINGER": text})
 
 
@@ -126,7 +126,30 @@ def test_linger_waits_for_a_scrape_and_says_so_when_none_comes(caplog):
     import threading
 
     scraped = []
-    threading.Timer(0.3, lambda: scraped.append(_get(f"http://127.0.0.1:{port}/metrics"))).start()
-    start = time.monotonic()
-    telemetry.shutdown()  # returns once that scrape was answered, long before 30 s
-    assert time.monotonic() - start < 10 and len(scraped) == 1  # the reply was read in full
+    scrape = threading.Timer(0.3, lambda: scraped.append(_get(f"http://127.0.0.1:{port}/metrics")))
+    scrape.start()
+    caplog.clear()
+    telemetry.shutdown()  # returns once that scrape was answered: no "not scraped" warning
+    scrape.join(30)
+    assert len(scraped) == 1  # the reply was read in full
+    assert "was not scraped" not in caplog.text
+
+
+def test_replay_says_where_its_endpoint_serves_and_how_long_it_waits_at_the_end():
+    import os
+    import subprocess
+    import sys
+
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.update(OTEL_EXPORTER_PROMETHEUS_HOST="127.0.0.1", OTEL_EXPORTER_PROMETHEUS_PORT=str(port),
+               OTEL_SWA_PROMETHEUS_LINGER="0.5")
+    run = subprocess.run([sys.executable, "-m", "otel_swa.cli", "replay", "--requests", "3", "--no-model", "--interval",
+                          "10", "--no-progress", "--exporter", "prometheus"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    url = f"http://127.0.0.1:{port}/metrics"
+    lines = run.stderr.splitlines()
+    assert lines[0] == f"otel-swa replay: metrics for Prometheus at {url}"
+    assert f"otel-swa replay: waiting up to 0.5 s for one more scrape of {url} (OTEL_SWA_PROMETHEUS_LINGER)" in lines
+    assert any(f"{url} was not scraped within OTEL_SWA_PROMETHEUS_LINGER=0.5s" in line for line in lines)

@@ -1,14 +1,19 @@
-"""Healthy multi-rank logs written by real concurrent processes pass; one broken rank fails, named.
+"""Healthy multi-rank logs whose lines several writers wrote at once pass; one broken rank fails, named.
 
-Each trial starts one process per rank (``concurrent_writer.py``: otel-swa's lines after an
-SGLang-style ``[time TPn]`` prefix, written in 1, 2 or 3 unbuffered writes per line, the parts
-of other ranks' lines landing in between), twice at once: a healthy log, and the same with the
-last rank's SWA path broken (no divergence, no out-of-window token, both pools read alike). Both
-logs are judged by the three fronts: ``otel-swa check``, the pytest assertion and the
-``swa_records`` fixture. The verdicts are known from how the logs were written: every healthy
+Each trial writes two logs, one writer per rank (``concurrent_writer.py``: otel-swa's lines after an
+SGLang-style ``[time TPn]`` prefix, written in 1, 2 or 3 writes per line): a healthy log, and the
+same with the last rank's SWA path broken (no divergence, no out-of-window token, both pools read
+alike). Both logs are judged by the three fronts: ``otel-swa check``, the pytest assertion and
+the ``swa_records`` fixture. The verdicts are known from how the logs were written: every healthy
 rank passes (its samples are idle 70 % of the time, its first one too), the broken rank fails.
 
-Time: 9 trials, about 25 s on 2 CPU cores (process start-up, 150 records per rank, judging).
+Lines written in one write (1 part) come from real processes writing one file at once through
+``O_APPEND``: such a line is never split, whatever the load. Lines written in 2 or 3 parts are
+interleaved by a seeded scheduler (``concurrent_writer.interleaved``), not by the operating system,
+so that every trial holds lines broken by other writers' parts on any machine under any load
+(how many is asserted), and the same ones at every run.
+
+Time: about 10 s on 2 CPU cores (3 trials of real processes, 6 of seeded interleavings; judging).
 """
 
 from __future__ import annotations
@@ -16,7 +21,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,8 +28,11 @@ import pytest
 from otel_swa.cli import main
 from otel_swa.testing import SwaDivergenceNotObserved, SwaRecordCapture, assert_swa_divergence_observed
 
+sys.path.insert(0, str(Path(__file__).parent))
+from concurrent_writer import interleaved, rank_lines  # noqa: E402
+
 WRITER = Path(__file__).with_name("concurrent_writer.py")
-RECORDS = 150  # per rank
+RECORDS = 60  # per rank; seeded logs of 60 gave as few wrong verdicts as of 150 (2 in 480, 4 in 960), at 2.5 times less work
 YIELD = "0.3"  # the share of lines whose writer yields the processor between their parts
 _PREFIX = re.compile(r"\[2026-01-01 00:00:00 TP\d+\] ")
 
@@ -33,17 +40,31 @@ _PREFIX = re.compile(r"\[2026-01-01 00:00:00 TP\d+\] ")
 def write_logs(tmp_path: Path, ranks: int, parts: int) -> tuple[Path, Path]:
     """The healthy and the broken log, each written by ``ranks`` processes at once."""
     healthy, broken = tmp_path / "healthy.log", tmp_path / "broken.log"
-    start_at = str(time.time() + 1.0)  # every process is up by then: they write at once
     procs = []
     for path in (healthy, broken):
         for rank in range(ranks):
-            argv = [sys.executable, str(WRITER), str(path), str(rank), str(RECORDS), str(parts), "1", start_at, YIELD]
+            argv = [sys.executable, str(WRITER), str(path), str(rank), str(RECORDS), str(parts), "1", YIELD]
             if path is broken and rank == ranks - 1:
                 argv.append("broken")
-            procs.append(subprocess.Popen(argv))
+            procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE))
+    for proc in procs:  # the start: each writer waits for its standard input to close
+        proc.stdin.close()
     for proc in procs:
         assert proc.wait(timeout=120) == 0
     return healthy, broken
+
+
+def interleave_logs(tmp_path: Path, ranks: int, parts: int, seed: int) -> tuple[Path, Path]:
+    """The healthy and the broken log, each the writes of ``ranks`` writers interleaved by the
+    scheduler seeded with ``seed``."""
+    paths = []
+    for name, broken_rank in (("healthy", None), ("broken", ranks - 1)):
+        writers = [rank_lines(rank, RECORDS, parts, 1, float(YIELD), broken=rank == broken_rank)
+                   for rank in range(ranks)]
+        path = tmp_path / f"{name}.log"
+        path.write_text(interleaved(writers, seed))
+        paths.append(path)
+    return paths[0], paths[1]
 
 
 def interleaved_lines(text: str) -> int:
@@ -73,14 +94,17 @@ def verdicts(path: Path, capsys) -> list[tuple[bool, str]]:
 @pytest.mark.parametrize("ranks", [2, 4, 8])
 @pytest.mark.parametrize("parts", [1, 2, 3])
 def test_concurrent_ranks_healthy_pass_and_a_broken_rank_fails_by_name(tmp_path, capsys, ranks, parts):
-    healthy, broken = write_logs(tmp_path, ranks, parts)
+    if parts == 1:
+        healthy, broken = write_logs(tmp_path, ranks, parts)
+    else:
+        healthy, broken = interleave_logs(tmp_path, ranks, parts, seed=ranks * 10 + parts)
     for path in (healthy, broken):
         text = path.read_text()
         assert text.count("kv_canary_swa_divergence=") == ranks * RECORDS
         if parts == 1:
             assert interleaved_lines(text) == 0, "a line written in one write is never split"
-        else:  # the trial is only worth its name when other processes' parts landed inside lines
-            assert interleaved_lines(text) > 0, text[:2000]
+        else:  # the trial is only worth its name when other writers' parts landed inside lines
+            assert interleaved_lines(text) >= 20, text[:2000]
     for ok, message in verdicts(healthy, capsys):
         assert ok, message
         assert f"{ranks * RECORDS} record(s) seen" in message
@@ -91,3 +115,18 @@ def test_concurrent_ranks_healthy_pass_and_a_broken_rank_fails_by_name(tmp_path,
         failed = [line for line in message.splitlines() if re.match(r"  \S.*: FAILED, \d+ record", line)]
         assert len(failed) == 1 and broken_rank in failed[0], message
         assert "FAILED runs" not in message and "FAILED audit" not in message, message
+
+
+def test_the_seeded_interleaving_is_the_same_at_every_run_and_breaks_lines_as_processes_do():
+    writers = [rank_lines(rank, 20, 3, 1, float(YIELD), broken=False) for rank in range(4)]
+    text = interleaved(writers, seed=7)
+    assert text == interleaved(writers, seed=7) != interleaved(writers, seed=8)
+    # every write is there once, each writer's in its own order
+    assert sorted(text) == sorted("".join(chunk for lines in writers for chunks, _ in lines for chunk in chunks))
+    for rank, lines in enumerate(writers):  # each writer's messages in its own order (audit lines repeat across ranks)
+        at = 0
+        for chunks, _ in lines:
+            at = text.index(chunks[1], at) + len(chunks[1])
+    # lines broken both ways: two prefixes before a message, and a message with no prefix of its own
+    assert any(len(_PREFIX.findall(line)) > 1 for line in text.splitlines())
+    assert any(line and not line.startswith("[") for line in text.splitlines())

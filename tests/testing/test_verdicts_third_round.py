@@ -8,6 +8,7 @@ broken one, which rank wrote which record, which audit line is missing.
 from __future__ import annotations
 
 import io
+import json
 import logging
 import os
 import subprocess
@@ -93,6 +94,29 @@ def test_healthy_ranks_whose_lines_interleaved_pass(tmp_path, capsys):
     # every record went to the rank that wrote it (its totals say which)
     for item in split_runs(logged_entries(text)):
         assert item.rank == ("TP0" if item.record.verify_full == 100 * item.record.forward_ct else "TP1")
+
+
+def test_a_record_after_two_prefixes_goes_to_the_nearest_when_no_sequence_says_otherwise():
+    p0, p1 = "[2026-01-01 00:00:00 TP0] ", "[2026-01-01 00:00:00 TP1] "
+    alone = f"{p0}{p1}{rank_record(1, 20).line()}\n"
+    assert [item.rank for item in split_runs(logged_entries(alone))] == ["TP1"]
+    # TP0's sequence, continued by the record (its pace and forward_ct): TP0's, whatever the prefixes
+    text = "".join(f"{p0}{rank_record(0, ct).line()}\n{p1}{rank_record(1, ct).line()}\n" for ct in (20, 40, 60))
+    text += f"{p0}{p1}{rank_record(0, 80).line()}\n{p1}{rank_record(1, 80).line()}\n"
+    items = split_runs(logged_entries(text))
+    assert [(item.rank, item.record.forward_ct) for item in items][-2:] == [("TP0", 80), ("TP1", 80)]
+    # and the record that continues TP1's after the same two prefixes: TP1's
+    text = text.replace(f"{p0}{p1}{rank_record(0, 80).line()}\n{p1}{rank_record(1, 80).line()}\n",
+                        f"{p0}{rank_record(0, 80).line()}\n{p0}{p1}{rank_record(1, 80).line()}\n")
+    items = split_runs(logged_entries(text))
+    assert [(item.rank, item.record.forward_ct) for item in items][-2:] == [("TP0", 80), ("TP1", 80)]
+
+
+def test_records_names_the_nearest_prefix_of_a_lone_record_after_two(tmp_path, capsys):
+    path = tmp_path / "two.log"
+    path.write_text(f"[2026-01-01 00:00:00 TP0] [2026-01-01 00:00:00 TP1] {rank_record(1, 20).line()}\n")
+    assert main(["records", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["rank"] == "TP1"
 
 
 def test_a_broken_rank_whose_lines_interleaved_fails_by_name(tmp_path, capsys):
@@ -213,7 +237,7 @@ def test_a_reporter_whose_every_view_is_refused_warns_once_per_silence(swa_recor
 def test_the_liveness_steps_variable():
     assert config.liveness_steps(20, {}) == 200
     assert config.liveness_steps(20, {"OTEL_SWA_LIVENESS_STEPS": "0"}) == 0
-    with pytest.raises(config.ConfigError, match="OTEL_SWA_LIVENESS_STEPS='abc' is not an integer"):
+    with pytest.raises(config.ConfigError, match="OTEL_SWA_LIVENESS_STEPS='abc': expected an integer >= 0"):
         config.liveness_steps(20, {"OTEL_SWA_LIVENESS_STEPS": "abc"})
     quiet = SwaDivergenceReporter(1, liveness_steps=0)
     for _ in range(50):

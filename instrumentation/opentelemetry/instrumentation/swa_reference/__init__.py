@@ -5,8 +5,9 @@ afterwards is observed:
 
 * it gets an SWA divergence reporter from ``SwaDivergenceReporter.from_env`` when it was given none:
   ``OTEL_SWA_DIVERGENCE_INTERVAL`` (or SGLang's ``SGLANG_KV_CANARY_SWA_DIVERGENCE_STATS_INTERVAL``)
-  unset or 0 means no reporter and no reporter work at all; an unusable value is logged and
-  leaves the engine without a reporter;
+  unset or 0 means no reporter and no reporter work at all; an unusable value of any otel-swa
+  variable (:func:`otel_swa.config.check_environment`) is logged by ``instrument()``, which then
+  wraps nothing: the engine runs as it is;
 * the reporter's records become the metrics of :data:`otel_swa.telemetry.metrics.INSTRUMENTS`
   (their names, kinds, units and sources: the table "Record field → instrument" in
   ``docs/telemetry.md``) and the event ``kv_cache.swa.divergence_sample`` (Logs API and span
@@ -75,8 +76,15 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
         return _instruments
 
     def _instrument(self, **kwargs: Any) -> None:
-        from otel_swa import import_hooks
+        from otel_swa import config, import_hooks
 
+        self._originals = {}
+        self._hook = None
+        try:
+            config.check_environment()
+        except config.ConfigError as exc:  # logged; the engine runs as it is, never stopped by a variable
+            _log.error("otel-swa: the reference engine is not instrumented: %s", exc)
+            return
         # Wrapped when the process imports the engine (at once if it already has): a process that
         # never runs the reference engine (another engine's worker under opentelemetry-instrument)
         # imports nothing and builds no telemetry for it.
@@ -103,7 +111,8 @@ class SwaReferenceInstrumentor(BaseInstrumentor):
     def _uninstrument(self, **kwargs: Any) -> None:
         from otel_swa import import_hooks
 
-        import_hooks.cancel(self._hook)
+        if self._hook is not None:
+            import_hooks.cancel(self._hook)
         for name, original in self._originals.items():
             setattr(self._engine_class, name, original)
         self._originals = {}
