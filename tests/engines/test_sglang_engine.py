@@ -395,7 +395,7 @@ def test_clean_runs_report_no_fault_of_any_kind(traced, chunked, by_hand, paged)
 #: hooks go through SGLang's HookRegistry; the model runner and the KV canary are imported later,
 #: when the scheduler builds its worker, and wrapped at that import.
 SCHEDULER_UNDER_THE_PLUGIN = {
-    "ModelRunner.forward": "direct", "CanaryManager.__init__": "direct",
+    "ModelRunner.forward": "direct", "ModelRunner.init_cuda_graphs": "direct", "CanaryManager.__init__": "direct",
     "CanaryManager.pre_ops_maybe_inside_graph": "direct", "Scheduler.run_batch": "hook_registry",
     "RadixAttention.forward": "hook_registry", "common.kill_process_tree": "hook_registry",
     "Scheduler.otel_swa_flush": "added",

@@ -114,7 +114,11 @@ BY_HAND = textwrap.dedent(
         reporter.observe("full", 2)
         reporter.step(view)
     print("sampled", flush=True)
-    time.sleep(float(sys.argv[2]))
+    # short sleeps: a SIGTERM the OS hands to another thread (the exporters') does not cut a long
+    # sleep of the main thread short, and Python runs the handler only on the main thread
+    end = time.monotonic() + float(sys.argv[2])
+    while time.monotonic() < end:
+        time.sleep(0.05)
     # no close(), no shutdown()
     """
 )
