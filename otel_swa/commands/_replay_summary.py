@@ -1,7 +1,9 @@
 """The summary ``otel-swa replay`` prints at the end of a run, and the run's own verdict.
 
 The verdict (:class:`ReplayVerdict`) gives the exit status: 1 when the SWA slot audit of the run
-found leaked slots, stale tokens or shared slots, or when the reporter was on and took no sample
+found leaked slots, stale tokens or shared slots, the window check premature evictions, the read
+check mismatches, the write check or provenance KV that is not the named token's (the judge's
+``AUDIT_RULES`` and ``PROVENANCE_RULES``), or when the reporter was on and took no sample
 (the run ended before the first sampling step); 3 when every export of a signal (traces, metrics
 or logs) to an exporter that sends (OTLP, console) failed, so that nothing of it reached its
 destination (a collector down, a wrong endpoint); 130 when the run was interrupted (Ctrl-C), after
@@ -15,7 +17,9 @@ from dataclasses import dataclass
 from typing import Any, Sequence, TextIO
 
 from otel_swa.record import SwaDivergenceRecord
-from otel_swa.testing.judge import AUDIT_RULES
+from otel_swa.testing.judge import AUDIT_RULES, PROVENANCE_RULES
+
+_PROVENANCE_FIELDS = frozenset(rule.field for rule in PROVENANCE_RULES)
 
 __all__ = ["ReplayVerdict", "Progress", "WallTime", "verdict_of", "summary_rows", "print_summary", "export_row",
            "EXPORTS_FAILED"]
@@ -86,7 +90,7 @@ class ReplayVerdict:
         """One line per reason for a non-zero exit status (for stderr)."""
         out = []
         slots = {name: peak for name, peak in self.audit_faults.items()
-                 if name not in ("swa_premature_evictions", "swa_read_mismatches")}
+                 if name not in ("swa_premature_evictions", "swa_read_mismatches") and name not in _PROVENANCE_FIELDS}
         if slots:
             found = ", ".join(f"{name}={peak}" for name, peak in slots.items())
             out.append(f"the SWA slot audit found faults (peak {found}); exit status 1")
@@ -96,6 +100,11 @@ class ReplayVerdict:
         if "swa_read_mismatches" in self.audit_faults:
             out.append(f"the read check found sliding-window attention reading other KV than the mapping gives (peak "
                        f"swa_read_mismatches={self.audit_faults['swa_read_mismatches']}); exit status 1")
+        provenance = {name: peak for name, peak in self.audit_faults.items() if name in _PROVENANCE_FIELDS}
+        if provenance:
+            found = ", ".join(f"{name}={peak}" for name, peak in provenance.items())
+            out.append(f"the write check and provenance found KV that is not the KV of the token the tables name "
+                       f"(peak {found}); exit status 1")
         if self.no_sample:
             out.append(f"the reporter took no sample in {forward_steps} forward step(s) (interval {interval}); "
                        "exit status 1")
@@ -115,7 +124,7 @@ def verdict_of(records: Sequence[SwaDivergenceRecord], stats: Any, interrupted: 
     the exporters sent (:meth:`otel_swa.telemetry.SwaTelemetry.export_stats`; ``None`` or empty:
     no exporter that sends)."""
     faults = {}
-    for rule in AUDIT_RULES:
+    for rule in (*AUDIT_RULES, *PROVENANCE_RULES):
         values = [getattr(r, rule.field) for r in records if getattr(r, rule.field) is not None]
         if values and max(values) > 0:
             faults[rule.field] = max(values)

@@ -234,3 +234,28 @@ def test_check_fails_each_fault_naming_its_first_offender(name, tmp_path, capsys
     assert main(["check", str(log)]) == 1
     out = capsys.readouterr().out
     assert fault in out and offender.describe() in out, out
+
+
+def test_a_replay_whose_engine_flips_a_written_byte_exits_1_and_says_why(monkeypatch, capsys):
+    """``otel-swa replay``'s own verdict takes provenance's faults too: the reference engine with
+    SGLang's ``real_kv_post_forward`` perturbation made at step 25 (a byte of the FULL pool's K flipped
+    after the write) exits 1 with the reason on stderr, where the same replay without it exits 0."""
+    from otel_swa.cli import main
+    from otel_swa.reference import replay as reference_replay
+
+    run = ["replay", "--requests", "20", "--interval", "5", "--no-progress", "--exporter", "logline"]
+    assert main(run) == 0
+    capsys.readouterr()
+    real = reference_replay.ReferenceEngine
+
+    def faulty(*args, **kwargs):
+        engine = real(*args, **kwargs)
+        faults.install_byte_flip(engine, 25, "full")
+        return engine
+
+    monkeypatch.setattr(reference_replay, "ReferenceEngine", faulty)
+    assert main(run) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "otel-swa replay: the write check and provenance found KV that is not the KV of the token the tables name "
+        "(peak kv_corrupt_tokens=") and err[0].endswith("); exit status 1"), err
