@@ -512,4 +512,21 @@ def test_the_detection_table_in_the_docs_is_the_runs(zoo_runs, phased_runs):
         docs = DOCS.read_text()
     assert TABLE_BEGIN in docs and TABLE_END in docs
     in_docs = docs[docs.index(TABLE_BEGIN) + len(TABLE_BEGIN):docs.index(TABLE_END)].strip()
-    assert in_docs == table, f"docs/engines.md's detection table differs from this run's:\n{table}"
+    assert _comparable(in_docs) == _comparable(table), f"docs/engines.md's detection table differs from this run's:\n{table}"
+
+
+#: Cells of a row of SGLang's own perturbations that SGLang's random pick decides (which slot its
+#: PerturbManager flips, drawn from Python's and torch's generators, which other code of the
+#: scheduler process draws from too): the first offender and the canary's violation count. They are
+#: compared for every other row; for these the step, the signal and the check's exit are.
+_PICKED_BY_SGLANG = (5, 7)
+
+
+def _comparable(table: str) -> list:
+    rows = []
+    for line in table.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if cells and cells[0].startswith("`perturb "):
+            cells = [cell for i, cell in enumerate(cells) if i not in _PICKED_BY_SGLANG]
+        rows.append(cells)
+    return rows
