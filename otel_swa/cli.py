@@ -18,12 +18,18 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import time
 from typing import Sequence
 
 from otel_swa.version import __version__
+
+#: When this module was imported, on the ``time.monotonic()`` clock: the start of an ``otel-swa``
+#: command (its console script imports this module first). Not the process's start as
+#: ``/proc/self/stat`` gives it: that is when the process was forked, and a shell that runs its
+#: last command with ``exec`` (``bash -c "pip install ... && otel-swa replay"``) forks the process
+#: long before otel-swa runs in it. The interpreter's own start-up (tens of milliseconds) is left out.
+_IMPORTED_AT = time.monotonic()
 
 #: subcommand -> (module under otel_swa.commands, one-line help)
 SUBCOMMANDS = {
@@ -55,23 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _process_started_at() -> float | None:
-    """When this process started, on the ``time.monotonic()`` clock (Linux: ``/proc/self/stat``'s
-    start time against ``CLOCK_BOOTTIME``, to 10 ms), or ``None`` where that cannot be read."""
-    try:
-        with open("/proc/self/stat", "rb") as stream:
-            fields = stream.read().rsplit(b")", 1)[1].split()
-        age_s = time.clock_gettime(time.CLOCK_BOOTTIME) - int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, AttributeError):
-        return None
-    return time.monotonic() - age_s if age_s >= 0 else None
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    # The wall time ``replay`` prints counts from the start of the process when this is its command
-    # (``argv`` None: the interpreter's start-up and imports included), else from this call.
-    now = time.monotonic()
-    started_at = (_process_started_at() if argv is None else None) or now
+    # The wall time ``replay`` prints counts from the start of the command when this is the
+    # process's command (``argv`` None: its imports included), else from this call.
+    started_at = _IMPORTED_AT if argv is None else time.monotonic()
     parser = build_parser()
     args = parser.parse_args(argv)
     args.started_at = started_at

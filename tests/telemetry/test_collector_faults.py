@@ -55,10 +55,10 @@ def test_a_closed_port_is_reported_once_per_kind_in_a_summary_and_in_the_exit_st
     # "samples delivered 14 / 14" is never the only word: the summary says nothing was sent
     exported = next(line for line in run.stdout.splitlines() if line.strip().startswith("exported"))
     assert "traces 0 spans" in exported and "metrics 0 data points" in exported and "EXPORTS FAILED" in exported
-    # the wall time is the process's, the stop's waits on the exporters included
+    # the wall time is the command's, the stop's waits on the exporters included
     row = re.search(r"^  wall time\s+(\d+\.\d) s \(replay (\d+\.\d) s, stop (\d+\.\d) s\)$", run.stdout, re.MULTILINE)
     total, replayed, stop = (float(value) for value in row.groups())
-    # each rounded to 0.1 s; the process's start is read to 10 ms
+    # each rounded to 0.1 s
     assert replayed + stop <= total + 0.1 and total <= elapsed + 0.1
 
 
