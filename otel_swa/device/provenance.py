@@ -16,7 +16,10 @@ the sample) for the live tokens the batch reads, against:
 
 * the stamps expected from each request's own token ids (the view's ``token_ids``): a mismatch is a
   **foreign token** (the slot holds another token's KV: swapped ownership, a stale prefix or radix
-  re-use, a slot overwritten by another request, a wrong position written);
+  re-use, a slot overwritten by another request, a wrong position written), and so is a slot never
+  stamped (no forward step wrote any token there: a write that went to another slot, a prefix that
+  names slots nothing wrote), unless provenance was switched on over a KV cache that already held
+  KV (``never_stamped="unchecked"``);
 * the hash of the bytes the pool holds now at the slot: a mismatch is a **corrupt token** (bytes
   changed after the write: a stray kernel, a bad load-back, a flipped bit, or a write of this layer
   at another index, which leaves the named slot's old bytes there).
@@ -103,6 +106,7 @@ __all__ = [
     "PROVENANCE_POOLS",
     "PROVENANCE_CELLS",
     "PROVENANCE_WIDTH",
+    "NEVER_STAMPED",
     "KvProvenance",
     "ProvenanceMeta",
     "ProvenanceReading",
@@ -111,10 +115,12 @@ __all__ = [
 
 #: The pools verified, in the order of the cells and of the search for a first offender.
 PROVENANCE_POOLS = ("full", "swa")
+#: What a live slot whose stamp is 0 (never written since provenance was on) is: the first is the default.
+NEVER_STAMPED = ("foreign", "unchecked")
 #: The cells of one pool's verification (:data:`PROVENANCE_WIDTH` = both pools', FULL first).
 PROVENANCE_CELLS = (
     "live",  # SWA: taken slots whose mapping is not 0 (FULL: unused, every taken slot is live)
-    "stamp_checks",  # live, stamped, and the request's token ids known: compared
+    "stamp_checks",  # live and the request's token ids known (and stamped, with never_stamped="unchecked"): compared
     "foreign",  # of which the stamp was another token's
     "foreign_index",  # the first foreign's index among the taken slots
     "foreign_row", "foreign_stamp", "foreign_full_slot", "foreign_swa_slot",
@@ -138,7 +144,7 @@ class ProvenanceReading:
         stamp_checks: live slots (both pools) whose stamp was compared with the expected one.
         foreign_tokens: of which the stamp was another token's (a fault).
         stamp_unchecked: live slots not judged: over the sample's budget, token ids not given by
-            the view, or never stamped.
+            the view, or (with ``never_stamped="unchecked"``) never stamped.
         checksum_checks, corrupt_tokens, checksum_unchecked: the same for the content checksum
             (``None`` when checksums are off); unchecked also counts slots of a pool whose
             designated layer was never seen or whose cache dtype is not hashed (fp8).
@@ -327,6 +333,11 @@ class KvProvenance:
         budget: live slots verified per pool and sample (int >= 1).
         write_check: whether :meth:`after_layer` runs the write check at sampled steps.
         write_check_tokens, write_check_layers: the write check's ``max_tokens`` and ``layers``.
+        never_stamped: what a live slot the tables name whose stamp is 0 is (no forward step wrote
+            a token there since provenance was switched on): ``"foreign"`` (default: the KV read
+            there is not the token's; a write to the wrong slot left it unwritten, a prefix names
+            slots nothing wrote) or ``"unchecked"`` (for provenance switched on while the KV cache
+            already held KV: an engine wired after its first forward steps).
 
     Raises:
         ValueError: a bad argument (named, with the value).
@@ -346,6 +357,7 @@ class KvProvenance:
         write_check: bool = True,
         write_check_tokens: int = 8,
         write_check_layers: str = WRITE_CHECK_MODES[0],
+        never_stamped: str = NEVER_STAMPED[0],
     ) -> None:
         for name, value in (("full_slots", full_slots), ("budget", budget), ("checksum_bytes", checksum_bytes)):
             if type(value) is not int or value < 1:  # noqa: E721
@@ -354,6 +366,8 @@ class KvProvenance:
             raise ValueError(f"swa_slots must be None or an int >= 1, got {swa_slots!r}")
         if checksum not in CHECKSUM_MODES:
             raise ValueError(f"checksum must be one of {', '.join(CHECKSUM_MODES)}, got {checksum!r}")
+        if never_stamped not in NEVER_STAMPED:
+            raise ValueError(f"never_stamped must be one of {', '.join(NEVER_STAMPED)}, got {never_stamped!r}")
         layers = dict(checksum_layers or {})
         if set(layers) - set(PROVENANCE_POOLS) or not all(type(v) is int for v in layers.values()):  # noqa: E721
             raise ValueError(f"checksum_layers must map 'full' / 'swa' to layer ids, got {checksum_layers!r}")
@@ -361,6 +375,7 @@ class KvProvenance:
         self.gate = gate
         self.budget = budget
         self.checksum = checksum
+        self.never_stamped = never_stamped
         self._prefix = None if checksum == "all" else checksum_bytes
 
         def table(slots: "int | None") -> "torch.Tensor | None":
@@ -642,7 +657,9 @@ class KvProvenance:
             live = None
             slot = full.clamp(0, stamps.shape[0] - 1)
         found = stamps.index_select(0, slot)
-        judged = found.ne(0).logical_and_(expected.ne(0))
+        judged = expected.ne(0)  # a known token: its stamp is what the request's own ids give
+        if self.never_stamped != "foreign":
+            judged.logical_and_(found.ne(0))
         if live is not None:
             judged.logical_and_(live)
         compare = torch.where((found >> 62).eq(-1), TOKEN_POSITION_MASK, -1)

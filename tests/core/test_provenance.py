@@ -303,11 +303,31 @@ def test_token_ids_not_given_leave_stamps_unchecked_but_checksums_checked():
     assert (got.stamp_checks, got.stamp_unchecked) == (20 + 2 * 3, 12 - 2 * 3)
 
 
-def test_unstamped_slots_are_unchecked():
+def test_a_live_slot_never_stamped_is_foreign_and_named_as_never_written():
+    # a slot the table names that no forward step wrote: a write that went to another slot, or a
+    # prefix naming slots nothing wrote (the KV read there is not the token's)
     engine = Engine([10])
+    slot = int(engine.r2t[1, 4])
+    engine.prov.stamps[0][slot] = 0
+    got = engine.verify()
+    assert (got.stamp_checks, got.stamp_unchecked, got.foreign_tokens) == (20, 0, 1)
+    off = got.foreign_offender
+    assert (off["pool"], off["position"], off["full_slot"], off["expected_token"]) == ("full", 4, slot, engine.tokens[0][4])
+    assert "found_token" not in off  # the stamp names nothing
+
+
+def test_with_never_stamped_unchecked_a_live_slot_never_stamped_is_counted_unchecked():
+    # provenance switched on over a KV cache that already held KV (an engine wired late)
+    engine = Engine([10])
+    engine.prov.never_stamped = "unchecked"
     engine.prov.stamps[0][int(engine.r2t[1, 4])] = 0
     got = engine.verify()
     assert (got.stamp_checks, got.stamp_unchecked, got.foreign_tokens) == (19, 1, 0)
+
+
+def test_never_stamped_takes_only_its_documented_values():
+    with pytest.raises(ValueError, match="never_stamped must be one of foreign, unchecked, got 'yes'"):
+        KvProvenance("cpu", SamplingGate("cpu"), full_slots=8, never_stamped="yes")
 
 
 @pytest.mark.parametrize("budget", [1, 7, 64])
