@@ -59,6 +59,7 @@ __all__ = [
     "scheduler_pool_usage",
     "swa_kv_bytes_per_token",
     "provenance_layout",
+    "kv_filled_outside_forward",
     "request_token_ids",
     "scheduler_prefix_cache_full_slots",
 ]
@@ -726,6 +727,46 @@ def provenance_layout(kv_pool: Any) -> "dict[str, Any] | None":
         "full_slots": full, "swa_slots": swa, "checksum_layers": designated, "first_layer": min(layers),
         "swa_layers": frozenset(layer for layer, (_, is_swa) in layers.items() if is_swa),
     }
+
+
+#: Settings under which SGLang fills KV cache slots without a forward step (sglang 0.5.23 names):
+#: ``(server argument, runtime-context bag, the values under which the forward step writes every
+#: slot, what fills the slots otherwise)``.
+_KV_FILLED_OUTSIDE_FORWARD = (
+    ("enable_hierarchical_cache", "memory", (False,), "HiCache loads KV back from the host"),
+    ("enable_lmcache", "memory", (False,), "LMCache loads KV from its store"),
+    ("disaggregation_mode", "disagg", ("null", "prefill"), "a disaggregated decode receives the prefill's KV"),
+)
+
+
+def kv_filled_outside_forward(runner: Any) -> "str | None":
+    """Why SGLang may fill ``runner``'s KV cache slots without a forward step, or ``None``.
+
+    Such slots hold KV whose provenance the stamps do not follow (the forward step writes them, and a
+    load-back or transfer moves bytes only): HiCache (``--enable-hierarchical-cache``), LMCache
+    (``--enable-lmcache``), a disaggregated decode instance (``--disaggregation-mode decode``; a
+    prefill instance computes its KV itself).
+    Read from the model runner's ``server_args`` (sglang 0.5.23 ``ModelRunner.server_args``), else
+    from SGLang's runtime context (``sglang.srt.runtime_context.get_memory()`` / ``get_disagg()``);
+    a setting that cannot be read counts as off.
+
+    Returns:
+        the first such setting in words (``"HiCache loads KV back from the host"``), or ``None``.
+    """
+    args = getattr(runner, "server_args", None)
+    for name, bag, written, what in _KV_FILLED_OUTSIDE_FORWARD:
+        value = getattr(args, name, None) if args is not None else None
+        if value is None:
+            try:
+                from sglang.srt import runtime_context
+
+                value = getattr(getattr(runtime_context, f"get_{bag}")(), name, None)
+            except Exception:  # not published in this process, or another SGLang
+                value = None
+        value = getattr(value, "value", value)  # an enum (DisaggregationMode) by its value
+        if value is not None and value not in written and value != "":
+            return what
+    return None
 
 
 def scheduler_prefix_cache_full_slots(scheduler: Any) -> "torch.Tensor | None":

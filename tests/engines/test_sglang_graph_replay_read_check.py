@@ -68,3 +68,44 @@ def test_a_replay_of_a_graph_that_holds_the_check_counts_nothing_unchecked():
         SwaSglangInstrumentor()._after_forward(wiring, SimpleNamespace(batch_size=5, req_pool_indices=torch.arange(5)))
         reporter.close()
     assert taken == [(0, 0, 5), (0, 0, 0)]
+
+
+class GraphRunner:
+    """Stands for sglang 0.5.23's ``CudaGraphRunner`` of a model runner built before
+    ``instrument()``: its captured graphs hold no check; ``can_run_graph(forward_batch)`` is what
+    ``ModelRunner._forward_raw`` asks before replaying (True: every batch size was captured)."""
+
+    def can_run_graph(self, forward_batch):
+        return True
+
+
+def test_a_runner_wired_after_its_capture_runs_its_sampled_steps_eagerly_and_counts_none_unchecked():
+    from opentelemetry.instrumentation.swa_sglang import _captured_graphs, _graphs_without_checks
+
+    reporter = SwaDivergenceReporter(3, device="cpu")
+    wiring, check = _wiring(reporter)
+    taken = []
+    original_take = check.take
+    check.take = lambda out=None, take=original_take: taken.append(read_counts(take(out).tolist()))
+    graphs = GraphRunner()
+    runner = SimpleNamespace(decode_cuda_graph_runner=graphs,
+                             prefill_cuda_graph_runner=type("EagerRunner", (), {"can_run_graph": lambda self, fb: False})())
+    assert _captured_graphs(runner) == [graphs]  # SGLang's EagerRunner replays nothing
+    assert _graphs_without_checks(runner, reporter)
+    instrumentor = SwaSglangInstrumentor()
+    batch = SimpleNamespace(batch_size=5, req_pool_indices=torch.arange(5))
+    replayed = []
+    for _ in range(9):
+        reporter.before_forward()
+        # sglang 0.5.23 ModelRunner._forward_raw: replay when the graph runner can run the batch,
+        # else the eager forward, whose sliding-window layer runs (and is checked) in Python
+        replay = runner.decode_cuda_graph_runner.can_run_graph(batch)
+        replayed.append(replay)
+        if not replay:
+            check.layer_calls += 1  # what check_layer counts for the layer the eager step ran
+        instrumentor._after_forward(wiring, batch)
+        check.layer_calls = 0
+    reporter.close()
+    # forward_ct 3, 6, 9 are the sampling steps: eager; every other step replays
+    assert replayed == [True, True, False, True, True, False, True, True, False]
+    assert [unchecked for _, _, unchecked in taken] == [0, 0, 0]

@@ -36,7 +36,13 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
 ``sglang.srt.model_executor.model_runner.ModelRunner.init_cuda_graphs(self, ...)``
     Wires the model runner (its reporter, its provenance) before SGLang captures its CUDA graphs
     (sglang 0.5.23 calls it at start-up with or without graphs), so that the captured forwards hold
-    the provenance stamps, checksums and write check of the attention layers below.
+    the provenance stamps, checksums and write check of the attention layers below. A runner built
+    before ``instrument()`` is wired at its first forward instead: its graphs (if any) hold no check,
+    so its graph runners' ``can_run_graph`` answers False at sampling steps and those steps run
+    eagerly, checked (the other steps replay as before); its provenance is off when it has graphs
+    (their replays write KV without stamps), and otherwise counts slots never stamped as unchecked
+    (KV written before it was wired). Provenance is also off where SGLang fills slots without a
+    forward step (HiCache, LMCache, disaggregation: :func:`otel_swa.views.sglang.kv_filled_outside_forward`).
 ``sglang.srt.layers.radix_attention.RadixAttention.forward(self, q, k, v, forward_batch, ...)``
     The KV's provenance (:mod:`otel_swa.device.provenance`; ``OTEL_SWA_PROVENANCE``, default
     ``prefix``). Each attention layer of an observed model runner carries its wiring (set when the
@@ -288,8 +294,11 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                 self._provide(cls, FLUSH_RPC_METHOD, stop_paths.flush_rpc)
 
     # ------------------------------------------------------------------ reporters
-    def _wire(self, runner: Any) -> Any:
-        """The wiring of ``runner`` (made at its first forward), or ``None`` if not observed."""
+    def _wire(self, runner: Any, *, late: bool = False) -> Any:
+        """The wiring of ``runner``, or ``None`` if not observed: made before SGLang captures its
+        graphs (``ModelRunner.init_cuda_graphs``), or ``late`` at its first forward after
+        ``instrument()`` (the runner was built before it: its KV cache may hold KV already and its
+        graphs were captured without the checks; :func:`_graphs_without_checks`)."""
         from otel_swa.views.sglang import KvCanaryHooks
 
         wiring = None
@@ -313,7 +322,10 @@ class SwaSglangInstrumentor(EngineInstrumentor):
                 read_check = provenance = None
                 if reporter is not None and is_swa and window > 0 and getattr(runner, "token_to_kv_pool", None) is not None:
                     read_check = _enable_read_check(reporter)
-                    provenance = _enable_provenance(reporter, runner)
+                    provenance = _enable_provenance(reporter, runner, late=late)
+                    if late and _graphs_without_checks(runner, reporter):
+                        _log.info("this model runner's graphs were captured before otel-swa was wired: "
+                                  "its sampled steps run eagerly (checked), the others replay")
                 if reporter is not None:
                     hooks = KvCanaryHooks(
                         reporter,
@@ -375,7 +387,8 @@ class SwaSglangInstrumentor(EngineInstrumentor):
 
         @functools.wraps(original)
         def forward(runner, forward_batch, *args, **kwargs):
-            wiring = runner.__dict__[RUNNER_ATTRIBUTE] if RUNNER_ATTRIBUTE in runner.__dict__ else instrumentor._wire(runner)
+            wiring = (runner.__dict__[RUNNER_ATTRIBUTE] if RUNNER_ATTRIBUTE in runner.__dict__
+                      else instrumentor._wire(runner, late=True))
             if wiring is None:
                 return original(runner, forward_batch, *args, **kwargs)
             with contextlib.ExitStack() as stack:
@@ -632,14 +645,19 @@ def _enable_read_check(reporter: Any) -> Any:
     return reporter.enable_read_check(max_queries=mode[1], layers=mode[0])
 
 
-def _enable_provenance(reporter: Any, runner: Any) -> "tuple[Any, dict] | None":
+def _enable_provenance(reporter: Any, runner: Any, *, late: bool = False) -> "tuple[Any, dict] | None":
     """Switch ``reporter``'s provenance on for ``runner``'s KV pool as ``OTEL_SWA_PROVENANCE`` (the
     checksum's coverage) and ``OTEL_SWA_PROVENANCE_BUDGET`` say:
-    ``(provenance, layout)`` (:func:`otel_swa.views.sglang.provenance_layout`), or ``None`` (off, a
-    pool it cannot read, or speculative decoding: a target-verify step writes the K/V of draft tokens
-    that are later rejected, which the stamps do not follow)."""
+    ``(provenance, layout)`` (:func:`otel_swa.views.sglang.provenance_layout`), or ``None``, logged
+    with the reason: off, a pool it cannot read, speculative decoding (a target-verify step writes
+    the K/V of draft tokens that are later rejected, which the stamps do not follow), KV filled
+    without a forward step (:func:`otel_swa.views.sglang.kv_filled_outside_forward`: HiCache, LMCache,
+    disaggregation move bytes, not stamps), or a ``late`` runner whose graphs were captured without
+    the stamps (their replays would write KV under stale stamps). A ``late`` runner without graphs
+    gets provenance whose never-stamped slots are counted unchecked (its cache may hold KV written
+    before it was wired)."""
     from otel_swa import config
-    from otel_swa.views.sglang import provenance_layout
+    from otel_swa.views.sglang import kv_filled_outside_forward, provenance_layout
 
     try:
         settings = config.provenance()
@@ -651,6 +669,14 @@ def _enable_provenance(reporter: Any, runner: Any) -> "tuple[Any, dict] | None":
     if speculative is not None and not speculative.is_none():
         _log.info("KV provenance is off for a model runner with speculative decoding")
         return None
+    moved = kv_filled_outside_forward(runner)
+    if moved is not None:
+        _log.info("KV provenance is off: %s without a forward step, and the stamps do not follow it", moved)
+        return None
+    if late and _captured_graphs(runner):
+        _log.info("KV provenance is off: this model runner's graphs were captured before otel-swa was wired, "
+                  "and their replays write KV without stamps")
+        return None
     layout = provenance_layout(getattr(runner, "token_to_kv_pool", None))
     if layout is None:
         _log.info("KV provenance is off: the model runner's KV pool is not an SWAKVPool of K/V buffers")
@@ -658,11 +684,46 @@ def _enable_provenance(reporter: Any, runner: Any) -> "tuple[Any, dict] | None":
     try:
         provenance = reporter.enable_provenance(full_slots=layout["full_slots"], swa_slots=layout["swa_slots"],
                                                 checksum=settings[0], budget=settings[1],
-                                                checksum_layers=layout["checksum_layers"])
+                                                checksum_layers=layout["checksum_layers"],
+                                                never_stamped="unchecked" if late else "foreign")
     except Exception:
         _log.exception("KV provenance is off for this model runner")
         return None
     return provenance, layout
+
+
+def _captured_graphs(runner: Any) -> list:
+    """``runner``'s graph runners that replay captured forwards (sglang 0.5.23
+    ``ModelRunner.decode_cuda_graph_runner``, and ``prefill_cuda_graph_runner`` unless it is the
+    ``EagerRunner``); empty before ``init_cuda_graphs`` or without graphs."""
+    found = []
+    for name in ("decode_cuda_graph_runner", "prefill_cuda_graph_runner"):
+        graphs = getattr(runner, name, None)
+        if graphs is not None and type(graphs).__name__ != "EagerRunner" and callable(getattr(graphs, "can_run_graph", None)):
+            found.append(graphs)
+    return found
+
+
+def _graphs_without_checks(runner: Any, reporter: Any) -> bool:
+    """For a runner wired after its graphs were captured (their forwards hold none of otel-swa's
+    checks): make each graph runner's ``can_run_graph`` answer False at sampling steps (the host
+    decision :meth:`~otel_swa.reporter.SwaDivergenceReporter.before_forward` set, ``reporter.gate.due``),
+    so that a sampled step runs eagerly, checked as any eager step, and every other step replays as
+    before. SGLang's ``ModelRunner._forward_raw`` asks ``can_run_graph`` of both graph runners
+    before each forward and runs the eager forward when they answer False (as for a batch larger than
+    any captured one). Returns whether any graph runner was found."""
+    graphs = _captured_graphs(runner)
+    gate = reporter.gate
+    for runner_of_graphs in graphs:
+        original = runner_of_graphs.can_run_graph
+
+        def can_run_graph(forward_batch, *args, _original=original, **kwargs):
+            if gate.due:
+                return False
+            return _original(forward_batch, *args, **kwargs)
+
+        runner_of_graphs.can_run_graph = can_run_graph  # this instance only; SGLang's class is untouched
+    return bool(graphs)
 
 
 def _attach_provenance(runner: Any, wired: Any) -> None:
