@@ -435,6 +435,18 @@ class KvProvenance:
             extra = ((swa, full_to_swa_index_mapping.index_select(0, loc).clamp_(0, swa.shape[0] - 1)),)
         write_stamps(full, input_ids, positions, out_cache_loc, req_pool_indices, req_to_token, extend_start_loc, extra)
 
+    def wants_layer(self, layer_id: int, swa: bool) -> bool:
+        """Whether :meth:`after_layer` would do anything for layer ``layer_id`` (whose buffers are
+        the SWA pool's when ``swa``) now: it is its pool's checksum layer (or none is designated yet),
+        or the write check runs on it this step. Host work only, no device operation; an engine calls
+        it first so that the other layers of a step that is not sampled cost it nothing (not even
+        reading their buffers)."""
+        check = self.write_check
+        if check is not None and self.gate.wanted() and check.wants(layer_id, swa):
+            return True
+        pool = 1 if swa else 0
+        return self.checksums[pool] is not None and self._designated[pool] in (None, layer_id)
+
     def after_layer(self, **store: Any) -> None:
         """One attention layer's part, after its forward stored this step's K/V; keyword arguments:
         the fields of :class:`~otel_swa.device.write_check.LayerStore` (``layer_id``, ``swa``, ``k``,

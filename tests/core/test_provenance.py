@@ -459,3 +459,21 @@ def test_a_corrupt_slot_found_by_the_sweep_reaches_the_record_named_by_its_slots
     offender = record.offender("kv_corrupt_tokens")
     assert (offender.pool, offender.full_slot, offender.swa_slot) == ("full", slot, None)
     assert (offender.request, offender.row, offender.position) == (None, None, None)
+
+
+def test_only_the_checksum_layers_and_the_write_checks_turn_want_a_layer():
+    gate = SamplingGate("cpu")
+    prov = KvProvenance("cpu", gate, full_slots=16, swa_slots=16, checksum_layers={"full": 1, "swa": 0})
+    # a step that is not sampled: each pool's checksum layer only (layers 0 and 2 are SWA, 1 and 3 FULL)
+    gate.set(False)
+    assert [prov.wants_layer(layer, swa) for layer, swa in ((0, True), (1, False), (2, True), (3, False))] == [
+        True, True, False, False]
+    # a sampled step: the write check's turn adds one layer of each kind (the first seen, rotation 0)
+    gate.set(True)
+    assert [prov.wants_layer(layer, swa) for layer, swa in ((0, True), (1, False), (2, True), (3, False))] == [
+        True, True, False, False]
+    no_checksums = KvProvenance("cpu", gate, full_slots=16, swa_slots=16, checksum="off")
+    assert [no_checksums.wants_layer(layer, swa) for layer, swa in ((0, True), (1, False), (2, True))] == [
+        True, True, False]
+    gate.set(False)
+    assert not no_checksums.wants_layer(0, True) and not no_checksums.wants_layer(1, False)

@@ -769,6 +769,8 @@ def _after_layer(wired: Any, layer: Any, k: Any, v: Any, forward_batch: Any, arg
         return
     layer_id = int(layer.layer_id)
     swa = layer_id in wired.layout["swa_layers"]
+    if not wired.provenance.wants_layer(layer_id, swa):
+        return  # not its pool's checksum layer, and no write check on it this step
     pool = wired.kv_pool
     wired.provenance.after_layer(
         layer_id=layer_id, swa=swa, k=k, v=v, k_buffer=pool.get_key_buffer(layer_id),
