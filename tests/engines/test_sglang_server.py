@@ -185,6 +185,13 @@ def test_the_flush_comes_before_sglang_kills_live_schedulers_and_only_then(run):
     if run.stop in KILLED_BY_SGLANG:
         assert 0 <= flush_at < kill_at
         assert len(run.pools) and [line["at"] for line in run.pools].count("flush") == 1
+    elif run.stop == "sigint_group" and flush_at != -1:
+        # Ctrl-C reaches every process of the group at once: a scheduler usually ends on its
+        # KeyboardInterrupt first, but on a busy machine the main process can reach
+        # launch_server's kill_process_tree while one still runs; it is then flushed, once,
+        # before the kill (which of the two comes first is the OS's scheduling, not a fault)
+        assert kill_at == -1 or flush_at < kill_at
+        assert [line["at"] for line in run.pools].count("flush") <= 1
     else:  # the schedulers exited on their own (SIGTERM, Ctrl-C) or were killed from outside
         assert flush_at == -1
 
