@@ -49,7 +49,7 @@ import torch
 
 from otel_swa.device.write_check import LayerStore
 
-__all__ = ["paged_kv_views", "paged_layer_store"]
+__all__ = ["paged_kv_views", "paged_layer_store", "unchecked_store"]
 
 
 def paged_kv_views(kv_cache: torch.Tensor, head_size: int) -> "tuple[torch.Tensor, torch.Tensor]":
@@ -117,3 +117,12 @@ def paged_layer_store(layer_id: int, swa: bool, key: "torch.Tensor | None", valu
         query_start_loc[:-1] if query_start_loc is not None else None,
         int(key_cache.shape[1]),
     )
+
+
+def unchecked_store(layer_id: int, swa: bool, slot_mapping: torch.Tensor) -> LayerStore:
+    """A store the write check counts unchecked, one per token of ``slot_mapping`` that is not
+    padding (a cache of a layout :func:`paged_kv_views` does not know). Its buffers are a ``[1, 1,
+    1]`` placeholder on ``slot_mapping``'s device, made at each call."""
+    placeholder = torch.zeros((1, 1, 1), device=slot_mapping.device)
+    return LayerStore(layer_id, bool(swa), None, None, placeholder, placeholder, slot_mapping.clamp(min=0),
+                      block_size=1)

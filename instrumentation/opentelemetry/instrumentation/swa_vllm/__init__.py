@@ -106,6 +106,7 @@ import weakref
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from opentelemetry.instrumentation.swa_vllm import write_check as _write_check
 from opentelemetry.instrumentation.swa_vllm.package import _instruments
 
 from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
@@ -152,10 +153,19 @@ class SwaVllmInstrumentor(EngineInstrumentor):
     distribution = "vllm"
     instruments = _instruments
     wrapped = WRAPPED
+    more_wrapped = _write_check.MORE_WRAPPED
     version_error = VllmVersionError
 
     def _wrappers(self) -> tuple:
         return (self._wrap_schedule, self._wrap_execute_model, self._wrap_execute_model)
+
+    def _more_wrappers(self) -> tuple:
+        wrap = _write_check.wrap_initialize_kv_cache(self._originals)
+        return (wrap, wrap)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        _write_check.REGISTRY.clear()
+        super()._uninstrument(**kwargs)
 
     def _resolve_more(self) -> None:
         self._swa_manager_class = self._resolve(*_SLIDING_WINDOW_MANAGER)
@@ -191,6 +201,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                                              block_audit=audit, audit_failures=0,
                                              block_hashes=BlockHashCheck() if audit else None)
                     weakref.finalize(scheduler, reporter.close)
+                    _write_check.REGISTRY.add_reporter(reporter)
         except Exception:
             _log.exception("instrumenting a vLLM scheduler failed; it runs uninstrumented")
             wiring = None
@@ -286,6 +297,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                 if dummy:  # warm-up, profiling: not a forward step of the engine
                     return original(runner, scheduler_output, *args, **kwargs)
             with contextlib.ExitStack() as stack:
+                wired = runner.__dict__.get(_write_check.RUNNER_ATTRIBUTE)
                 try:
                     if getattr(scheduler_output, "total_num_scheduled_tokens", 1):
                         forward_ct = runner.__dict__.get(_FORWARD_CT_ATTRIBUTE, 0) + 1
@@ -298,6 +310,11 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                         ))
                 except Exception:
                     _log.exception("forward-step span not started")
-                return original(runner, scheduler_output, *args, **kwargs)
+                if wired is not None:
+                    wired.before_forward()
+                result = original(runner, scheduler_output, *args, **kwargs)
+                if wired is not None:
+                    wired.after_forward(runner)
+                return result
 
         return execute_model
