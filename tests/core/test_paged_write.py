@@ -119,3 +119,22 @@ def test_more_tokens_than_checked_rotate():
 def test_wrong_shape_raises():
     with pytest.raises(ValueError, match="2 \\* 8"):
         paged_kv_views(torch.zeros(2, BLOCKS, BS, H, D), D)
+
+
+@pytest.mark.parametrize("due", [False, True])
+def test_recorded_path_counts_only_under_the_flag(due):
+    """The path a CUDA graph holds (``force_recorded``, as the CPU tests of the gate drive it): the
+    same counts as the eager check when the flag is set, none when it is not."""
+    k, v = _kv(5)
+    slots = [17, 35, -1, 50, 51]
+    cache = _cache("LBNHC")
+    _reshape_and_cache_flash(cache, k, v, [s + 1 if s >= 0 else s for s in slots])
+    eager = _run(cache, slots, k, v)
+    gate = SamplingGate("cpu")
+    gate.force_recorded = True
+    gate.set(due)
+    check = WriteCheck("cpu", gate)
+    check.check_layer(paged_layer_store(3, False, k, v, cache, torch.tensor(slots), head_size=D))
+    values = check.take().tolist()
+    assert eager[0] == (4, 4, 0)
+    assert (write_counts(values), write_offender_fields(values)) == (eager if due else ((0, 0, 0), None))
