@@ -124,7 +124,7 @@ class _Pending(NamedTuple):
     block_hashes: Any = None  # the view's kv_block_hashes (host values: views.base.BlockHashFindings)
     # an attached write check's batch (request ids of the step it checked) and layer names / groups
     write_request_ids: "tuple[str, ...] | None" = None
-    write_layers: "Mapping[int, tuple[str | None, int | None]] | None" = None
+    write_layers: "Mapping[int, tuple[str | None, int | None, bool]] | None" = None
 
 
 class SwaDivergenceReporter:
@@ -244,7 +244,7 @@ class SwaDivergenceReporter:
         self._provenance: "KvProvenance | None" = None
         self._write_check: "WriteCheck | None" = None  # attach_write_check's
         self._write_batch: "Callable[[], Any] | None" = None
-        self._write_layers: "Mapping[int, tuple[str | None, int | None]] | None" = None
+        self._write_layers: "Mapping[int, tuple[str | None, int | None, bool]] | None" = None
         self._other_gates: "list[SamplingGate]" = []  # gates on other devices that before_forward sets
         self._liveness_hook: "str | None" = None  # set by expect_steps_from
         self._init_state()
@@ -469,7 +469,7 @@ class SwaDivergenceReporter:
         return self._provenance
 
     def attach_write_check(self, check: WriteCheck, *, batch: "Callable[[], Any] | None" = None,
-                           layers: "Mapping[int, tuple[str | None, int | None]] | None" = None) -> None:
+                           layers: "Mapping[int, tuple[str | None, int | None, bool]] | None" = None) -> None:
         """Take the cells of a write check the engine runs itself
         (:class:`~otel_swa.device.write_check.WriteCheck`, made before this reporter, e.g. where
         the model runner is set up before the scheduler exists, on the KV cache's device, which
@@ -489,8 +489,11 @@ class SwaDivergenceReporter:
             batch: returns, when a sample is taken, the request ids of the forward step whose
                 checks the cells hold (a sequence of strings, index = the offender's ``entry``),
                 or ``None`` when unknown; an exception is logged and taken as ``None``.
-            layers: ``layer_id -> (layer name, KV cache group)`` for the offender (either
-                ``None`` when unknown).
+            layers: ``layer_id -> (layer name, KV cache group, rows)`` for the offender (name and
+                group ``None`` when unknown); ``rows``: the check's ``entry`` is the token's batch
+                row (the layer's store gave ``extend_start_loc``), so ``batch()[entry]`` is its
+                request; else the entry is a token index and neither row nor request is named. A
+                layer not in the mapping: no name, no group, no row.
 
         Raises:
             TypeError: ``check`` is not a ``WriteCheck``.
@@ -869,10 +872,11 @@ def _provenance_offenders(reading: Any, pending: _Pending) -> "list[Offender]":
         if pending.write_layers is not None:  # an attached write check (attach_write_check)
             ids = pending.write_request_ids
             entry = write["entry"]
-            name, group = pending.write_layers.get(write["layer"], (None, None))
+            name, group, rows = pending.write_layers.get(write["layer"], (None, None, False))
+            known = rows and 0 <= entry
             offenders.append(Offender(
-                "kv_write_mismatches", request=ids[entry] if ids is not None and 0 <= entry < len(ids) else None,
-                row=entry, position=write["position"], full_slot=write["full_slot"], swa_slot=swa,
+                "kv_write_mismatches", request=ids[entry] if known and ids is not None and entry < len(ids) else None,
+                row=entry if known else None, position=write["position"], full_slot=write["full_slot"], swa_slot=swa,
                 layer=write["layer"], layer_name=name, kv_cache_group=group, pool=write["pool"],
             ))
         else:

@@ -47,6 +47,9 @@ SUPPORTED_IMPLS = (
     ("vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl"),
     ("vllm.v1.attention.backends.flashinfer", "FlashInferImpl"),
 )
+#: The implementations whose attention metadata has no ``query_start_loc`` (the offender's batch row
+#: and request are then not named).
+_NO_ROWS = ("FlashInferImpl",)
 #: KV cache spec classes whose groups are of the sliding-window kind (the others named here: full).
 _WINDOW_SPECS = ("SlidingWindowSpec", "ChunkedLocalAttentionSpec")
 _FULL_SPECS = ("FullAttentionSpec",)
@@ -64,6 +67,8 @@ class WriteLayer:
             the list when the name has none or shares it.
         group: the index of its KV cache group in ``kv_cache_config.kv_cache_groups``.
         swa: the group is of the sliding-window kind.
+        rows: the backend's attention metadata carries ``query_start_loc`` (FlashAttention,
+            Triton), so a token's batch row, hence its request, is known; FlashInfer's does not.
     """
 
     name: str
@@ -71,6 +76,7 @@ class WriteLayer:
     layer_id: int
     group: int
     swa: bool
+    rows: bool = True
 
 
 def _spec_kind(spec: Any) -> "bool | None":
@@ -112,7 +118,7 @@ def write_layers(kv_cache_config: Any, forward_context: "dict[str, Any]") -> "tu
             if layer_id is None:
                 layer_id = max(used, default=-1) + 1
             used.add(layer_id)
-            layers.append(WriteLayer(name, module, layer_id, group_index, swa))
+            layers.append(WriteLayer(name, module, layer_id, group_index, swa, type(impl).__name__ not in _NO_ROWS))
     return layers, left_out
 
 
@@ -152,7 +158,7 @@ def layer_store(write_layer: WriteLayer, impl: Any, key: Any, value: Any, kv_cac
     head_size = int(getattr(impl, "head_size", 0) or 0)
     if head_size < 1 or kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
         return unchecked_store(write_layer.layer_id, write_layer.swa, slot_mapping)
-    if query_start_loc is None:
+    if query_start_loc is None and write_layer.rows:
         query_start_loc = _query_start_loc(write_layer.name)
     return paged_layer_store(write_layer.layer_id, write_layer.swa, key, value, kv_cache, slot_mapping,
                              head_size=head_size, positions=positions, query_start_loc=query_start_loc,

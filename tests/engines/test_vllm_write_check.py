@@ -306,3 +306,20 @@ def test_shim_signatures_match_vllm_source():
     for path in ("v1/worker/gpu_model_runner.py", "v1/worker/gpu/model_runner.py"):
         assert _parameters((root / path).read_text(), "GPUModelRunner", "initialize_kv_cache") == [
             "self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"]
+
+
+def test_flashinfer_metadata_has_no_rows_so_no_request_is_named(engine):
+    # FlashInfer's metadata has no query_start_loc: the entry is a token index, not a batch row
+    flashinfer = type("FlashInferImpl", (shim.FlashAttentionImpl,), {})  # inherits the store
+    scheduler, runner, _, _ = engine()
+    for layer in runner.layers.values():
+        layer.impl = flashinfer(shim.HEAD_SIZE)
+    runner.initialize_kv_cache(kv_cache_config())  # wired again, with these layers
+    shim.FlashAttentionImpl.fault = "slot+1"
+    records = drive(scheduler, runner)
+    step = runner.steps[checked_forward(records[0]) - 1]
+    offender = records[0].offender("kv_write_mismatches")
+    assert records[0].kv_write_mismatches == recount(step)
+    assert (offender.request, offender.row) == (None, None)
+    assert offender.position in step.positions and offender.layer_name in dict(shim.LAYERS)
+    assert "do_kv_cache_update" in flashinfer.__dict__  # wrapped on the class that runs it

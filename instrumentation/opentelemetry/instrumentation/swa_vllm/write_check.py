@@ -101,8 +101,8 @@ class RunnerWriteCheck:
         self.check = WriteCheck(device, self.gate, layers="rotate")
         self.layers = layers
         self.positions = positions
-        #: ``layer_id -> (layer name, KV cache group)`` for the offender.
-        self.layer_names = {w.layer_id: (w.name, w.group) for w in layers}
+        #: ``layer_id -> (layer name, KV cache group, rows known)`` for the offender.
+        self.layer_names = {w.layer_id: (w.name, w.group, w.rows) for w in layers}
         self.reporter: Any = None  # set when paired
         self.request_ids: "list[str] | None" = None  # of the last sampled forward
         self.failures = 0
@@ -212,6 +212,7 @@ def _wrap_store(original: Callable) -> Callable:
                 wired.failed(f"the check failed at layer {write_layer.name}")
         return result
 
+    do_kv_cache_update._otel_swa_store = True
     return do_kv_cache_update
 
 
@@ -247,7 +248,10 @@ def wire_runner(runner: Any, kv_cache_config: Any, originals: dict) -> "RunnerWr
 
             own = cls.__dict__.get("do_kv_cache_update")
             originals[(cls, "do_kv_cache_update")] = _ABSENT if own is None else own  # inherited: removed again
-            setattr(cls, "do_kv_cache_update", _wrap_store(own if own is not None else cls.do_kv_cache_update))
+            function = own if own is not None else cls.do_kv_cache_update
+            if getattr(function, "_otel_swa_store", False):  # inherited from a class wrapped already
+                function = function.__wrapped__
+            setattr(cls, "do_kv_cache_update", _wrap_store(function))
     runner.__dict__[RUNNER_ATTRIBUTE] = wired
     REGISTRY.add_check(wired)
     return wired
