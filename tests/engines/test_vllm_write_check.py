@@ -323,3 +323,13 @@ def test_flashinfer_metadata_has_no_rows_so_no_request_is_named(engine):
     assert (offender.request, offender.row) == (None, None)
     assert offender.position in step.positions and offender.layer_name in dict(shim.LAYERS)
     assert "do_kv_cache_update" in flashinfer.__dict__  # wrapped on the class that runs it
+
+
+def test_a_kv_cache_initialized_again_after_pairing_replaces_the_check(engine):
+    scheduler, runner, _, _ = engine()
+    drive(scheduler, runner, steps=3)  # paired at the first schedule()
+    runner.initialize_kv_cache(kv_cache_config())  # vLLM may allocate the KV cache again
+    shim.FlashAttentionImpl.fault = "slot+1"
+    records = drive(scheduler, runner, steps=3)
+    step = runner.steps[checked_forward(records[-1]) - 1]
+    assert (records[-1].kv_write_checks, records[-1].kv_write_mismatches) == (recount(step), recount(step))

@@ -104,6 +104,7 @@ class RunnerWriteCheck:
         #: ``layer_id -> (layer name, KV cache group, rows known)`` for the offender.
         self.layer_names = {w.layer_id: (w.name, w.group, w.rows) for w in layers}
         self.reporter: Any = None  # set when paired
+        self.runner: "weakref.ref | None" = None  # set by the registry
         self.request_ids: "list[str] | None" = None  # of the last sampled forward
         self.failures = 0
 
@@ -161,8 +162,18 @@ class _Registry:
         self._reporters.append(weakref.ref(reporter))
         self._pair()
 
-    def add_check(self, wired: RunnerWriteCheck) -> None:
-        self._checks.append(weakref.ref(wired))
+    def add_check(self, wired: RunnerWriteCheck, runner: Any) -> None:
+        """Register a runner's check; one the same runner had before (a KV cache initialized
+        again) is dropped, and a reporter paired with it is given the new one."""
+        kept = []
+        for ref in self._checks:
+            old = ref()
+            if old is not None and old.runner is not None and old.runner() is runner:
+                old.reporter = None
+                continue
+            kept.append(ref)
+        wired.runner = weakref.ref(runner)
+        self._checks = kept + [weakref.ref(wired)]
         self._pair()
 
     def clear(self) -> None:
@@ -253,7 +264,7 @@ def wire_runner(runner: Any, kv_cache_config: Any, originals: dict) -> "RunnerWr
                 function = function.__wrapped__
             setattr(cls, "do_kv_cache_update", _wrap_store(function))
     runner.__dict__[RUNNER_ATTRIBUTE] = wired
-    REGISTRY.add_check(wired)
+    REGISTRY.add_check(wired, runner)
     return wired
 
 
