@@ -86,8 +86,9 @@ def engine(monkeypatch, tmp_path):
 
 def kv_cache_config():
     """Stands in for vLLM's ``KVCacheConfig``: ``kv_cache_groups[i].layer_names`` / ``.kv_cache_spec``."""
-    groups = [SimpleNamespace(layer_names=[n for n, g in shim.LAYERS if g == 0], kv_cache_spec=shim.FullAttentionSpec()),
-              SimpleNamespace(layer_names=[n for n, g in shim.LAYERS if g == 1], kv_cache_spec=shim.SlidingWindowSpec())]
+    specs = (shim.FullAttentionSpec(), shim.SlidingWindowSpec())
+    groups = [SimpleNamespace(layer_names=[n for n, g in shim.LAYERS if g == group], kv_cache_spec=spec)
+              for group, spec in enumerate(specs)]
     return SimpleNamespace(kv_cache_groups=groups)
 
 
@@ -299,7 +300,8 @@ def test_shim_signatures_match_vllm_source():
     source = (root / "model_executor/layers/attention/attention.py").read_text()
     assert _function_parameters(source, "unified_kv_cache_update") == ["key", "value", "layer_name"]
     assert "attn_layer.impl.do_kv_cache_update(" in source
-    assert "kv_cache.transpose(1, 2).split(self.head_size, dim=-1)" in (root / "v1/attention/backends/flash_attn.py").read_text()
+    split = "kv_cache.transpose(1, 2).split(self.head_size, dim=-1)"
+    assert split in (root / "v1/attention/backends/flash_attn.py").read_text()
     ops = (root / "_custom_ops.py").read_text()
     assert _function_parameters(ops, "reshape_and_cache_flash") == [
         "key", "value", "key_cache", "value_cache", "slot_mapping", "kv_cache_dtype", "k_scale", "v_scale"]

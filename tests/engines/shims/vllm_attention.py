@@ -247,4 +247,5 @@ class Scheduler:
         return SimpleNamespace(
             num_scheduled_tokens=scheduled, total_num_scheduled_tokens=sum(scheduled.values()),
             num_computed_tokens={rid: self.requests[rid].num_computed_tokens for rid in scheduled},
-            block_tables=[{rid: [b.block_id for b in m.req_to_blocks[rid]] for rid in scheduled} for m in self.managers])
+            block_tables=[{rid: [b.block_id for b in m.req_to_blocks[rid]] for rid in scheduled}
+                          for m in self.managers])
