@@ -47,6 +47,7 @@ from otel_swa.device.audit import SwaAuditSweep
 from otel_swa.device.gate import GRAPH_MODES, SamplingGate
 from otel_swa.device.provenance import KvProvenance
 from otel_swa.device.read_check import READ_CHECK_MODES, ReadCheck
+from otel_swa.device.write_check import WriteCheck
 from otel_swa.record import MICRO_BATCH_MAX, VERIFY_SOURCES, LivenessWarning, Offender, SwaDivergenceRecord
 from otel_swa.views.base import SwaBatchView, validate_view
 
@@ -121,6 +122,9 @@ class _Pending(NamedTuple):
     batch_holders: "tuple | None" = None
     audit_request_ids: "tuple[str, ...] | None" = None  # the batch's request ids at that sample
     block_hashes: Any = None  # the view's kv_block_hashes (host values: views.base.BlockHashFindings)
+    # an attached write check's batch (request ids of the step it checked) and layer names / groups
+    write_request_ids: "tuple[str, ...] | None" = None
+    write_layers: "Mapping[int, tuple[str | None, int | None, bool]] | None" = None
 
 
 class SwaDivergenceReporter:
@@ -238,6 +242,10 @@ class SwaDivergenceReporter:
         self._gate = SamplingGate(self.device, graph_mode=graph_mode)
         self._read_check: "ReadCheck | None" = None
         self._provenance: "KvProvenance | None" = None
+        self._write_check: "WriteCheck | None" = None  # attach_write_check's
+        self._write_batch: "Callable[[], Any] | None" = None
+        self._write_layers: "Mapping[int, tuple[str | None, int | None, bool]] | None" = None
+        self._other_gates: "list[SamplingGate]" = []  # gates on other devices that before_forward sets
         self._liveness_hook: "str | None" = None  # set by expect_steps_from
         self._init_state()
 
@@ -359,9 +367,9 @@ class SwaDivergenceReporter:
             else:
                 self._round = None
         else:
-            self._gate.due = self._due_next(None)
+            self._set_host_due(self._due_next(None))
             return
-        self._gate.due = self._due_next(None)  # the next forward's, until before_forward() says more
+        self._set_host_due(self._due_next(None))  # the next forward's, until before_forward() says more
         if due:
             with self._lock:
                 if not self._closed:
@@ -391,7 +399,17 @@ class SwaDivergenceReporter:
         _check_micro_batch(micro_batch)
         if self._closed or (self._cuda and torch.cuda.is_current_stream_capturing()):
             return
-        self._gate.set(self._due_next(micro_batch))
+        due = self._due_next(micro_batch)
+        self._gate.set(due)
+        for gate in self._other_gates:
+            if not gate.capturing():
+                gate.set(due)
+
+    def _set_host_due(self, due: bool) -> None:
+        """The host's decision for the next forward, on every gate (no device work)."""
+        self._gate.due = due
+        for gate in self._other_gates:
+            gate.due = due
 
     def _due_next(self, micro_batch: "int | None") -> bool:
         """Whether the next :meth:`step` samples (its ``forward_ct`` and, in a round of
@@ -449,6 +467,62 @@ class SwaDivergenceReporter:
     def provenance(self) -> "KvProvenance | None":
         """Provenance, or ``None`` while it is off."""
         return self._provenance
+
+    def attach_write_check(self, check: WriteCheck, *, batch: "Callable[[], Any] | None" = None,
+                           layers: "Mapping[int, tuple[str | None, int | None, bool]] | None" = None) -> None:
+        """Take the cells of a write check the engine runs itself
+        (:class:`~otel_swa.device.write_check.WriteCheck`, made before this reporter, e.g. where
+        the model runner is set up before the scheduler exists, on the KV cache's device, which
+        may differ from this reporter's) into every sample: the record's ``kv_write_*`` fields and
+        the first mismatch as a ``kv_write_mismatches`` offender. Used instead of provenance's write
+        check when both exist.
+
+        :meth:`before_forward` then also sets ``check.gate`` (when it is not this reporter's own
+        gate): the engine calls :meth:`before_forward` before each forward and the check's
+        ``check_layer`` after each layer's store, as with provenance. The sample copies the
+        check's cells into the staged sample (a copy from the check's device: where that is a GPU
+        and this reporter's device the CPU, the copy waits for the work queued on the current
+        stream, once per sample).
+
+        Args:
+            check: the write check.
+            batch: returns, when a sample is taken, the request ids of the forward step whose
+                checks the cells hold (a sequence of strings, index = the offender's ``entry``),
+                or ``None`` when unknown; an exception is logged and taken as ``None``.
+            layers: ``layer_id -> (layer name, KV cache group, rows)`` for the offender (name and
+                group ``None`` when unknown); ``rows``: the check's ``entry`` is the token's batch
+                row (the layer's store gave ``extend_start_loc``), so ``batch()[entry]`` is its
+                request; else the entry is a token index and neither row nor request is named. A
+                layer not in the mapping: no name, no group, no row.
+
+        Raises:
+            TypeError: ``check`` is not a ``WriteCheck``.
+        """
+        if not isinstance(check, WriteCheck):
+            raise TypeError(f"check must be a WriteCheck, got {type(check).__name__}")
+        self._write_check = check
+        self._write_batch = batch
+        self._write_layers = dict(layers) if layers is not None else None
+        if check.gate is not self._gate and all(g is not check.gate for g in self._other_gates):
+            self._other_gates.append(check.gate)
+            check.gate.due = self._gate.due
+
+    @property
+    def write_check(self) -> "WriteCheck | None":
+        """The write check whose cells the samples take: the attached one, else provenance's."""
+        if self._write_check is not None:
+            return self._write_check
+        return self._provenance.write_check if self._provenance is not None else None
+
+    def _write_request_ids(self) -> "tuple[str, ...] | None":
+        if self._write_batch is None:
+            return None
+        try:
+            ids = self._write_batch()
+            return None if ids is None else tuple(str(r) for r in ids)
+        except Exception:
+            _log.exception("otel-swa: the write check's batch was not read; its offender names no request")
+            return None
 
     # ------------------------------------------------------------------ the read check
     def enable_read_check(self, *, max_queries: int = 8, layers: str = READ_CHECK_MODES[0]) -> ReadCheck:
@@ -674,7 +748,7 @@ class SwaDivergenceReporter:
             read_check=self._read_check,
             kv_block_audit=getattr(view, "kv_block_audit", None),
             audit_sweep=self._audit_sweep,
-            write_check=provenance.write_check if provenance is not None else None,
+            write_check=self.write_check,
             provenance=(functools.partial(provenance.stage, view=view, upload=functools.partial(
                 self._ring.upload, slot, name="provenance")) if provenance is not None else None),
         )
@@ -699,6 +773,8 @@ class SwaDivergenceReporter:
             tuple(str(r) for r in blocks.held_request_ids) if blocks is not None else None,
             origin[0] if origin else None, origin[1] if origin else None,
             block_hashes=getattr(view, "kv_block_hashes", None),
+            write_request_ids=self._write_request_ids() if self._write_check is not None else None,
+            write_layers=(self._write_layers or {}) if self._write_check is not None else None,
         ))
         # Advanced only now: a sample that failed above leaves its slot free for the next one.
         self._next_slot = (slot + 1) % self._ring.slots
@@ -793,11 +869,22 @@ def _provenance_offenders(reading: Any, pending: _Pending) -> "list[Offender]":
     write = reading.write_offender
     if write is not None and reading.write and reading.write[1] > 0:
         swa = write["swa_slot"]
-        offenders.append(Offender(
-            "kv_write_mismatches", request=_request(pending, write["entry"]), position=write["position"],
-            full_slot=write["full_slot"], swa_slot=swa, swa_page=swa // page if page and swa is not None else None,
-            layer=write["layer"], pool=write["pool"],
-        ))
+        if pending.write_layers is not None:  # an attached write check (attach_write_check)
+            ids = pending.write_request_ids
+            entry = write["entry"]
+            name, group, rows = pending.write_layers.get(write["layer"], (None, None, False))
+            known = rows and 0 <= entry
+            offenders.append(Offender(
+                "kv_write_mismatches", request=ids[entry] if known and ids is not None and entry < len(ids) else None,
+                row=entry if known else None, position=write["position"], full_slot=write["full_slot"], swa_slot=swa,
+                layer=write["layer"], layer_name=name, kv_cache_group=group, pool=write["pool"],
+            ))
+        else:
+            offenders.append(Offender(
+                "kv_write_mismatches", request=_request(pending, write["entry"]), position=write["position"],
+                full_slot=write["full_slot"], swa_slot=swa,
+                swa_page=swa // page if page and swa is not None else None, layer=write["layer"], pool=write["pool"],
+            ))
     prov = reading.provenance
     for fault, where in (("kv_foreign_tokens", prov.foreign_offender if prov else None),
                          ("kv_corrupt_tokens", prov.corrupt_offender if prov else None)):

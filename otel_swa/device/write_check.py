@@ -13,7 +13,12 @@ tables name:
 
 * a layer whose buffers are the FULL pool's: the FULL slot, ``out_cache_loc``;
 * a layer whose buffers are the SWA pool's (SGLang's sliding-window layers of a hybrid model): the
-  SWA slot ``full_to_swa_index_mapping[out_cache_loc]``.
+  SWA slot ``full_to_swa_index_mapping[out_cache_loc]``;
+* a paged store (:attr:`LayerStore.block_size` set: vLLM's, :mod:`otel_swa.device.paged_write`):
+  the slot the engine's own slot mapping gives the layer's KV cache group (no further mapping, for
+  either kind), read at block ``slot // block_size``, offset ``slot % block_size`` of buffers
+  ``[num_blocks, block_size, ...]`` of any strides (a gather of the compared rows, no copy of the
+  cache).
 
 A difference is a write at the wrong index (sgl-project/sglang#20181's class: write indices taken
 from the wrong pool; a sliding-window layer writing at the raw FULL slot), a write into another
@@ -54,8 +59,8 @@ WRITE_CELLS = (
     "found",  # 1 once a mismatch was recorded below
     "entry",  # its batch entry (the token's index in the step for a decode batch)
     "position",  # its position (-1 when the caller gave no positions)
-    "full_slot",  # its FULL slot (out_cache_loc)
-    "swa_slot",  # its SWA slot (-1 without a mapping)
+    "full_slot",  # its FULL slot (out_cache_loc; -1 for a paged store of the SWA kind)
+    "swa_slot",  # its SWA slot (-1 without a mapping; a paged store of the SWA kind: its own slot)
     "layer",  # the layer_id
     "swa",  # 1 when the layer's buffers are the SWA pool's, 0 for the FULL pool's
 )
@@ -87,6 +92,12 @@ class LayerStore(NamedTuple):
         positions: ``int [T]`` (for the offender), or ``None``.
         extend_start_loc: ``int [B]`` the first token of each request (extend batches; for the
             offender's batch entry), or ``None`` (token ``i`` is entry ``i``).
+        block_size: ``None`` (default): the buffers are ``[slots, ...]``, indexed by slot. An int
+            >= 1: a paged store, the buffers are ``[num_blocks, block_size, ...]`` (any strides),
+            ``out_cache_loc`` holds the slots of the layer's own KV cache group (``block *
+            block_size + offset``; vLLM's slot mapping), read without any mapping; ``swa`` then only
+            names the offender's pool (its slot goes to the ``swa_slot`` cell, the ``full_slot``
+            cell holds -1).
     """
 
     layer_id: int
@@ -99,6 +110,7 @@ class LayerStore(NamedTuple):
     full_to_swa_index_mapping: "torch.Tensor | None" = None
     positions: "torch.Tensor | None" = None
     extend_start_loc: "torch.Tensor | None" = None
+    block_size: "int | None" = None
 
 
 class WriteCheck:
@@ -145,32 +157,47 @@ class WriteCheck:
         the layer's forward. Inputs it cannot compare (``k``/``v`` missing or of another size, a
         cache dtype outside :data:`~otel_swa.device.checksum.HASHED_DTYPES`, rows that are not
         contiguous, ``swa`` without a mapping) are counted unchecked, never raised."""
-        layer_id, swa, k, v, k_buffer, v_buffer, out_cache_loc, mapping, positions, extend_start_loc = store
+        layer_id, swa, k, v, k_buffer, v_buffer, out_cache_loc, mapping, positions, extend_start_loc, block_size = store
         tokens = int(out_cache_loc.shape[0])
         if tokens == 0:
             return
         count = min(self.max_tokens, tokens)
         cells = self.cells
+        paged = block_size is not None
         with self.gate.region() as mask:
             idx = torch.remainder(self._arange[:count] + self._start, tokens)
             loc = out_cache_loc.index_select(0, idx).long()
             valid = loc.ne(0)
-            n = int(k_buffer.shape[0]) if k_buffer.dim() >= 1 else 0
+            if paged:
+                n = int(k_buffer.shape[0]) * int(block_size) if k_buffer.dim() >= 2 else 0
+                row = k_buffer[0, 0].numel() if n else 0
+                v_row = v_buffer[0, 0].numel() if v_buffer.dim() >= 2 and v_buffer.shape[0] else 0
+                shaped = (n > 0 and int(block_size) >= 1 and k_buffer.shape[1] == block_size
+                          and v_buffer.shape[:2] == k_buffer.shape[:2])
+            else:
+                n = int(k_buffer.shape[0]) if k_buffer.dim() >= 1 else 0
+                row = k_buffer[0].numel() if n else 0
+                v_row = v_buffer[0].numel() if n and v_buffer.dim() >= 1 and v_buffer.shape[0] else 0
+                shaped = n > 0 and v_buffer.shape[0] == n and rows_viewable(k_buffer) and rows_viewable(v_buffer)
             supported = (
-                k is not None and v is not None and n > 0 and k_buffer.dtype in HASHED_DTYPES
-                and v_buffer.dtype == k_buffer.dtype and v_buffer.shape[0] == n
-                and k.numel() == tokens * k_buffer[0].numel() and v.numel() == tokens * v_buffer[0].numel()
-                and rows_viewable(k_buffer) and rows_viewable(v_buffer) and (mapping is not None or not swa)
+                k is not None and v is not None and shaped and k_buffer.dtype in HASHED_DTYPES
+                and v_buffer.dtype == k_buffer.dtype and k.numel() == tokens * row and v.numel() == tokens * v_row
+                and (mapping is not None or not swa or paged)
             )
             if not supported:
                 cells[_C["unchecked"]] += masked(valid.sum(), mask)
                 return
             swa_slot = mapping.index_select(0, loc.clamp(0, mapping.shape[0] - 1)).long() if mapping is not None else None
-            slot = (swa_slot if swa else loc).clamp(0, n - 1)
+            slot = (swa_slot if swa and not paged else loc).clamp(0, n - 1)
+            if paged:
+                block, offset = slot.div(int(block_size), rounding_mode="floor"), slot.remainder(int(block_size))
             bits = _BITS[k_buffer.element_size()]
             same = None
             for given, buffer in ((k, k_buffer), (v, v_buffer)):
-                stored = buffer.view(n, -1).index_select(0, slot).view(bits)
+                if paged:
+                    stored = buffer[block, offset].reshape(count, -1).view(bits)
+                else:
+                    stored = buffer.view(n, -1).index_select(0, slot).view(bits)
                 wrote = given.reshape(tokens, -1).index_select(0, idx).to(buffer.dtype).view(bits)
                 equal = stored.eq(wrote).all(dim=1)
                 same = equal if same is None else same.logical_and_(equal)
@@ -182,9 +209,13 @@ class WriteCheck:
             else:
                 entry = torch.searchsorted(extend_start_loc.long(), idx, right=True).sub_(1)
             position = positions.index_select(0, idx).long() if positions is not None else idx.new_full((count,), -1)
-            where = torch.stack([entry, position, loc, swa_slot if swa_slot is not None else idx.new_full((count,), -1),
-                                 idx.new_full((count,), int(layer_id)), idx.new_full((count,), int(bool(swa)))]
-                                ).index_select(1, first).reshape(-1)
+            none = idx.new_full((count,), -1)
+            if paged:
+                full_cell, swa_cell = (none, loc) if swa else (loc, none)
+            else:
+                full_cell, swa_cell = loc, swa_slot if swa_slot is not None else none
+            where = torch.stack([entry, position, full_cell, swa_cell, idx.new_full((count,), int(layer_id)),
+                                 idx.new_full((count,), int(bool(swa)))]).index_select(1, first).reshape(-1)
             commit_counts(cells, valid.sum(), found, where, mask)
 
     def take(self, out: "torch.Tensor | None" = None) -> torch.Tensor:
@@ -210,13 +241,13 @@ def write_counts(values: Sequence[int]) -> "tuple[int, int, int]":
 
 def write_offender_fields(values: Sequence[int]) -> "dict[str, int | str | None] | None":
     """The first mismatch (``entry``, ``position``, ``full_slot``, ``swa_slot``, ``layer``, ``pool``
-    (``"full"``/``"swa"``); a position or SWA slot not known is ``None``), or ``None`` when nothing
+    (``"full"``/``"swa"``); a position or slot not known is ``None``), or ``None`` when nothing
     mismatched."""
     if not values[_C["found"]]:
         return None
     fields: dict = {name: int(values[_C[name]]) for name in WRITE_CELLS[_C["entry"]:_C["layer"] + 1]}
     fields["pool"] = "swa" if values[_C["swa"]] else "full"
-    for name in ("position", "swa_slot"):
+    for name in ("position", "full_slot", "swa_slot"):
         if fields[name] < 0:
             fields[name] = None
     return fields

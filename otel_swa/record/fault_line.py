@@ -41,7 +41,8 @@ FAULT_FIELDS = (
 #: ``request`` (the engine's request id, a string), ``row`` (its ``req_to_token`` row, or its batch
 #: entry where the engine has no rows), ``position`` (token position in the request), ``full_slot``,
 #: ``swa_slot``, ``swa_page``, ``other_full_slot`` (a shared SWA slot's second FULL slot),
-#: ``layer`` (the attention layer: read and write mismatches), ``block`` (a KV block id, vLLM),
+#: ``layer`` (the attention layer: read and write mismatches), ``layer_name`` (its name in the
+#: engine, a string: vLLM's ``model.layers.3.self_attn.attn``), ``block`` (a KV block id, vLLM),
 #: ``kv_cache_group`` (vLLM's KV cache group of that block), then the provenance checks' keys:
 #: ``pool`` (the KV pool of the slot, :data:`OFFENDER_POOLS`), ``expected_token`` and
 #: ``expected_position`` (what the stamp expected from the request's own tokens says),
@@ -56,6 +57,7 @@ OFFENDER_KEYS = (
     "swa_page",
     "other_full_slot",
     "layer",
+    "layer_name",
     "block",
     "kv_cache_group",
     "pool",
@@ -68,7 +70,7 @@ OFFENDER_KEYS = (
 #: The values of :attr:`Offender.pool`: the FULL or the SWA pool (engines with one pool: ``full``).
 OFFENDER_POOLS = ("full", "swa")
 #: The offender keys whose values are strings (the others are ints).
-_STRING_KEYS = ("request", "pool", "other_request")
+_STRING_KEYS = ("request", "layer_name", "pool", "other_request")
 _INT_KEYS = tuple(name for name in OFFENDER_KEYS if name not in _STRING_KEYS)
 
 
@@ -91,7 +93,8 @@ class Offender:
         full_slot, swa_slot, swa_page: the token's FULL slot, its SWA slot and that slot's page (a
             leaked page: ``swa_page`` only).
         other_full_slot: a shared SWA slot's other FULL slot.
-        layer: the attention layer (``layer_id``) of a read mismatch.
+        layer: the attention layer (``layer_id``) of a read or write mismatch.
+        layer_name: that layer's name in the engine (vLLM's layer name), when known.
         block, kv_cache_group: a KV block id and its KV cache group (vLLM's block audit, its block
             hashes).
         pool: the KV pool of the slot (one of :data:`OFFENDER_POOLS`): a write mismatch, a foreign
@@ -102,13 +105,14 @@ class Offender:
             never stamped.
         other_request: the request whose KV (or block) the slot really holds, when known.
 
-    Every location is an int from 0 to :data:`~otel_swa.record.INT64_MAX` (``request``, ``pool``,
-    ``other_request``: a string) or ``None``.
+    Every location is an int from 0 to :data:`~otel_swa.record.INT64_MAX` (``request``,
+    ``layer_name``, ``pool``, ``other_request``: a string) or ``None``.
 
     Raises:
         ValueError: ``fault`` is not one of :data:`FAULT_FIELDS`; a location is negative or above
             int64; ``pool`` is not one of :data:`OFFENDER_POOLS`.
-        TypeError: a location is not an int (``request``, ``pool``, ``other_request``: not a string).
+        TypeError: a location is not an int (``request``, ``layer_name``, ``pool``, ``other_request``:
+            not a string).
     """
 
     fault: str
@@ -120,6 +124,7 @@ class Offender:
     swa_page: "int | None" = None
     other_full_slot: "int | None" = None
     layer: "int | None" = None
+    layer_name: "str | None" = None
     block: "int | None" = None
     kv_cache_group: "int | None" = None
     pool: "str | None" = None
@@ -155,7 +160,7 @@ class Offender:
             _words("FULL slot", self.full_slot),
             _words("SWA slot", self.swa_slot, _words("page", self.swa_page)) or _words("SWA page", self.swa_page),
             _words("also mapped from FULL slot", self.other_full_slot),
-            _words("layer", self.layer),
+            _words("layer", self.layer, self.layer_name) or _words("layer", self.layer_name),
             _words("block", self.block, _words("KV cache group", self.kv_cache_group)),
             None if self.pool is None else f"{self.pool.upper()} pool",
             _stamp_words("expected", self.expected_token, self.expected_position),

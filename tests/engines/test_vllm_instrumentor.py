@@ -43,6 +43,9 @@ class V1GPUModelRunner:
     def __init__(self):
         self.calls = []
 
+    def initialize_kv_cache(self, kv_cache_config, is_profiling=False, kv_cache_allocation_context=None):
+        self.kv_cache_config = kv_cache_config
+
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         self.calls.append(("forward", trace.get_current_span()))
         return None  # as in 0.33: the sampled tokens come from sample_tokens()
@@ -129,8 +132,10 @@ def standin_scheduler_classes():
 def vllm_standin(monkeypatch, tmp_path):
     def install(version: str = "0.33.0"):
         Scheduler, SlidingWindowManager = standin_scheduler_classes()
-        runner_v1 = type("GPUModelRunner", (V1GPUModelRunner,), {"execute_model": V1GPUModelRunner.execute_model})
-        runner_v2 = type("GPUModelRunner", (V2GPUModelRunner,), {"execute_model": V2GPUModelRunner.execute_model})
+        runner_v1 = type("GPUModelRunner", (V1GPUModelRunner,), {
+            "execute_model": V1GPUModelRunner.execute_model, "initialize_kv_cache": V1GPUModelRunner.initialize_kv_cache})
+        runner_v2 = type("GPUModelRunner", (V2GPUModelRunner,), {
+            "execute_model": V2GPUModelRunner.execute_model, "initialize_kv_cache": V2GPUModelRunner.initialize_kv_cache})
         install_standin(monkeypatch, tmp_path, "vllm", version, {
             "vllm.v1.core.sched.scheduler": {"Scheduler": Scheduler},
             "vllm.v1.core.single_type_kv_cache_manager": {"SlidingWindowManager": SlidingWindowManager},
@@ -341,7 +346,7 @@ def _method_parameters(source: str, class_name: str, method: str) -> list[tuple[
 ])
 def test_runner_standins_have_the_signatures_of_vllm_source(path, standin):
     source = (vllm_source_dir() / path).read_text()
-    for method in ("execute_model", "sample_tokens"):
+    for method in ("execute_model", "sample_tokens", "initialize_kv_cache"):
         ours = [(name, None if p.default is inspect.Parameter.empty else repr(p.default))
                 for name, p in inspect.signature(getattr(standin, method)).parameters.items()]
         assert ours == _method_parameters(source, "GPUModelRunner", method), (path, method)

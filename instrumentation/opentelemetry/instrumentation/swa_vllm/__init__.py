@@ -7,7 +7,8 @@ vLLM 0.33.0's real ``Scheduler`` and ``KVCacheManager`` on CPU (``tests/engines/
 stand-ins with the real methods' signatures (checked against 0.33.0's source). Older versions
 were not tested: the lower bound is the tested version, not a known incompatibility.
 
-Instrumenting wraps three methods:
+Instrumenting wraps five methods (and, where the write check is wired, the attention backends'
+stores):
 
 ``vllm.v1.core.sched.scheduler.Scheduler.schedule(self, ...)``
     Once per engine step, after it returns (the batch is decided, its KV blocks are allocated and
@@ -59,7 +60,28 @@ Instrumenting wraps three methods:
     (batch size = scheduled requests); V2's warm-up and profiling calls (``dummy_run=True``) and
     steps with no token are not forward steps and get no span. The span lives in the worker; the
     samples are taken in the scheduler, so their events carry the context current at
-    ``schedule()`` (no forward-step span), unless both run in one call stack.
+    ``schedule()`` (no forward-step span), unless both run in one call stack. Where the runner has
+    a write check, the call first sets its sampling flag (the paired reporter's
+    ``before_forward()``) and, after a sampled forward, keeps the batch's request ids.
+``vllm.v1.worker.gpu.model_runner.GPUModelRunner.initialize_kv_cache(self, kv_cache_config, ...)``
+``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache(self, kv_cache_config, ...)``
+    The write check (:mod:`opentelemetry.instrumentation.swa_vllm.write_check`). After the KV cache
+    is allocated (before vLLM captures its CUDA graphs), a runner on CUDA under the uni-process
+    executor with world size 1 (the model runner in the scheduler's process, vLLM's ``EngineCore``)
+    gets a :class:`~otel_swa.device.write_check.WriteCheck` on its device, and the
+    ``do_kv_cache_update`` of its layers' backends (FlashAttention, Triton, FlashInfer; 0.33's
+    layout in :mod:`otel_swa.device.paged_write`) is wrapped: the original store, then, at sampled
+    steps (and inside a capture, under the sampling flag), for up to 8 new tokens and one layer of
+    each KV cache group kind in turn, the K/V the layer was given compared bit for bit with what its
+    KV cache holds at the slot vLLM's slot mapping names. An exception there is logged once and
+    never breaks the store. The check is attached to the scheduler's reporter when the process holds
+    exactly one of each: the records get ``kv_write_checks``, ``kv_write_mismatches``,
+    ``kv_write_unchecked`` and, on a mismatch, a ``kv_write_mismatches`` offender (request, batch
+    row, position, slot, layer and its name, KV cache group), which ``otel-swa check`` fails on. A
+    record at ``forward_ct`` N carries forward N - 1's check (the sample is taken in ``schedule()``,
+    before the forward of its step). Not wired, and logged once: another device, another executor
+    (``mp``, ``ray``, ``external_launcher``), world size > 1, ``OTEL_SWA_PROVENANCE=off``, several
+    schedulers or runners in one process. fp8 / NVFP4 caches are counted unchecked.
 
 Divergence is not applicable to vLLM (no FULL-to-SWA mapping, see :mod:`otel_swa.views.vllm`).
 Every sample's view sets ``divergence_applicable=False``; the reporter carries it into each
@@ -106,6 +128,7 @@ import weakref
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from opentelemetry.instrumentation.swa_vllm import write_check as _write_check
 from opentelemetry.instrumentation.swa_vllm.package import _instruments
 
 from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
@@ -152,10 +175,19 @@ class SwaVllmInstrumentor(EngineInstrumentor):
     distribution = "vllm"
     instruments = _instruments
     wrapped = WRAPPED
+    more_wrapped = _write_check.MORE_WRAPPED
     version_error = VllmVersionError
 
     def _wrappers(self) -> tuple:
         return (self._wrap_schedule, self._wrap_execute_model, self._wrap_execute_model)
+
+    def _more_wrappers(self) -> tuple:
+        wrap = _write_check.wrap_initialize_kv_cache(self._originals)
+        return (wrap, wrap)
+
+    def _uninstrument(self, **kwargs: Any) -> None:
+        _write_check.REGISTRY.clear()
+        super()._uninstrument(**kwargs)
 
     def _resolve_more(self) -> None:
         self._swa_manager_class = self._resolve(*_SLIDING_WINDOW_MANAGER)
@@ -191,6 +223,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                                              block_audit=audit, audit_failures=0,
                                              block_hashes=BlockHashCheck() if audit else None)
                     weakref.finalize(scheduler, reporter.close)
+                    _write_check.REGISTRY.add_reporter(reporter)
         except Exception:
             _log.exception("instrumenting a vLLM scheduler failed; it runs uninstrumented")
             wiring = None
@@ -286,6 +319,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                 if dummy:  # warm-up, profiling: not a forward step of the engine
                     return original(runner, scheduler_output, *args, **kwargs)
             with contextlib.ExitStack() as stack:
+                wired = runner.__dict__.get(_write_check.RUNNER_ATTRIBUTE)
                 try:
                     if getattr(scheduler_output, "total_num_scheduled_tokens", 1):
                         forward_ct = runner.__dict__.get(_FORWARD_CT_ATTRIBUTE, 0) + 1
@@ -298,6 +332,11 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                         ))
                 except Exception:
                     _log.exception("forward-step span not started")
-                return original(runner, scheduler_output, *args, **kwargs)
+                if wired is not None:
+                    wired.before_forward()
+                result = original(runner, scheduler_output, *args, **kwargs)
+                if wired is not None:
+                    wired.after_forward(runner)
+                return result
 
         return execute_model
