@@ -29,9 +29,12 @@ run of the other):
   parts: a record can stand after another process's log prefix (it then names the wrong rank),
   glued after another rank's record, or at the start of a line without any prefix (an orphan).
   Each rank's records form one sequence in which ``forward_ct`` rises and the totals never fall,
-  so in a log whose lines name ranks a record is given to the rank whose sequence it continues
-  most closely (the smallest rise in ``forward_ct``, then in the totals), its log prefix's rank
-  when several are as close. A record that continues no rank starts a new run of its prefix's
+  so in a log whose lines name ranks and show such interleaving (a record after two prefixes or
+  none) a record is given to the rank whose sequence it continues most closely (the smallest rise
+  in ``forward_ct``, then in the totals), its log prefix's rank when several are as close. In a log
+  whose every record stands after one prefix, a record stays with its prefix's rank whenever that
+  rank's sequence can take it (data-parallel ranks carry different loads: a pace alone would take
+  one rank's records for another's, and a clean log would seem to restart). A record that continues no rank starts a new run of its prefix's
   rank, or, when that rank has just written the same ``forward_ct`` (its prefix was taken by the
   record of a rank that has not written yet), of a rank that has not yet written in the run of
   the log; a record that still fits no rank (its forward_ct not below its prefix rank's) is left
@@ -300,7 +303,8 @@ def _entry_kind(entry: Any) -> str:
 _LEFT_OUT = object()
 
 
-def _attribute(state: _WriterState, hint: str | None, sure: bool, record: SwaDivergenceRecord) -> Any:
+def _attribute(state: _WriterState, hint: str | None, sure: bool, record: SwaDivergenceRecord,
+               whole: bool = False) -> Any:
     """The rank sequence ``record`` belongs to (the module docstring's rule), by the name it has
     while the log is read (the final names come from the prefixes: :func:`_name_sequences`), or
     ``_LEFT_OUT``; a 1-tuple ``(rank,)`` for a record that goes there without starting a run.
@@ -310,7 +314,15 @@ def _attribute(state: _WriterState, hint: str | None, sure: bool, record: SwaDiv
     forward_ct within two sampling intervals), a new run of a rank that has not begun (its prefix's
     first), else of its prefix's rank; else the sequence whose pace it fits best with its
     forward_ct above (an earlier guess gave that sequence a record of another); else it is left
-    out."""
+    out. In a log whose lines are all whole (``whole``: every record after one prefix, its own),
+    a record stays with its prefix's rank whenever that rank's sequence can take it (``forward_ct``
+    above, totals not below): the ranks of a data-parallel engine carry different loads, so another
+    rank's pace may fit a record better than its own rank's, and only a contradiction outweighs the
+    prefix its own line gave it."""
+    if whole and sure and hint is not None:
+        own = state.ranks.get(hint)
+        if own is not None and not own.marker and _continues(own, record) is not None:
+            return hint
     best = _closest(state, hint, record)
     if best is not None:
         return best
@@ -438,6 +450,10 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
         TypeError: an entry is none of these.
     """
     items = [(entry, _entry_kind(entry)) for entry in entries]
+    # whole lines: no record stands after another process's prefix, after two, or after none
+    whole = all(isinstance(entry, SwaDivergenceRecord)
+                or (getattr(entry, "rank_sure", True) and getattr(entry, "rank", None) is not None)
+                for entry, kind in items if kind == "record")
     writers: dict[str, _WriterState] = {}
     for entry, kind in items:  # the ranks each writer's lines name
         if kind == "record" and not isinstance(entry, SwaDivergenceRecord):
@@ -512,7 +528,7 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
                 hint_votes = getattr(entry, "rank_candidates", ())
         writer = writer_of(record.verify_source)
         state = writers.setdefault(writer, _WriterState())
-        rank = _attribute(state, hint, sure, record) if state.named else hint
+        rank = _attribute(state, hint, sure, record, whole) if state.named else hint
         if rank is _LEFT_OUT:
             left_out.append(line_no)
             continue

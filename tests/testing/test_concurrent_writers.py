@@ -130,3 +130,56 @@ def test_the_seeded_interleaving_is_the_same_at_every_run_and_breaks_lines_as_pr
     # lines broken both ways: two prefixes before a message, and a message with no prefix of its own
     assert any(len(_PREFIX.findall(line)) > 1 for line in text.splitlines())
     assert any(line and not line.startswith("[") for line in text.splitlines())
+
+
+def data_parallel_log(seed: int, records: int = 60, interval: int = 2) -> tuple[str, dict]:
+    """A log two data-parallel ranks wrote line by line (every line whole, its own ``[time DPn]``
+    prefix), as SGLang's ``dp_size=2`` schedulers write one log: each rank samples every
+    ``interval`` forward steps at its own, changing load (its requests differ from the other
+    rank's), and the lines land in the order the ranks reach them. Returns the text and each
+    rank's ``forward_ct`` values in the order written."""
+    import random
+
+    rng = random.Random(seed)
+    totals = {rank: [0, 0] for rank in (0, 1)}
+    clock = {rank: rng.random() for rank in (0, 1)}
+    queue = []
+    written = {f"DP{rank}": [] for rank in (0, 1)}
+    for rank in (0, 1):
+        at = clock[rank]
+        for k in range(1, records + 1):
+            step = k * interval
+            load = rng.randint(40, 160)  # tokens read per forward step, moving with the rank's batch
+            totals[rank][0] += load * interval
+            totals[rank][1] += max(1, load // 5) * interval
+            at += rng.uniform(0.5, 1.5)  # each rank at its own pace: the other can write several lines meanwhile
+            queue.append((at, rank, step, tuple(totals[rank])))
+    lines = []
+    for _, rank, step, (full, swa) in sorted(queue):
+        written[f"DP{rank}"].append(step)
+        lines.append(f"[2026-01-01 00:00:00 DP{rank}] otel_swa[verify=attention] kv_canary_swa_divergence="
+                     f'{{"forward_ct":{step},"verify_full":{full},"verify_swa":{swa},'
+                     f'"swa_full_idx_divergence":{1 + step % 7},"swa_out_of_window_tokens":{2 + step % 5}}}')
+    return "\n".join(lines) + "\n", written
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_clean_data_parallel_log_of_whole_lines_keeps_every_record_with_its_prefix(tmp_path, capsys, seed):
+    # the ranks' loads differ, so one rank's record can fit the other's pace better than its own:
+    # with every line whole, the prefix names the rank and the log is one run, both ranks passing
+    text, written = data_parallel_log(seed)
+    path = tmp_path / "dp.log"
+    path.write_text(text)
+    assert main(["records", str(path)]) == 0
+    import json
+
+    got: dict = {}
+    for line in capsys.readouterr().out.splitlines():
+        rec = json.loads(line)
+        got.setdefault(rec["rank"], []).append(rec["forward_ct"])
+        assert rec["run"] == 1, line
+    assert got == written
+    code = main(["check", str(path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "runs:" not in out and "FAILED" not in out and "stood after another process's log prefix" not in out
