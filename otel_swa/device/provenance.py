@@ -230,7 +230,8 @@ def _slot_fields(pool: str, taken, cells, prefix: str) -> "dict[str, Any]":
     swa = int(cells[_C[f"{prefix}_swa_slot"]])
     return {
         "entry": int(taken[0][index]), "row": int(cells[_C[f"{prefix}_row"]]), "position": int(taken[1][index]),
-        "pool": pool, "full_slot": int(cells[_C[f"{prefix}_full_slot"]]), "swa_slot": swa if swa >= 0 else None,
+        # SWA slot 0 is no slot (SGLang's mapping holds 0 for a token without one): not named
+        "pool": pool, "full_slot": int(cells[_C[f"{prefix}_full_slot"]]), "swa_slot": swa if swa > 0 else None,
     }
 
 

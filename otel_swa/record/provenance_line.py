@@ -29,9 +29,10 @@ __all__ = ["PROVENANCE_FIELDS", "PROVENANCE_FAULTS", "ProvenanceMatch", "provena
 #: * ``kv_stamp_checks``: live token slots (FULL and SWA pools together) whose provenance stamp was
 #:   compared with the stamp expected from the request's own tokens; ``kv_foreign_tokens``: of which
 #:   the slot's stamp was another token's (swapped ownership, stale prefix / radix reuse, a slot
-#:   overwritten by another request, a wrong position written; a fault); ``kv_stamp_unchecked``:
-#:   live slots not judged (never stamped since otel-swa started, token ids unknown, over the
-#:   per-sample budget);
+#:   overwritten by another request, a wrong position written) or none (never stamped: no forward
+#:   step wrote the slot since otel-swa started; a fault); ``kv_stamp_unchecked``: live slots not
+#:   judged (token ids unknown, over the per-sample budget; never stamped, for an engine wired after
+#:   it held KV);
 #: * ``kv_checksum_checks``: live token slots whose K/V bytes were hashed again and compared with
 #:   the hash taken at the write; ``kv_corrupt_tokens``: of which the bytes changed after the write
 #:   (a stray kernel, a bad load-back, a bit flip; a fault);

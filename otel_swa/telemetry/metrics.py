@@ -258,7 +258,8 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
         sc.NAMESPACE + "provenance.stamps", SAMPLE_COUNTER, "{slot}",
         "Live token slots (FULL and SWA pools) whose provenance stamp was compared with the one the request's "
         "own tokens give, by outcome (kv_cache.swa.provenance.outcome): agree, disagree (the slot holds another "
-        "token's KV; must stay 0), unchecked (never stamped, token ids unknown, over the per-sample budget)",
+        "token's KV, or none: never stamped; must stay 0), unchecked (token ids unknown, over the per-sample "
+        "budget; never stamped, for an engine wired after it held KV)",
         "kv_stamp_checks - kv_foreign_tokens (agree), kv_foreign_tokens (disagree), kv_stamp_unchecked "
         "(unchecked), when the engine stamps its slots",
         _outcomes(sc.ATTR_PROVENANCE_OUTCOME, "kv_stamp_checks", "kv_foreign_tokens", "kv_stamp_unchecked"),

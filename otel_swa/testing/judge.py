@@ -185,8 +185,8 @@ REPORTED_RULES = (
     AuditRule("kv_write_unchecked", "unchecked KV writes",
               "token-layer pairs the write check could not compare (a quantized cache, a layout it does not cover)"),
     AuditRule("kv_stamp_unchecked", "unchecked stamps",
-              "live token slots whose provenance stamp was not judged (never stamped, token ids unknown, over the "
-              "per-sample budget)"),
+              "live token slots whose provenance stamp was not judged (token ids unknown, over the per-sample "
+              "budget; never stamped, for an engine wired after it held KV)"),
 )
 
 

@@ -51,7 +51,8 @@ def test_check_passes_a_clean_run_and_shows_the_unchecked_counts(tmp_path, capsy
     assert ("ok     provenance: the KV in the slots is the tokens' own in 2 checked record(s) "
             "(kv_write_mismatches=0, kv_foreign_tokens=0 throughout)") in out, out
     assert ("info   unchecked stamps: peak kv_stamp_unchecked=2 at forward_ct=20 (live token slots whose provenance "
-            "stamp was not judged (never stamped, token ids unknown, over the per-sample budget); reported, not "
+            "stamp was not judged (token ids unknown, over the per-sample budget; never stamped, for an engine wired "
+            "after it held KV); reported, not "
             "judged)") in out, out
 
 

@@ -40,6 +40,7 @@ class DisaggregationMode:  # sglang's enum: its members carry .value
     ({"disaggregation_mode": DisaggregationMode("null")}, None),
     ({"enable_hierarchical_cache": True}, "HiCache loads KV back from the host"),
     ({"enable_lmcache": True}, "LMCache loads KV from its store"),
+    ({"enable_unified_memory": True}, "unified memory compacts KV pages by copying them"),
     ({"disaggregation_mode": "decode"}, "a disaggregated decode receives the prefill's KV"),
     ({"disaggregation_mode": DisaggregationMode("prefill")}, None),  # a prefill instance computes its KV
     ({"disaggregation_mode": DisaggregationMode("decode")}, "a disaggregated decode receives the prefill's KV"),
