@@ -1,7 +1,9 @@
 """The audit line (:data:`~otel_swa.record.AUDIT_PREFIX`): the record's fields beyond SGLang's five,
 written right after the record's line, same tag, same ``forward_ct``::
 
-    otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,"swa_stale_tokens":0,...}
+    otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,...}
+
+(the whole line: :mod:`otel_swa.record`'s docstring).
 """
 
 from __future__ import annotations
@@ -9,28 +11,17 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
+from otel_swa.checks import fields_on
 from otel_swa.record.matches import LineMatch
 from otel_swa.record.values import logged_counts
 
 __all__ = ["AUDIT_FIELDS", "AuditMatch", "audit_line_fields", "decode_audit", "audit_changes"]
 
-#: Fields beyond SGLang's (never in SGLang's line; on the audit line): the SWA slot audit, the
-#: sliding-window check, the read check, the KV block audit; each ``None`` when not measured.
-AUDIT_FIELDS = (
-    "swa_leaked_slots",
-    "swa_stale_tokens",
-    "swa_shared_slots",
-    "swa_pages_in_use",
-    "swa_pages_referenced",
-    "swa_premature_evictions",
-    "swa_late_held_slots",
-    "swa_read_checks",
-    "swa_read_mismatches",
-    "swa_read_unchecked",
-    "kv_leaked_blocks",
-    "kv_freed_blocks_in_use",
-    "kv_shared_blocks",
-)
+#: Fields beyond SGLang's (never in SGLang's line; on the audit line): the fields of every check whose
+#: line is ``audit`` (:data:`otel_swa.checks.CHECKS`: the SWA slot audit, the window check, the read
+#: check, the KV block audit), in their order; each ``None`` when not measured.
+AUDIT_FIELDS = fields_on("audit")
+
 
 class AuditMatch(LineMatch):
     """One audit line found in a text (:class:`~otel_swa.record.LineMatch`); ``audit`` (its

@@ -2,7 +2,7 @@
 (:class:`Offender`), written after the record's audit and provenance lines, same tag, same
 ``forward_ct``::
 
-    otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":"swa_read_mismatches","request":"7","row":3,...}
+    otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":...,"request":"7","row":3,...}
 """
 
 from __future__ import annotations
@@ -11,31 +11,17 @@ import json
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from otel_swa.checks import fault_fields, field_spec
 from otel_swa.record.matches import LineMatch
-from otel_swa.record.provenance_line import PROVENANCE_FAULTS
 from otel_swa.record.values import check_optional_ints, logged_int
 
 __all__ = ["FAULT_FIELDS", "OFFENDER_KEYS", "OFFENDER_POOLS", "Offender", "FaultMatch", "fault_line_fields", "decode_fault", "fault_changes",
            "fault_refusal"]
 
 #: The record fields that are faults: a sample where one is above 0 names its first offender on a
-#: fault line (:class:`Offender`). On the audit line: the SWA slot audit's three, the window check's
-#: premature evictions, the read check's mismatches (sliding-window attention read other KV than
-#: the mapping says), and the KV block audit of engines without a FULL-to-SWA mapping (vLLM): blocks
-#: in use that no request and no prefix-cache entry holds, blocks a running request's table
-#: references that are on the free queue, blocks not in the prefix cache that two requests' tables
-#: reference. On the provenance line (:data:`~otel_swa.record.PROVENANCE_FAULTS`): write
-#: mismatches, foreign tokens, corrupt tokens, stale prefix-cache entries, foreign blocks.
-FAULT_FIELDS = (
-    "swa_leaked_slots",
-    "swa_stale_tokens",
-    "swa_shared_slots",
-    "swa_premature_evictions",
-    "swa_read_mismatches",
-    "kv_leaked_blocks",
-    "kv_freed_blocks_in_use",
-    "kv_shared_blocks",
-) + PROVENANCE_FAULTS
+#: fault line (:class:`Offender`): the fault fields of every check (:data:`otel_swa.checks.CHECKS`),
+#: those of the audit line first, then the provenance line's (:data:`~otel_swa.record.PROVENANCE_FAULTS`).
+FAULT_FIELDS = fault_fields()
 
 #: Where a fault's first offender is, in the order the fault line writes them (each only when known):
 #: ``request`` (the engine's request id, a string), ``row`` (its ``req_to_token`` row, or its batch
@@ -167,8 +153,8 @@ class Offender:
             _stamp_words("found", self.found_token, self.found_position),
             None if self.other_request is None else f"KV of request {self.other_request}",
         ]
-        if self.fault == "kv_foreign_tokens" and parts[-3] is not None and parts[-2] is None:
-            parts[-2] = "found a slot never stamped"
+        if parts[-3] is not None and parts[-2] is None:  # expected, and nothing found (never written)
+            parts[-2] = field_spec(self.fault).nothing_found
         return ", ".join(part for part in parts if part is not None) or "no location"
 
 

@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import bisect
 import re
+import sys
 from typing import Iterator
 
 from otel_swa.record.decoding import MalformedRecordError, decode_object
 from otel_swa.record.kinds import KIND_OF_PREFIX
-from otel_swa.record.logtext import LogPrefix, PrefixClaims, clean_marked, glued_tag, nearest_prefix, tag_before
+from otel_swa.record.logtext import NO_PREFIX, LogPrefix, PrefixClaims, clean, clean_marked, glued_tag, nearest_prefix, tag_before
 from otel_swa.record.matches import LineMatch
 from otel_swa.record.pairing import AuditPairing
-from otel_swa.record.prefixes import PREFIX_RE
-from otel_swa.record.sglang_line import RecordMatch, SwaDivergenceRecord
+from otel_swa.record.prefixes import LINE_PREFIX, PREFIX_RE
+from otel_swa.record.sglang_line import RecordMatch, SwaDivergenceRecord, register_reader
 
-__all__ = ["Entry", "FoundRecords", "decode_at", "iter_entries", "iter_matches", "find_all", "find_last"]
+__all__ = ["Entry", "FoundRecords", "decode_at", "parse_record", "iter_entries", "iter_matches", "find_all", "find_last"]
 
 #: A line found in a text: a :class:`~otel_swa.record.LineMatch` of its kind's type.
 Entry = LineMatch
@@ -166,3 +167,21 @@ def find_last(text: str) -> tuple[SwaDivergenceRecord, str] | None:
         return None
     last = found.matches[-1]
     return last.record, last.text
+
+
+def parse_record(line: str) -> SwaDivergenceRecord:
+    """The first record in ``line`` (:meth:`SwaDivergenceRecord.parse`).
+
+    Raises:
+        MalformedRecordError: no record prefix in ``line``, or what follows the first one is not a
+            record.
+    """
+    text = clean(line)
+    for match in PREFIX_RE.finditer(text):
+        if match.group(0) != LINE_PREFIX:
+            continue
+        return decode_at(text, match, None, NO_PREFIX).record
+    raise MalformedRecordError(text, f"no {LINE_PREFIX!r} prefix found")
+
+
+register_reader(sys.modules[__name__])

@@ -12,16 +12,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from otel_swa.checks import CHECKS_BY_NAME, record_fields
 from otel_swa.record.audit_line import AUDIT_FIELDS, audit_changes, audit_line_fields
-from otel_swa.record.decoding import MalformedRecordError
 from otel_swa.record.fault_line import Offender, fault_line_fields
-from otel_swa.record.logtext import NO_PREFIX, clean
 from otel_swa.record.matches import LineMatch
 from otel_swa.record.prefixes import (
     AUDIT_PREFIX,
     FAULT_PREFIX,
     LINE_PREFIX,
-    PREFIX_RE,
     PROVENANCE_PREFIX,
     VERIFY_SOURCES,
     tagged,
@@ -29,7 +27,7 @@ from otel_swa.record.prefixes import (
 from otel_swa.record.provenance_line import PROVENANCE_FIELDS, provenance_line_fields
 from otel_swa.record.values import INT64_MIN, MICRO_BATCH_MAX, check_int, check_optional_ints, compact, logged_int
 
-__all__ = ["FIELDS", "SwaDivergenceRecord", "RecordMatch", "decode_record"]
+__all__ = ["FIELDS", "SwaDivergenceRecord", "RecordMatch", "decode_record", "register_reader"]
 
 #: The record's fields, in SGLang's order (the order of the JSON keys in the line).
 FIELDS = (
@@ -40,11 +38,23 @@ FIELDS = (
     "swa_out_of_window_tokens",
 )
 _FIELD_SET = frozenset(FIELDS)
+#: The fields of the registered checks, each ``int | None`` on the record.
+_CHECK_FIELDS = record_fields()
 #: SGLang's record keys (``SwaDivergenceLog``); ``swa_out_of_window_tokens`` defaults to 0 there.
 _SGLANG_DEFAULTS = {"swa_out_of_window_tokens": 0}
 
 
+def _with_check_fields(cls: type) -> type:
+    """Give the record class one keyword-only field per check field (:func:`otel_swa.checks.record_fields`,
+    ``int | None``, default ``None``), after its own, before it becomes a dataclass."""
+    for name in _CHECK_FIELDS:
+        cls.__annotations__[name] = "int | None"
+        setattr(cls, name, field(default=None, kw_only=True))
+    return cls
+
+
 @dataclass(frozen=True, slots=True)
+@_with_check_fields
 class SwaDivergenceRecord:
     """One sample of the SWA KV cache, as SGLang's SWA divergence reporter defines it.
 
@@ -64,49 +74,16 @@ class SwaDivergenceRecord:
         swa_out_of_window_tokens: at the sampled step, the number of live tokens whose SWA slot is
             0 (freed because the token left the window; slot 0 is the reserved "none").
 
-    Beyond SGLang's five fields, keyword-only and never written into SGLang's line (the audit
-    fields go on the audit line, :meth:`audit_line`):
+    Beyond SGLang's five fields, keyword-only and never written into SGLang's line:
 
     Attributes:
         divergence_applicable: ``False`` for engines without a FULL-to-SWA mapping (vLLM): the
             line still carries ``swa_full_idx_divergence`` (0) for compatibility, but telemetry
             does not report it as a measurement.
-        swa_leaked_slots: SWA slots of pages in use that no live token maps into (leaked), or
-            ``None`` when the engine gave no audit inputs.
-        swa_stale_tokens: live tokens whose SWA page is on the free list (stale), or ``None``.
-        swa_shared_slots: SWA slots that two distinct live FULL slots map to, or ``None``.
-        swa_pages_in_use: SWA pages allocated (not on the free list), unit ``{page}``, or ``None``.
-        swa_pages_referenced: SWA pages in use that at least one live token maps into, unit
-            ``{page}``, or ``None`` (``swa_pages_in_use - swa_pages_referenced`` pages are leaked).
-        swa_premature_evictions: live tokens of the sampled batch inside the sliding window
-            (the positions the step's queries read: the last ``window + extend_len - 1``) whose
-            SWA mapping is 0: attention reads KV that was freed (sgl-project/sglang#29860), unit
-            ``{token}``, or ``None`` when the engine gave no window (:mod:`otel_swa.device.window`).
-        swa_late_held_slots: live tokens of the sampled batch older than the oldest position the
-            step reads plus the engine's eviction allowance that still hold an SWA slot (late
-            eviction, runaway SWA usage), unit ``{slot}``, or ``None`` when the engine gave no
-            window.
-        swa_read_checks: queries of the sampled step whose sliding-window attention output was
-            recomputed from the KV pool through the mapping and compared with the engine's (the
-            read check, :mod:`otel_swa.device.read_check`), unit ``{query}``, or ``None`` when the
-            engine has no read check.
-        swa_read_mismatches: those whose output disagreed beyond the dtype's tolerance: attention
-            read other KV than the mapping's inside the window, unit ``{query}``, or ``None``.
-        swa_read_unchecked: queries that would have been checked but could not be (an attention
-            variant the check does not cover, a step replayed from a CUDA graph), or ``None``.
-        kv_leaked_blocks: KV blocks in use that no request and no prefix-cache entry holds (vLLM's
-            block audit), unit ``{block}``, or ``None``.
-        kv_freed_blocks_in_use: KV blocks a running request's block table references that are on the
-            free queue (freed while in use; vLLM), unit ``{block}``, or ``None``.
-        kv_shared_blocks: KV blocks not in the prefix cache that two requests' tables reference
-            (handed out again while in use; vLLM), unit ``{block}``, or ``None``.
-        kv_write_checks, kv_write_mismatches, kv_write_unchecked, kv_stamp_checks,
-        kv_foreign_tokens, kv_stamp_unchecked, kv_checksum_checks, kv_corrupt_tokens,
-        kv_cache_entries_checked, kv_stale_cache_entries, kv_foreign_blocks: the provenance fields
-            (:data:`~otel_swa.record.PROVENANCE_FIELDS` says what each counts; the write check's
-            units ``{pair}`` (token, layer), the stamps' and checksums' ``{slot}``, vLLM's
-            ``{entry}`` and ``{block}``), each ``None`` when not measured; on the provenance line
-            (:meth:`provenance_line`), never in SGLang's line.
+        <each check's fields>: every field of every registered check (:data:`otel_swa.checks.CHECKS`;
+            each check's module says what its fields count and in which unit), an int >= 0, or
+            ``None`` when the check did not run at this sample; on the check's line
+            (:meth:`audit_line` or :meth:`provenance_line`), never in SGLang's line.
         offenders: the first offender of each fault the sample shows (:class:`Offender`, at most
             one per fault of :data:`FAULT_FIELDS`), on the fault lines; ``()`` when none is known.
         verify_source: what ``verify_full`` / ``verify_swa`` count, one of :data:`VERIFY_SOURCES`,
@@ -130,30 +107,6 @@ class SwaDivergenceRecord:
     swa_full_idx_divergence: int
     swa_out_of_window_tokens: int
     divergence_applicable: bool = field(default=True, kw_only=True)
-    swa_leaked_slots: "int | None" = field(default=None, kw_only=True)
-    swa_stale_tokens: "int | None" = field(default=None, kw_only=True)
-    swa_shared_slots: "int | None" = field(default=None, kw_only=True)
-    swa_pages_in_use: "int | None" = field(default=None, kw_only=True)
-    swa_pages_referenced: "int | None" = field(default=None, kw_only=True)
-    swa_premature_evictions: "int | None" = field(default=None, kw_only=True)
-    swa_late_held_slots: "int | None" = field(default=None, kw_only=True)
-    swa_read_checks: "int | None" = field(default=None, kw_only=True)
-    swa_read_mismatches: "int | None" = field(default=None, kw_only=True)
-    swa_read_unchecked: "int | None" = field(default=None, kw_only=True)
-    kv_leaked_blocks: "int | None" = field(default=None, kw_only=True)
-    kv_freed_blocks_in_use: "int | None" = field(default=None, kw_only=True)
-    kv_shared_blocks: "int | None" = field(default=None, kw_only=True)
-    kv_write_checks: "int | None" = field(default=None, kw_only=True)
-    kv_write_mismatches: "int | None" = field(default=None, kw_only=True)
-    kv_write_unchecked: "int | None" = field(default=None, kw_only=True)
-    kv_stamp_checks: "int | None" = field(default=None, kw_only=True)
-    kv_foreign_tokens: "int | None" = field(default=None, kw_only=True)
-    kv_stamp_unchecked: "int | None" = field(default=None, kw_only=True)
-    kv_checksum_checks: "int | None" = field(default=None, kw_only=True)
-    kv_corrupt_tokens: "int | None" = field(default=None, kw_only=True)
-    kv_cache_entries_checked: "int | None" = field(default=None, kw_only=True)
-    kv_stale_cache_entries: "int | None" = field(default=None, kw_only=True)
-    kv_foreign_blocks: "int | None" = field(default=None, kw_only=True)
     verify_source: "str | None" = field(default=None, kw_only=True)
     micro_batch: "int | None" = field(default=None, kw_only=True)
     offenders: "tuple[Offender, ...]" = field(default=(), kw_only=True)
@@ -161,7 +114,7 @@ class SwaDivergenceRecord:
     def __post_init__(self) -> None:
         for name in FIELDS:
             check_int("SwaDivergenceRecord", name, getattr(self, name), 0)
-        check_optional_ints("SwaDivergenceRecord", self, AUDIT_FIELDS + PROVENANCE_FIELDS)
+        check_optional_ints("SwaDivergenceRecord", self, _CHECK_FIELDS)
         if type(self.divergence_applicable) is not bool:
             raise TypeError(f"SwaDivergenceRecord.divergence_applicable must be a bool, got {self.divergence_applicable!r}")
         if self.verify_source is not None and self.verify_source not in VERIFY_SOURCES:
@@ -203,20 +156,25 @@ class SwaDivergenceRecord:
         """The first offender of ``fault`` (one of :data:`FAULT_FIELDS`) in this sample, or ``None``."""
         return next((o for o in self.offenders if o.fault == fault), None)
 
+    def checked(self, check: str) -> bool:
+        """Whether the fields of the check named ``check`` (:data:`otel_swa.checks.CHECKS_BY_NAME`)
+        are present: it ran at this sample."""
+        return CHECKS_BY_NAME[check].present(self)
+
     @property
     def read_checked(self) -> bool:
         """Whether the read check's fields are present (the engine checks what attention read)."""
-        return self.swa_read_checks is not None
+        return self.checked("read")
 
     @property
     def audited(self) -> bool:
         """Whether the SWA slot audit fields are present."""
-        return self.swa_leaked_slots is not None
+        return self.checked("slot_audit")
 
     @property
     def window_checked(self) -> bool:
         """Whether the sliding-window check fields are present (the engine gave its window)."""
-        return self.swa_premature_evictions is not None
+        return self.checked("window")
 
     def audit_dict(self) -> dict[str, int]:
         """The audit fields that are present (empty when not audited)."""
@@ -288,7 +246,7 @@ class SwaDivergenceRecord:
         compact JSON of ``forward_ct``, ``micro_batch`` when known, ``"divergence_applicable":false``
         when so, and the audit fields present, in :data:`AUDIT_FIELDS` order::
 
-            otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,"swa_leaked_slots":0,...}
+            otel_swa[verify=attention] otel_swa_audit={"forward_ct":40,...}
             otel_swa[verify=attention] otel_swa_audit={"forward_ct":41,"micro_batch":1}
             otel_swa[verify=attention] otel_swa_audit={"forward_ct":42,"divergence_applicable":false,...}
         """
@@ -302,7 +260,7 @@ class SwaDivergenceRecord:
         JSON of ``forward_ct``, ``micro_batch`` when known, and the provenance fields present, in
         :data:`~otel_swa.record.PROVENANCE_FIELDS` order::
 
-            otel_swa[verify=attention] otel_swa_provenance={"forward_ct":40,"kv_write_checks":16,"kv_write_mismatches":0,...}
+            otel_swa[verify=attention] otel_swa_provenance={"forward_ct":40,...}
         """
         provenance = provenance_line_fields(self)
         return self._per_record_line(PROVENANCE_PREFIX, provenance) if provenance else None
@@ -312,7 +270,7 @@ class SwaDivergenceRecord:
         and provenance lines: the same tag, then :data:`FAULT_PREFIX` and compact JSON of ``forward_ct``, ``fault``
         and the locations known (:data:`OFFENDER_KEYS` order)::
 
-            otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":"swa_stale_tokens","full_slot":88,"swa_slot":9,"swa_page":9}
+            otel_swa[verify=attention] otel_swa_fault={"forward_ct":40,"fault":...,"full_slot":88,"swa_slot":9,"swa_page":9}
         """
         return [self._per_record_line(FAULT_PREFIX, fault_line_fields(o)) for o in self.offenders]
 
@@ -330,29 +288,31 @@ class SwaDivergenceRecord:
             MalformedRecordError: no record prefix in ``line``, or what follows the first one is not
                 a record by the rules of the module docstring (the reason says which).
         """
-        from otel_swa.record.parser import decode_at  # the parser reads every kind: imported when used
-
-        text = clean(line)
-        for match in PREFIX_RE.finditer(text):
-            if match.group(0) != LINE_PREFIX:
-                continue
-            return decode_at(text, match, None, NO_PREFIX).record
-        raise MalformedRecordError(text, f"no {LINE_PREFIX!r} prefix found")
+        return _reader.parse_record(line)
 
     # Convenience aliases so that the record type owns its finders, as in SGLang.
     @staticmethod
     def find_last(text: str) -> "tuple[SwaDivergenceRecord, str] | None":
         """See :func:`~otel_swa.record.find_last`."""
-        from otel_swa.record.parser import find_last
-
-        return find_last(text)
+        return _reader.find_last(text)
 
     @staticmethod
-    def find_all(text: str) -> "FoundRecords":
+    def find_all(text: str) -> "Any":
         """See :func:`~otel_swa.record.find_all`."""
-        from otel_swa.record.parser import find_all
+        return _reader.find_all(text)
 
-        return find_all(text)
+
+#: The reader of every line kind (:mod:`otel_swa.record.parser`, which imports this module): it
+#: registers itself when imported (:func:`register_reader`), so the record's own finders reach it
+#: without an import back. Importing :mod:`otel_swa.record` imports it.
+_reader: Any = None
+
+
+def register_reader(reader: Any) -> None:
+    """Make ``reader`` (a module with ``parse_record``, ``find_all`` and ``find_last``) the one the
+    record's :meth:`~SwaDivergenceRecord.parse` and finders use."""
+    global _reader
+    _reader = reader
 
 
 class RecordMatch(LineMatch):

@@ -1,0 +1,109 @@
+"""The checks otel-swa runs at a sampled step, one module each, and the one table that registers them.
+
+A check (:class:`~otel_swa.checks.protocol.Check`) declares its record fields with their line kind
+and role, its metric rows, what it stages on the device and how it reads that back on the host with
+its first offenders, its replay summary row and its failure reason. The reporter, the record and its
+lines, the CI judge, the replay summary, the metrics and the events loop over :data:`CHECKS`; none
+of them spells a check's field names. How to add one: ``docs/checks.md``.
+
+The order of :data:`CHECKS` is the order of the fields on each line (the ``otel_swa_audit=`` line
+takes the ``audit`` checks' fields, the ``otel_swa_provenance=`` line the ``provenance`` ones'), of
+the fault lines of a sample, of the judge's rules and of the summary's rows.
+
+Importing this package imports neither torch nor OpenTelemetry.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from otel_swa.checks import block_audit, block_hashes, provenance, read, slot_audit, window, write
+from otel_swa.checks.protocol import LINE_KINDS, Check, CheckField, MetricRow, SampleBatch, Staging
+
+__all__ = ["CHECKS", "CHECKS_BY_NAME", "Check", "CheckField", "MetricRow", "SampleBatch", "Staging", "LINE_KINDS",
+           "fields_on", "faults_on", "record_fields", "fault_fields", "field_spec", "default_parts", "use_table"]
+
+#: Every check, in the order of their fields on the lines and of their fault lines.
+CHECKS: "tuple[Check, ...]" = (
+    slot_audit.CHECK,
+    window.CHECK,
+    read.CHECK,
+    write.CHECK,
+    provenance.CHECK,
+    block_audit.CHECK,
+    block_hashes.CHECK,
+)
+
+#: The checks by :attr:`~otel_swa.checks.protocol.Check.name`.
+CHECKS_BY_NAME: "dict[str, Check]" = {}
+_SPECS: "dict[str, CheckField]" = {}
+
+
+def use_table(table: "tuple[Check, ...]") -> None:
+    """Make ``table`` the registered checks (what :data:`CHECKS` says; a test of a new check runs
+    with the table it would have). The record's fields are made from the table when
+    :mod:`otel_swa.record` is first imported: call this before.
+
+    Raises:
+        ValueError: two checks with one name or one field, an unknown line kind.
+    """
+    global CHECKS
+    specs: "dict[str, CheckField]" = {}
+    names = set()
+    for check in table:
+        if check.name in names:
+            raise ValueError(f"two checks are named {check.name!r}")
+        names.add(check.name)
+        if check.line not in LINE_KINDS:
+            raise ValueError(f"check {check.name!r}: line must be one of {', '.join(LINE_KINDS)}, got {check.line!r}")
+        for spec in check.fields:
+            if spec.name in specs:
+                raise ValueError(f"record field {spec.name!r} is declared by two checks")
+            specs[spec.name] = spec
+    CHECKS = tuple(table)
+    CHECKS_BY_NAME.clear()
+    CHECKS_BY_NAME.update((check.name, check) for check in CHECKS)
+    _SPECS.clear()
+    _SPECS.update(specs)
+
+
+use_table(CHECKS)
+
+
+def fields_on(line: str) -> "tuple[str, ...]":
+    """The record fields written on ``line`` (one of :data:`LINE_KINDS`), in line order."""
+    return tuple(name for check in CHECKS if check.line == line for name in check.names)
+
+
+def faults_on(line: str) -> "tuple[str, ...]":
+    """The fault fields written on ``line``, in order."""
+    return tuple(name for check in CHECKS if check.line == line for name in check.faults)
+
+
+def record_fields() -> "tuple[str, ...]":
+    """Every check field of the record, in :data:`CHECKS` order."""
+    return tuple(_SPECS)
+
+
+def fault_fields() -> "tuple[str, ...]":
+    """Every fault field: the audit line's, then the provenance line's."""
+    return tuple(name for line in LINE_KINDS for name in faults_on(line))
+
+
+def field_spec(name: str) -> CheckField:
+    """The :class:`~otel_swa.checks.protocol.CheckField` of record field ``name``.
+
+    Raises:
+        KeyError: no check declares ``name``.
+    """
+    return _SPECS[name]
+
+
+def default_parts(device: Any, **options: Any) -> "dict[str, Any]":
+    """The device parts a new reporter makes on ``device`` (the checks' :meth:`~otel_swa.checks.protocol.Check.default_part`)."""
+    parts = {}
+    for check in CHECKS:
+        part = check.default_part(device, options)
+        if part is not None:
+            parts[check.name] = part
+    return parts

@@ -1,0 +1,98 @@
+"""The KV block audit of block-pool engines (vLLM): is every KV block held by exactly what should hold it?
+
+From the view's block tables, free queue and prefix-cache map (``view.kv_block_audit``,
+:class:`~otel_swa.views.base.KvBlockAuditInputs`), staged on the device
+(:mod:`otel_swa.device.block_audit`): blocks in use that nothing holds (leaked), blocks a running
+request's table references that are on the free queue (freed while in use), and uncached blocks
+two requests' tables reference (handed out twice).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from otel_swa.checks.protocol import Check, CheckField, MetricRow, SampleBatch, Staging
+
+__all__ = ["BlockAuditCheck", "CHECK"]
+
+
+class BlockAuditCheck(Check):
+    name = "block_audit"
+    title = "KV block audit"
+    line = "audit"
+    fields = (
+        CheckField("kv_leaked_blocks", "{block}", "KV blocks in use that no request and no prefix-cache entry holds",
+                   role="fault", label="leaked KV blocks"),
+        CheckField("kv_freed_blocks_in_use", "{block}",
+                   "KV blocks a running request's block table references that are on the free queue",
+                   role="fault", label="KV blocks freed while in use"),
+        CheckField("kv_shared_blocks", "{block}",
+                   "KV blocks not in the prefix cache that two requests' block tables reference",
+                   role="fault", label="KV blocks handed out twice"),
+    )
+    metrics = (
+        MetricRow("blocks.leaked", "gauge", "{block}",
+                  "KV blocks in use that no request and no prefix-cache entry holds: allocated and unreachable "
+                  "(block-pool engines: vLLM)",
+                  "kv_leaked_blocks (when the engine gives the KV block audit's inputs)", field="kv_leaked_blocks"),
+        MetricRow("blocks.freed_in_use", "gauge", "{block}",
+                  "KV blocks a running request's block table references that are on the free queue: the pool may "
+                  "hand them to another request (block-pool engines: vLLM)",
+                  "kv_freed_blocks_in_use (when the engine gives the KV block audit's inputs)",
+                  field="kv_freed_blocks_in_use"),
+        MetricRow("blocks.shared", "gauge", "{block}",
+                  "KV blocks not in the prefix cache that two requests' block tables reference: a block handed out "
+                  "again while in use (block-pool engines: vLLM)",
+                  "kv_shared_blocks (when the engine gives the KV block audit's inputs)", field="kv_shared_blocks"),
+    )
+    reason = "the SWA slot audit found faults (peak {found}); exit status 1"
+
+    @property
+    def width(self) -> int:
+        from otel_swa.device.block_audit import BLOCK_WIDTH
+
+        return BLOCK_WIDTH
+
+    def stage(self, staging: Staging, cells: Any) -> Any:
+        inputs = getattr(staging.view, "kv_block_audit", None)
+        if inputs is None:
+            return None
+        from otel_swa.device.block_audit import stage_block_audit
+
+        stage_block_audit(cells, inputs, staging.workspace)
+        return inputs
+
+    def keep(self, staging: Staging, staged: Any) -> Any:
+        return tuple(str(r) for r in staged.held_request_ids)
+
+    def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
+        from otel_swa.device.block_audit import block_audit_fields
+
+        block = block_audit_fields(cells)
+        fields = {"kv_leaked_blocks": block["leaked"], "kv_freed_blocks_in_use": block["freed_in_use"],
+                  "kv_shared_blocks": block["shared"]}
+        offenders = []
+        if block["leaked"] > 0:
+            offenders.append(dict(fault="kv_leaked_blocks", block=block["leaked_block"]))
+        ids = kept
+        for fault, count, prefix in (("kv_freed_blocks_in_use", "freed_in_use", "freed"),
+                                     ("kv_shared_blocks", "shared", "shared")):
+            if block[count] > 0:
+                row = block[f"{prefix}_row"]
+                offenders.append(dict(
+                    fault=fault, request=ids[row] if ids is not None and 0 <= row < len(ids) else None,
+                    position=block[f"{prefix}_position"], block=block[f"{prefix}_block"],
+                    kv_cache_group=block[f"{prefix}_group"]))
+        return fields, offenders
+
+    def summary(self, records: Sequence[Any]) -> str:
+        audited = [r for r in records if self.present(r)]
+        peaks = {f.name: max(getattr(r, f.name) for r in audited) for f in self.fields}
+        verdict = "clean" if not any(peaks.values()) else "FAULTS"
+        leaked, freed, shared = peaks.values()
+        return (f"{verdict}: peak leaked {leaked} blocks, freed while in use {freed}, handed out twice {shared} "
+                f"({len(audited)} samples)")
+
+
+#: The KV block audit.
+CHECK = BlockAuditCheck()

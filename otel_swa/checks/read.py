@@ -1,0 +1,92 @@
+"""The read check: did sliding-window attention read the KV the FULL-to-SWA mapping gives?
+
+At a sampled step a few queries of the engine's sliding-window layers are recomputed from the KV
+pool through the mapping and compared with the layer's own output
+(:class:`~otel_swa.device.read_check.ReadCheck`, switched on by the engine with
+:meth:`~otel_swa.reporter.SwaDivergenceReporter.enable_read_check`); the sample copies and clears its
+cells. A query whose output disagrees beyond the dtype's rounding read other KV than the mapping's
+(sglang 0.5.23's torch-native backend reads sliding-window layers at raw FULL indices).
+
+The smallest whole check, and the worked example of ``docs/checks.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from otel_swa.checks.protocol import Check, CheckField, MetricRow, SampleBatch, Staging, first_fault_text
+
+__all__ = ["ReadCheckSpec", "CHECK"]
+
+
+class ReadCheckSpec(Check):
+    name = "read"
+    title = "read check"
+    line = "audit"
+    fields = (
+        CheckField("swa_read_checks", "{query}",
+                   "queries of the sampled step whose sliding-window attention output was recomputed from the KV "
+                   "pool through the mapping and compared with the engine's"),
+        CheckField("swa_read_mismatches", "{query}",
+                   "checked queries whose sliding-window attention output differs from one recomputed from the KV "
+                   "pool through the mapping",
+                   role="fault", label="read mismatches",
+                   explain="{peak} checked query(ies) of a sliding-window layer read other KV than the mapping gives "
+                           "(their attention output differs from the one recomputed from the pool)"),
+        CheckField("swa_read_unchecked", "{query}",
+                   "queries of sliding-window layers the read check could not recompute (an attention variant it "
+                   "does not cover, a step replayed from a CUDA graph)",
+                   role="info", label="unchecked reads"),
+    )
+    metrics = (
+        MetricRow(
+            "read_check.queries", "sample_counter", "{query}",
+            "Queries of sliding-window layers whose attention output the read check recomputed from the KV pool "
+            "through the FULL-to-SWA mapping, by outcome (kv_cache.swa.read_check.outcome): agree, disagree "
+            "(attention read other KV than the mapping's: must stay 0), unchecked (a variant the check does not cover)",
+            "swa_read_checks - swa_read_mismatches (agree), swa_read_mismatches (disagree), swa_read_unchecked "
+            "(unchecked), when the engine runs the read check",
+            outcomes=("read_check.outcome", "swa_read_checks", "swa_read_mismatches", "swa_read_unchecked"),
+        ),
+    )
+    reason = ("the read check found sliding-window attention reading other KV than the mapping gives (peak {found}); "
+              "exit status 1")
+
+    @property
+    def width(self) -> int:
+        from otel_swa.device.read_check import READ_WIDTH
+
+        return READ_WIDTH
+
+    def stage(self, staging: Staging, cells: Any) -> Any:
+        check = staging.parts.get(self.name)
+        if check is None:
+            return None
+        check.take(cells)  # copies this step's cells into the sample and clears them (device)
+        return True
+
+    def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
+        from otel_swa.device.read_check import read_counts, read_offender_fields
+
+        checked, mismatched, unchecked = read_counts(cells)
+        fields = {"swa_read_checks": checked, "swa_read_mismatches": mismatched, "swa_read_unchecked": unchecked}
+        where = read_offender_fields(cells)
+        if where is None or not mismatched:
+            return fields, []
+        return fields, [dict(fault="swa_read_mismatches", request=batch.request(where["entry"]), row=where["row"],
+                             position=where["position"], full_slot=where["full_slot"], swa_slot=where["swa_slot"],
+                             swa_page=batch.swa_page(where["swa_slot"]), layer=where["layer"])]
+
+    def summary(self, records: Sequence[Any]) -> str:
+        checked = [r for r in records if self.present(r)]
+        queries = sum(r.swa_read_checks for r in checked)
+        mismatched = sum(r.swa_read_mismatches for r in checked)
+        unchecked = sum(r.swa_read_unchecked for r in checked)
+        verdict = "clean" if not mismatched else "WRONG READS"
+        tail = f", {unchecked} unchecked" if unchecked else ""
+        return (f"{verdict}: {mismatched} of {queries} queries disagreed{tail} ({len(checked)} samples)"
+                f"{first_fault_text(checked, 'swa_read_mismatches')}")
+
+
+#: The read check.
+CHECK = ReadCheckSpec()

@@ -1,0 +1,137 @@
+"""The write check: is each new token's K/V stored at the slot the engine's tables name?
+
+After each attention layer stores the step's new K/V, a sampled step compares, for a bounded number
+of (token, layer) pairs, what the layer was given to store with what the pool holds at the slot
+the tables name (:class:`~otel_swa.device.write_check.WriteCheck`: provenance's own, or one the
+engine runs on its KV cache's device and attaches with
+:meth:`~otel_swa.reporter.SwaDivergenceReporter.attach_write_check`). A write to the wrong index,
+into another token's slot or the wrong pool, is a mismatch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from otel_swa.checks.protocol import Check, CheckField, MetricRow, SampleBatch, Staging, first_fault_text
+
+__all__ = ["WriteCheckSpec", "AttachedWriteCheck", "CHECK"]
+
+
+class AttachedWriteCheck:
+    """A write check the engine runs itself, with what its offender names (the reporter's part for
+    :meth:`~otel_swa.reporter.SwaDivergenceReporter.attach_write_check`).
+
+    Attributes:
+        check: the :class:`~otel_swa.device.write_check.WriteCheck`.
+        batch: returns the request ids of the step whose checks the cells hold (or ``None``).
+        layers: ``layer_id -> (layer name, KV cache group, rows)``.
+    """
+
+    __slots__ = ("check", "batch", "layers")
+
+    def __init__(self, check: Any, batch: Any, layers: Any) -> None:
+        self.check, self.batch, self.layers = check, batch, layers
+
+    def take(self, cells: Any) -> None:
+        self.check.take(cells)
+
+    def request_ids(self) -> "tuple[str, ...] | None":
+        if self.batch is None:
+            return None
+        try:
+            ids = self.batch()
+            return None if ids is None else tuple(str(r) for r in ids)
+        except Exception:
+            import logging
+
+            logging.getLogger("otel_swa.reporter").exception(
+                "otel-swa: the write check's batch was not read; its offender names no request")
+            return None
+
+
+class WriteCheckSpec(Check):
+    name = "write"
+    title = "write check"
+    line = "provenance"
+    fields = (
+        CheckField("kv_write_checks", "{pair}",
+                   "(token, layer) pairs whose stored K and V were compared with what the layer was given to store"),
+        CheckField("kv_write_mismatches", "{pair}",
+                   "token-layer pairs whose K/V in the pool differs from what the layer was given to store",
+                   role="fault", label="KV write mismatches",
+                   explain="{peak} token-layer pair(s) of a step's new tokens were not stored at the slot the tables "
+                           "name (the pool holds other K/V there: a write to the wrong index)"),
+        CheckField("kv_write_unchecked", "{pair}",
+                   "token-layer pairs the write check could not compare (a quantized cache, a layout it does not "
+                   "cover)",
+                   role="info", label="unchecked KV writes"),
+    )
+    metrics = (
+        MetricRow(
+            "write_check.tokens", "sample_counter", "{token}",
+            "New tokens' K/V writes (one token at one layer each) the write check compared with what the KV pool "
+            "holds at the slot the engine's tables name, by outcome (kv_cache.swa.write_check.outcome): agree, "
+            "disagree (the pool holds other values there: a write to the wrong index; must stay 0), unchecked (a "
+            "quantized cache or a layout the check does not cover)",
+            "kv_write_checks - kv_write_mismatches (agree), kv_write_mismatches (disagree), kv_write_unchecked "
+            "(unchecked), when the engine runs the write check",
+            outcomes=("write_check.outcome", "kv_write_checks", "kv_write_mismatches", "kv_write_unchecked"),
+        ),
+    )
+    reason = ("the write check and provenance found KV that is not the KV of the token the tables name (peak "
+              "{found}); exit status 1")
+
+    @property
+    def width(self) -> int:
+        from otel_swa.device.write_check import WRITE_WIDTH
+
+        return WRITE_WIDTH
+
+    def stage(self, staging: Staging, cells: Any) -> Any:
+        part = staging.parts.get(self.name)
+        if part is None:
+            return None
+        part.take(cells)  # copies the step's cells into the sample and clears them (device)
+        return part
+
+    def keep(self, staging: Staging, staged: Any) -> Any:
+        if isinstance(staged, AttachedWriteCheck):
+            return (staged.request_ids(), staged.layers or {})
+        return None  # provenance's own write check: its entry is the batch entry
+
+    def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
+        from otel_swa.device.write_check import write_counts, write_offender_fields
+
+        checked, mismatched, unchecked = write_counts(cells)
+        fields = {"kv_write_checks": checked, "kv_write_mismatches": mismatched, "kv_write_unchecked": unchecked}
+        where = write_offender_fields(cells)
+        if where is None or not mismatched:
+            return fields, []
+        swa = where["swa_slot"]
+        if kept is None:  # provenance's own write check: its entry is the batch entry
+            return fields, [dict(fault="kv_write_mismatches", request=batch.request(where["entry"]),
+                                 position=where["position"], full_slot=where["full_slot"], swa_slot=swa,
+                                 swa_page=batch.swa_page(swa), layer=where["layer"], pool=where["pool"])]
+        ids, layers = kept
+        entry = where["entry"]
+        name, group, rows = layers.get(where["layer"], (None, None, False))
+        known = rows and 0 <= entry
+        return fields, [dict(fault="kv_write_mismatches",
+                             request=ids[entry] if known and ids is not None and entry < len(ids) else None,
+                             row=entry if known else None, position=where["position"], full_slot=where["full_slot"],
+                             swa_slot=swa, layer=where["layer"], layer_name=name, kv_cache_group=group,
+                             pool=where["pool"])]
+
+    def summary(self, records: Sequence[Any]) -> str:
+        checked = [r for r in records if self.present(r)]
+        pairs = sum(r.kv_write_checks for r in checked)
+        mismatched = sum(r.kv_write_mismatches for r in checked)
+        unchecked = sum(r.kv_write_unchecked for r in checked)
+        verdict = "clean" if not mismatched else "WRONG WRITES"
+        tail = f", {unchecked} unchecked" if unchecked else ""
+        return (f"{verdict}: {mismatched} of {pairs} (token, layer) stores mismatched{tail} ({len(checked)} samples)"
+                f"{first_fault_text(checked, 'kv_write_mismatches')}")
+
+
+#: The write check.
+CHECK = WriteCheckSpec()
