@@ -16,10 +16,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Sequence, TextIO
 
-from otel_swa.record import SwaDivergenceRecord
-from otel_swa.testing.judge import AUDIT_RULES, PROVENANCE_RULES
-
-_PROVENANCE_FIELDS = frozenset(rule.field for rule in PROVENANCE_RULES)
+from otel_swa.checks import CHECKS
+from otel_swa.record import FAULT_FIELDS, SwaDivergenceRecord
 
 __all__ = ["ReplayVerdict", "Progress", "WallTime", "verdict_of", "summary_rows", "print_summary", "export_row",
            "EXPORTS_FAILED"]
@@ -89,22 +87,12 @@ class ReplayVerdict:
     def reasons(self, interval: int, forward_steps: int) -> list[str]:
         """One line per reason for a non-zero exit status (for stderr)."""
         out = []
-        slots = {name: peak for name, peak in self.audit_faults.items()
-                 if name not in ("swa_premature_evictions", "swa_read_mismatches") and name not in _PROVENANCE_FIELDS}
-        if slots:
-            found = ", ".join(f"{name}={peak}" for name, peak in slots.items())
-            out.append(f"the SWA slot audit found faults (peak {found}); exit status 1")
-        if "swa_premature_evictions" in self.audit_faults:
-            out.append(f"the window check found live tokens inside the sliding window without an SWA slot (peak "
-                       f"swa_premature_evictions={self.audit_faults['swa_premature_evictions']}); exit status 1")
-        if "swa_read_mismatches" in self.audit_faults:
-            out.append(f"the read check found sliding-window attention reading other KV than the mapping gives (peak "
-                       f"swa_read_mismatches={self.audit_faults['swa_read_mismatches']}); exit status 1")
-        provenance = {name: peak for name, peak in self.audit_faults.items() if name in _PROVENANCE_FIELDS}
-        if provenance:
-            found = ", ".join(f"{name}={peak}" for name, peak in provenance.items())
-            out.append(f"the write check and provenance found KV that is not the KV of the token the tables name "
-                       f"(peak {found}); exit status 1")
+        found: dict[str, list[str]] = {}  # each check's reason (checks may share one) -> name=peak
+        for check in CHECKS:
+            for name in check.faults:
+                if name in self.audit_faults:
+                    found.setdefault(check.reason, []).append(f"{name}={self.audit_faults[name]}")
+        out.extend(reason.format(found=", ".join(peaks)) for reason, peaks in found.items())
         if self.no_sample:
             out.append(f"the reporter took no sample in {forward_steps} forward step(s) (interval {interval}); "
                        "exit status 1")
@@ -124,10 +112,10 @@ def verdict_of(records: Sequence[SwaDivergenceRecord], stats: Any, interrupted: 
     the exporters sent (:meth:`otel_swa.telemetry.SwaTelemetry.export_stats`; ``None`` or empty:
     no exporter that sends)."""
     faults = {}
-    for rule in (*AUDIT_RULES, *PROVENANCE_RULES):
-        values = [getattr(r, rule.field) for r in records if getattr(r, rule.field) is not None]
+    for name in FAULT_FIELDS:
+        values = [getattr(r, name) for r in records if getattr(r, name) is not None]
         if values and max(values) > 0:
-            faults[rule.field] = max(values)
+            faults[name] = max(values)
     no_sample = stats is not None and stats.samples_taken == 0 and not interrupted
     failed = tuple(signal for signal in ("traces", "metrics", "logs")
                    if signal in (export_stats or {}) and export_stats[signal].failed_exports
@@ -163,12 +151,8 @@ def summary_rows(
         ("peak out-of-window", _peak(records, "swa_out_of_window_tokens", "tokens")),
         ("last verify_full", f"{last.verify_full} entries" if last else "n/a"),
         ("last verify_swa", f"{last.verify_swa} entries" if last else "n/a"),
-        ("SWA slot audit", _audit_summary(records)),
-        *([("window check", _window_summary(records))] if any(r.window_checked for r in records) else []),
-        *([("read check", _read_summary(records))] if any(r.read_checked for r in records) else []),
-        *([("write check", _write_summary(records))] if any(r.kv_write_checks is not None for r in records) else []),
-        *([("provenance", _provenance_summary(records))] if any(r.kv_stamp_checks is not None for r in records)
-          else []),
+        *[(check.title, check.summary(records)) for check in CHECKS
+          if check.always_summarised or any(check.present(r) for r in records)],
     ]
     if complete:
         rows.append(("peak slots in use", f"FULL {summary.peak_full_slots} / {summary.full_pool_size}, "
@@ -226,71 +210,3 @@ def _samples(stats: Any, interval: int, forward_steps: int, verdict: ReplayVerdi
 
 def _peak(records: Sequence[SwaDivergenceRecord], field: str, unit: str) -> str:
     return f"{max(getattr(r, field) for r in records)} {unit}" if records else "n/a"
-
-
-def _audit_summary(records: Sequence[SwaDivergenceRecord]) -> str:
-    audited = [r for r in records if r.audited]
-    if not audited:
-        return "n/a"
-    peaks = {name: max(getattr(r, name) for r in audited) for name in ("swa_leaked_slots", "swa_stale_tokens", "swa_shared_slots")}
-    verdict = "clean" if not any(peaks.values()) else "FAULTS"
-    return (f"{verdict}: peak leaked {peaks['swa_leaked_slots']} slots, stale {peaks['swa_stale_tokens']} tokens, "
-            f"shared {peaks['swa_shared_slots']} slots ({len(audited)} samples)")
-
-
-def _window_summary(records: Sequence[SwaDivergenceRecord]) -> str:
-    checked = [r for r in records if r.window_checked]
-    premature = max(r.swa_premature_evictions for r in checked)
-    late = max(r.swa_late_held_slots for r in checked)
-    verdict = "clean" if not premature else "PREMATURE EVICTION"
-    return f"{verdict}: peak premature evictions {premature} tokens, late-held {late} slots ({len(checked)} samples)"
-
-
-def _first_fault(checked: Sequence[SwaDivergenceRecord], fault: str) -> str:
-    """``; first at forward_ct=N: <offender>`` of the first record with ``fault``, or ``""``."""
-    first = next((r for r in checked if getattr(r, fault)), None)
-    if first is None:
-        return ""
-    offender = first.offender(fault)
-    return f"; first at forward_ct={first.forward_ct}" + (f": {offender.describe()}" if offender else "")
-
-
-def _write_summary(records: Sequence[SwaDivergenceRecord]) -> str:
-    checked = [r for r in records if r.kv_write_checks is not None]
-    pairs = sum(r.kv_write_checks for r in checked)
-    mismatched = sum(r.kv_write_mismatches for r in checked)
-    unchecked = sum(r.kv_write_unchecked for r in checked)
-    verdict = "clean" if not mismatched else "WRONG WRITES"
-    tail = f", {unchecked} unchecked" if unchecked else ""
-    return (f"{verdict}: {mismatched} of {pairs} (token, layer) stores mismatched{tail} ({len(checked)} samples)"
-            f"{_first_fault(checked, 'kv_write_mismatches')}")
-
-
-def _provenance_summary(records: Sequence[SwaDivergenceRecord]) -> str:
-    checked = [r for r in records if r.kv_stamp_checks is not None]
-    stamps = sum(r.kv_stamp_checks for r in checked)
-    foreign = sum(r.kv_foreign_tokens for r in checked)
-    unchecked = sum(r.kv_stamp_unchecked for r in checked)
-    hashed = [r for r in checked if r.kv_checksum_checks is not None]
-    corrupt = sum(r.kv_corrupt_tokens for r in hashed)
-    verdict = "clean" if not foreign and not corrupt else "FOREIGN OR CORRUPT KV"
-    text = f"{verdict}: {foreign} foreign of {stamps} slots stamped ({unchecked} unchecked)"
-    if hashed:
-        text += f", {corrupt} corrupt of {sum(r.kv_checksum_checks for r in hashed)} hashed"
-    return (f"{text} ({len(checked)} samples){_first_fault(checked, 'kv_foreign_tokens')}"
-            f"{_first_fault(hashed, 'kv_corrupt_tokens')}")
-
-
-def _read_summary(records: Sequence[SwaDivergenceRecord]) -> str:
-    checked = [r for r in records if r.read_checked]
-    queries = sum(r.swa_read_checks for r in checked)
-    mismatched = sum(r.swa_read_mismatches for r in checked)
-    unchecked = sum(r.swa_read_unchecked for r in checked)
-    verdict = "clean" if not mismatched else "WRONG READS"
-    tail = f", {unchecked} unchecked" if unchecked else ""
-    first = next((r for r in checked if r.swa_read_mismatches), None)
-    where = ""
-    if first is not None:
-        offender = first.offender("swa_read_mismatches")
-        where = f"; first at forward_ct={first.forward_ct}" + (f": {offender.describe()}" if offender else "")
-    return f"{verdict}: {mismatched} of {queries} queries disagreed{tail} ({len(checked)} samples){where}"

@@ -4,10 +4,11 @@ Columns, in order: ``line_no`` (1-based line of the log), ``timestamp`` (the log
 written there, empty/null when absent), ``rank`` (SGLang's rank tokens such as ``DP1 TP0``, empty/null
 when absent), ``run`` (1-based run of the log, counted per writer: see
 :mod:`otel_swa.testing.runs`), ``verify_source`` (otel-swa's tag; empty/null for SGLang's own lines),
-the five record fields in SGLang's order, the SWA slot audit fields (empty/null when the record
-has no audit line), ``micro_batch`` (the pipeline micro-batch sampled; empty/null without one),
-``offenders`` (the first offender of each fault, as JSON), then the provenance fields
-(``kv_write_checks`` ... ``kv_foreign_blocks``; empty/null when the record has no provenance line).
+the five record fields in SGLang's order, the audit line's fields (:data:`otel_swa.record.AUDIT_FIELDS`,
+empty/null when the record has no audit line), ``micro_batch`` (the pipeline micro-batch sampled;
+empty/null without one), ``offenders`` (the first offender of each fault, as JSON), then the
+provenance line's fields (:data:`otel_swa.record.PROVENANCE_FIELDS`; empty/null when the record
+has no provenance line).
 Malformed lines are skipped and counted on stderr with the first reason (every one with
 ``--verbose``).
 

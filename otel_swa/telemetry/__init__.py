@@ -12,13 +12,7 @@ kv_cache.swa.entries.verified               ObservableCtr   {entry}      verify_
 kv_cache.swa.forward_steps                  ObservableCtr   {forward}    forward_ct
 kv_cache.swa.tokens.divergent               ObservableGauge {token}      swa_full_idx_divergence
 kv_cache.swa.tokens.out_of_window           ObservableGauge {token}      swa_out_of_window_tokens
-kv_cache.swa.slots.leaked                   ObservableGauge {slot}       swa_leaked_slots (audited samples)
-kv_cache.swa.tokens.stale                   ObservableGauge {token}      swa_stale_tokens (audited samples)
-kv_cache.swa.slots.shared                   ObservableGauge {slot}       swa_shared_slots (audited samples)
-kv_cache.swa.pages.in_use                   ObservableGauge {page}       swa_pages_in_use (audited samples)
-kv_cache.swa.pages.referenced               ObservableGauge {page}       swa_pages_referenced (audited samples)
-kv_cache.swa.tokens.evicted_in_window       ObservableGauge {token}      swa_premature_evictions (samples with a window)
-kv_cache.swa.slots.held_out_of_window       ObservableGauge {slot}       swa_late_held_slots (samples with a window)
+(each check's metrics)                      Gauge, Counter  (its own)    the check's fields: the metric rows of otel_swa.checks
 kv_cache.swa.reporter.delivery.delay        Histogram       {forward}    reporter.forward_ct - forward_ct at delivery
 kv_cache.swa.reporter.resets                Counter         {reset}      totals that went backwards
 kv_cache.swa.reporter.samples.taken         ObservableCtr   {sample}     reporter.stats.samples_taken
@@ -38,7 +32,8 @@ kv_cache.pool.tokens.limit                  ObservableGauge {token}      idem (t
 kv_cache.pool.utilization                   ObservableGauge 1            idem (used / limit)
 ==========================================  ==============  ===========  ===================
 
-The ``kv_cache.pool.`` gauges and ``kv_cache.swa.memory.saved``: :mod:`otel_swa.telemetry.pools`.
+Each check (:data:`otel_swa.checks.CHECKS`) adds its own gauges and counters, read from its record
+fields (its module's ``metrics``; docs/telemetry.md lists them all). The ``kv_cache.pool.`` gauges and ``kv_cache.swa.memory.saved``: :mod:`otel_swa.telemetry.pools`.
 Prometheus (``OTEL_METRICS_EXPORTER=prometheus``, ``exporters="prometheus"``): an endpoint per
 process, :mod:`otel_swa.telemetry.prometheus`; the names as Prometheus gets them: docs/telemetry.md.
 

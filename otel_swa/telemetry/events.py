@@ -28,7 +28,7 @@ event gives the record back whole), and as one more event per offender, of the s
 ``kv_cache.swa.fault.<location>`` for each location known (request, row, position, FULL and SWA
 slot, page, layer, block...; a provenance fault's pool, ``expected_token``, ``expected_position``,
 ``found_token``, ``found_position`` and ``other_request``), severity WARN, body the fault line.
-The sample event also carries the provenance fields present (``kv_cache.swa.kv_foreign_tokens``...),
+The sample event also carries every check field present (``kv_cache.swa.<field>``),
 so the ``swa_logline`` exporter writes the record's provenance line from it.
 """
 

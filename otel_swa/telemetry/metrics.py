@@ -1,7 +1,7 @@
 """The metrics of a delivered sample: one table describing each instrument, one loop creating them.
 
-Every instrument is described once in :data:`INSTRUMENTS` (name, kind, unit, description, and how its
-value is read). :class:`SwaMetrics` creates them on a meter.
+Every instrument is described once in :data:`INSTRUMENTS` (:mod:`otel_swa.telemetry.instruments`: name,
+kind, unit, description, and how its value is read). :class:`SwaMetrics` creates them on a meter.
 
 Record values are read when the SDK collects. Delivering a record stores its values in the
 :class:`RecordStore` of its reporter (a few dict writes, no SDK call); the ``counter``, ``gauge`` and
@@ -40,360 +40,33 @@ import itertools
 import logging
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 from opentelemetry.context import Context
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from otel_swa.record import VERIFY_SOURCES, SwaDivergenceRecord
+from otel_swa.record import SwaDivergenceRecord
 from otel_swa.telemetry import semconv as sc
+from otel_swa.telemetry.instruments import (  # the table, re-exported here
+    ATTR_FAULT,
+    DELAY_BUCKETS,
+    DELAY_HISTOGRAM,
+    EVENT_COUNTER,
+    GAUGE,
+    INSTRUMENTS,
+    SAMPLE_COUNTER,
+    SINK_COUNTER,
+    STATS_COUNTER,
+    STATS_GAUGE,
+    TOTAL_COUNTER,
+    Attributes,
+    InstrumentSpec,
+    with_micro_batch,
+)
 
 __all__ = ["InstrumentSpec", "INSTRUMENTS", "DELAY_BUCKETS", "SwaMetrics", "RecordStore", "ATTR_FAULT"]
 
 _log = logging.getLogger(__name__)
-
-#: Attribute of ``kv_cache.swa.reporter.view_faults``: which fault of the view
-#: (:data:`otel_swa.device.FAULTS`, e.g. ``seq_lens_cpu_mismatch``). Bounded: five values.
-ATTR_FAULT = sc.ATTR_FAULT
-
-Attributes = Mapping[str, Any]
-_FULL = {sc.ATTR_POOL: sc.POOL_FULL}
-_SWA = {sc.ATTR_POOL: sc.POOL_SWA}
-_POOL_SOURCE = {
-    (pool, source): {sc.ATTR_POOL: pool, sc.ATTR_VERIFY_SOURCE: source}
-    for pool in (sc.POOL_FULL, sc.POOL_SWA)
-    for source in VERIFY_SOURCES
-}
-_NONE: Attributes = {}
-
-
-def _pool(pool: str, record: SwaDivergenceRecord) -> Attributes:
-    """``pool`` and, when the record knows it, ``kv_cache.swa.verify_source``."""
-    if record.verify_source is None:
-        return _FULL if pool == sc.POOL_FULL else _SWA
-    return _POOL_SOURCE[pool, record.verify_source]
-
-
-_MICRO_BATCH_BASES: dict[tuple[int, int], tuple[Attributes, Attributes]] = {}
-
-
-def _with_micro_batch(base: Attributes, micro_batch: int) -> Attributes:
-    """``base`` with ``kv_cache.swa.micro_batch``: one constant dict per (base, micro-batch), so that
-    :meth:`RecordStore.key` keeps caching by identity (the bases are the table's module constants
-    and micro-batches are bounded by :data:`otel_swa.record.MICRO_BATCH_MAX`)."""
-    cached = _MICRO_BATCH_BASES.get((id(base), micro_batch))
-    if cached is None or cached[0] is not base:
-        cached = (base, {**base, sc.ATTR_MICRO_BATCH: micro_batch})
-        _MICRO_BATCH_BASES[(id(base), micro_batch)] = cached
-    return cached[1]
-
-
-def _field(name: str) -> Callable[[SwaDivergenceRecord], tuple]:
-    """Reader of an optional record field: one point when it is present, none when ``None``."""
-
-    def read(record: SwaDivergenceRecord) -> tuple:
-        value = getattr(record, name, None)
-        return ((value, _NONE),) if value is not None else ()
-
-    return read
-
-def _outcomes(attribute: str, checks: str, disagree: str, unchecked: str | None = None) -> Callable[[SwaDivergenceRecord], tuple]:
-    """Reader of a check's counts by outcome (``attribute`` = ``agree``, ``disagree``,
-    ``unchecked``): ``checks - disagree``, ``disagree`` and, when named, ``unchecked``; no point when
-    the record has no ``checks`` (the engine does not run the check). Every outcome is given, 0
-    too, so the series exist from the first checked sample."""
-    agree_at, disagree_at, unchecked_at = ({attribute: value} for value in (sc.READ_AGREE, sc.READ_DISAGREE,
-                                                                             sc.READ_UNCHECKED))
-
-    def read(record: SwaDivergenceRecord) -> tuple:
-        total = getattr(record, checks)
-        if total is None:
-            return ()
-        bad = getattr(record, disagree) or 0
-        points = ((max(0, total - bad), agree_at), (bad, disagree_at))
-        if unchecked is None:
-            return points
-        return points + ((getattr(record, unchecked) or 0, unchecked_at),)
-
-    return read
-
-
-#: Bucket boundaries of the delivery-delay histogram, in forward steps. With a ring of a few slots a
-#: sample normally lands one or two steps after it was taken; the tail shows a stalled copy.
-DELAY_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0, 64.0)
-
-# Kinds of instrument in the table.
-TOTAL_COUNTER = "counter"  # ObservableCounter of a cumulative record total (latest delivered, kept monotonic)
-GAUGE = "gauge"  # ObservableGauge of a value of the latest delivered sample
-DELAY_HISTOGRAM = "histogram"  # Histogram of reporter.forward_ct - record.forward_ct at delivery
-EVENT_COUNTER = "event_counter"  # Counter incremented by the telemetry itself (resets)
-STATS_COUNTER = "observable_counter"  # ObservableCounter of a cumulative ReporterStats field
-STATS_GAUGE = "observable_gauge"  # ObservableGauge of a ReporterStats field
-SINK_COUNTER = "sink_counter"  # ObservableCounter of a count kept by the reporter's telemetry sink
-SAMPLE_COUNTER = "sample_counter"  # ObservableCounter of the running sum of a per-sample value of each delivered record
-
-
-@dataclass(frozen=True)
-class InstrumentSpec:
-    """One instrument.
-
-    Attributes:
-        name: dotted lowercase metric name (``kv_cache.swa.`` namespace, see ``semconv``).
-        kind: one of ``counter`` (a cumulative record total, read at collection), ``gauge`` (a
-            value of the latest record, read at collection), ``sample_counter`` (the running sum of a
-            per-sample value over every record delivered, read at collection with the latest
-            record's context: a fault seen in one sample stays counted whatever later samples say),
-            ``histogram`` (delivery delay),
-            ``event_counter``, ``observable_counter`` and ``observable_gauge`` (fields of
-            ``reporter.stats``; a mapping field gives one point per key), ``sink_counter`` (a
-            count of the reporter's telemetry sink).
-        unit: UCUM unit with annotation, e.g. ``{entry}``.
-        description: what a data point means.
-        source: the record field(s) or ``ReporterStats`` field it is read from (documentation).
-        read: for ``counter``/``gauge``/``sample_counter``: record -> ``(value, attributes)`` pairs; for the
-            observable kinds: the ``ReporterStats`` (or sink) attribute name; otherwise ``None``.
-    """
-
-    name: str
-    kind: str
-    unit: str
-    description: str
-    source: str
-    read: Any = None
-
-
-INSTRUMENTS: tuple[InstrumentSpec, ...] = (
-    InstrumentSpec(
-        sc.NAMESPACE + "entries.verified", TOTAL_COUNTER, "{entry}",
-        "KV cache entries checked per pool, over all forward steps (FULL covers [0, prefix_len), "
-        "SWA only the window [max(0, prefix_len - window), prefix_len))",
-        "verify_full (pool=full), verify_swa (pool=swa); kv_cache.swa.verify_source says whether "
-        "they are entries attention read (attention) or entries SGLang's KV canary verified (kv_canary)",
-        lambda r: ((r.verify_full, _pool(sc.POOL_FULL, r)), (r.verify_swa, _pool(sc.POOL_SWA, r))),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "forward_steps", TOTAL_COUNTER, "{forward}",
-        "Forward steps seen by the reporter, as of its latest delivered sample",
-        "forward_ct",
-        lambda r: ((r.forward_ct, _NONE),),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "tokens.divergent", GAUGE, "{token}",
-        "Live tokens of the sampled batch whose SWA slot is non-zero and differs from their FULL slot",
-        "swa_full_idx_divergence (not recorded when divergence_applicable is false: vLLM)",
-        lambda r: ((r.swa_full_idx_divergence, _NONE),) if r.divergence_applicable else (),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "tokens.out_of_window", GAUGE, "{token}",
-        "Live tokens of the sampled batch whose SWA slot was freed (mapping 0: left the sliding window)",
-        "swa_out_of_window_tokens",
-        lambda r: ((r.swa_out_of_window_tokens, _NONE),),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "slots.leaked", GAUGE, "{slot}",
-        "SWA slots of pages in use that no live token maps into: allocated and unreachable",
-        "swa_leaked_slots (when the engine gives audit inputs)",
-        _field("swa_leaked_slots"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "tokens.stale", GAUGE, "{token}",
-        "Live tokens whose SWA page is on the free list: the slot may be handed to another request",
-        "swa_stale_tokens (when the engine gives audit inputs)",
-        _field("swa_stale_tokens"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "slots.shared", GAUGE, "{slot}",
-        "SWA slots that two distinct live FULL slots map to: two tokens write one slot",
-        "swa_shared_slots (when the engine gives audit inputs)",
-        _field("swa_shared_slots"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "pages.in_use", GAUGE, "{page}",
-        "SWA pages allocated (not on the SWA free list) when the sample was taken",
-        "swa_pages_in_use (when the engine gives audit inputs)",
-        _field("swa_pages_in_use"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "pages.referenced", GAUGE, "{page}",
-        "SWA pages in use that at least one live token maps into (in use - referenced = leaked pages)",
-        "swa_pages_referenced (when the engine gives audit inputs)",
-        _field("swa_pages_referenced"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "tokens.evicted_in_window", GAUGE, "{token}",
-        "Live tokens of the sampled batch inside the sliding window (the positions the forward step's "
-        "queries read) whose SWA slot was freed (mapping 0): attention reads KV that is gone (premature "
-        "eviction); must be 0",
-        "swa_premature_evictions (when the engine gives its sliding window)",
-        _field("swa_premature_evictions"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "slots.held_out_of_window", GAUGE, "{slot}",
-        "SWA slots still held by live tokens older than the positions the forward step reads plus the "
-        "engine's eviction allowance (late eviction; growing: runaway SWA usage)",
-        "swa_late_held_slots (when the engine gives its sliding window)",
-        _field("swa_late_held_slots"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "read_check.queries", SAMPLE_COUNTER, "{query}",
-        "Queries of sliding-window layers whose attention output the read check recomputed from the KV pool "
-        "through the FULL-to-SWA mapping, by outcome (kv_cache.swa.read_check.outcome): agree, disagree "
-        "(attention read other KV than the mapping's: must stay 0), unchecked (a variant the check does not cover)",
-        "swa_read_checks - swa_read_mismatches (agree), swa_read_mismatches (disagree), swa_read_unchecked "
-        "(unchecked), when the engine runs the read check",
-        _outcomes(sc.ATTR_READ_OUTCOME, "swa_read_checks", "swa_read_mismatches", "swa_read_unchecked"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "write_check.tokens", SAMPLE_COUNTER, "{token}",
-        "New tokens' K/V writes (one token at one layer each) the write check compared with what the KV pool "
-        "holds at the slot the engine's tables name, by outcome (kv_cache.swa.write_check.outcome): agree, "
-        "disagree (the pool holds other values there: a write to the wrong index; must stay 0), unchecked (a "
-        "quantized cache or a layout the check does not cover)",
-        "kv_write_checks - kv_write_mismatches (agree), kv_write_mismatches (disagree), kv_write_unchecked "
-        "(unchecked), when the engine runs the write check",
-        _outcomes(sc.ATTR_WRITE_OUTCOME, "kv_write_checks", "kv_write_mismatches", "kv_write_unchecked"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "provenance.stamps", SAMPLE_COUNTER, "{slot}",
-        "Live token slots (FULL and SWA pools) whose provenance stamp was compared with the one the request's "
-        "own tokens give, by outcome (kv_cache.swa.provenance.outcome): agree, disagree (the slot holds another "
-        "token's KV, or none: never stamped; must stay 0), unchecked (token ids unknown, over the per-sample "
-        "budget; never stamped, for an engine wired after it held KV)",
-        "kv_stamp_checks - kv_foreign_tokens (agree), kv_foreign_tokens (disagree), kv_stamp_unchecked "
-        "(unchecked), when the engine stamps its slots",
-        _outcomes(sc.ATTR_PROVENANCE_OUTCOME, "kv_stamp_checks", "kv_foreign_tokens", "kv_stamp_unchecked"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "provenance.checksums", SAMPLE_COUNTER, "{slot}",
-        "Live token slots whose K/V bytes were hashed again and compared with the hash taken at the write, by "
-        "outcome (kv_cache.swa.provenance.outcome): agree, disagree (the bytes changed after the write; must "
-        "stay 0)",
-        "kv_checksum_checks - kv_corrupt_tokens (agree), kv_corrupt_tokens (disagree), when the engine "
-        "checksums its slots",
-        _outcomes(sc.ATTR_PROVENANCE_OUTCOME, "kv_checksum_checks", "kv_corrupt_tokens"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "tokens.foreign", GAUGE, "{token}",
-        "Live token slots of the sampled step whose provenance stamp is another token's: the slot holds other "
-        "KV than the tables say (swapped ownership, stale prefix reuse, a slot overwritten, a wrong position); "
-        "must be 0",
-        "kv_foreign_tokens (when the engine stamps its slots)",
-        _field("kv_foreign_tokens"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "tokens.corrupt", GAUGE, "{token}",
-        "Live token slots of the sampled step whose K/V bytes changed after they were written (a stray write, a "
-        "bad load-back, a bit flip); must be 0",
-        "kv_corrupt_tokens (when the engine checksums its slots)",
-        _field("kv_corrupt_tokens"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "blocks.leaked", GAUGE, "{block}",
-        "KV blocks in use that no request and no prefix-cache entry holds: allocated and unreachable "
-        "(block-pool engines: vLLM)",
-        "kv_leaked_blocks (when the engine gives the KV block audit's inputs)",
-        _field("kv_leaked_blocks"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "blocks.freed_in_use", GAUGE, "{block}",
-        "KV blocks a running request's block table references that are on the free queue: the pool may "
-        "hand them to another request (block-pool engines: vLLM)",
-        "kv_freed_blocks_in_use (when the engine gives the KV block audit's inputs)",
-        _field("kv_freed_blocks_in_use"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "blocks.shared", GAUGE, "{block}",
-        "KV blocks not in the prefix cache that two requests' block tables reference: a block handed out again "
-        "while in use (block-pool engines: vLLM)",
-        "kv_shared_blocks (when the engine gives the KV block audit's inputs)",
-        _field("kv_shared_blocks"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "provenance.block_hashes", SAMPLE_COUNTER, "{entry}",
-        "Prefix-cache map entries and block-table entries whose block hash was compared with the key or the "
-        "request's block hash for that index (block-pool engines: vLLM)",
-        "kv_cache_entries_checked (when the engine checks its block hashes)",
-        _field("kv_cache_entries_checked"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "blocks.stale_cached", GAUGE, "{block}",
-        "Prefix-cache map entries naming a block whose own hash is not the entry's key: a stale entry left after "
-        "eviction or reuse, whose hit reads other tokens' KV (block-pool engines: vLLM); must be 0",
-        "kv_stale_cache_entries (when the engine checks its block hashes)",
-        _field("kv_stale_cache_entries"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "blocks.foreign", GAUGE, "{block}",
-        "Blocks in a request's block table whose hash is not the request's block hash for that index, or blocks "
-        "of another KV cache group: they hold other tokens' KV (block-pool engines: vLLM); must be 0",
-        "kv_foreign_blocks (when the engine checks its block hashes)",
-        _field("kv_foreign_blocks"),
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.delivery.delay", DELAY_HISTOGRAM, "{forward}",
-        "Forward steps between taking a sample and delivering its record to the sinks",
-        "reporter.forward_ct at delivery - forward_ct",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.resets", EVENT_COUNTER, "{reset}",
-        "Records whose cumulative totals went backwards (the reporter was restarted)",
-        "verify_full, verify_swa, forward_ct lower than in the previous record",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.samples.taken", STATS_COUNTER, "{sample}",
-        "Samples the reporter started on the device", "ReporterStats.samples_taken", "samples_taken",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.samples.delivered", STATS_COUNTER, "{sample}",
-        "Sample records handed to the sinks", "ReporterStats.samples_delivered", "samples_delivered",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.ring_full.waits", STATS_COUNTER, "{wait}",
-        "Times the host waited for the oldest device-to-host copy because every ring slot was in flight",
-        "ReporterStats.ring_full_waits", "ring_full_waits",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.sink.errors", STATS_COUNTER, "{error}",
-        "Exceptions raised by sinks (caught and logged by the reporter)",
-        "ReporterStats.sink_errors", "sink_errors",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.samples.invalid", STATS_COUNTER, "{sample}",
-        "Samples that gave no record: a negative total (a negative observe count) or a fault of the "
-        "view (kv_cache.swa.reporter.view_faults); logged, never delivered",
-        "ReporterStats.invalid_samples", "invalid_samples",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.view_faults", STATS_COUNTER, "{sample}",
-        "Samples whose view showed a fault, per fault (kv_cache.swa.fault): req_pool_index_out_of_range, "
-        "full_slot_out_of_range, seq_len_beyond_width, negative_seq_len, seq_lens_cpu_mismatch; "
-        "such a sample gives no record",
-        "ReporterStats.view_faults", "view_faults",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.samples.skipped", STATS_COUNTER, "{sample}",
-        "step() calls ignored because the current CUDA stream was capturing a graph",
-        "ReporterStats.skipped_captures", "skipped_captures",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.liveness.warnings", STATS_COUNTER, "{warning}",
-        "Liveness warnings: the reporter was on and delivered no sample for OTEL_SWA_LIVENESS_STEPS forward "
-        "steps, or in its whole life (no forward step reached it); each also an event and a log line",
-        "ReporterStats.liveness_warnings", "liveness_warnings",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "telemetry.records.dropped", SINK_COUNTER, "{record}",
-        "Records the telemetry sink could not hand to its delivery thread (its queue was full): not in "
-        "the metrics, events and line; the forward step never waits for the queue",
-        "SwaTelemetrySink.dropped", "dropped",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.samples.pending", STATS_GAUGE, "{sample}",
-        "Samples taken whose device-to-host copy has not been delivered yet",
-        "ReporterStats.pending", "pending",
-    ),
-)
 
 
 _sequence = itertools.count(1)  # delivery order across stores: the latest value of a gauge wins
@@ -615,7 +288,7 @@ class SwaMetrics:
             cache = keys(name)
             for value, base in read(record):
                 if kind == GAUGE and record.micro_batch is not None:
-                    base = _with_micro_batch(base, record.micro_batch)
+                    base = with_micro_batch(base, record.micro_batch)
                 hit = cache.get(id(base))
                 if hit is None or hit[2] is not base:
                     hit = keyed_new(name, base)

@@ -76,22 +76,13 @@ ATTR_MICRO_BATCH = NAMESPACE + "micro_batch"
 #: Metric attribute of ``kv_cache.swa.reporter.view_faults``: which fault a bad view showed.
 ATTR_FAULT = NAMESPACE + "fault"
 
-#: Metric attribute of ``kv_cache.swa.read_check.queries``: what the read check found for a query
-#: (``agree``, ``disagree``: its sliding-window attention output differs from the one recomputed from
-#: the pool through the mapping; ``unchecked``: a variant the check does not cover).
-ATTR_READ_OUTCOME = NAMESPACE + "read_check.outcome"
+#: Values of a check's outcome attribute (a :class:`otel_swa.checks.MetricRow` with ``outcomes``:
+#: ``kv_cache.swa.read_check.outcome``, ``kv_cache.swa.write_check.outcome``,
+#: ``kv_cache.swa.provenance.outcome``): ``agree``; ``disagree`` (the check found a fault);
+#: ``unchecked`` (what the check could not compare).
 READ_AGREE = "agree"
 READ_DISAGREE = "disagree"
 READ_UNCHECKED = "unchecked"
-#: Metric attribute of ``kv_cache.swa.write_check.tokens``: what the write check found for a new
-#: token's K/V at one layer (``agree``; ``disagree``: the pool holds other values at the slot the
-#: tables name; ``unchecked``: a quantized cache or a layout the check does not cover). Values as
-#: the read check's.
-ATTR_WRITE_OUTCOME = NAMESPACE + "write_check.outcome"
-#: Metric attribute of ``kv_cache.swa.provenance.stamps`` and ``kv_cache.swa.provenance.checksums``:
-#: what a live token slot's check found (``agree``; ``disagree``: its stamp is another token's, or
-#: its bytes changed after the write; ``unchecked``: a stamp not judged). Values as the read check's.
-ATTR_PROVENANCE_OUTCOME = NAMESPACE + "provenance.outcome"
 
 #: Name of the event emitted for each first offender of a sample (Logs API event and span event):
 #: where the fault was first seen (:class:`otel_swa.record.Offender`).

@@ -252,8 +252,8 @@ class BlockHashOffender:
 @dataclass(frozen=True)
 class BlockHashFindings:
     """What the block-hash provenance check found at one sample (host ints; see
-    :mod:`otel_swa.views.vllm_block_hashes`): the record's ``kv_cache_entries_checked``,
-    ``kv_stale_cache_entries`` and ``kv_foreign_blocks``, and the first offender of each fault
+    :mod:`otel_swa.views.vllm_block_hashes`): the counts of :mod:`otel_swa.checks.block_hashes`
+    (entries checked, stale entries, foreign blocks), and the first offender of each fault
     (``None`` when its count is 0).
     """
 

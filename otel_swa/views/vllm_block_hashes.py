@@ -18,11 +18,11 @@ and resets its hash.
 
 Two checks, each counted and naming its first offender:
 
-* **stale prefix-cache entries** (``kv_stale_cache_entries``): a map entry (key, block) where the
+* **stale prefix-cache entries**: a map entry (key, block) where the
   key is neither the block's own hash nor one of its secondary keys, or the block is the null
   block. A lookup of that key hands out a block that holds other tokens' KV (a block evicted or
   reused while its entry stayed behind): later requests "hit" it and read another request's KV.
-* **foreign blocks** (``kv_foreign_blocks``): an entry ``j`` of a request's table of KV cache group
+* **foreign blocks**: an entry ``j`` of a request's table of KV cache group
   ``g`` (block size ``bs``) holding a block, not the null block, that carries a hash covering
   ``t`` tokens (``block_hash_num_tokens``; ``(j + 1) * bs`` when vLLM left it unset) where the
   hash is not the request's own: ``j * bs < t <= (j + 1) * bs`` and the hash equals
@@ -31,7 +31,7 @@ Two checks, each counted and naming its first offender:
   another group id; vllm-project/vllm#47574), or it is named for tokens the request never hashed.
 
 A block without a hash is not judged here (a request's blocks past its cached ones have none);
-one such block in two requests' tables is the KV block audit's ``kv_shared_blocks``
+one such block in two requests' tables is the KV block audit's shared block
 (:mod:`otel_swa.device.block_audit`), and a stale map entry never excuses it there
 (:func:`otel_swa.views.vllm.kv_block_audit_inputs` counts a block as cached only through an entry
 this module calls good). Tables are read for the managers whose block ``j`` holds tokens ``[j *

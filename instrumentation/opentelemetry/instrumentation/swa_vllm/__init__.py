@@ -75,8 +75,8 @@ stores):
     each KV cache group kind in turn, the K/V the layer was given compared bit for bit with what its
     KV cache holds at the slot vLLM's slot mapping names. An exception there is logged once and
     never breaks the store. The check is attached to the scheduler's reporter when the process holds
-    exactly one of each: the records get ``kv_write_checks``, ``kv_write_mismatches``,
-    ``kv_write_unchecked`` and, on a mismatch, a ``kv_write_mismatches`` offender (request, batch
+    exactly one of each: the records get the write check's fields (:mod:`otel_swa.checks.write`)
+    and, on a mismatch, its offender (request, batch
     row, position, slot, layer and its name, KV cache group), which ``otel-swa check`` fails on. A
     record at ``forward_ct`` N carries forward N - 1's check (the sample is taken in ``schedule()``,
     before the forward of its step). Not wired, and logged once: another device, another executor
