@@ -52,11 +52,8 @@ from otel_swa.device.audit import (
     AUDIT_OFFENDER_CELLS,
     AUDIT_WIDTH,
     SwaAuditSweep,
-    holder_slots,
 )
-from otel_swa.device.block_audit import BLOCK_WIDTH, block_audit_fields, stage_block_audit
-from otel_swa.device.provenance import PROVENANCE_WIDTH, ProvenanceMeta, ProvenanceReading
-from otel_swa.device.read_check import READ_WIDTH, ReadCheck, read_counts, read_offender_fields
+from otel_swa.device.audit_holders import stage_fused_audit
 from otel_swa.device.window import (
     PREMATURE_CELLS,
     WINDOW_WIDTH,
@@ -69,11 +66,12 @@ from otel_swa.device.window import (
     stage_window_live,
     window_spans,
 )
+from otel_swa.device.live_tokens import count_divergence, host_lengths, live_full_slots
 from otel_swa.device.workspace import Workspace
-from otel_swa.device.write_check import WRITE_WIDTH, WriteCheck, write_counts, write_offender_fields
 
 __all__ = [
     "STAGE_WIDTH",
+    "FUSED_CELLS",
     "DENSE_FILL_RATIO",
     "FAULTS",
     "SampleMeta",
@@ -103,23 +101,20 @@ _FULL_NONZERO = 12  # gathered tokens with f != 0 (f clamped into the mapping)
 _SLOT0_SWA = 13  # mapping[0], the SWA slot of every gathered token at FULL slot 0
 _AUDIT = 14
 _WINDOW = _AUDIT + AUDIT_WIDTH  # the window cells of otel_swa.device.window (windowed samples only)
-_READ = _WINDOW + WINDOW_WIDTH  # the read check's cells of otel_swa.device.read_check (when it runs)
-_BLOCK = _READ + READ_WIDTH  # the KV block audit's cells of otel_swa.device.block_audit (block pools)
-_WRITE = _BLOCK + BLOCK_WIDTH  # the write check's cells of otel_swa.device.write_check (when it runs)
-_PROV = _WRITE + WRITE_WIDTH  # the provenance verification's cells of otel_swa.device.provenance
 _LITTLE_ENDIAN = sys.byteorder == "little"  # host and devices alike (CUDA devices are little-endian)
 _FILLER = 1  # FULL slot given to masked positions of the dense path
-#: int64 values per staged sample: the counts, the fault evidence, then the audit counts of
-#: :func:`otel_swa.device.audit.audit_counts` (pages in use, pages referenced, leaked pages,
-#: stale tokens, shared SWA slots), then the sliding-window cells of :mod:`otel_swa.device.window`
-#: (in-window tokens with an SWA slot, late-held tokens, in-window tokens), then the read check's
-#: cells (:data:`otel_swa.device.read_check.READ_CELLS`), then the KV block audit's
-#: (:data:`otel_swa.device.block_audit.BLOCK_CELLS`), then the write check's
-#: (:data:`otel_swa.device.write_check.WRITE_CELLS`) and the provenance verification's
-#: (:data:`otel_swa.device.provenance.PROVENANCE_CELLS`, FULL then SWA). The audit, window, read,
-#: block, write and provenance cells are written only when the view (or the reporter's checks) asks
-#: for them (else left as they are, never read).
-STAGE_WIDTH = _PROV + PROVENANCE_WIDTH
+#: int64 values the sample's core pass stages: the counts, the fault evidence, then the audit counts
+#: of :func:`otel_swa.device.audit.audit_counts` (pages in use, pages referenced, leaked pages,
+#: stale tokens, shared SWA slots) and their first offenders, then the sliding-window cells of
+#: :mod:`otel_swa.device.window` (in-window tokens with an SWA slot, late-held tokens, in-window
+#: tokens, the first premature eviction). The audit and window cells are written only when the view
+#: asks for them (else left as they are, never read). The other checks' cells follow in the ring's
+#: row (:mod:`otel_swa.sampling`).
+STAGE_WIDTH = _WINDOW + WINDOW_WIDTH
+
+#: The cells of the checks fused into the core pass (:data:`otel_swa.checks.CHECKS` whose ``fused``
+#: is set), by check name: the SWA slot audit's and the window check's.
+FUSED_CELLS = {"slot_audit": slice(_AUDIT, _WINDOW), "window": slice(_WINDOW, _WINDOW + WINDOW_WIDTH)}
 
 #: The faults :func:`read_sample` can report, in this order.
 FAULTS = (
@@ -153,11 +148,6 @@ class SampleMeta:
         window: the sliding window the window cells were staged for, ``None`` when not staged.
         window_tokens: ``sum(min(len_i, window + extend_len_i - 1))`` when the host knows it, else
             ``None`` (staged).
-        read_checked: whether the read check's cells were staged.
-        block_audited: whether the KV block audit's cells were staged.
-        write_checked: whether the write check's cells were staged.
-        provenance: the host side of the provenance verification staged
-            (:class:`~otel_swa.device.provenance.ProvenanceMeta`), ``None`` when none was.
     """
 
     @property
@@ -177,11 +167,7 @@ class SampleMeta:
     host_rows: bool = False
     window: "int | None" = None
     window_tokens: "int | None" = None
-    read_checked: bool = False
-    block_audited: bool = False
     audit_started: bool = False
-    write_checked: bool = False
-    provenance: "ProvenanceMeta | None" = None
 
 
 @dataclass(frozen=True)
@@ -201,18 +187,6 @@ class SampleReading:
             slot, ``None`` when the view gave no window.
         premature_where: the first premature eviction (:data:`otel_swa.device.window.PREMATURE_CELLS`:
             batch entry, row, position, FULL slot), ``None`` when there is none.
-        read: the read check's ``(checked, mismatched, unchecked)`` queries, ``None`` when it did
-            not run (:mod:`otel_swa.device.read_check`).
-        read_offender: the first disagreeing query (``entry``, ``row``, ``position``,
-            ``full_slot``, ``swa_slot``, ``layer``), ``None`` when none disagreed.
-        block: the KV block audit's cells by name (:data:`otel_swa.device.block_audit.BLOCK_CELLS`),
-            ``None`` when the view gave no block audit.
-        write: the write check's ``(checked, mismatched, unchecked)`` (token, layer) pairs, ``None``
-            when it is off (:mod:`otel_swa.device.write_check`).
-        write_offender: the first mismatch (``entry``, ``position``, ``full_slot``, ``swa_slot``,
-            ``layer``), ``None`` when none.
-        provenance: the stamps' and checksums' verification
-            (:class:`~otel_swa.device.provenance.ProvenanceReading`), ``None`` when none ran.
     """
 
     verify_full: int
@@ -225,33 +199,6 @@ class SampleReading:
     premature: "int | None" = None
     late_held: "int | None" = None
     premature_where: "dict[str, int] | None" = None
-    read: "tuple[int, int, int] | None" = None
-    read_offender: "dict[str, int] | None" = None
-    block: "dict[str, int] | None" = None
-    write: "tuple[int, int, int] | None" = None
-    write_offender: "dict[str, int | None] | None" = None
-    provenance: "ProvenanceReading | None" = None
-
-
-def host_lengths(seq_lens_cpu: "torch.Tensor | Sequence[int]") -> np.ndarray:
-    """``seq_lens_cpu`` as an ``int64`` numpy array (a view of a CPU ``int64`` tensor: no copy).
-
-    Raises:
-        ValueError: a tensor on another device than the CPU, or values that are not integers.
-        TypeError: an entry is not a number.
-    """
-    if isinstance(seq_lens_cpu, torch.Tensor):
-        if seq_lens_cpu.device.type != "cpu":
-            raise ValueError(f"seq_lens_cpu must be a host tensor, got one on {seq_lens_cpu.device}")
-        if seq_lens_cpu.dtype.is_floating_point or seq_lens_cpu.dtype in (torch.bool, torch.complex64, torch.complex128):
-            raise ValueError(f"seq_lens_cpu must hold integers, got dtype {seq_lens_cpu.dtype}")
-        return seq_lens_cpu.detach().reshape(-1).to(torch.int64).numpy()
-    values = np.asarray(seq_lens_cpu if isinstance(seq_lens_cpu, (list, tuple, np.ndarray)) else list(seq_lens_cpu))
-    if values.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if values.dtype.kind not in "iu":
-        raise ValueError(f"seq_lens_cpu must hold integers, got {values.dtype} values such as {values.reshape(-1)[0]!r}")
-    return values.astype(np.int64, copy=False).reshape(-1)
 
 
 def _flat_rows(req_to_token: torch.Tensor) -> "tuple[torch.Tensor, int]":
@@ -282,11 +229,7 @@ def stage_sample(
     sliding_window: "int | None" = None,
     swa_eviction_allowance: "int | Sequence[int] | torch.Tensor | None" = None,
     extend_lens_cpu: "int | Sequence[int] | torch.Tensor | None" = None,
-    read_check: "ReadCheck | None" = None,
-    kv_block_audit: Any = None,
     audit_sweep: "SwaAuditSweep | None" = None,
-    write_check: "WriteCheck | None" = None,
-    provenance: "Callable[[torch.Tensor], ProvenanceMeta | None] | None" = None,
 ) -> SampleMeta:
     """Write one sample into ``out`` (``int64 [STAGE_WIDTH]`` on the device), in stream order.
 
@@ -312,19 +255,10 @@ def stage_sample(
             or one per batch entry on the host; ``None``: 1 each (a decode step). The window check
             counts the positions the step's first query reads onwards, ``window + extend_len - 1``
             of them; read only with ``sliding_window``.
-        read_check: the step's :class:`~otel_swa.device.read_check.ReadCheck`, whose cells are
-            staged (and cleared: :meth:`~otel_swa.device.read_check.ReadCheck.take`), or ``None``.
-        kv_block_audit: a :class:`~otel_swa.views.base.KvBlockAuditInputs`, whose audit is
-            staged (:mod:`otel_swa.device.block_audit`), or ``None``.
         audit_sweep: the reporter's :class:`~otel_swa.device.audit.SwaAuditSweep`: the SWA slot
             audit then runs as its passes (work bounded by the holders and the sweep's budget; the
             audit cells are staged at the last sample of each pass, ``SampleMeta.audited``).
             ``None``: the whole audit at this sample (its work grows with the SWA pool).
-        write_check: the step's :class:`~otel_swa.device.write_check.WriteCheck`, whose cells are
-            staged (and cleared), or ``None``.
-        provenance: stages the provenance verification into the slice it is given (``int64
-            [PROVENANCE_WIDTH]``) and returns its meta (the reporter's
-            :meth:`~otel_swa.device.provenance.KvProvenance.stage` bound to the view), or ``None``.
 
     Returns:
         The :class:`SampleMeta` to give :func:`read_sample` with the staged values.
@@ -340,16 +274,6 @@ def stage_sample(
         ValueError: ``seq_lens_cpu`` is not a sequence of integers on the host.
     """
     ws = workspace if workspace is not None else Workspace(out.device)
-    read_checked = read_check is not None
-    if read_checked:
-        read_check.take(out[_READ:_READ + READ_WIDTH])
-    block_audited = kv_block_audit is not None
-    if block_audited:
-        stage_block_audit(out[_BLOCK:_BLOCK + BLOCK_WIDTH], kv_block_audit, ws)
-    extra = {"write_checked": write_check is not None,
-             "provenance": provenance(out[_PROV:_PROV + PROVENANCE_WIDTH]) if provenance is not None else None}
-    if write_check is not None:
-        write_check.take(out[_WRITE:_WRITE + WRITE_WIDTH])
     mapping = full_to_swa_index_mapping
     num_rows, width = req_to_token.shape
     size = mapping.shape[0]
@@ -404,97 +328,23 @@ def stage_sample(
             gathered = _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload,
                                     ws, window, allowance, cells, reach)
             path = "dense"
-        done = audited and _stage_audit(out, mapping, swa_audit, gathered if with_batch else None, with_batch,
+        done = audited and stage_fused_audit(out[_AUDIT:_WINDOW], mapping, swa_audit, gathered if with_batch else None, with_batch,
                                         audit_sweep, ws)
         return SampleMeta(path, live, batch, num_rows, width, size, faults, True, done, rows_known,
-                          window, window_tokens, read_checked, block_audited, audited and audit_sweep.started, **extra)
+                          window, window_tokens, audited and audit_sweep.started)
     if batch == 0 or width == 0 or num_rows == 0 or size == 0:
         _stage_empty(out, totals, rows, seq_lens, None, upload, ws)
         if window is not None:
             stage_window_empty(cells)
-        done = audited and _stage_audit(out, mapping, swa_audit, None, with_batch, audit_sweep, ws)
+        done = audited and stage_fused_audit(out[_AUDIT:_WINDOW], mapping, swa_audit, None, with_batch, audit_sweep, ws)
         return SampleMeta("empty", 0, batch, num_rows, width, size, (), False, done, False,
-                          window, 0 if window is not None else None, read_checked, block_audited,
-                          audited and audit_sweep.started, **extra)
+                          window, 0 if window is not None else None, audited and audit_sweep.started)
     gathered = _stage_dense(out, totals, req_to_token, mapping, rows, None, seq_lens, None, None, upload, ws,
                             window, allowance, cells, reach)
-    done = audited and _stage_audit(out, mapping, swa_audit, gathered if with_batch else None, with_batch,
+    done = audited and stage_fused_audit(out[_AUDIT:_WINDOW], mapping, swa_audit, gathered if with_batch else None, with_batch,
                                     audit_sweep, ws)
     return SampleMeta("dense", None, batch, num_rows, width, size, (), False, done, False, window, None,
-                      read_checked, block_audited, audited and audit_sweep.started, **extra)
-
-
-def live_full_slots(
-    req_to_token: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    seq_lens: torch.Tensor,
-    seq_lens_cpu: "torch.Tensor | Sequence[int] | None" = None,
-    upload: "Callable[[torch.Tensor], torch.Tensor] | None" = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The FULL slots of the live tokens of a batch (a helper for host-side checks such as
-    :func:`otel_swa.views.sglang.audit_sglang_swa_slots`; the reporter's sample uses
-    :func:`stage_sample`, which needs fewer device passes).
-
-    Args:
-        req_to_token: ``int32``/``int64`` ``[num_req_slots, max_context_len]``.
-        req_pool_indices: ``int32``/``int64`` ``[batch]``.
-        seq_lens: ``int32``/``int64`` ``[batch]`` on the same device.
-        seq_lens_cpu: the same lengths known on the host, or ``None``.
-        upload: how the host lengths reach the device (``int64 [batch]`` numpy array -> device
-            tensor); default a plain ``.to(device)``, which on CUDA waits for the stream.
-
-    Returns:
-        ``(slots, mask)``, both of one shape, ``slots`` ``int64`` and ``mask`` ``bool`` (the tokens
-        to count). With ``seq_lens_cpu`` the shape is ``[sum(seq_lens_cpu)]``: exactly the live
-        tokens, work proportional to them; the host lengths are then the authoritative ones (they
-        size the gather) and ``seq_lens`` is not read. Without it the shape is ``[batch,
-        max_context_len]``: a dense masked gather, still with no host sync.
-
-    Lengths are clamped to ``[0, max_context_len]`` and a row index outside ``req_to_token`` selects
-    no token, so a corrupt batch can never make the device read out of bounds.
-    """
-    num_rows, width = req_to_token.shape
-    device = req_to_token.device
-    rows = req_pool_indices.long()
-    valid_row = (rows >= 0) & (rows < num_rows)
-    rows = torch.where(valid_row, rows, 0)
-    if seq_lens_cpu is not None:
-        lens_host = torch.from_numpy(host_lengths(seq_lens_cpu)).clamp(0, width)
-        total = int(lens_host.sum())
-        lens = upload(lens_host.numpy()) if upload is not None else lens_host.to(device)
-        # Token t of the flattened batch belongs to batch entry i = owner[t], at position
-        # t - start[i]; output_size keeps repeat_interleave free of a device-to-host sync, and it
-        # equals the sum of `lens` by construction.
-        owner = torch.repeat_interleave(torch.arange(lens.shape[0], device=device), lens, output_size=total)
-        starts = torch.cumsum(lens, 0) - lens
-        positions = torch.arange(total, device=device) - starts.index_select(0, owner)
-        slots = req_to_token[rows.index_select(0, owner), positions].long()
-        return slots, valid_row.index_select(0, owner)
-    lens = torch.where(valid_row, seq_lens.long().clamp(0, width), 0)
-    slots = req_to_token.index_select(0, rows).long()
-    mask = torch.arange(width, device=device).unsqueeze(0) < lens.unsqueeze(1)
-    return slots, mask
-
-
-def count_divergence(
-    full_slots: torch.Tensor, mask: torch.Tensor | None, full_to_swa_index_mapping: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Divergence and out-of-window counts (0-dim ``int64`` device tensors) for ``full_slots``.
-
-    ``mask`` (same shape, ``bool``) selects the tokens to count; ``None`` counts all. A FULL slot
-    outside the mapping is counted as out of window (never read out of bounds).
-    """
-    size = full_to_swa_index_mapping.shape[0]
-    in_range = (full_slots >= 0) & (full_slots < size)
-    flat = torch.where(in_range, full_slots, 0).reshape(-1)
-    swa = full_to_swa_index_mapping.index_select(0, flat).reshape(full_slots.shape)
-    # An out-of-range FULL slot is counted as out of window, whatever mapping[0] holds.
-    evicted = (swa == 0) | ~in_range
-    remapped = ~evicted & (swa != full_slots)
-    if mask is not None:
-        evicted &= mask
-        remapped &= mask
-    return remapped.sum(), evicted.sum()
+                      audited and audit_sweep.started)
 
 
 def _upload(upload: "Callable[[np.ndarray], torch.Tensor] | None", array: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -681,60 +531,6 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
     return gathered
 
 
-def _stage_audit(out, mapping, swa_audit, gathered, with_batch, sweep, ws) -> bool:
-    """The SWA slot audit of this sample through ``sweep`` (:class:`~otel_swa.device.audit.SwaAuditSweep`):
-    whether its cells were staged. The holders are read only when a pass begins here."""
-    swa_slots = (swa_audit.num_swa_pages + 1) * swa_audit.page_size
-
-    def holders():
-        listed = swa_audit.holder_full_slots
-        if callable(listed):
-            listed = listed()
-            if listed is None:  # not all holders can be had now: no pass begins
-                return None
-            if not isinstance(listed, torch.Tensor) or listed.dtype not in (torch.int32, torch.int64) or listed.dim() != 1:
-                raise TypeError(f"swa_audit.holder_full_slots() must return a 1-D int32/int64 tensor, got {listed!r:.80}")
-        return _audit_holders(mapping, listed, gathered if with_batch else None, with_batch, swa_slots, ws)
-
-    return sweep.stage(out[_AUDIT:_WINDOW], holders, swa_audit.swa_free_page_ids, swa_audit.num_swa_pages,
-                       swa_audit.page_size, ws)
-
-
-def _audit_holders(mapping, listed, gathered, with_batch, swa_slots, ws) -> "tuple[torch.Tensor, torch.Tensor]":
-    """The audit's holders as ``(keys, slot)`` (:func:`otel_swa.device.audit.holder_slots`). With
-    ``holders_include_batch`` the batch's live tokens come first, their FULL and SWA slots the
-    sample's own gathers (``gathered``: ``(full, swa, beyond)`` from the live or dense path,
-    ``beyond`` the dense path's positions past ``seq_len``, or ``None`` without a live token), then
-    the listed holders, gathered here. Runs after the counts and the window cells: the sample's
-    SWA buffer is taken over (clamped in place).
-
-    A FULL slot of the batch outside the mapping makes the sample itself invalid
-    (``full_slot_out_of_range``, never delivered), so the batch part needs no per-token check."""
-    parts = []
-    if with_batch and gathered is not None:
-        full, swa, beyond = gathered
-        slot = swa if swa.dtype == torch.int64 else swa.long()
-        slot.clamp_(0, swa_slots)
-        if beyond is not None:
-            slot.masked_fill_(beyond, 0)  # runs of whole rows' tails: the fill never branches wrong
-        parts.append((full, slot))
-    if listed.numel() or not parts:
-        parts.append(holder_slots(mapping, listed, swa_slots, ws))
-    # the FULL slots as int32 when the mapping's every index is one (always, in the engines): the
-    # audit's tables of FULL slots then take half the bytes (a random scatter into a table larger
-    # than the caches costs 2-3x less)
-    narrow = torch.int32 if mapping.shape[0] <= 2**31 else torch.int64
-    if len(parts) == 1:
-        keys, slot = parts[0]
-        if keys.dtype != narrow:
-            keys = ws.get("audit.narrow_keys", keys.numel(), narrow).copy_(keys)
-        return keys, slot
-    n = parts[0][1].numel() + parts[1][1].numel()
-    keys = torch.cat([parts[0][0].to(narrow), parts[1][0].to(narrow)], out=ws.get("audit.all_keys", n, narrow))
-    slot = torch.cat([parts[0][1], parts[1][1]], out=ws.get("audit.all_slots", n, torch.int64))
-    return keys, slot
-
-
 def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
     """Read a staged sample (``values``: the ``STAGE_WIDTH`` ints of its slot) with ``meta``.
 
@@ -788,8 +584,6 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
         late_held = values[_WINDOW + 1]
         if premature > 0:
             premature_where = dict(zip(PREMATURE_CELLS, values[_WINDOW + 3:_WINDOW + 3 + len(PREMATURE_CELLS)]))
-    read_cells = values[_READ:_READ + READ_WIDTH] if meta.read_checked else None
-    write_cells = values[_WRITE:_WRITE + WRITE_WIDTH] if meta.write_checked else None
     return SampleReading(
         verify_full=values[_VERIFY],
         verify_swa=values[_VERIFY + 1],
@@ -801,10 +595,4 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
         premature=premature,
         late_held=late_held,
         premature_where=premature_where,
-        read=read_counts(read_cells) if read_cells is not None else None,
-        read_offender=read_offender_fields(read_cells) if read_cells is not None else None,
-        block=block_audit_fields(values[_BLOCK:_BLOCK + BLOCK_WIDTH]) if meta.block_audited else None,
-        write=write_counts(write_cells) if write_cells is not None else None,
-        write_offender=write_offender_fields(write_cells) if write_cells is not None else None,
-        provenance=meta.provenance.read(values[_PROV:_PROV + PROVENANCE_WIDTH]) if meta.provenance is not None else None,
     )

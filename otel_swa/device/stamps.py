@@ -57,6 +57,8 @@ only (and every later position of that request inherits the bit).
 
 from __future__ import annotations
 
+from typing import Any, Sequence
+
 import numpy as np
 import torch
 
@@ -73,6 +75,7 @@ __all__ = [
     "write_stamps",
     "expected_stamps",
     "stamp_values",
+    "ChainCache",
     "decode_stamp",
     "chain_known",
 ]
@@ -231,3 +234,76 @@ def decode_stamp(stamp: int) -> "dict[str, int] | None":
         "chain": (stamp >> _CHAIN_SHIFT) & CHAIN_MASK,
         "chain_known": int(chain_known(stamp)),
     }
+
+
+class ChainCache:
+    """Each request's chain every ``every`` positions, on the host (:meth:`expected`), so that a
+    sample converts only the token ids of the positions it verifies (and those since the last
+    checkpoint). Entries unused for ``keep`` samples are dropped (:meth:`end_sample`).
+
+    Args:
+        every: positions between two kept chains (int >= 1).
+        keep: samples an unused entry is kept (int >= 1).
+    """
+
+    def __init__(self, every: int = 1024, keep: int = 64) -> None:
+        self.every = every
+        self.keep = keep
+        self._chains: dict[Any, list[int]] = {}  # key -> [chain before position k * every for k = 0, 1, ...]
+        self._used: dict[Any, int] = {}
+        self._sample = 0
+
+    def expected(self, key: Any, token_ids: Any, lo: int, hi: int) -> np.ndarray:
+        """The expected stamps of positions ``lo .. hi - 1`` (``int64 [hi - lo]``) of the request
+        ``key`` (``None``: not cached) whose token ids are ``token_ids`` (sliced ``[a:b]``)."""
+        return self.expected_many([(key, token_ids, lo, hi)])[0]
+
+    def expected_many(self, ranges: "Sequence[tuple[Any, Any, int, int]]") -> "list[np.ndarray]":
+        """:meth:`expected` of several ``(key, token_ids, lo, hi)`` in one numpy pass (the mix and
+        the chains of every range together): one array per range."""
+        every = self.every
+        begins, befores, parts, cached = [], [], [], []
+        for key, token_ids, lo, hi in ranges:
+            chains = self._chains.get(key) if key is not None else None
+            if chains is None:
+                chains = [0]
+                if key is not None:
+                    self._chains[key] = chains
+            if key is not None:
+                self._used[key] = self._sample
+            k = min(lo // every, len(chains) - 1)
+            begins.append(k * every)
+            befores.append(chains[k])
+            parts.append(np.asarray(token_ids[k * every:hi], dtype=np.int64).reshape(-1))
+            cached.append(chains)
+        if not parts:
+            return []
+        sizes = np.fromiter((len(part) for part in parts), dtype=np.int64, count=len(parts))
+        starts = np.cumsum(sizes) - sizes
+        tokens = np.concatenate(parts)
+        # each range's positions, and its chain: the running sum less the sum before the range
+        shift = np.repeat(np.asarray(begins, dtype=np.int64) - starts, sizes)
+        positions = np.arange(len(tokens), dtype=np.int64) + shift
+        running = np.cumsum(mix_numpy(tokens & TOKEN_MASK, positions & POSITION_MASK))
+        before = np.where(starts > 0, running[np.maximum(starts - 1, 0)], 0) - np.asarray(befores, dtype=np.int64)
+        chain = (running - np.repeat(before, sizes)) & CHAIN_MASK
+        stamps = stamp_values(tokens, positions, chain)
+        out = []
+        for (key, _, lo, hi), chains, begin, start in zip(ranges, cached, begins, starts.tolist()):
+            # keep the chain before each multiple of `every` passed (the chain of its previous position)
+            while len(chains) * every <= hi:
+                chains.append(int(chain[start + len(chains) * every - 1 - begin]))
+            out.append(stamps[start + lo - begin:start + hi - begin])
+        return out
+
+    def end_sample(self) -> None:
+        """Count a sample; drop the entries unused for ``keep`` samples (checked every ``keep``)."""
+        self._sample += 1
+        if self._sample % self.keep == 0:
+            stale = [key for key, used in self._used.items() if used < self._sample - self.keep]
+            for key in stale:
+                del self._used[key]
+                self._chains.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._chains)

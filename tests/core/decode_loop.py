@@ -17,10 +17,11 @@ from unittest import mock
 
 import torch
 
-import otel_swa.reporter as reporter_module
-from otel_swa.device.sample import read_sample
+import otel_swa.sampling as sampling
 from otel_swa.reporter import SwaDivergenceReporter
 from otel_swa.views import SwaBatch
+
+from sample_readings import reading_of
 
 BATCH, WIDTH, HEADS, DIM, WINDOW, VOCAB = 4, 64, 2, 8, 6, 50
 PREFIX = (10, 12, 14, 16)
@@ -120,12 +121,13 @@ def run(device: str, *, mode: str, steps: int = 8, interval: int = 2, fault_at: 
         prov.after_layer(layer_id=layer, swa=layer == 1, k=k, v=v, k_buffer=kb, v_buffer=vb, out_cache_loc=loc,
                          full_to_swa_index_mapping=mapping)
 
-    def read(values, meta):
-        reading = read_sample(values, meta)
-        readings.append((reporter.forward_ct, reading))
-        return reading
+    original = sampling.SampleLayout.record
 
-    with mock.patch.object(reporter_module, "read_sample", read):
+    def record(layout, values, pending, reading, verify_source):
+        readings.append((reporter.forward_ct, reading_of(values, pending, layout)))
+        return original(layout, values, pending, reading, verify_source)
+
+    with mock.patch.object(sampling.SampleLayout, "record", record):
         for step in range(steps):
             load(step)
             reporter.before_forward()

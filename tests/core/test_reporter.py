@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otel_swa.device import FAULTS, STAGE_WIDTH, DeviceToHostRing
+from otel_swa.device import FAULTS, DeviceToHostRing
+from otel_swa.sampling import SampleLayout
 from otel_swa.record import SwaDivergenceRecord
 from otel_swa.reporter import KVPool, SwaDivergenceReporter
 from otel_swa.views import SwaBatch
@@ -111,7 +112,7 @@ def test_flush_delivers_samples_whose_copy_is_still_in_flight(monkeypatch):
     host wait for the oldest (counted, never dropped), and close() delivers the rest in order."""
     got = []
     reporter = SwaDivergenceReporter(5, ring_size=4, sinks=[lambda r, c: got.append(r)])
-    monkeypatch.setattr(reporter._ring, "ready", lambda slot: False)
+    monkeypatch.setattr(reporter._queue.ring, "ready", lambda slot: False)
     expected, delivered_after = _cadence_run(reporter, got)
     # samples 1-4 fill the ring; the 5th waits for the oldest copy and delivers it
     assert delivered_after == [0] * 24 + [1]
@@ -170,8 +171,8 @@ class ControlledRing(DeviceToHostRing):
 def test_poll_never_blocks_and_full_ring_waits_for_oldest_without_dropping():
     got = []
     reporter = SwaDivergenceReporter(1, ring_size=2, sinks=[lambda r, c: got.append(r.forward_ct)])
-    ring = ControlledRing(2, STAGE_WIDTH, torch.device("cpu"))
-    reporter._ring = ring
+    ring = ControlledRing(2, SampleLayout().width, torch.device("cpu"))
+    reporter._queue.ring = ring
     state = random_state(random.Random(3))
     view = make_view(*state, host_lens=True)
     reporter.step(view)  # slot 0 in flight
@@ -315,7 +316,7 @@ def test_cuda_ring_matches_recount_and_is_pinned():
     rng = random.Random(13)
     got = []
     reporter = SwaDivergenceReporter(1, device="cuda", ring_size=3, sinks=[lambda r, c: got.append(r)])
-    assert reporter._ring.host.is_pinned()
+    assert reporter._queue.ring.host.is_pinned()
     # (after the loop) host lengths went through the ring's pinned buffers
     expected = []
     total = 0
@@ -329,7 +330,7 @@ def test_cuda_ring_matches_recount_and_is_pinned():
         expected.append(SwaDivergenceRecord(step, total, 0, *recount(*state), verify_source="attention"))
     reporter.close()
     assert got == expected
-    assert all(buffers["sample"].is_pinned() for buffers in reporter._ring._uploads)
+    assert all(buffers["sample"].is_pinned() for buffers in reporter._queue.ring._uploads)
 
 
 @pytest.mark.gpu
@@ -462,7 +463,7 @@ def test_a_failed_sample_does_not_take_a_slot_still_in_flight():
     first, third = random_state(rng), random_state(rng)
     got = []
     reporter = SwaDivergenceReporter(1, ring_size=2, sinks=[lambda r, c: got.append(r)])
-    reporter._ring = ControlledRing(2, STAGE_WIDTH, torch.device("cpu"))
+    reporter._queue.ring = ControlledRing(2, SampleLayout().width, torch.device("cpu"))
     reporter.step(make_view(*first, host_lens=True))  # slot 0, in flight
     broken = make_view(*first, host_lens=False)
     broken = SwaBatch(broken.req_to_token, broken.full_to_swa_index_mapping, broken.req_pool_indices,

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-import otel_swa.reporter as reporter_module
-from otel_swa.device.sample import read_sample
 from otel_swa.reference.engine import EngineConfig, ReferenceEngine
 from otel_swa.reporter import SwaDivergenceReporter
 
 import provenance_faults as faults
+import sample_readings
 from engine_runs import run_trace
 
 # SWA pool as large as the FULL pool: raw FULL slots stay inside the SWA buffers
@@ -22,13 +21,7 @@ def readings_of(reporter, monkeypatch) -> list:
     """``[(forward_ct, SampleReading)]`` of every sample ``reporter`` delivers, at the step it was
     taken (on the CPU a sample is read at its own step)."""
     readings = []
-
-    def read(values, meta):
-        reading = read_sample(values, meta)
-        readings.append((reporter.forward_ct, reading))
-        return reading
-
-    monkeypatch.setattr(reporter_module, "read_sample", read)
+    sample_readings.capture(reporter, readings, monkeypatch.setattr)
     return readings
 
 

@@ -1,0 +1,139 @@
+"""One sample of the reporter: staged on the device, read back into a record on the host.
+
+The device side (:meth:`SampleLayout.stage`, at the sampled step, on the current stream): every check
+that is not fused into the sample's core pass stages its cells into its slice of the ring's row
+(:meth:`otel_swa.checks.protocol.Check.stage`, in :data:`otel_swa.checks.CHECKS` order), then the core
+pass (:func:`otel_swa.device.sample.stage_sample`: the divergence and out-of-window counts, the
+view's fault evidence, and the cells of the checks fused into it: the SWA slot audit and the window
+check), then every check keeps its host values (request ids, layer names...). The host side
+(:meth:`SampleLayout.record`, once the copy reached the host): the core is read
+(:func:`otel_swa.device.sample.read_sample`), then each check that ran reads its fields and its first
+offenders from its slice, in :data:`~otel_swa.checks.CHECKS` order, into one
+:class:`~otel_swa.record.SwaDivergenceRecord`.
+
+A row of the ring: ``[core cells (STAGE_WIDTH, the fused checks' inside) | each other check's cells]``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+from otel_swa.checks import CHECKS, SampleBatch, Staging
+from otel_swa.checks.protocol import Check
+from otel_swa.device.sample import FUSED_CELLS, STAGE_WIDTH, SampleMeta, SampleReading, read_sample, stage_sample
+from otel_swa.record import Offender, SwaDivergenceRecord
+
+__all__ = ["PendingSample", "SampleLayout"]
+
+
+class PendingSample(NamedTuple):
+    """A sample staged and not yet delivered (host values taken at its step).
+
+    Attributes:
+        slot: its ring slot.
+        forward_ct: the reporter's forward count at the sampled step.
+        context: the OpenTelemetry context of that step.
+        divergence_applicable: the view's (``False``: no FULL-to-SWA mapping, vLLM).
+        meta: the core pass's :class:`~otel_swa.device.sample.SampleMeta`.
+        host_totals: the accumulator's host part when the sample was taken.
+        micro_batch: the micro-batch the step ran, or ``None``.
+        batch: the batch's request ids and the slot audit's page size (offenders).
+        kept: per check that ran, by name, what it keeps for its host part.
+    """
+
+    slot: int
+    forward_ct: int
+    context: Any
+    divergence_applicable: bool
+    meta: SampleMeta
+    host_totals: "tuple[int, int]"
+    micro_batch: "int | None"
+    batch: SampleBatch
+    kept: "dict[str, Any]"
+
+
+class SampleLayout:
+    """Where each check's cells lie in a row of the reporter's ring, and the two sides of a sample.
+
+    Attributes:
+        width: ``int64`` cells of a row: the core's and every check's.
+        cells: ``(check, slice of the row)`` per check, in :data:`~otel_swa.checks.CHECKS` order.
+    """
+
+    def __init__(self, checks: Sequence[Check] = CHECKS) -> None:
+        offset = STAGE_WIDTH
+        cells = []
+        for check in checks:
+            if check.fused:
+                cells.append((check, FUSED_CELLS[check.name]))
+                continue
+            width = check.width
+            cells.append((check, slice(offset, offset + width)))
+            offset += width
+        self.width = offset
+        self.cells: "tuple[tuple[Check, slice], ...]" = tuple(cells)
+
+    # ------------------------------------------------------------------ device side
+    def stage(self, row: Any, totals: Any, view: Any, staging: Staging, audit_sweep: Any,
+              upload: "Callable[[Any], Any]") -> "dict[str, Any]":
+        """Stage one sample of ``view`` into ``row`` (``int64 [width]`` on the device); return what
+        each check that ran keeps (by name). ``staging.core`` is set to the core pass's meta."""
+        staged = {}
+        for check, cells in self.cells:
+            if not check.fused:
+                value = check.stage(staging, row[cells])
+                if value is not None:
+                    staged[check.name] = value
+        staging.core = stage_sample(
+            row[:STAGE_WIDTH], totals, view.req_to_token, view.full_to_swa_index_mapping, view.req_pool_indices,
+            view.seq_lens, getattr(view, "seq_lens_cpu", None), getattr(view, "swa_audit", None), upload,
+            req_pool_indices_cpu=getattr(view, "req_pool_indices_cpu", None), workspace=staging.workspace,
+            sliding_window=getattr(view, "sliding_window", None),
+            swa_eviction_allowance=getattr(view, "swa_eviction_allowance", None),
+            extend_lens_cpu=getattr(view, "extend_lens_cpu", None), audit_sweep=audit_sweep,
+        )
+        kept = {}
+        for check, _ in self.cells:
+            if check.fused:
+                value = check.keep(staging, None)
+            elif check.name in staged:
+                value = check.keep(staging, staged[check.name])
+            else:
+                continue
+            if value is not None or not check.fused:
+                kept[check.name] = value
+        return kept
+
+    # ------------------------------------------------------------------ host side
+    def read(self, values: Sequence[int], pending: PendingSample) -> SampleReading:
+        """The core of a sample whose ``values`` (the row's ints) reached the host."""
+        return read_sample(values, pending.meta)
+
+    def record(self, values: Sequence[int], pending: PendingSample, reading: SampleReading,
+               verify_source: str) -> SwaDivergenceRecord:
+        """The record of a sample: the core's five fields, each check's fields and offenders.
+
+        Raises:
+            TypeError, ValueError: a value the record refuses (a negative total).
+        """
+        fields: "dict[str, Any]" = {}
+        offenders = []
+        kept = pending.kept
+        for check, cells in self.cells:
+            if check.name not in kept:
+                continue
+            found, where = check.read(values[cells], kept[check.name], pending.batch)
+            fields.update(found)
+            offenders.extend(Offender(**o) for o in where)
+        return SwaDivergenceRecord(
+            forward_ct=pending.forward_ct,
+            verify_full=reading.verify_full + pending.host_totals[0],
+            verify_swa=reading.verify_swa + pending.host_totals[1],
+            swa_full_idx_divergence=reading.divergence,
+            swa_out_of_window_tokens=reading.out_of_window,
+            divergence_applicable=pending.divergence_applicable,
+            verify_source=verify_source,
+            micro_batch=pending.micro_batch,
+            offenders=tuple(offenders),
+            **fields,
+        )
