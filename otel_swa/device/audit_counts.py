@@ -3,22 +3,8 @@
 torch only, no host synchronisation: the counts are computed into a device tensor, so they can ride
 in the same device-to-host copy as the sample (see ``otel_swa.reporter``).
 
-Facts behind it (SGLang issues #27789 and #36081: SWA slots leaked; #27586: a live token's SWA slot
-freed and handed out again): the SWA allocator hands out pages (``page_size`` slots; page id
-``slot // page_size``; page 0 reserved), keeps the free ones on a free list, and every token a live
-holder (a running request, the prefix cache) still reads maps its FULL slot to an SWA slot through
-``full_to_swa_index_mapping`` (0 = none). So:
-
-* a page that is not free and that no live token maps into is **leaked** (nothing will free it);
-* a live token whose SWA page is on the free list is **stale** (another request may get it);
-* an SWA slot that two distinct live FULL slots map to is **shared** (two tokens write one slot).
-  The same FULL slot held twice (prefix sharing) is not a fault and is not counted.
-
-Out-of-range ids (a free page id outside ``1..num_pages``, a FULL slot outside the mapping, an SWA
-slot beyond the pool) are ignored rather than read out of bounds. FULL slot 0 is read like any
-other: it is the engines' padding slot and its mapping 0, so it holds nothing. The slots of the
-reserved page 0 (``1 .. page_size - 1``) are never handed out: a token mapped into one is neither
-referenced nor stale, but two distinct FULL slots mapped into one count as sharing it.
+What is leaked, stale and shared, and how out-of-range ids are read: :mod:`otel_swa.device.audit`
+(the facts behind the audit, SGLang issues #27789, #36081 and #27586).
 
 Cost. The audit reads the ``n`` holder slots and the ``k`` free page ids, and sweeps the SWA pool's
 page cells (``num_swa_pages + 2``): never a table over the FULL pool. Free pages and the pages

@@ -178,7 +178,7 @@ from typing import Any, Callable
 
 from opentelemetry.instrumentation.swa_sglang import stop_paths
 from opentelemetry.instrumentation.swa_sglang.attention import AttentionWiring
-from opentelemetry.instrumentation.swa_sglang.attributes import (
+from opentelemetry.instrumentation.swa_sglang.attributes import (  # noqa: F401 (importable here, as before)
     CANARY_ATTRIBUTE, POOLS_ATTRIBUTE, PROVENANCE_ATTRIBUTE, RUNNER_ATTRIBUTE,
 )
 from opentelemetry.instrumentation.swa_sglang.canary import KvCanaryWiring
