@@ -20,6 +20,12 @@ from _instrumentation_support import engine_on_disk as on_disk
 from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
 
 ENGINE = "otel_swa_lazy_engine"
+#: The stand-in engine package: path in the package -> source.
+ENGINE_FILES = {
+    "__init__.py": "",
+    "runner.py": "class Runner:\n    def forward(self, batch):\n        return batch\n",
+    "scheduler.py": "class Scheduler:\n    def schedule(self):\n        return 'plan'\n",
+}
 
 
 class LazyEngineError(EngineVersionError):
@@ -50,11 +56,7 @@ class LazyEngineInstrumentor(EngineInstrumentor):
 
 @pytest.fixture
 def engine_on_disk(tmp_path, monkeypatch):
-    yield from on_disk(monkeypatch, tmp_path, ENGINE, {
-        "__init__.py": "",
-        "runner.py": "class Runner:\n    def forward(self, batch):\n        return batch\n",
-        "scheduler.py": "class Scheduler:\n    def schedule(self):\n        return 'plan'\n",
-    }, "otel-swa-lazy-engine", "1.2")
+    yield from on_disk(monkeypatch, tmp_path, ENGINE, ENGINE_FILES, "otel-swa-lazy-engine", "1.2")
 
 
 def test_modules_are_wrapped_when_the_process_imports_them(engine_on_disk, pipeline):

@@ -17,6 +17,13 @@ from _instrumentation_support import engine_on_disk as on_disk
 from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
 
 ENGINE = "otel_swa_fn_engine"
+#: The stand-in engine package: path in the package -> source.
+ENGINE_FILES = {
+    "__init__.py": "",
+    "utils/common.py": "__all__ = ['kill_tree']\ndef kill_tree(pid, include_parent=True):\n    return pid\n",
+    "utils/__init__.py": "from .common import *\n",
+    "server.py": f"from {ENGINE}.utils import kill_tree\ndef stop(pid):\n    return kill_tree(pid)\n",
+}
 
 
 class FnEngineInstrumentor(EngineInstrumentor):
@@ -40,12 +47,7 @@ class FnEngineInstrumentor(EngineInstrumentor):
 
 @pytest.fixture
 def engine_on_disk(tmp_path, monkeypatch):
-    yield from on_disk(monkeypatch, tmp_path, ENGINE, {
-        "__init__.py": "",
-        "utils/common.py": "__all__ = ['kill_tree']\ndef kill_tree(pid, include_parent=True):\n    return pid\n",
-        "utils/__init__.py": "from .common import *\n",
-        "server.py": f"from {ENGINE}.utils import kill_tree\ndef stop(pid):\n    return kill_tree(pid)\n",
-    }, "otel-swa-fn-engine", "1.0")
+    yield from on_disk(monkeypatch, tmp_path, ENGINE, ENGINE_FILES, "otel-swa-fn-engine", "1.0")
 
 
 def _modules():
