@@ -32,29 +32,29 @@ def _no_warned_marker(monkeypatch):
 def agent_binary():
     """The ``rotel-agent`` collector binary; skipped when missing, except in CI (``CI`` set), where
     a missing collector fails."""
-    import os
-
     from collector_support import rotel_agent
 
-    path = rotel_agent()
-    if path is None:
-        if os.environ.get("CI"):
-            pytest.fail("rotel-agent is required in CI (pip install rotel)")
-        pytest.skip("rotel-agent not installed (pip install rotel)")
-    return path
+    return _binary_or_skip(rotel_agent(), "rotel-agent is required in CI (pip install rotel)",
+                           "rotel-agent not installed (pip install rotel)")
 
 
 @pytest.fixture(scope="session")
 def prometheus_binary():
     """The ``prometheus`` server binary (Debian's ``prometheus`` package); skipped when missing,
     except in CI (``CI`` set), where a missing Prometheus fails."""
-    import os
-
     from otel_swa.testing.prometheus import prometheus_binary as find
 
-    path = find()
+    return _binary_or_skip(find(), "the prometheus binary is required in CI (apt-get install prometheus)",
+                           "prometheus not installed (apt-get install prometheus)")
+
+
+def _binary_or_skip(path, in_ci: str, elsewhere: str):
+    """``path`` (a binary found), else the test fails with ``in_ci`` in CI (``CI`` set) and is skipped
+    with ``elsewhere`` otherwise."""
+    import os
+
     if path is None:
         if os.environ.get("CI"):
-            pytest.fail("the prometheus binary is required in CI (apt-get install prometheus)")
-        pytest.skip("prometheus not installed (apt-get install prometheus)")
+            pytest.fail(in_ci)
+        pytest.skip(elsewhere)
     return path

@@ -66,32 +66,17 @@ _log = logging.getLogger(__name__)
 POOL_NAMESPACE = "kv_cache.pool."
 
 #: The pool usage gauges: ``read`` is the :class:`~otel_swa.pool_usage.PoolUsage` field each reports.
-POOL_INSTRUMENTS: tuple[InstrumentSpec, ...] = (
-    InstrumentSpec(
-        POOL_NAMESPACE + "tokens.used", STATS_GAUGE, "{token}",
-        "KV cache slots of the pool held by running requests (total - available - evictable)",
-        "PoolUsage.used", "used",
-    ),
-    InstrumentSpec(
-        POOL_NAMESPACE + "tokens.available", STATS_GAUGE, "{token}",
-        "Free KV cache slots of the pool",
-        "PoolUsage.available", "available",
-    ),
-    InstrumentSpec(
-        POOL_NAMESPACE + "tokens.evictable", STATS_GAUGE, "{token}",
-        "KV cache slots of the pool whose KV only the prefix cache holds (freed when it evicts them)",
-        "PoolUsage.evictable", "evictable",
-    ),
-    InstrumentSpec(
-        POOL_NAMESPACE + "tokens.limit", STATS_GAUGE, "{token}",
-        "KV cache slots of the pool in all",
-        "PoolUsage.total", "total",
-    ),
-    InstrumentSpec(
-        POOL_NAMESPACE + "utilization", STATS_GAUGE, "1",
-        "Share of the pool's slots held by running requests (used / limit)",
-        "PoolUsage.usage", "usage",
-    ),
+POOL_INSTRUMENTS: tuple[InstrumentSpec, ...] = tuple(
+    InstrumentSpec(POOL_NAMESPACE + name, STATS_GAUGE, unit, description, f"PoolUsage.{read}", read)
+    for name, unit, read, description in (
+        ("tokens.used", "{token}", "used",
+         "KV cache slots of the pool held by running requests (total - available - evictable)"),
+        ("tokens.available", "{token}", "available", "Free KV cache slots of the pool"),
+        ("tokens.evictable", "{token}", "evictable",
+         "KV cache slots of the pool whose KV only the prefix cache holds (freed when it evicts them)"),
+        ("tokens.limit", "{token}", "total", "KV cache slots of the pool in all"),
+        ("utilization", "1", "usage", "Share of the pool's slots held by running requests (used / limit)"),
+    )
 )
 
 #: The window savings gauge (set by :class:`WindowSavingsSink` at each delivered sample).

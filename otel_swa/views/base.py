@@ -299,6 +299,16 @@ class SwaBatch:
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _check_same_batch(name: str, values: Any, view: Any) -> None:
+    """Raise ``ValueError`` unless ``view.<name>`` (``values``, a host sequence or tensor) has one
+    entry per ``view.req_pool_indices``."""
+    if len(values) != view.req_pool_indices.shape[0]:
+        raise ValueError(
+            f"view.{name} has {len(values)} entries but view.req_pool_indices has "
+            f"{view.req_pool_indices.shape[0]}; they must describe the same batch"
+        )
+
+
 def _check_tensor(name: str, value: Any, ndim: int, dtypes: tuple, device: torch.device | None) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"view.{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -336,11 +346,7 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
     if host_lens is not None:
         if isinstance(host_lens, torch.Tensor) and host_lens.dim() != 1:
             raise ValueError(f"view.seq_lens_cpu must have 1 dimension, got shape {tuple(host_lens.shape)}")
-        if len(host_lens) != view.req_pool_indices.shape[0]:
-            raise ValueError(
-                f"view.seq_lens_cpu has {len(host_lens)} entries but view.req_pool_indices has "
-                f"{view.req_pool_indices.shape[0]}; they must describe the same batch"
-            )
+        _check_same_batch("seq_lens_cpu", host_lens, view)
     host_rows = getattr(view, "req_pool_indices_cpu", None)
     if host_rows is not None:
         if isinstance(host_rows, torch.Tensor) and (host_rows.dim() != 1 or host_rows.device.type != "cpu"):
@@ -348,11 +354,7 @@ def validate_view(view: Any, device: torch.device | None = None) -> None:
                 f"view.req_pool_indices_cpu must be a 1-dimensional host tensor or a sequence, got shape "
                 f"{tuple(host_rows.shape)} on {host_rows.device}"
             )
-        if len(host_rows) != view.req_pool_indices.shape[0]:
-            raise ValueError(
-                f"view.req_pool_indices_cpu has {len(host_rows)} entries but view.req_pool_indices has "
-                f"{view.req_pool_indices.shape[0]}; they must describe the same batch"
-            )
+        _check_same_batch("req_pool_indices_cpu", host_rows, view)
     audit = getattr(view, "swa_audit", None)
     if audit is not None:
         if not isinstance(audit, SwaAuditInputs):

@@ -9,11 +9,8 @@ import subprocess
 import sys
 
 import pytest
+from cli_support import SGLANG_LINE as OBSERVED
 
-OBSERVED = (
-    '[2025-06-01 12:34:56 TP0] kv_canary_swa_divergence={"forward_ct":20,"verify_full":90,"verify_swa":40,'
-    '"swa_full_idx_divergence":3,"swa_out_of_window_tokens":5}\n'
-)
 NOT_OBSERVED = (
     '[2025-06-01 12:34:56 TP0] kv_canary_swa_divergence={"forward_ct":20,"verify_full":90,"verify_swa":90,'
     '"swa_full_idx_divergence":0,"swa_out_of_window_tokens":0}\n'

@@ -1,23 +1,12 @@
 """Unusable input gives exit status 2 and one clear line on stderr, never a traceback."""
 
 import pytest
+from cli_support import one_line_error as _one_line_error
 
 from otel_swa.cli import main
 from otel_swa.config import ConfigError
 
 RUN = ["replay", "--requests", "3", "--no-model", "--no-progress"]
-RECORD = (
-    '[2025-06-01 12:34:56 TP0] kv_canary_swa_divergence={"forward_ct":20,"verify_full":90,"verify_swa":40,'
-    '"swa_full_idx_divergence":3,"swa_out_of_window_tokens":5}\n'
-)
-
-
-def _one_line_error(capsys):
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 @pytest.mark.parametrize("value, message", [

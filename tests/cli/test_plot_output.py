@@ -1,25 +1,15 @@
 """`otel-swa plot` and `replay --plot`: the output path is checked (suffix, folder) with one clear line."""
 
 import pytest
+from cli_support import SGLANG_LINE as LOG
+from cli_support import one_line_error as _one_line_error
 
 from otel_swa.cli import main
 
 pytest.importorskip("matplotlib")
 
-LOG = (
-    '[2025-06-01 12:34:56 TP0] kv_canary_swa_divergence={"forward_ct":20,"verify_full":90,"verify_swa":40,'
-    '"swa_full_idx_divergence":3,"swa_out_of_window_tokens":5}\n'
-)
 # what matplotlib 3.x writes with its Agg canvas (the PDF/PS/SVG/PGF backends register the rest)
 WORKING = ".eps, .jpeg, .jpg, .pdf, .pgf, .png, .ps, .raw, .rgba, .svg, .svgz, .tif, .tiff"
-
-
-def _one_line_error(capsys):
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    return lines[0]
 
 
 def test_plot_to_a_text_suffix_says_which_suffixes_work(tmp_path, capsys):

@@ -1,8 +1,10 @@
 """`replay --plot` checks its output before the run: matplotlib, the suffix, the folder, the reporter."""
 
+import functools
 import sys
 
 import pytest
+from cli_support import one_line_error
 
 from otel_swa.cli import main
 
@@ -20,12 +22,7 @@ def no_run(monkeypatch):
     monkeypatch.setattr(reference_replay, "replay", _fail_if_run)
 
 
-def _one_line_error(capsys):
-    captured = capsys.readouterr()
-    assert captured.out == "" and "Traceback" not in captured.err
-    lines = captured.err.strip().splitlines()
-    assert len(lines) == 1, captured.err
-    return lines[0]
+_one_line_error = functools.partial(one_line_error, nothing_on_stdout=True)
 
 
 def test_missing_folder_fails_before_the_run(no_run, tmp_path, capsys):

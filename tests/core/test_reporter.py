@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from recount_support import recount
 
 from otel_swa.device import FAULTS, DeviceToHostRing
 from otel_swa.sampling import SampleLayout
@@ -29,19 +30,6 @@ def random_state(rng: random.Random, num_rows=6, width=12, full_size=40):
     rows = rng.sample(range(1, num_rows), batch)
     lens = [rng.randint(0, width) for _ in rows]
     return req_to_token, mapping, rows, lens
-
-
-def recount(req_to_token, mapping, rows, lens):
-    divergence = out_of_window = 0
-    for row, length in zip(rows, lens):
-        for pos in range(length):
-            full = req_to_token[row][pos]
-            swa = mapping[full]
-            if swa == 0:
-                out_of_window += 1
-            elif swa != full:
-                divergence += 1
-    return divergence, out_of_window
 
 
 def make_view(req_to_token, mapping, rows, lens, host_lens, dtype=torch.int32):

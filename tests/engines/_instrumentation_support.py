@@ -1,73 +1,58 @@
-"""Helpers for the instrumentor tests: an in-memory OpenTelemetry pipeline and stand-in engine
-packages registered as installed distributions (so ``BaseInstrumentor``'s version check runs)."""
+"""Helpers for the instrumentor tests: the in-memory OpenTelemetry pipeline (``pipeline_support``) and
+stand-in engine packages registered as installed distributions (so ``BaseInstrumentor``'s version check runs)."""
 
 from __future__ import annotations
 
+import importlib
+import logging
 import sys
 import types
-from dataclasses import dataclass
 from pathlib import Path
 
-from opentelemetry.sdk._logs import LoggerProvider
-from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
-from opentelemetry.sdk.metrics import MeterProvider
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-EVENT_NAME = "kv_cache.swa.divergence_sample"
+from pipeline_support import Pipeline  # noqa: F401 (the instrumentor tests import it from here)
 
 
-@dataclass
-class Pipeline:
-    tracer_provider: TracerProvider
-    meter_provider: MeterProvider
-    logger_provider: LoggerProvider
-    spans: InMemorySpanExporter
-    reader: InMemoryMetricReader
-    logs: InMemoryLogRecordExporter
+def install_distribution(monkeypatch, tmp_path: Path, distribution: str, version: str) -> None:
+    """A ``<distribution>-<version>.dist-info`` with its ``METADATA`` in ``tmp_path``, put on ``sys.path``
+    (undone by ``monkeypatch``). The folder's name has ``_`` for ``-``, as pip writes it: the
+    metadata finder takes a folder's name up to its first ``-`` as the distribution's."""
+    info = tmp_path / f"{distribution.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
 
-    @classmethod
-    def make(cls) -> "Pipeline":
-        spans, reader, logs = InMemorySpanExporter(), InMemoryMetricReader(), InMemoryLogRecordExporter()
-        tracer_provider = TracerProvider()
-        tracer_provider.add_span_processor(SimpleSpanProcessor(spans))
-        logger_provider = LoggerProvider()
-        logger_provider.add_log_record_processor(SimpleLogRecordProcessor(logs))
-        return cls(tracer_provider, MeterProvider(metric_readers=[reader]), logger_provider, spans, reader, logs)
 
-    def providers(self) -> dict:
-        return dict(tracer_provider=self.tracer_provider, meter_provider=self.meter_provider,
-                    logger_provider=self.logger_provider)
+def engine_on_disk(monkeypatch, tmp_path: Path, package: str, files: dict[str, str], distribution: str, version: str):
+    """A stand-in engine package written to ``tmp_path`` (``files``: path in the package -> source),
+    installed as ``distribution`` ``version`` (:func:`install_distribution`), with
+    ``OTEL_SWA_DIVERGENCE_INTERVAL=5``; a generator for a fixture: yields the package's folder and,
+    after the test, forgets every module of the package that was imported."""
+    root = tmp_path / package
+    for relative, source in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(source)
+    install_distribution(monkeypatch, tmp_path, distribution, version)
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "5")
+    importlib.invalidate_caches()
+    yield root
+    for module in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+        del sys.modules[module]
 
-    def points(self, name: str) -> list:
-        data = self.reader.get_metrics_data()
-        if data is None:
-            return []
-        return [p for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
-                if m.name == name for p in m.data.data_points]
 
-    def events(self) -> list:
-        return [l.log_record for l in self.logs.get_finished_logs() if l.log_record.event_name == EVENT_NAME]
-
-    def forward_spans(self) -> list:
-        return [s for s in self.spans.get_finished_spans() if s.name == "forward step"]
-
-    def shutdown(self) -> None:
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
-        self.logger_provider.shutdown()
+def instrument_as_the_loader(instrumentor, pipeline, monkeypatch, caplog, logger: str) -> list[str]:
+    """``instrument()`` called as ``opentelemetry-instrument`` calls it (``skip_dep_check=True``), with
+    ``OTEL_SWA_DIVERGENCE_INTERVAL=1``; the messages of WARNING and above logged under ``logger``."""
+    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
+    with caplog.at_level(logging.WARNING):
+        instrumentor.instrument(skip_dep_check=True, **pipeline.providers())
+    return [r.getMessage() for r in caplog.records if r.name == logger]
 
 
 def install_standin(monkeypatch, tmp_path: Path, distribution: str, version: str, modules: dict[str, dict]) -> None:
     """Register stand-in modules in ``sys.modules`` and a ``<distribution>-<version>.dist-info`` on
     ``sys.path`` (both undone by ``monkeypatch``). ``modules``: dotted name -> attributes; parent
     packages are created empty."""
-    info = tmp_path / f"{distribution}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
+    install_distribution(monkeypatch, tmp_path, distribution, version)
     names = set()
     for dotted in modules:
         parts = dotted.split(".")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
+from recount_support import recount
 from sglang.srt.kv_canary.buffer_group import PoolKind
 from sglang.srt.kv_canary.runner.swa_divergence import (
     SwaDivergenceLog,
@@ -168,18 +169,8 @@ class SglangSim:
 
     def recount(self) -> tuple[int, int]:
         """(divergence, out-of-window) by a plain loop over the live tokens (the rule in the docs)."""
-        r2t = self.req_to_token_pool.req_to_token.tolist()
-        mapping = self.allocator.full_to_swa_index_mapping.tolist()
-        divergence = out_of_window = 0
-        for r in self.requests:
-            for pos in range(r.seq_len):
-                full = r2t[r.row][pos]
-                swa = mapping[full]
-                if swa == 0:
-                    out_of_window += 1
-                elif swa != full:
-                    divergence += 1
-        return divergence, out_of_window
+        return recount(self.req_to_token_pool.req_to_token.tolist(), self.allocator.full_to_swa_index_mapping.tolist(),
+                       [r.row for r in self.requests], [r.seq_len for r in self.requests])
 
 
 def _swa_component():

@@ -18,21 +18,12 @@ import subprocess
 import sys
 
 import pytest
+from reference_app_support import REFERENCE_APP
 
 from opentelemetry.instrumentation.swa_sglang import SwaSglangInstrumentor
 from opentelemetry.instrumentation.swa_vllm import SwaVllmInstrumentor
 from otel_swa.record import find_all
 
-APP = r"""
-from types import SimpleNamespace
-from otel_swa.reference.engine import EngineConfig, ReferenceEngine
-engine = ReferenceEngine(EngineConfig(window=16, full_pool_size=1024, swa_pool_size=256, max_running=4,
-                                      token_budget=64, max_context_len=256, step_time_s=0.0))
-for c, g in ((40, 12), (25, 20), (70, 6), (33, 15)):
-    engine.submit(SimpleNamespace(context_tokens=c, generated_tokens=g), arrival_s=0.0)
-engine.run_until_done()
-print("forward_ct", engine.forward_ct)
-"""
 
 ENGINES = {"swa_sglang": "sglang", "swa_vllm": "vllm"}
 
@@ -70,7 +61,7 @@ def test_opentelemetry_instrument_loads_every_entry_point_without_the_engines(tm
     if not absent:
         pytest.skip("sglang and vllm are both installed here")
     app = tmp_path / "app.py"
-    app.write_text(APP)
+    app.write_text(REFERENCE_APP)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SGLANG_"))}
     env.update({"OTEL_SWA_DIVERGENCE_INTERVAL": "4", "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
                 "OTEL_LOGS_EXPORTER": "swa_logline"})

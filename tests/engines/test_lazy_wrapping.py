@@ -15,10 +15,17 @@ import sys
 import textwrap
 
 import pytest
+from _instrumentation_support import engine_on_disk as on_disk
 
 from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
 
 ENGINE = "otel_swa_lazy_engine"
+#: The stand-in engine package: path in the package -> source.
+ENGINE_FILES = {
+    "__init__.py": "",
+    "runner.py": "class Runner:\n    def forward(self, batch):\n        return batch\n",
+    "scheduler.py": "class Scheduler:\n    def schedule(self):\n        return 'plan'\n",
+}
 
 
 class LazyEngineError(EngineVersionError):
@@ -49,20 +56,7 @@ class LazyEngineInstrumentor(EngineInstrumentor):
 
 @pytest.fixture
 def engine_on_disk(tmp_path, monkeypatch):
-    root = tmp_path / ENGINE
-    root.mkdir()
-    (root / "__init__.py").write_text("")
-    (root / "runner.py").write_text("class Runner:\n    def forward(self, batch):\n        return batch\n")
-    (root / "scheduler.py").write_text("class Scheduler:\n    def schedule(self):\n        return 'plan'\n")
-    info = tmp_path / "otel_swa_lazy_engine-1.2.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: otel-swa-lazy-engine\nVersion: 1.2\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "5")
-    importlib.invalidate_caches()
-    yield root
-    for module in [m for m in sys.modules if m == ENGINE or m.startswith(ENGINE + ".")]:
-        del sys.modules[module]
+    yield from on_disk(monkeypatch, tmp_path, ENGINE, ENGINE_FILES, "otel-swa-lazy-engine", "1.2")
 
 
 def test_modules_are_wrapped_when_the_process_imports_them(engine_on_disk, pipeline):

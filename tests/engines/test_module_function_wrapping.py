@@ -10,13 +10,20 @@ The engine is a package written to disk with its ``dist-info``, laid out as SGLa
 from __future__ import annotations
 
 import importlib
-import sys
 
 import pytest
+from _instrumentation_support import engine_on_disk as on_disk
 
 from otel_swa.engine_wrapping import EngineInstrumentor, EngineVersionError
 
 ENGINE = "otel_swa_fn_engine"
+#: The stand-in engine package: path in the package -> source.
+ENGINE_FILES = {
+    "__init__.py": "",
+    "utils/common.py": "__all__ = ['kill_tree']\ndef kill_tree(pid, include_parent=True):\n    return pid\n",
+    "utils/__init__.py": "from .common import *\n",
+    "server.py": f"from {ENGINE}.utils import kill_tree\ndef stop(pid):\n    return kill_tree(pid)\n",
+}
 
 
 class FnEngineInstrumentor(EngineInstrumentor):
@@ -40,21 +47,7 @@ class FnEngineInstrumentor(EngineInstrumentor):
 
 @pytest.fixture
 def engine_on_disk(tmp_path, monkeypatch):
-    root = tmp_path / ENGINE
-    (root / "utils").mkdir(parents=True)
-    (root / "__init__.py").write_text("")
-    (root / "utils" / "common.py").write_text("__all__ = ['kill_tree']\ndef kill_tree(pid, include_parent=True):\n    return pid\n")
-    (root / "utils" / "__init__.py").write_text("from .common import *\n")
-    (root / "server.py").write_text(f"from {ENGINE}.utils import kill_tree\ndef stop(pid):\n    return kill_tree(pid)\n")
-    info = tmp_path / "otel_swa_fn_engine-1.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: otel-swa-fn-engine\nVersion: 1.0\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "5")
-    importlib.invalidate_caches()
-    yield root
-    for module in [m for m in sys.modules if m == ENGINE or m.startswith(ENGINE + ".")]:
-        del sys.modules[module]
+    yield from on_disk(monkeypatch, tmp_path, ENGINE, ENGINE_FILES, "otel-swa-fn-engine", "1.0")
 
 
 def _modules():

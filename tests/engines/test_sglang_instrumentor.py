@@ -7,14 +7,13 @@ The same instrumentor against SGLang's real classes: ``test_sglang_instrumentor_
 
 from __future__ import annotations
 
-import logging
 import random
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from _instrumentation_support import install_standin
+from _instrumentation_support import install_standin, instrument_as_the_loader
 from opentelemetry.instrumentation.swa_sglang import (
     CANARY_ATTRIBUTE, RUNNER_ATTRIBUTE, SglangVersionError, SwaSglangInstrumentor,
 )
@@ -327,11 +326,8 @@ def test_unsupported_version_under_the_loaders_call_warns_once_and_wraps_nothing
     sglang_standin, instrumentor, pipeline, monkeypatch, caplog
 ):
     s = sglang_standin(version="0.4.9")
-    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
-    with caplog.at_level(logging.WARNING):
-        instrumentor.instrument(skip_dep_check=True, **pipeline.providers())  # as opentelemetry-instrument
+    ours = instrument_as_the_loader(instrumentor, pipeline, monkeypatch, caplog, "opentelemetry.instrumentation.swa_sglang")
     assert s.ModelRunner.__dict__["forward"] is s.forward
-    ours = [r.getMessage() for r in caplog.records if r.name == "opentelemetry.instrumentation.swa_sglang"]
     assert ours == ["swa_sglang: installed sglang 0.4.9 is outside the supported sglang >= 0.5.23, < 0.6; "
                     "SGLang is not instrumented"]
 

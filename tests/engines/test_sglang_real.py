@@ -161,6 +161,15 @@ def test_audit_is_clean_on_a_healthy_run(sglang_modules, page_size):
             assert audit.live_tokens == sum(r.seq_len for r in sim.requests)
 
 
+def _sim_after_60_steps(sglang_modules, page_size: int, seed: int):
+    """A simulated SGLang run (window ``WINDOW``) after 60 steps: requests live, some tokens out of
+    the window."""
+    sim = sglang_modules.SglangSim(page_size=page_size, window=WINDOW, seed=seed)
+    for _ in range(60):
+        sim.step()
+    return sim
+
+
 def _mapped_token(sim):
     mapping = sim.allocator.full_to_swa_index_mapping
     for r in sim.requests:
@@ -173,9 +182,7 @@ def _mapped_token(sim):
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_audit_finds_a_leaked_swa_page(sglang_modules, page_size):
-    sim = sglang_modules.SglangSim(page_size=page_size, window=WINDOW, seed=5)
-    for _ in range(60):
-        sim.step()
+    sim = _sim_after_60_steps(sglang_modules, page_size, seed=5)
     full, _ = _mapped_token(sim)
     # The fault: forget the FULL page's SWA peers without freeing them (what a lost free does).
     page_start = full // page_size * page_size
@@ -187,9 +194,7 @@ def test_audit_finds_a_leaked_swa_page(sglang_modules, page_size):
 
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_audit_finds_stale_tokens_of_a_freed_swa_page(sglang_modules, page_size):
-    sim = sglang_modules.SglangSim(page_size=page_size, window=WINDOW, seed=9)
-    for _ in range(60):
-        sim.step()
+    sim = _sim_after_60_steps(sglang_modules, page_size, seed=9)
     _, swa = _mapped_token(sim)
     swa_page = swa // page_size
     # The fault: return the SWA page to the free list while live tokens still map to it.
@@ -225,9 +230,7 @@ def _holders(sim):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_reporter_audits_the_real_allocator_in_its_sample(sglang_modules, page_size):
     """Through the reporter's own device pass: clean, then a leaked page, on SGLang's allocator."""
-    sim = sglang_modules.SglangSim(page_size=page_size, window=WINDOW, seed=5)
-    for _ in range(60):
-        sim.step()
+    sim = _sim_after_60_steps(sglang_modules, page_size, seed=5)
     records, sink = _collect()
     reporter = SwaDivergenceReporter(1, sinks=[sink])
 

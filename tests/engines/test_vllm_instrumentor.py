@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import pytest
 from opentelemetry import trace
 
-from _instrumentation_support import install_standin
+from _instrumentation_support import install_standin, instrument_as_the_loader
 from opentelemetry.instrumentation.swa_vllm import SCHEDULER_ATTRIBUTE, SwaVllmInstrumentor, VllmVersionError
 from vllm_support import vllm_source_dir
 
@@ -317,12 +317,9 @@ def test_unsupported_version_under_the_loaders_call_warns_once_and_wraps_nothing
     vllm_standin, instrumentor, pipeline, monkeypatch, caplog
 ):
     v = vllm_standin(version="0.34.0")
-    monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
-    with caplog.at_level(logging.WARNING):
-        instrumentor.instrument(skip_dep_check=True, **pipeline.providers())  # as opentelemetry-instrument
+    ours = instrument_as_the_loader(instrumentor, pipeline, monkeypatch, caplog, "opentelemetry.instrumentation.swa_vllm")
     assert v.Scheduler.__dict__["schedule"] is v.schedule
     assert v.V1.__dict__["execute_model"] is v.execute_v1 and v.V2.__dict__["execute_model"] is v.execute_v2
-    ours = [r.getMessage() for r in caplog.records if r.name == "opentelemetry.instrumentation.swa_vllm"]
     assert ours == ["swa_vllm: installed vllm 0.34.0 is outside the supported vllm >= 0.33.0, < 0.34; "
                     "vLLM is not instrumented"]
 

@@ -52,6 +52,17 @@ def first_flagged(install, name, monkeypatch):
     return made, step, first.provenance, readings
 
 
+def foreign_in_the_full_pool_at(install, at, monkeypatch):
+    """Run with the fault ``install(engine, at)``; assert that the first sample with a foreign token
+    is step ``at`` and that its first offender is in the FULL pool; return what the fault made and
+    that offender."""
+    made, step, provenance, _ = first_flagged(lambda e: install(e, at), "foreign_tokens", monkeypatch)
+    assert step == at
+    offender = provenance.foreign_offender
+    assert offender["pool"] == "full"
+    return made, offender
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_clean_runs_verify_every_live_slot_and_flag_nothing(page_size, monkeypatch):
     engine, readings = run(page_size=page_size, monkeypatch=monkeypatch)
@@ -110,24 +121,17 @@ def test_swapped_ownership_is_a_foreign_token_at_the_step_or_the_next_sample(at,
 
 
 def test_a_stale_prefix_is_a_foreign_token_of_the_full_pool(monkeypatch):
-    made, step, provenance, _ = first_flagged(lambda e: faults.install_stale_prefix(e, 30), "foreign_tokens",
-                                              monkeypatch)
-    assert step == 30
-    offender = provenance.foreign_offender
-    assert (offender["pool"], offender["entry"], offender["position"], offender["full_slot"]) == (
-        "full", made["entry"], 0, made["full_slots"][0])
+    made, offender = foreign_in_the_full_pool_at(faults.install_stale_prefix, 30, monkeypatch)
+    assert (offender["entry"], offender["position"], offender["full_slot"]) == (made["entry"], 0, made["full_slots"][0])
     assert offender["expected_token"] == made["ids_a"][0] and offender["found_token"] == made["ids_b"][0]
     assert offender["found_position"] == offender["expected_position"] == 0
     assert offender["row"] == made["row"]
 
 
 def test_a_wrong_position_is_a_foreign_token_naming_both_positions(monkeypatch):
-    made, step, provenance, _ = first_flagged(lambda e: faults.install_wrong_position(e, 35), "foreign_tokens",
-                                              monkeypatch)
-    assert step == 35
-    offender = provenance.foreign_offender
-    assert (offender["pool"], offender["entry"], offender["position"], offender["full_slot"]) == (
-        "full", made["entry"], made["position"], made["full_slot"])
+    made, offender = foreign_in_the_full_pool_at(faults.install_wrong_position, 35, monkeypatch)
+    assert (offender["entry"], offender["position"], offender["full_slot"]) == (
+        made["entry"], made["position"], made["full_slot"])
     assert (offender["expected_position"], offender["found_position"]) == (made["position"], made["position"] + 1)
     assert offender["expected_token"] == offender["found_token"] == made["token"]
 

@@ -12,13 +12,20 @@ def _three_requests():
     return [RequestState(rid, context_tokens=10, generated_tokens=50) for rid in range(3)]
 
 
-def test_admission_held_when_the_swa_pool_is_short():
-    # window 16, page 1: each request reserves min(59, 16 + 1) = 17 SWA slots; 40 hold two.
-    pools = HybridKVPools(full_size=1000, swa_size=40, page_size=1, max_running=8, max_context_len=128)
+def _first_schedule(full_size: int, swa_size: int):
+    """Three requests (10 context tokens, 50 generated) added to a scheduler (window 16, page 1, 8
+    running at most, a budget of 64 tokens) over pools of ``full_size`` / ``swa_size`` slots; its
+    first ``schedule()``: ``(scheduler, items)``."""
+    pools = HybridKVPools(full_size=full_size, swa_size=swa_size, page_size=1, max_running=8, max_context_len=128)
     scheduler = Scheduler(pools, window=16, max_running=8, token_budget=64)
     for req in _three_requests():
         scheduler.add(req)
-    items = scheduler.schedule()
+    return scheduler, scheduler.schedule()
+
+
+def test_admission_held_when_the_swa_pool_is_short():
+    # window 16, page 1: each request reserves min(59, 16 + 1) = 17 SWA slots; 40 hold two.
+    scheduler, items = _first_schedule(full_size=1000, swa_size=40)
     assert [(it.req.rid, it.prefix_len, it.extend_len) for it in items] == [(0, 0, 10), (1, 0, 10)]
     assert [req.rid for req in scheduler.waiting] == [2]
     assert scheduler.last_hold == "swa"
@@ -27,11 +34,7 @@ def test_admission_held_when_the_swa_pool_is_short():
 
 def test_admission_held_when_the_full_pool_is_short():
     # each request keeps 59 FULL slots for its whole life; 100 hold one.
-    pools = HybridKVPools(full_size=100, swa_size=1000, page_size=1, max_running=8, max_context_len=128)
-    scheduler = Scheduler(pools, window=16, max_running=8, token_budget=64)
-    for req in _three_requests():
-        scheduler.add(req)
-    items = scheduler.schedule()
+    scheduler, items = _first_schedule(full_size=100, swa_size=1000)
     assert [it.req.rid for it in items] == [0]
     assert scheduler.last_hold == "full"
 

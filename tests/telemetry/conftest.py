@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 from opentelemetry.sdk._logs import LoggerProvider
 from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
@@ -13,41 +11,10 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanLimits, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from pipeline_support import Pipeline
 
 DELTA = {Counter: AggregationTemporality.DELTA, Histogram: AggregationTemporality.DELTA,
          ObservableCounter: AggregationTemporality.DELTA}
-
-
-@dataclass
-class Pipeline:
-    tracer_provider: TracerProvider
-    meter_provider: MeterProvider
-    logger_provider: LoggerProvider
-    spans: InMemorySpanExporter
-    reader: InMemoryMetricReader
-    logs: InMemoryLogRecordExporter
-
-    def providers(self) -> dict:
-        return dict(tracer_provider=self.tracer_provider, meter_provider=self.meter_provider,
-                    logger_provider=self.logger_provider)
-
-    def metrics(self) -> dict:
-        """name -> {"unit", "description", "points": [data point, ...]} of one collection."""
-        out = {}
-        data = self.reader.get_metrics_data()
-        if data is None:
-            return out
-        for rm in data.resource_metrics:
-            for sm in rm.scope_metrics:
-                for metric in sm.metrics:
-                    out[metric.name] = {"unit": metric.unit, "description": metric.description,
-                                        "points": list(metric.data.data_points), "data": metric.data}
-        return out
-
-    def shutdown(self) -> None:
-        self.tracer_provider.shutdown()
-        self.meter_provider.shutdown()
-        self.logger_provider.shutdown()
 
 
 def _make_pipeline(temporality: str = "cumulative", max_links: int | None = None, exemplar_filter=None) -> Pipeline:

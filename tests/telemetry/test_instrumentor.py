@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
+from reference_app_support import REFERENCE_APP
 
 from otel_swa.record import find_all
 
@@ -158,18 +159,6 @@ def test_dependencies_are_declared():
     assert list(SwaReferenceInstrumentor().instrumentation_dependencies()) == ["otel-swa >= 0.1.0"]
 
 
-APP = r"""
-from types import SimpleNamespace
-from otel_swa.reference.engine import EngineConfig, ReferenceEngine
-engine = ReferenceEngine(EngineConfig(window=16, full_pool_size=1024, swa_pool_size=256, max_running=4,
-                                      token_budget=64, max_context_len=256, step_time_s=0.0))
-for c, g in ((40, 12), (25, 20), (70, 6), (33, 15)):
-    engine.submit(SimpleNamespace(context_tokens=c, generated_tokens=g), arrival_s=0.0)
-engine.run_until_done()
-print("forward_ct", engine.forward_ct)
-"""
-
-
 def test_opentelemetry_instrument_finds_the_instrumentor_and_the_logline_exporter(tmp_path):
     """Entry points end to end: the SGLang lines appear with no code change in the application."""
     import os
@@ -184,7 +173,7 @@ def test_opentelemetry_instrument_finds_the_instrumentor_and_the_logline_exporte
         # opentelemetry-instrument configures the SDK only through a distro's configurator
         pytest.skip("opentelemetry-instrument or a distro (pip install opentelemetry-distro) is missing")
     app = tmp_path / "app.py"
-    app.write_text(APP)
+    app.write_text(REFERENCE_APP)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "SGLANG_"))}
     env.update({"OTEL_SWA_DIVERGENCE_INTERVAL": "5", "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
                 "OTEL_LOGS_EXPORTER": "swa_logline", "OTEL_BLRP_SCHEDULE_DELAY": "10"})

@@ -15,6 +15,7 @@ import logging
 
 import pytest
 import torch
+from recount_support import recount as recount_tokens
 
 from otel_swa.logline import LogLineSink
 from otel_swa.record import find_all
@@ -31,14 +32,8 @@ INTERVAL = 4
 
 def recount(view) -> tuple[int, int]:
     """Divergence and out-of-window tokens of ``view``, by SGLang's definitions, one token at a time."""
-    divergent = out_of_window = 0
-    mapping = view.full_to_swa_index_mapping.tolist()
-    for row, seq_len in zip(view.req_pool_indices.tolist(), view.seq_lens.tolist()):
-        for full in view.req_to_token[row, :seq_len].tolist():
-            swa = mapping[full]
-            out_of_window += swa == 0
-            divergent += swa != 0 and swa != full
-    return divergent, out_of_window
+    return recount_tokens(view.req_to_token.tolist(), view.full_to_swa_index_mapping.tolist(),
+                          view.req_pool_indices.tolist(), view.seq_lens.tolist())
 
 
 class PipelineStage:

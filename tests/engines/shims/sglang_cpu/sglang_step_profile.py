@@ -26,20 +26,21 @@ import time
 import sglang_cpu_patches
 
 _INSTRUMENTOR = "opentelemetry.instrumentation.swa_sglang"
-#: (module, attribute path, part): what is timed. Methods are wrapped on their class.
+#: (module, attribute path, part): what is timed. Methods are wrapped on their class, functions in the
+#: module that calls them (scheduler_holder_full_slots: the instrumentor imports it from the facade).
 PARTS = (
     (_INSTRUMENTOR, "SwaSglangInstrumentor._after_forward", "after the forward: observe + reporter step (all below)"),
-    ("otel_swa.views.sglang", "KvCanaryHooks._view", "view of the ScheduleBatch (batch_view)"),
+    ("otel_swa.views.sglang_canary", "KvCanaryHooks._view", "view of the ScheduleBatch (batch_view)"),
     ("otel_swa.views.sglang", "scheduler_holder_full_slots", "holders (every request row and the radix tree)"),
-    ("otel_swa.views.sglang", "swa_free_page_lists", "SWA free lists"),
+    ("otel_swa.views.sglang_batch", "swa_free_page_lists", "SWA free lists"),
     ("otel_swa.reporter", "validate_view", "view validation"),
     ("otel_swa.reporter", "stage_sample", "device sample (counts, window, audit)"),
     ("otel_swa.reporter", "SwaDivergenceReporter._deliver", "record and hand-off to the sinks"),
-    (_INSTRUMENTOR, "_check_read", "read check, per sliding-window layer call"),
-    (_INSTRUMENTOR, "_stamp", "provenance stamps, per forward step (every step)"),
-    (_INSTRUMENTOR, "_after_layer", "provenance checksum + write check, per attention layer call"),
+    (_INSTRUMENTOR + ".attention", "_check_read", "read check, per sliding-window layer call"),
+    (_INSTRUMENTOR + ".attention", "_stamp", "provenance stamps, per forward step (every step)"),
+    (_INSTRUMENTOR + ".attention", "_after_layer", "provenance checksum + write check, per attention layer call"),
     ("otel_swa.device.provenance", "KvProvenance.stage", "provenance verification, per sample"),
-    (_INSTRUMENTOR, "_request_span_contexts", "request span contexts of the batch (links)"),
+    (_INSTRUMENTOR + ".model_runner", "_request_span_contexts", "request span contexts of the batch (links)"),
     ("otel_swa.telemetry.sink", "SwaTelemetrySink._deliver", "delivery thread: metrics + events, per record"),
     ("otel_swa.telemetry.events", "SampleEvents.emit", "delivery thread: Logs API event + span event"),
     ("otel_swa.telemetry.logline", "SwaLogLineExporter.export", "delivery thread: the line"),
