@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import Check, CheckField, MetricRow, SampleBatch, Staging
+from otel_swa.checks.protocol import Check, CheckField, SampleBatch, Staging
 
 __all__ = ["BlockAuditCheck", "CHECK"]
 
@@ -20,30 +20,24 @@ class BlockAuditCheck(Check):
     name = "block_audit"
     title = "KV block audit"
     line = "audit"
+    ran_when = "when the engine gives the KV block audit's inputs"
     fields = (
         CheckField("kv_leaked_blocks", "{block}", "KV blocks in use that no request and no prefix-cache entry holds",
-                   role="fault", label="leaked KV blocks"),
+                   role="fault", label="leaked KV blocks",
+                   gauge=("blocks.leaked", "KV blocks in use that no request and no prefix-cache entry holds: "
+                                           "allocated and unreachable (block-pool engines: vLLM)")),
         CheckField("kv_freed_blocks_in_use", "{block}",
                    "KV blocks a running request's block table references that are on the free queue",
-                   role="fault", label="KV blocks freed while in use"),
+                   role="fault", label="KV blocks freed while in use",
+                   gauge=("blocks.freed_in_use", "KV blocks a running request's block table references that are on "
+                                                 "the free queue: the pool may hand them to another request "
+                                                 "(block-pool engines: vLLM)")),
         CheckField("kv_shared_blocks", "{block}",
                    "KV blocks not in the prefix cache that two requests' block tables reference",
-                   role="fault", label="KV blocks handed out twice"),
-    )
-    metrics = (
-        MetricRow("blocks.leaked", "gauge", "{block}",
-                  "KV blocks in use that no request and no prefix-cache entry holds: allocated and unreachable "
-                  "(block-pool engines: vLLM)",
-                  "kv_leaked_blocks (when the engine gives the KV block audit's inputs)", field="kv_leaked_blocks"),
-        MetricRow("blocks.freed_in_use", "gauge", "{block}",
-                  "KV blocks a running request's block table references that are on the free queue: the pool may "
-                  "hand them to another request (block-pool engines: vLLM)",
-                  "kv_freed_blocks_in_use (when the engine gives the KV block audit's inputs)",
-                  field="kv_freed_blocks_in_use"),
-        MetricRow("blocks.shared", "gauge", "{block}",
-                  "KV blocks not in the prefix cache that two requests' block tables reference: a block handed out "
-                  "again while in use (block-pool engines: vLLM)",
-                  "kv_shared_blocks (when the engine gives the KV block audit's inputs)", field="kv_shared_blocks"),
+                   role="fault", label="KV blocks handed out twice",
+                   gauge=("blocks.shared", "KV blocks not in the prefix cache that two requests' block tables "
+                                           "reference: a block handed out again while in use (block-pool engines: "
+                                           "vLLM)")),
     )
     reason = "the SWA slot audit found faults (peak {found}); exit status 1"
 

@@ -21,34 +21,33 @@ class BlockHashesCheck(Check):
     name = "block_hashes"
     title = "block hashes"
     line = "provenance"
+    ran_when = "when the engine checks its block hashes"
     fields = (
         CheckField("kv_cache_entries_checked", "{entry}",
                    "prefix-cache map entries and table entries whose block hash was compared"),
-        CheckField("kv_stale_cache_entries", "{entry}",
+        CheckField("kv_stale_cache_entries", "{block}",
                    "prefix-cache map entries naming a block whose own hash is not the entry's key",
                    role="fault", label="stale prefix-cache entries",
                    explain="{peak} prefix-cache entr(ies) name a block whose own hash is not the key (stale after "
-                           "eviction or reuse: a hit would read other tokens' KV)"),
+                           "eviction or reuse: a hit would read other tokens' KV)",
+                   gauge=("blocks.stale_cached", "Prefix-cache map entries naming a block whose own hash is not the "
+                          "entry's key: a stale entry left after eviction or reuse, whose hit reads other tokens' KV "
+                          "(block-pool engines: vLLM); must be 0")),
         CheckField("kv_foreign_blocks", "{block}",
                    "blocks in a request's table whose hash is not the request's block hash for that index",
                    role="fault", label="foreign KV blocks",
                    explain="{peak} block(s) in a request's table hold other tokens' KV (their hash is not the "
-                           "request's for that index, or they belong to another KV cache group)"),
+                           "request's for that index, or they belong to another KV cache group)",
+                   gauge=("blocks.foreign", "Blocks in a request's block table whose hash is not the request's "
+                          "block hash for that index, or blocks of another KV cache group: they hold other tokens' KV "
+                          "(block-pool engines: vLLM); must be 0")),
     )
-    metrics = (
+    counters = (
         MetricRow("provenance.block_hashes", "sample_counter", "{entry}",
                   "Prefix-cache map entries and block-table entries whose block hash was compared with the key or "
                   "the request's block hash for that index (block-pool engines: vLLM)",
                   "kv_cache_entries_checked (when the engine checks its block hashes)",
                   field="kv_cache_entries_checked"),
-        MetricRow("blocks.stale_cached", "gauge", "{block}",
-                  "Prefix-cache map entries naming a block whose own hash is not the entry's key: a stale entry left "
-                  "after eviction or reuse, whose hit reads other tokens' KV (block-pool engines: vLLM); must be 0",
-                  "kv_stale_cache_entries (when the engine checks its block hashes)", field="kv_stale_cache_entries"),
-        MetricRow("blocks.foreign", "gauge", "{block}",
-                  "Blocks in a request's block table whose hash is not the request's block hash for that index, or "
-                  "blocks of another KV cache group: they hold other tokens' KV (block-pool engines: vLLM); must be 0",
-                  "kv_foreign_blocks (when the engine checks its block hashes)", field="kv_foreign_blocks"),
     )
     reason = ("the write check and provenance found KV that is not the KV of the token the tables name (peak "
               "{found}); exit status 1")

@@ -28,7 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-__all__ = ["LINE_KINDS", "ROLES", "CheckField", "MetricRow", "Check", "Staging", "SampleBatch", "first_fault_text"]
+__all__ = ["LINE_KINDS", "ROLES", "CheckField", "MetricRow", "Check", "InForwardCheck", "Staging", "SampleBatch",
+           "outcome_summary", "first_fault_text"]
 
 #: The lines a check's fields are written on: ``audit`` (``otel_swa_audit=``: the slot and block
 #: bookkeeping, the window and read checks) and ``provenance`` (``otel_swa_provenance=``: the checks
@@ -53,6 +54,8 @@ class CheckField:
         explain: how a failure reads, a format with ``{peak}``; ``None`` for ``label``.
         nothing_found: how a fault's offender that names what was expected and found nothing reads
             (``found a slot never stamped``), or ``None``.
+        gauge: ``(metric name after the namespace, description)`` of the gauge of the latest
+            sample's value of this field, or ``None`` (no gauge).
     """
 
     name: str
@@ -62,12 +65,13 @@ class CheckField:
     label: "str | None" = None
     explain: "str | None" = None
     nothing_found: "str | None" = None
+    gauge: "tuple[str, str] | None" = None
 
     def __post_init__(self) -> None:
-        if self.role not in ROLES:
-            raise ValueError(f"CheckField {self.name!r}: role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.role != "count" and not self.label:
-            raise ValueError(f"CheckField {self.name!r}: a {self.role} field needs a label")
+        problem = (f"role must be one of {', '.join(ROLES)}, got {self.role!r}" if self.role not in ROLES
+                   else f"a {self.role} field needs a label" if self.role != "count" and not self.label else None)
+        if problem is not None:
+            raise ValueError(f"CheckField {self.name!r}: {problem}")
 
 
 @dataclass(frozen=True)
@@ -165,7 +169,9 @@ class Check:
         title: the replay summary's row name (``read check``).
         line: one of :data:`LINE_KINDS`.
         fields: its :class:`CheckField` s, in the order its line writes them.
-        metrics: its :class:`MetricRow` s.
+        counters: its counters (:class:`MetricRow` s); its gauges are its fields' ``gauge``
+            (:attr:`metrics` gives both).
+        ran_when: when its fields are present, in words (``when the engine gives audit inputs``).
         reason: the stderr line of a replay whose records show a fault of this check, a format
             with ``{found}`` (``name=peak`` of each fault field above 0); checks with the same text
             share one line.
@@ -178,7 +184,8 @@ class Check:
     title: str = ""
     line: str = "audit"
     fields: "tuple[CheckField, ...]" = ()
-    metrics: "tuple[MetricRow, ...]" = ()
+    counters: "tuple[MetricRow, ...]" = ()
+    ran_when: str = ""
     reason: str = ""
     fused: bool = False
     always_summarised: bool = False
@@ -188,6 +195,13 @@ class Check:
     def names(self) -> "tuple[str, ...]":
         """Its field names, in line order."""
         return tuple(f.name for f in self.fields)
+
+    @property
+    def metrics(self) -> "tuple[MetricRow, ...]":
+        """Its instruments: its counters, then a gauge per field that declares one."""
+        return self.counters + tuple(
+            MetricRow(f.gauge[0], "gauge", f.unit, f.gauge[1], f"{f.name} ({self.ran_when})", field=f.name)
+            for f in self.fields if f.gauge is not None)
 
     @property
     def faults(self) -> "tuple[str, ...]":
@@ -234,6 +248,30 @@ class Check:
     def summary(self, records: Sequence[Any]) -> str:
         """The replay summary's row for ``records`` (the check's, or ``n/a`` when none has it)."""
         return "n/a"
+
+
+class InForwardCheck(Check):
+    """A check whose device part runs inside the engine's forward (the read and write checks): the
+    part accumulates its cells there at a sampled step, and the sample copies them and clears them
+    (``part.take(cells)``, on the device)."""
+
+    def stage(self, staging: Staging, cells: Any) -> Any:
+        part = staging.parts.get(self.name)
+        if part is None:
+            return None
+        part.take(cells)
+        return part
+
+
+def outcome_summary(check: Check, records: Sequence[Any], words: str, alarm: str) -> str:
+    """The summary row of a check whose first three fields are its checked, disagreeing and unchecked
+    counts (the read and write checks): ``clean: 0 of 483 queries disagreed (62 samples)``, ``alarm``
+    instead of ``clean`` when any disagreed, the unchecked count when any, the first offender."""
+    checked = [r for r in records if check.present(r)]
+    total, bad, unchecked = (sum(getattr(r, name) for r in checked) for name in check.names[:3])
+    tail = f", {unchecked} unchecked" if unchecked else ""
+    return (f"{'clean' if not bad else alarm}: {bad} of {total} {words}{tail} ({len(checked)} samples)"
+            f"{first_fault_text(checked, check.names[1])}")
 
 
 def first_fault_text(checked: Sequence[Any], fault: str) -> str:

@@ -28,26 +28,32 @@ class ProvenanceCheck(Check):
         CheckField("kv_stamp_checks", "{slot}",
                    "live token slots (FULL and SWA pools together) whose provenance stamp was compared with the "
                    "stamp expected from the request's own tokens"),
-        CheckField("kv_foreign_tokens", "{slot}",
+        CheckField("kv_foreign_tokens", "{token}",
                    "live token slots whose provenance stamp is not the one the request's own tokens give",
                    role="fault", label="foreign tokens",
                    explain="{peak} live token slot(s) hold another token's KV (their provenance stamp is not the "
                            "request's own: swapped ownership, a stale prefix reuse, a slot overwritten, a wrong "
                            "position)",
-                   nothing_found="found a slot never stamped"),
+                   nothing_found="found a slot never stamped",
+                   gauge=("tokens.foreign", "Live token slots of the sampled step whose provenance stamp is another "
+                          "token's: the slot holds other KV than the tables say (swapped ownership, stale prefix "
+                          "reuse, a slot overwritten, a wrong position); must be 0")),
         CheckField("kv_stamp_unchecked", "{slot}",
                    "live token slots whose provenance stamp was not judged (token ids unknown, over the per-sample "
                    "budget; never stamped, for an engine wired after it held KV)",
                    role="info", label="unchecked stamps"),
         CheckField("kv_checksum_checks", "{slot}",
                    "live token slots whose K/V bytes were hashed again and compared with the hash taken at the write"),
-        CheckField("kv_corrupt_tokens", "{slot}",
+        CheckField("kv_corrupt_tokens", "{token}",
                    "live token slots whose K/V bytes changed after they were written",
                    role="fault", label="corrupt tokens",
                    explain="{peak} live token slot(s) hold K/V bytes that changed after they were written (their "
-                           "checksum differs: a stray write, a bad load-back, a bit flip)"),
+                           "checksum differs: a stray write, a bad load-back, a bit flip)",
+                   gauge=("tokens.corrupt", "Live token slots of the sampled step whose K/V bytes changed after they "
+                          "were written (a stray write, a bad load-back, a bit flip); must be 0")),
     )
-    metrics = (
+    ran_when = "when the engine stamps and checksums its slots"
+    counters = (
         MetricRow(
             "provenance.stamps", "sample_counter", "{slot}",
             "Live token slots (FULL and SWA pools) whose provenance stamp was compared with the one the request's "
@@ -66,21 +72,6 @@ class ProvenanceCheck(Check):
             "kv_checksum_checks - kv_corrupt_tokens (agree), kv_corrupt_tokens (disagree), when the engine "
             "checksums its slots",
             outcomes=("provenance.outcome", "kv_checksum_checks", "kv_corrupt_tokens", None),
-        ),
-        MetricRow(
-            "tokens.foreign", "gauge", "{token}",
-            "Live token slots of the sampled step whose provenance stamp is another token's: the slot holds other "
-            "KV than the tables say (swapped ownership, stale prefix reuse, a slot overwritten, a wrong position); "
-            "must be 0",
-            "kv_foreign_tokens (when the engine stamps its slots)",
-            field="kv_foreign_tokens",
-        ),
-        MetricRow(
-            "tokens.corrupt", "gauge", "{token}",
-            "Live token slots of the sampled step whose K/V bytes changed after they were written (a stray write, a "
-            "bad load-back, a bit flip); must be 0",
-            "kv_corrupt_tokens (when the engine checksums its slots)",
-            field="kv_corrupt_tokens",
         ),
     )
     reason = ("the write check and provenance found KV that is not the KV of the token the tables name (peak "

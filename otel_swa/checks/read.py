@@ -14,12 +14,12 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import Check, CheckField, MetricRow, SampleBatch, Staging, first_fault_text
+from otel_swa.checks.protocol import CheckField, InForwardCheck, MetricRow, SampleBatch, outcome_summary
 
 __all__ = ["ReadCheckSpec", "CHECK"]
 
 
-class ReadCheckSpec(Check):
+class ReadCheckSpec(InForwardCheck):
     name = "read"
     title = "read check"
     line = "audit"
@@ -38,7 +38,7 @@ class ReadCheckSpec(Check):
                    "does not cover, a step replayed from a CUDA graph)",
                    role="info", label="unchecked reads"),
     )
-    metrics = (
+    counters = (
         MetricRow(
             "read_check.queries", "sample_counter", "{query}",
             "Queries of sliding-window layers whose attention output the read check recomputed from the KV pool "
@@ -58,13 +58,6 @@ class ReadCheckSpec(Check):
 
         return READ_WIDTH
 
-    def stage(self, staging: Staging, cells: Any) -> Any:
-        check = staging.parts.get(self.name)
-        if check is None:
-            return None
-        check.take(cells)  # copies this step's cells into the sample and clears them (device)
-        return True
-
     def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
         from otel_swa.device.read_check import read_counts, read_offender_fields
 
@@ -78,14 +71,7 @@ class ReadCheckSpec(Check):
                              swa_page=batch.swa_page(where["swa_slot"]), layer=where["layer"])]
 
     def summary(self, records: Sequence[Any]) -> str:
-        checked = [r for r in records if self.present(r)]
-        queries = sum(r.swa_read_checks for r in checked)
-        mismatched = sum(r.swa_read_mismatches for r in checked)
-        unchecked = sum(r.swa_read_unchecked for r in checked)
-        verdict = "clean" if not mismatched else "WRONG READS"
-        tail = f", {unchecked} unchecked" if unchecked else ""
-        return (f"{verdict}: {mismatched} of {queries} queries disagreed{tail} ({len(checked)} samples)"
-                f"{first_fault_text(checked, 'swa_read_mismatches')}")
+        return outcome_summary(self, records, "queries disagreed", "WRONG READS")
 
 
 #: The read check.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import Check, CheckField, MetricRow, SampleBatch, Staging
+from otel_swa.checks.protocol import Check, CheckField, SampleBatch, Staging
 
 __all__ = ["SlotAuditCheck", "AuditPass", "CHECK"]
 
@@ -55,32 +55,26 @@ class SlotAuditCheck(Check):
     line = "audit"
     fused = True
     always_summarised = True
+    ran_when = "when the engine gives audit inputs"
     fields = (
         CheckField("swa_leaked_slots", "{slot}", "SWA slots of pages in use that no live token maps into",
-                   role="fault", label="leaked SWA slots"),
+                   role="fault", label="leaked SWA slots",
+                   gauge=("slots.leaked", "SWA slots of pages in use that no live token maps into: allocated and "
+                                          "unreachable")),
         CheckField("swa_stale_tokens", "{token}", "live tokens whose SWA page is on the free list",
-                   role="fault", label="stale tokens"),
+                   role="fault", label="stale tokens",
+                   gauge=("tokens.stale", "Live tokens whose SWA page is on the free list: the slot may be handed "
+                                          "to another request")),
         CheckField("swa_shared_slots", "{slot}", "SWA slots that two distinct live FULL slots map to",
-                   role="fault", label="shared SWA slots"),
-        CheckField("swa_pages_in_use", "{page}", "SWA pages allocated (not on the free list)"),
-        CheckField("swa_pages_referenced", "{page}", "SWA pages in use that at least one live token maps into"),
-    )
-    metrics = (
-        MetricRow("slots.leaked", "gauge", "{slot}",
-                  "SWA slots of pages in use that no live token maps into: allocated and unreachable",
-                  "swa_leaked_slots (when the engine gives audit inputs)", field="swa_leaked_slots"),
-        MetricRow("tokens.stale", "gauge", "{token}",
-                  "Live tokens whose SWA page is on the free list: the slot may be handed to another request",
-                  "swa_stale_tokens (when the engine gives audit inputs)", field="swa_stale_tokens"),
-        MetricRow("slots.shared", "gauge", "{slot}",
-                  "SWA slots that two distinct live FULL slots map to: two tokens write one slot",
-                  "swa_shared_slots (when the engine gives audit inputs)", field="swa_shared_slots"),
-        MetricRow("pages.in_use", "gauge", "{page}",
-                  "SWA pages allocated (not on the SWA free list) when the sample was taken",
-                  "swa_pages_in_use (when the engine gives audit inputs)", field="swa_pages_in_use"),
-        MetricRow("pages.referenced", "gauge", "{page}",
-                  "SWA pages in use that at least one live token maps into (in use - referenced = leaked pages)",
-                  "swa_pages_referenced (when the engine gives audit inputs)", field="swa_pages_referenced"),
+                   role="fault", label="shared SWA slots",
+                   gauge=("slots.shared", "SWA slots that two distinct live FULL slots map to: two tokens write "
+                                          "one slot")),
+        CheckField("swa_pages_in_use", "{page}", "SWA pages allocated (not on the free list)",
+                   gauge=("pages.in_use", "SWA pages allocated (not on the SWA free list) when the sample was "
+                                          "taken")),
+        CheckField("swa_pages_referenced", "{page}", "SWA pages in use that at least one live token maps into",
+                   gauge=("pages.referenced", "SWA pages in use that at least one live token maps into (in use - "
+                                              "referenced = leaked pages)")),
     )
     reason = "the SWA slot audit found faults (peak {found}); exit status 1"
 

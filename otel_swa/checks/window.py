@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import Check, CheckField, MetricRow, SampleBatch, Staging
+from otel_swa.checks.protocol import Check, CheckField, SampleBatch, Staging
 
 __all__ = ["WindowCheck", "CHECK"]
 
@@ -23,28 +23,24 @@ class WindowCheck(Check):
     title = "window check"
     line = "audit"
     fused = True
+    ran_when = "when the engine gives its sliding window"
     fields = (
         CheckField("swa_premature_evictions", "{token}",
                    "live tokens inside the sliding window whose SWA mapping is 0",
                    role="fault", label="premature evictions",
                    explain="{peak} live token(s) inside the sliding window had no SWA slot (premature eviction: "
-                           "attention read freed KV)"),
+                           "attention read freed KV)",
+                   gauge=("tokens.evicted_in_window",
+                          "Live tokens of the sampled batch inside the sliding window (the positions the forward "
+                          "step's queries read) whose SWA slot was freed (mapping 0): attention reads KV that is gone "
+                          "(premature eviction); must be 0")),
         CheckField("swa_late_held_slots", "{slot}",
                    "SWA slots still held by tokens older than the step's sliding windows plus the engine's eviction "
                    "allowance",
-                   role="info", label="late-held SWA slots"),
-    )
-    metrics = (
-        MetricRow("tokens.evicted_in_window", "gauge", "{token}",
-                  "Live tokens of the sampled batch inside the sliding window (the positions the forward step's "
-                  "queries read) whose SWA slot was freed (mapping 0): attention reads KV that is gone (premature "
-                  "eviction); must be 0",
-                  "swa_premature_evictions (when the engine gives its sliding window)",
-                  field="swa_premature_evictions"),
-        MetricRow("slots.held_out_of_window", "gauge", "{slot}",
-                  "SWA slots still held by live tokens older than the positions the forward step reads plus the "
-                  "engine's eviction allowance (late eviction; growing: runaway SWA usage)",
-                  "swa_late_held_slots (when the engine gives its sliding window)", field="swa_late_held_slots"),
+                   role="info", label="late-held SWA slots",
+                   gauge=("slots.held_out_of_window",
+                          "SWA slots still held by live tokens older than the positions the forward step reads plus "
+                          "the engine's eviction allowance (late eviction; growing: runaway SWA usage)")),
     )
     reason = ("the window check found live tokens inside the sliding window without an SWA slot (peak {found}); "
               "exit status 1")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import Check, CheckField, MetricRow, SampleBatch, Staging, first_fault_text
+from otel_swa.checks.protocol import CheckField, InForwardCheck, MetricRow, SampleBatch, Staging, outcome_summary
 
 __all__ = ["WriteCheckSpec", "AttachedWriteCheck", "CHECK"]
 
@@ -49,7 +49,7 @@ class AttachedWriteCheck:
             return None
 
 
-class WriteCheckSpec(Check):
+class WriteCheckSpec(InForwardCheck):
     name = "write"
     title = "write check"
     line = "provenance"
@@ -66,7 +66,7 @@ class WriteCheckSpec(Check):
                    "cover)",
                    role="info", label="unchecked KV writes"),
     )
-    metrics = (
+    counters = (
         MetricRow(
             "write_check.tokens", "sample_counter", "{token}",
             "New tokens' K/V writes (one token at one layer each) the write check compared with what the KV pool "
@@ -86,13 +86,6 @@ class WriteCheckSpec(Check):
         from otel_swa.device.write_check import WRITE_WIDTH
 
         return WRITE_WIDTH
-
-    def stage(self, staging: Staging, cells: Any) -> Any:
-        part = staging.parts.get(self.name)
-        if part is None:
-            return None
-        part.take(cells)  # copies the step's cells into the sample and clears them (device)
-        return part
 
     def keep(self, staging: Staging, staged: Any) -> Any:
         if isinstance(staged, AttachedWriteCheck):
@@ -123,14 +116,7 @@ class WriteCheckSpec(Check):
                              pool=where["pool"])]
 
     def summary(self, records: Sequence[Any]) -> str:
-        checked = [r for r in records if self.present(r)]
-        pairs = sum(r.kv_write_checks for r in checked)
-        mismatched = sum(r.kv_write_mismatches for r in checked)
-        unchecked = sum(r.kv_write_unchecked for r in checked)
-        verdict = "clean" if not mismatched else "WRONG WRITES"
-        tail = f", {unchecked} unchecked" if unchecked else ""
-        return (f"{verdict}: {mismatched} of {pairs} (token, layer) stores mismatched{tail} ({len(checked)} samples)"
-                f"{first_fault_text(checked, 'kv_write_mismatches')}")
+        return outcome_summary(self, records, "(token, layer) stores mismatched", "WRONG WRITES")
 
 
 #: The write check.

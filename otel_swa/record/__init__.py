@@ -123,12 +123,12 @@ from otel_swa.record.values import INT64_MAX, INT64_MIN, MICRO_BATCH_MAX
 
 __all__ = [
     "LINE_PREFIX",
+    "LINE_TAG",
     "AUDIT_PREFIX",
     "RUN_START_PREFIX",
     "FAULT_PREFIX",
     "LIVENESS_PREFIX",
     "PROVENANCE_PREFIX",
-    "LINE_TAG",
     "FIELDS",
     "AUDIT_FIELDS",
     "PROVENANCE_FIELDS",

@@ -20,11 +20,8 @@ NAME = "stale_write_loc"
 
 def install(at_step: int, gate, order: int) -> None:
     def redirect(forward_batch, step) -> None:
-        if not gate.ready(step, at_step, order) or not forward_batch.forward_mode.is_decode():
-            return
-        batch = sglang_step_probe.current_batch()
-        picked = sglang_faults.closest_to_finishing(batch, 2)
-        if len(picked) < 2 or forward_batch.batch_size != len(batch.reqs):
+        picked = sglang_faults.decode_pair(forward_batch, step, gate, at_step, order)
+        if picked is None:
             return
         writer, owner = picked
         owner_row = int(forward_batch.req_pool_indices[owner])

@@ -20,11 +20,8 @@ NAME = "swapped_ownership"
 
 def install(at_step: int, gate, order: int) -> None:
     def swap(runner, forward_batch, step, line) -> None:
-        if not gate.ready(step, at_step, order) or not forward_batch.forward_mode.is_decode():
-            return
-        batch = sglang_step_probe.current_batch()
-        picked = sglang_faults.closest_to_finishing(batch, 2)
-        if len(picked) < 2 or forward_batch.batch_size != len(batch.reqs):
+        picked = sglang_faults.decode_pair(forward_batch, step, gate, at_step, order)
+        if picked is None:
             return
         mapping = runner.token_to_kv_pool_allocator.full_to_swa_index_mapping
         full = [int(forward_batch.out_cache_loc[i]) for i in picked]
