@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+import otel_swa.device as device_kernels
 from otel_swa.checks import SampleBatch, Staging
 from otel_swa.device import FAULTS, DeviceToHostRing, Workspace
 from otel_swa.sampling import PendingSample, SampleLayout
@@ -76,7 +77,7 @@ class SampleQueue:
         slot = self.next_slot
         request_ids = getattr(view, "request_ids", None)
         ids = tuple(str(r) for r in request_ids) if request_ids is not None else None
-        staging = Staging(view, self.workspace, self.parts,
+        staging = Staging(device_kernels, view, self.workspace, self.parts,
                           lambda host, name="sample": ring.upload(slot, host, name), ids)
         audit = self.parts.get("slot_audit")
         kept = self.layout.stage(ring.stage[slot], totals, view, staging,

@@ -24,6 +24,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+import otel_swa.device as device_kernels
 from otel_swa import config
 from otel_swa.checks import default_parts
 from otel_swa.delivery import SampleQueue
@@ -154,7 +155,7 @@ class SwaDivergenceReporter(InForwardChecks, ReporterHealth):
         self._accumulator = PoolAccumulator(self.device)
         #: the checks' device parts by check name (otel_swa.checks): the slot audit's sweep from the
         #: start, the read check, provenance and the write check once the engine switches them on
-        self._parts: "dict[str, Any]" = default_parts(self.device, audit_budget=audit_budget)
+        self._parts: "dict[str, Any]" = default_parts(device_kernels, self.device, audit_budget=audit_budget)
         self._queue = SampleQueue(self.device, ring_size, self._parts, sinks)
         self._gate = SamplingGate(self.device, graph_mode=graph_mode)
         self._other_gates: "list[SamplingGate]" = []  # gates on other devices that before_forward sets

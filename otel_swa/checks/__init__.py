@@ -99,11 +99,12 @@ def field_spec(name: str) -> CheckField:
     return _SPECS[name]
 
 
-def default_parts(device: Any, **options: Any) -> "dict[str, Any]":
-    """The device parts a new reporter makes on ``device`` (the checks' :meth:`~otel_swa.checks.protocol.Check.default_part`)."""
+def default_parts(kernels: Any, device: Any, **options: Any) -> "dict[str, Any]":
+    """The device parts a new reporter makes on ``device`` (the checks'
+    :meth:`~otel_swa.checks.protocol.Check.default_part`; ``kernels``: :mod:`otel_swa.device`)."""
     parts = {}
     for check in CHECKS:
-        part = check.default_part(device, options)
+        part = check.default_part(kernels, device, options)
         if part is not None:
             parts[check.name] = part
     return parts

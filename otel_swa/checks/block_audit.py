@@ -13,7 +13,30 @@ from typing import Any, Sequence
 
 from otel_swa.checks.protocol import Check, CheckField, SampleBatch, Staging
 
-__all__ = ["BlockAuditCheck", "CHECK"]
+__all__ = ["BLOCK_CELLS", "BLOCK_WIDTH", "block_audit_fields", "BlockAuditCheck", "CHECK"]
+
+#: The cells :func:`otel_swa.device.block_audit.stage_block_audit` writes, in order.
+BLOCK_CELLS = (
+    "leaked",  # blocks not free, not held, not cached (the null block excepted)
+    "freed_in_use",  # held entries whose block is on the free queue
+    "shared",  # uncached blocks two requests' tables reference
+    "leaked_block",  # the lowest leaked block id
+    "freed_block",  # the first such held entry's block id
+    "freed_group",  # its KV cache group
+    "freed_row",  # its request's index in held_request_ids
+    "freed_position",  # the first token position its block covers
+    "shared_block",  # the first held entry of a shared uncached block: its block id
+    "shared_group",  # its KV cache group
+    "shared_row",  # its request's index in held_request_ids
+    "shared_position",  # the first token position its block covers
+)
+#: int64 cells of the block audit.
+BLOCK_WIDTH = len(BLOCK_CELLS)
+
+
+def block_audit_fields(values: Sequence[int]) -> dict[str, int]:
+    """The staged cells as ints by name (:data:`BLOCK_CELLS`)."""
+    return {name: int(value) for name, value in zip(BLOCK_CELLS, values)}
 
 
 class BlockAuditCheck(Check):
@@ -41,27 +64,19 @@ class BlockAuditCheck(Check):
     )
     reason = "the SWA slot audit found faults (peak {found}); exit status 1"
 
-    @property
-    def width(self) -> int:
-        from otel_swa.device.block_audit import BLOCK_WIDTH
-
-        return BLOCK_WIDTH
+    width = BLOCK_WIDTH
 
     def stage(self, staging: Staging, cells: Any) -> Any:
         inputs = getattr(staging.view, "kv_block_audit", None)
         if inputs is None:
             return None
-        from otel_swa.device.block_audit import stage_block_audit
-
-        stage_block_audit(cells, inputs, staging.workspace)
+        staging.kernels.stage_block_audit(cells, inputs, staging.workspace)
         return inputs
 
     def keep(self, staging: Staging, staged: Any) -> Any:
         return tuple(str(r) for r in staged.held_request_ids)
 
     def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
-        from otel_swa.device.block_audit import block_audit_fields
-
         block = block_audit_fields(cells)
         fields = {"kv_leaked_blocks": block["leaked"], "kv_freed_blocks_in_use": block["freed_in_use"],
                   "kv_shared_blocks": block["shared"]}

@@ -18,9 +18,10 @@ way an OpenTelemetry ``SpanProcessor`` is one class the provider loops over. It 
 
 The reporter, the record, the line kinds, the judge, the replay summary, the metrics and the events
 loop over the registered checks (:data:`otel_swa.checks.CHECKS`); none of them spells a check's
-field names. This module and every check module import neither torch nor OpenTelemetry at import
-time: the record and the command line read the declarations without the engine's libraries; a
-check's device part imports its device kernel (``otel_swa.device``) when it first runs.
+field names. This module and every check module import neither torch, nor OpenTelemetry, nor any
+other part of otel-swa: the record is made from the checks' declarations (the checks sit below it),
+and a check reaches its device kernel through what the sample hands it (:attr:`Staging.kernels`,
+:mod:`otel_swa.device`, whose kernels write the cell layout the check declares).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ class Staging:
     """What a check's device part is given at a sampled step (built by the reporter).
 
     Attributes:
+        kernels: the device layer, :mod:`otel_swa.device` (a check reaches its device kernel
+            through it: the check modules import nothing above them).
         view: the engine's :class:`~otel_swa.views.SwaBatchView` of the sampled step.
         workspace: the reporter's :class:`~otel_swa.device.workspace.Workspace` (temporaries).
         parts: the device objects the engine switched on, by check name (a
@@ -123,10 +126,11 @@ class Staging:
             :class:`~otel_swa.device.sample.SampleMeta`), set before the other checks stage.
     """
 
-    __slots__ = ("view", "workspace", "parts", "upload", "request_ids", "core")
+    __slots__ = ("kernels", "view", "workspace", "parts", "upload", "request_ids", "core")
 
-    def __init__(self, view: Any, workspace: Any, parts: "dict[str, Any]", upload: Any,
+    def __init__(self, kernels: Any, view: Any, workspace: Any, parts: "dict[str, Any]", upload: Any,
                  request_ids: "tuple[str, ...] | None") -> None:
+        self.kernels = kernels
         self.view = view
         self.workspace = workspace
         self.parts = parts
@@ -213,16 +217,16 @@ class Check:
         return getattr(record, self.fields[0].name) is not None
 
     # ------------------------------------------------------------------ device side
-    @property
-    def width(self) -> int:
-        """``int64`` cells this check takes in a staged sample's row (0: none)."""
-        return 0
+    #: ``int64`` cells this check takes in a staged sample's row (0: none); their layout is the
+    #: check's own (its module's ``*_CELLS``), which its device kernel writes.
+    width: int = 0
 
-    def default_part(self, device: Any, options: "dict[str, Any]") -> Any:
+    def default_part(self, kernels: Any, device: Any, options: "dict[str, Any]") -> Any:
         """The device part every reporter makes for this check on ``device`` without the engine
-        switching it on (the slot audit's sweep, sized by the reporter's ``options``), or
-        ``None``: the engine attaches the part (:meth:`~otel_swa.reporter.SwaDivergenceReporter.enable_read_check`...)
-        or the view brings the inputs."""
+        switching it on (the slot audit's sweep, sized by the reporter's ``options``; ``kernels``:
+        :mod:`otel_swa.device`), or ``None``: the engine attaches the part
+        (:meth:`~otel_swa.reporter.SwaDivergenceReporter.enable_read_check`...) or the view brings
+        the inputs."""
         return None
 
     def stage(self, staging: Staging, cells: Any) -> Any:

@@ -14,7 +14,28 @@ from typing import Any, Sequence
 
 from otel_swa.checks.protocol import Check, CheckField, MetricRow, SampleBatch, Staging, first_fault_text
 
-__all__ = ["ProvenanceCheck", "CHECK"]
+__all__ = ["PROVENANCE_POOLS", "PROVENANCE_CELLS", "PROVENANCE_WIDTH", "ProvenanceCheck", "CHECK"]
+
+#: The pools verified, in the order of the cells and of the search for a first offender.
+PROVENANCE_POOLS = ("full", "swa")
+#: The cells of one pool's verification (:data:`PROVENANCE_WIDTH` = both pools', FULL first), staged by
+#: :meth:`otel_swa.device.provenance.KvProvenance.stage` and read by
+#: :meth:`otel_swa.device.provenance_reading.ProvenanceMeta.read`.
+PROVENANCE_CELLS = (
+    "live",  # SWA: taken slots whose mapping is not 0 (FULL: unused, every taken slot is live)
+    "stamp_checks",  # live and the request's token ids known (and stamped, with never_stamped="unchecked"): compared
+    "foreign",  # of which the stamp was another token's
+    "foreign_index",  # the first foreign's index among the taken slots
+    "foreign_row", "foreign_stamp", "foreign_full_slot", "foreign_swa_slot",
+    "checksum_checks",  # live and hashed: hashed again and compared
+    "corrupt",  # of which the bytes changed
+    "corrupt_index", "corrupt_row", "corrupt_full_slot", "corrupt_swa_slot",
+    "sweep_checks",  # swept slots (the prefix cache's, beyond the batch) hashed and compared
+    "sweep_corrupt",  # of which the bytes changed
+    "sweep_full_slot", "sweep_swa_slot",  # the first of them
+)
+_PER_POOL = len(PROVENANCE_CELLS)
+PROVENANCE_WIDTH = 2 * _PER_POOL
 
 #: The keys a foreign or corrupt token's offender may name beyond its batch entry.
 _WHERE = ("expected_token", "expected_position", "found_token", "found_position")
@@ -77,11 +98,7 @@ class ProvenanceCheck(Check):
     reason = ("the write check and provenance found KV that is not the KV of the token the tables name (peak "
               "{found}); exit status 1")
 
-    @property
-    def width(self) -> int:
-        from otel_swa.device.provenance import PROVENANCE_WIDTH
-
-        return PROVENANCE_WIDTH
+    width = PROVENANCE_WIDTH
 
     def stage(self, staging: Staging, cells: Any) -> Any:
         provenance = staging.parts.get(self.name)

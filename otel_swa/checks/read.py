@@ -16,7 +16,38 @@ from typing import Any, Sequence
 
 from otel_swa.checks.protocol import CheckField, InForwardCheck, MetricRow, SampleBatch, outcome_summary
 
-__all__ = ["ReadCheckSpec", "CHECK"]
+__all__ = ["READ_CELLS", "READ_WIDTH", "read_counts", "read_offender_fields", "ReadCheckSpec", "CHECK"]
+
+#: The cells of :attr:`otel_swa.device.read_check.ReadCheck.cells`, in order.
+READ_CELLS = (
+    "checked",  # queries recomputed and compared
+    "mismatched",  # of which disagreed
+    "unchecked",  # queries that could not be checked (an unsupported variant, a graph replay)
+    "found",  # 1 once a disagreeing query was recorded below
+    "entry",  # its batch entry
+    "row",  # its req_to_token row
+    "position",  # its position
+    "full_slot",  # its FULL slot
+    "swa_slot",  # its SWA slot (the FULL slot for a layer without a mapping)
+    "layer",  # the layer_id
+)
+#: int64 cells a read check stages with the sample.
+READ_WIDTH = len(READ_CELLS)
+_C = {name: index for index, name in enumerate(READ_CELLS)}
+
+
+def read_offender_fields(values: Sequence[int]) -> "dict[str, int] | None":
+    """The first disagreeing query's cells as ints (``entry``, ``row``, ``position``,
+    ``full_slot``, ``swa_slot``, ``layer``), or ``None`` when no query disagreed; ``values`` are
+    the :data:`READ_WIDTH` staged ints."""
+    if not values[_C["found"]]:
+        return None
+    return {name: int(values[_C[name]]) for name in READ_CELLS[_C["entry"]:]}
+
+
+def read_counts(values: Sequence[int]) -> "tuple[int, int, int]":
+    """``(checked, mismatched, unchecked)`` from the :data:`READ_WIDTH` staged ints."""
+    return int(values[_C["checked"]]), int(values[_C["mismatched"]]), int(values[_C["unchecked"]])
 
 
 class ReadCheckSpec(InForwardCheck):
@@ -52,15 +83,9 @@ class ReadCheckSpec(InForwardCheck):
     reason = ("the read check found sliding-window attention reading other KV than the mapping gives (peak {found}); "
               "exit status 1")
 
-    @property
-    def width(self) -> int:
-        from otel_swa.device.read_check import READ_WIDTH
-
-        return READ_WIDTH
+    width = READ_WIDTH
 
     def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
-        from otel_swa.device.read_check import read_counts, read_offender_fields
-
         checked, mismatched, unchecked = read_counts(cells)
         fields = {"swa_read_checks": checked, "swa_read_mismatches": mismatched, "swa_read_unchecked": unchecked}
         where = read_offender_fields(cells)

@@ -14,7 +14,21 @@ from typing import Any, Sequence
 
 from otel_swa.checks.protocol import Check, CheckField, SampleBatch, Staging
 
-__all__ = ["SlotAuditCheck", "AuditPass", "CHECK"]
+__all__ = ["AUDIT_COUNTS", "AUDIT_OFFENDER_CELLS", "AUDIT_WIDTH", "SlotAuditCheck", "AuditPass", "CHECK"]
+
+#: Values written by :func:`otel_swa.device.audit_counts.audit_counts` (all int64): pages in use, pages in use that live tokens
+#: map into, leaked pages, stale tokens, shared SWA slots, then the first offender of each fault
+#: (:data:`AUDIT_OFFENDER_CELLS`; meaningful only where its count is above 0).
+AUDIT_COUNTS = 5
+#: The first offenders' cells after the counts: the lowest leaked page (less 1); the first stale
+#: holder (its index among the holders, its FULL slot, its SWA slot); a shared SWA slot (the lowest
+#: when the slot table is swept, else the first holder's) and one FULL slot mapped into it.
+AUDIT_OFFENDER_CELLS = (
+    "leaked_page_index",  # the lowest leaked page, less 1 (pages are 1 .. num_swa_pages)
+    "stale_holder", "stale_full_slot", "stale_swa_slot",
+    "shared_swa_slot", "shared_full_slot",
+)
+AUDIT_WIDTH = AUDIT_COUNTS + len(AUDIT_OFFENDER_CELLS)
 
 
 class AuditPass:
@@ -78,10 +92,8 @@ class SlotAuditCheck(Check):
     )
     reason = "the SWA slot audit found faults (peak {found}); exit status 1"
 
-    def default_part(self, device: Any, options: "dict[str, Any]") -> AuditPass:
-        from otel_swa.device.audit import SwaAuditSweep
-
-        return AuditPass(SwaAuditSweep(device, budget=options.get("audit_budget")))
+    def default_part(self, kernels: Any, device: Any, options: "dict[str, Any]") -> AuditPass:
+        return AuditPass(kernels.SwaAuditSweep(device, budget=options.get("audit_budget")))
 
     def keep(self, staging: Staging, staged: Any) -> Any:
         """After the core pass: where a pass began (its holders are this sample's), and, when a pass
@@ -99,8 +111,6 @@ class SlotAuditCheck(Check):
         return (audit.page_size, state.origin) if meta.audited else None
 
     def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
-        from otel_swa.device.audit import AUDIT_COUNTS, AUDIT_OFFENDER_CELLS, AUDIT_WIDTH
-
         page, origin = kept
         pages_in_use, referenced, leaked_pages, stale, shared = cells[:AUDIT_COUNTS]
         fields = {"swa_leaked_slots": leaked_pages * page, "swa_stale_tokens": stale, "swa_shared_slots": shared,

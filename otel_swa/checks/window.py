@@ -15,7 +15,15 @@ from typing import Any, Sequence
 
 from otel_swa.checks.protocol import Check, CheckField, SampleBatch, Staging
 
-__all__ = ["WindowCheck", "CHECK"]
+__all__ = ["WINDOW_WIDTH", "PREMATURE_CELLS", "WindowCheck", "CHECK"]
+
+#: int64 cells a windowed sample stages: in-window tokens with an SWA slot, late-held tokens,
+#: in-window tokens (dense path without host lengths only), then the first premature eviction
+#: (:data:`PREMATURE_CELLS`, meaningful only when there is one).
+WINDOW_WIDTH = 7
+#: The first in-window token without an SWA slot: the first request of the batch that has one, and
+#: the first such position in it: its batch entry, ``req_to_token`` row, position and FULL slot.
+PREMATURE_CELLS = ("entry", "row", "position", "full_slot")
 
 
 class WindowCheck(Check):
@@ -54,8 +62,6 @@ class WindowCheck(Check):
         return meta.window_tokens, getattr(staging.view, "divergence_applicable", True) is not False
 
     def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
-        from otel_swa.device.window import PREMATURE_CELLS
-
         window_tokens, applicable = kept
         premature = (window_tokens if window_tokens is not None else cells[2]) - cells[0]
         fields = {"swa_premature_evictions": premature, "swa_late_held_slots": cells[1]}

@@ -14,7 +14,43 @@ from typing import Any, Sequence
 
 from otel_swa.checks.protocol import CheckField, InForwardCheck, MetricRow, SampleBatch, Staging, outcome_summary
 
-__all__ = ["WriteCheckSpec", "AttachedWriteCheck", "CHECK"]
+__all__ = ["WRITE_CELLS", "WRITE_WIDTH", "write_counts", "write_offender_fields", "WriteCheckSpec",
+           "AttachedWriteCheck", "CHECK"]
+
+#: The cells of :attr:`otel_swa.device.write_check.WriteCheck.cells`, in order.
+WRITE_CELLS = (
+    "checked",  # (token, layer) pairs compared
+    "mismatched",  # of which the pool held other values
+    "unchecked",  # pairs that could not be compared (a cache dtype or layout not covered)
+    "found",  # 1 once a mismatch was recorded below
+    "entry",  # its batch entry (the token's index in the step for a decode batch)
+    "position",  # its position (-1 when the caller gave no positions)
+    "full_slot",  # its FULL slot (out_cache_loc; -1 for a paged store of the SWA kind)
+    "swa_slot",  # its SWA slot (-1 without a mapping; a paged store of the SWA kind: its own slot)
+    "layer",  # the layer_id
+    "swa",  # 1 when the layer's buffers are the SWA pool's, 0 for the FULL pool's
+)
+WRITE_WIDTH = len(WRITE_CELLS)
+_C = {name: index for index, name in enumerate(WRITE_CELLS)}
+
+
+def write_counts(values: Sequence[int]) -> "tuple[int, int, int]":
+    """``(checked, mismatched, unchecked)`` from the :data:`WRITE_WIDTH` staged ints."""
+    return int(values[_C["checked"]]), int(values[_C["mismatched"]]), int(values[_C["unchecked"]])
+
+
+def write_offender_fields(values: Sequence[int]) -> "dict[str, int | str | None] | None":
+    """The first mismatch (``entry``, ``position``, ``full_slot``, ``swa_slot``, ``layer``, ``pool``
+    (``"full"``/``"swa"``); a position or slot not known is ``None``), or ``None`` when nothing
+    mismatched."""
+    if not values[_C["found"]]:
+        return None
+    fields: dict = {name: int(values[_C[name]]) for name in WRITE_CELLS[_C["entry"]:_C["layer"] + 1]}
+    fields["pool"] = "swa" if values[_C["swa"]] else "full"
+    for name in ("position", "full_slot", "swa_slot"):
+        if fields[name] < 0:
+            fields[name] = None
+    return fields
 
 
 class AttachedWriteCheck:
@@ -81,11 +117,7 @@ class WriteCheckSpec(InForwardCheck):
     reason = ("the write check and provenance found KV that is not the KV of the token the tables name (peak "
               "{found}); exit status 1")
 
-    @property
-    def width(self) -> int:
-        from otel_swa.device.write_check import WRITE_WIDTH
-
-        return WRITE_WIDTH
+    width = WRITE_WIDTH
 
     def keep(self, staging: Staging, staged: Any) -> Any:
         if isinstance(staged, AttachedWriteCheck):
@@ -93,8 +125,6 @@ class WriteCheckSpec(InForwardCheck):
         return None  # provenance's own write check: its entry is the batch entry
 
     def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
-        from otel_swa.device.write_check import write_counts, write_offender_fields
-
         checked, mismatched, unchecked = write_counts(cells)
         fields = {"kv_write_checks": checked, "kv_write_mismatches": mismatched, "kv_write_unchecked": unchecked}
         where = write_offender_fields(cells)

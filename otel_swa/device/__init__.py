@@ -7,6 +7,8 @@ from otel_swa.device.audit import (
     audit_counts,
     audit_swa_slots,
 )
+from otel_swa.device.audit_sweep import SwaAuditSweep
+from otel_swa.device.block_audit import stage_block_audit
 from otel_swa.device.d2h_ring import DeviceToHostRing
 from otel_swa.device.sample import (
     DENSE_FILL_RATIO,
@@ -40,4 +42,6 @@ __all__ = [
     "read_sample",
     "stage_sample",
     "Workspace",
+    "SwaAuditSweep",
+    "stage_block_audit",
 ]

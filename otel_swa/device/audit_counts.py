@@ -38,23 +38,13 @@ from typing import Callable
 
 import torch
 
+from otel_swa.checks.slot_audit import AUDIT_COUNTS, AUDIT_OFFENDER_CELLS, AUDIT_WIDTH
+
 from otel_swa.device.workspace import Workspace
 
 __all__ = ["AUDIT_WIDTH", "AUDIT_COUNTS", "AUDIT_OFFENDER_CELLS", "audit_counts", "audit_holder_slots", "holder_slots"]
 
-#: Values written by :func:`audit_counts` (all int64): pages in use, pages in use that live tokens
-#: map into, leaked pages, stale tokens, shared SWA slots, then the first offender of each fault
-#: (:data:`AUDIT_OFFENDER_CELLS`; meaningful only where its count is above 0).
-AUDIT_COUNTS = 5
-#: The first offenders' cells after the counts: the lowest leaked page (less 1); the first stale
-#: holder (its index among the holders, its FULL slot, its SWA slot); a shared SWA slot (the lowest
-#: when the slot table is swept, else the first holder's) and one FULL slot mapped into it.
-AUDIT_OFFENDER_CELLS = (
-    "leaked_page_index",  # the lowest leaked page, less 1 (pages are 1 .. num_swa_pages)
-    "stale_holder", "stale_full_slot", "stale_swa_slot",
-    "shared_swa_slot", "shared_full_slot",
-)
-AUDIT_WIDTH = AUDIT_COUNTS + len(AUDIT_OFFENDER_CELLS)
+
 
 def _first_of_each_value(table: torch.Tensor, keys: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """``bool [n]``: True for one element per distinct value of ``keys`` (``int64 [n]``, valid

@@ -31,31 +31,16 @@ only when its count is above 0.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
+from otel_swa.checks.block_audit import BLOCK_CELLS, BLOCK_WIDTH, block_audit_fields
 from otel_swa.device.workspace import Workspace
 
 __all__ = ["BLOCK_CELLS", "BLOCK_WIDTH", "stage_block_audit", "block_audit_fields"]
 
-#: The cells :func:`stage_block_audit` writes, in order.
-BLOCK_CELLS = (
-    "leaked",  # blocks not free, not held, not cached (the null block excepted)
-    "freed_in_use",  # held entries whose block is on the free queue
-    "shared",  # uncached blocks two requests' tables reference
-    "leaked_block",  # the lowest leaked block id
-    "freed_block",  # the first such held entry's block id
-    "freed_group",  # its KV cache group
-    "freed_row",  # its request's index in held_request_ids
-    "freed_position",  # the first token position its block covers
-    "shared_block",  # the first held entry of a shared uncached block: its block id
-    "shared_group",  # its KV cache group
-    "shared_row",  # its request's index in held_request_ids
-    "shared_position",  # the first token position its block covers
-)
-#: int64 cells of the block audit.
-BLOCK_WIDTH = len(BLOCK_CELLS)
+
 
 
 def _mark(ws: Workspace, name: str, ids: torch.Tensor, cells: int) -> "tuple[torch.Tensor, torch.Tensor]":
@@ -118,8 +103,3 @@ def stage_block_audit(out: torch.Tensor, inputs: Any, ws: Workspace | None = Non
     leaked_block = torch.max(lost, 0).indices
     torch.stack([leaked, freed, shared, leaked_block, *freed_entry, *shared_entry], out=out)
     return out
-
-
-def block_audit_fields(values: Sequence[int]) -> dict[str, int]:
-    """The staged cells as ints by name (:data:`BLOCK_CELLS`)."""
-    return {name: int(value) for name, value in zip(BLOCK_CELLS, values)}

@@ -12,31 +12,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from otel_swa.checks.provenance import _PER_POOL, PROVENANCE_CELLS, PROVENANCE_POOLS, PROVENANCE_WIDTH
 from otel_swa.device.stamps import decode_stamp
 
 __all__ = ["PROVENANCE_POOLS", "PROVENANCE_CELLS", "PROVENANCE_WIDTH", "NEVER_STAMPED", "ProvenanceMeta",
            "ProvenanceReading"]
 
-#: The pools verified, in the order of the cells and of the search for a first offender.
-PROVENANCE_POOLS = ("full", "swa")
 #: What a live slot whose stamp is 0 (never written since provenance was on) is: the first is the default.
 NEVER_STAMPED = ("foreign", "unchecked")
-#: The cells of one pool's verification (:data:`PROVENANCE_WIDTH` = both pools', FULL first).
-PROVENANCE_CELLS = (
-    "live",  # SWA: taken slots whose mapping is not 0 (FULL: unused, every taken slot is live)
-    "stamp_checks",  # live and the request's token ids known (and stamped, with never_stamped="unchecked"): compared
-    "foreign",  # of which the stamp was another token's
-    "foreign_index",  # the first foreign's index among the taken slots
-    "foreign_row", "foreign_stamp", "foreign_full_slot", "foreign_swa_slot",
-    "checksum_checks",  # live and hashed: hashed again and compared
-    "corrupt",  # of which the bytes changed
-    "corrupt_index", "corrupt_row", "corrupt_full_slot", "corrupt_swa_slot",
-    "sweep_checks",  # swept slots (the prefix cache's, beyond the batch) hashed and compared
-    "sweep_corrupt",  # of which the bytes changed
-    "sweep_full_slot", "sweep_swa_slot",  # the first of them
-)
-_PER_POOL = len(PROVENANCE_CELLS)
-PROVENANCE_WIDTH = 2 * _PER_POOL
 _C = {name: index for index, name in enumerate(PROVENANCE_CELLS)}
 
 

@@ -68,29 +68,14 @@ at every window, each further chunk about 20 more operations.
 
 from __future__ import annotations
 
-from typing import Sequence
 
 import torch
 
+from otel_swa.checks.read import READ_CELLS, READ_WIDTH, read_counts, read_offender_fields
 from otel_swa.device.gate import SamplingGate, commit_counts
 
 __all__ = ["READ_WIDTH", "READ_CELLS", "READ_CHECK_MODES", "ReadCheck", "rounding", "read_counts", "read_offender_fields"]
 
-#: The cells of :attr:`ReadCheck.cells`, in order.
-READ_CELLS = (
-    "checked",  # queries recomputed and compared
-    "mismatched",  # of which disagreed
-    "unchecked",  # queries that could not be checked (an unsupported variant, a graph replay)
-    "found",  # 1 once a disagreeing query was recorded below
-    "entry",  # its batch entry
-    "row",  # its req_to_token row
-    "position",  # its position
-    "full_slot",  # its FULL slot
-    "swa_slot",  # its SWA slot (the FULL slot for a layer without a mapping)
-    "layer",  # the layer_id
-)
-#: int64 cells a read check stages with the sample.
-READ_WIDTH = len(READ_CELLS)
 _C = {name: index for index, name in enumerate(READ_CELLS)}
 
 #: Which sliding-window layers a sampled forward step checks: ``rotate`` (default: one layer per
@@ -395,17 +380,3 @@ class ReadCheck:
         """Forget this step's results (a forward that raised; a forked child)."""
         self.cells.zero_()
         self.layer_calls = 0
-
-
-def read_offender_fields(values: Sequence[int]) -> "dict[str, int] | None":
-    """The first disagreeing query's cells as ints (``entry``, ``row``, ``position``,
-    ``full_slot``, ``swa_slot``, ``layer``), or ``None`` when no query disagreed; ``values`` are
-    the :data:`READ_WIDTH` staged ints."""
-    if not values[_C["found"]]:
-        return None
-    return {name: int(values[_C[name]]) for name in READ_CELLS[_C["entry"]:]}
-
-
-def read_counts(values: Sequence[int]) -> "tuple[int, int, int]":
-    """``(checked, mismatched, unchecked)`` from the :data:`READ_WIDTH` staged ints."""
-    return int(values[_C["checked"]]), int(values[_C["mismatched"]]), int(values[_C["unchecked"]])

@@ -53,6 +53,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from otel_swa.checks.window import PREMATURE_CELLS, WINDOW_WIDTH
 from otel_swa.device.workspace import Workspace
 
 __all__ = [
@@ -69,13 +70,7 @@ __all__ = [
     "host_reach",
 ]
 
-#: int64 cells a windowed sample stages: in-window tokens with an SWA slot, late-held tokens,
-#: in-window tokens (dense path without host lengths only), then the first premature eviction
-#: (:data:`PREMATURE_CELLS`, meaningful only when there is one).
-WINDOW_WIDTH = 7
-#: The first in-window token without an SWA slot: the first request of the batch that has one, and
-#: the first such position in it: its batch entry, ``req_to_token`` row, position and FULL slot.
-PREMATURE_CELLS = ("entry", "row", "position", "full_slot")
+
 
 
 def window_spans(lens: np.ndarray, reach: "np.ndarray | int", allowance: "np.ndarray | int") -> tuple[np.ndarray, np.ndarray]:

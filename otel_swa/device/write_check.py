@@ -41,30 +41,17 @@ device operations on ``max_tokens`` rows; in a CUDA graph that cost is paid at e
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 
+from otel_swa.checks.write import WRITE_CELLS, WRITE_WIDTH, write_counts, write_offender_fields
 from otel_swa.device.checksum import HASHED_DTYPES, rows_viewable
 from otel_swa.device.gate import SamplingGate, commit_counts, masked
 
 __all__ = ["WRITE_CELLS", "WRITE_WIDTH", "WRITE_CHECK_MODES", "LayerStore", "WriteCheck", "write_counts",
            "write_offender_fields"]
 
-#: The cells of :attr:`WriteCheck.cells`, in order.
-WRITE_CELLS = (
-    "checked",  # (token, layer) pairs compared
-    "mismatched",  # of which the pool held other values
-    "unchecked",  # pairs that could not be compared (a cache dtype or layout not covered)
-    "found",  # 1 once a mismatch was recorded below
-    "entry",  # its batch entry (the token's index in the step for a decode batch)
-    "position",  # its position (-1 when the caller gave no positions)
-    "full_slot",  # its FULL slot (out_cache_loc; -1 for a paged store of the SWA kind)
-    "swa_slot",  # its SWA slot (-1 without a mapping; a paged store of the SWA kind: its own slot)
-    "layer",  # the layer_id
-    "swa",  # 1 when the layer's buffers are the SWA pool's, 0 for the FULL pool's
-)
-WRITE_WIDTH = len(WRITE_CELLS)
 _C = {name: index for index, name in enumerate(WRITE_CELLS)}
 #: ``rotate``: one layer of each pool kind per sampled step, in turn; ``all``: every layer.
 WRITE_CHECK_MODES = ("rotate", "all")
@@ -232,22 +219,3 @@ class WriteCheck:
     def reset(self) -> None:
         """Forget this step's results (a forward that raised; a forked child)."""
         self.cells.zero_()
-
-
-def write_counts(values: Sequence[int]) -> "tuple[int, int, int]":
-    """``(checked, mismatched, unchecked)`` from the :data:`WRITE_WIDTH` staged ints."""
-    return int(values[_C["checked"]]), int(values[_C["mismatched"]]), int(values[_C["unchecked"]])
-
-
-def write_offender_fields(values: Sequence[int]) -> "dict[str, int | str | None] | None":
-    """The first mismatch (``entry``, ``position``, ``full_slot``, ``swa_slot``, ``layer``, ``pool``
-    (``"full"``/``"swa"``); a position or slot not known is ``None``), or ``None`` when nothing
-    mismatched."""
-    if not values[_C["found"]]:
-        return None
-    fields: dict = {name: int(values[_C[name]]) for name in WRITE_CELLS[_C["entry"]:_C["layer"] + 1]}
-    fields["pool"] = "swa" if values[_C["swa"]] else "full"
-    for name in ("position", "full_slot", "swa_slot"):
-        if fields[name] < 0:
-            fields[name] = None
-    return fields
