@@ -34,9 +34,7 @@ class PageRangeCheck(Check):
                          "swa_pages_out_of_range", field="swa_pages_out_of_range"),)
     reason = "the page range check found SWA pages beyond the pool (peak {found}); exit status 1"
 
-    @property
-    def width(self):
-        return 2
+    width = 2
 
     def stage(self, staging, cells):
         view = staging.view
