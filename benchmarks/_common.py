@@ -109,3 +109,13 @@ def print_table(title: str, header: Sequence[str], rows: Sequence[Sequence[str]]
     for row in rows:
         print("  ".join(str(cell).ljust(width) for cell, width in zip(row, widths)).rstrip())
     print()
+
+
+def report_child(got: dict, *providers) -> None:
+    """A child process's last words: shut the OpenTelemetry ``providers`` down, then print ``got`` as
+    one JSON line for the parent (``_revisions.run_child``)."""
+    import json
+
+    for provider in providers:
+        provider.shutdown()
+    print(json.dumps(got))

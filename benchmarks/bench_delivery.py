@@ -26,7 +26,6 @@ Run: ``python benchmarks/bench_delivery.py [--rounds 7] [--records 2000] [--revi
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import report_child  # noqa: E402
 
 #: Records made at a time (each with its forward-step span, ended) before they are delivered: about
 #: what the delivery queue holds at interval 1 (a round every 50 ms), so that the objects alive while
@@ -155,10 +155,7 @@ def child(records: int) -> None:
         got["metrics"] = per_record(lambda r, c: sink.metrics.record(r, c, delivered_at=r.forward_ct + 1, store=sink._store),
                                     records)
         got["events"] = per_record(lambda r, c: sink.events.emit(r, c, sink.attributes), records)
-    meter_provider.shutdown()
-    tracer_provider.shutdown()
-    logger_provider.shutdown()
-    print(json.dumps(got))
+    report_child(got, meter_provider, tracer_provider, logger_provider)
 
 
 def main() -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import logging
 import os
 import sys
@@ -37,6 +36,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import report_child  # noqa: E402
 
 LOOPS = {"tight loop": 0.0, "0.5 ms work per step": 0.0005}
 
@@ -139,10 +139,7 @@ def child(steps: int, pairs: int) -> None:
         got[name + ", delivery thread"] = statistics.median(delivery)
         got[name + ", voluntary switches"] = statistics.median(voluntary)
         got[name + ", involuntary switches"] = statistics.median(involuntary)
-    meter_provider.shutdown()
-    tracer_provider.shutdown()
-    logger_provider.shutdown()
-    print(json.dumps(got))
+    report_child(got, meter_provider, tracer_provider, logger_provider)
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 __all__ = ["LINE_KINDS", "ROLES", "CheckField", "MetricRow", "Check", "InForwardCheck", "Staging", "SampleBatch",
-           "outcome_summary", "first_fault_text"]
+           "outcome_summary", "outcome_counter", "first_fault_text"]
 
 #: The lines a check's fields are written on: ``audit`` (``otel_swa_audit=``: the slot and block
 #: bookkeeping, the window and read checks) and ``provenance`` (``otel_swa_provenance=``: the checks
@@ -106,6 +106,17 @@ class MetricRow:
             raise ValueError(f"MetricRow {self.name!r}: kind must be gauge or sample_counter, got {self.kind!r}")
         if (self.field is None) == (self.outcomes is None):
             raise ValueError(f"MetricRow {self.name!r}: give exactly one of field and outcomes")
+
+
+def outcome_counter(name: str, unit: str, description: str, attribute: str,
+                    fields: "tuple[str, str, str | None]", ran_when: str) -> MetricRow:
+    """A counter by outcome (``agree``, ``disagree``, ``unchecked``) of the checked, disagreeing and
+    unchecked counts ``fields`` (``unchecked`` may be ``None``), its attribute ``attribute`` after the
+    namespace, its source said from the fields and ``ran_when``."""
+    checks, disagree, unchecked = fields
+    source = f"{checks} - {disagree} (agree), {disagree} (disagree)" + (
+        f", {unchecked} (unchecked)" if unchecked else "") + f", {ran_when}"
+    return MetricRow(name, "sample_counter", unit, description, source, outcomes=(attribute, checks, disagree, unchecked))
 
 
 class Staging:

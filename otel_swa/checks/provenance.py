@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import Check, CheckField, MetricRow, SampleBatch, Staging, first_fault_text
+from otel_swa.checks.protocol import Check, CheckField, SampleBatch, Staging, first_fault_text, outcome_counter
 
 __all__ = ["PROVENANCE_POOLS", "PROVENANCE_CELLS", "PROVENANCE_WIDTH", "ProvenanceCheck", "CHECK"]
 
@@ -75,25 +75,20 @@ class ProvenanceCheck(Check):
     )
     ran_when = "when the engine stamps and checksums its slots"
     counters = (
-        MetricRow(
-            "provenance.stamps", "sample_counter", "{slot}",
+        outcome_counter(
+            "provenance.stamps", "{slot}",
             "Live token slots (FULL and SWA pools) whose provenance stamp was compared with the one the request's "
             "own tokens give, by outcome (kv_cache.swa.provenance.outcome): agree, disagree (the slot holds another "
             "token's KV, or none: never stamped; must stay 0), unchecked (token ids unknown, over the per-sample "
             "budget; never stamped, for an engine wired after it held KV)",
-            "kv_stamp_checks - kv_foreign_tokens (agree), kv_foreign_tokens (disagree), kv_stamp_unchecked "
-            "(unchecked), when the engine stamps its slots",
-            outcomes=("provenance.outcome", "kv_stamp_checks", "kv_foreign_tokens", "kv_stamp_unchecked"),
-        ),
-        MetricRow(
-            "provenance.checksums", "sample_counter", "{slot}",
+            "provenance.outcome", ("kv_stamp_checks", "kv_foreign_tokens", "kv_stamp_unchecked"),
+            "when the engine stamps its slots"),
+        outcome_counter(
+            "provenance.checksums", "{slot}",
             "Live token slots whose K/V bytes were hashed again and compared with the hash taken at the write, by "
             "outcome (kv_cache.swa.provenance.outcome): agree, disagree (the bytes changed after the write; must "
             "stay 0)",
-            "kv_checksum_checks - kv_corrupt_tokens (agree), kv_corrupt_tokens (disagree), when the engine "
-            "checksums its slots",
-            outcomes=("provenance.outcome", "kv_checksum_checks", "kv_corrupt_tokens", None),
-        ),
+            "provenance.outcome", ("kv_checksum_checks", "kv_corrupt_tokens", None), "when the engine checksums its slots"),
     )
     reason = ("the write check and provenance found KV that is not the KV of the token the tables name (peak "
               "{found}); exit status 1")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import CheckField, InForwardCheck, MetricRow, SampleBatch, outcome_summary
+from otel_swa.checks.protocol import CheckField, InForwardCheck, SampleBatch, outcome_counter, outcome_summary
 
 __all__ = ["READ_CELLS", "READ_WIDTH", "read_counts", "read_offender_fields", "ReadCheckSpec", "CHECK"]
 
@@ -69,17 +69,13 @@ class ReadCheckSpec(InForwardCheck):
                    "does not cover, a step replayed from a CUDA graph)",
                    role="info", label="unchecked reads"),
     )
-    counters = (
-        MetricRow(
-            "read_check.queries", "sample_counter", "{query}",
-            "Queries of sliding-window layers whose attention output the read check recomputed from the KV pool "
-            "through the FULL-to-SWA mapping, by outcome (kv_cache.swa.read_check.outcome): agree, disagree "
-            "(attention read other KV than the mapping's: must stay 0), unchecked (a variant the check does not cover)",
-            "swa_read_checks - swa_read_mismatches (agree), swa_read_mismatches (disagree), swa_read_unchecked "
-            "(unchecked), when the engine runs the read check",
-            outcomes=("read_check.outcome", "swa_read_checks", "swa_read_mismatches", "swa_read_unchecked"),
-        ),
-    )
+    ran_when = "when the engine runs the read check"
+    counters = (outcome_counter(
+        "read_check.queries", "{query}",
+        "Queries of sliding-window layers whose attention output the read check recomputed from the KV pool "
+        "through the FULL-to-SWA mapping, by outcome (kv_cache.swa.read_check.outcome): agree, disagree "
+        "(attention read other KV than the mapping's: must stay 0), unchecked (a variant the check does not cover)",
+        "read_check.outcome", ("swa_read_checks", "swa_read_mismatches", "swa_read_unchecked"), ran_when),)
     reason = ("the read check found sliding-window attention reading other KV than the mapping gives (peak {found}); "
               "exit status 1")
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import CheckField, InForwardCheck, MetricRow, SampleBatch, Staging, outcome_summary
+from otel_swa.checks.protocol import CheckField, InForwardCheck, SampleBatch, Staging, outcome_counter, outcome_summary
 
 __all__ = ["WRITE_CELLS", "WRITE_WIDTH", "write_counts", "write_offender_fields", "WriteCheckSpec",
            "AttachedWriteCheck", "CHECK"]
@@ -102,18 +102,14 @@ class WriteCheckSpec(InForwardCheck):
                    "cover)",
                    role="info", label="unchecked KV writes"),
     )
-    counters = (
-        MetricRow(
-            "write_check.tokens", "sample_counter", "{token}",
-            "New tokens' K/V writes (one token at one layer each) the write check compared with what the KV pool "
-            "holds at the slot the engine's tables name, by outcome (kv_cache.swa.write_check.outcome): agree, "
-            "disagree (the pool holds other values there: a write to the wrong index; must stay 0), unchecked (a "
-            "quantized cache or a layout the check does not cover)",
-            "kv_write_checks - kv_write_mismatches (agree), kv_write_mismatches (disagree), kv_write_unchecked "
-            "(unchecked), when the engine runs the write check",
-            outcomes=("write_check.outcome", "kv_write_checks", "kv_write_mismatches", "kv_write_unchecked"),
-        ),
-    )
+    ran_when = "when the engine runs the write check"
+    counters = (outcome_counter(
+        "write_check.tokens", "{token}",
+        "New tokens' K/V writes (one token at one layer each) the write check compared with what the KV pool "
+        "holds at the slot the engine's tables name, by outcome (kv_cache.swa.write_check.outcome): agree, "
+        "disagree (the pool holds other values there: a write to the wrong index; must stay 0), unchecked (a "
+        "quantized cache or a layout the check does not cover)",
+        "write_check.outcome", ("kv_write_checks", "kv_write_mismatches", "kv_write_unchecked"), ran_when),)
     reason = ("the write check and provenance found KV that is not the KV of the token the tables name (peak "
               "{found}); exit status 1")
 

@@ -175,48 +175,30 @@ INSTRUMENTS: tuple[InstrumentSpec, ...] = (
         "Records whose cumulative totals went backwards (the reporter was restarted)",
         "verify_full, verify_swa, forward_ct lower than in the previous record",
     ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.samples.taken", STATS_COUNTER, "{sample}",
-        "Samples the reporter started on the device", "ReporterStats.samples_taken", "samples_taken",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.samples.delivered", STATS_COUNTER, "{sample}",
-        "Sample records handed to the sinks", "ReporterStats.samples_delivered", "samples_delivered",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.ring_full.waits", STATS_COUNTER, "{wait}",
-        "Times the host waited for the oldest device-to-host copy because every ring slot was in flight",
-        "ReporterStats.ring_full_waits", "ring_full_waits",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.sink.errors", STATS_COUNTER, "{error}",
-        "Exceptions raised by sinks (caught and logged by the reporter)",
-        "ReporterStats.sink_errors", "sink_errors",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.samples.invalid", STATS_COUNTER, "{sample}",
-        "Samples that gave no record: a negative total (a negative observe count) or a fault of the "
-        "view (kv_cache.swa.reporter.view_faults); logged, never delivered",
-        "ReporterStats.invalid_samples", "invalid_samples",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.view_faults", STATS_COUNTER, "{sample}",
-        "Samples whose view showed a fault, per fault (kv_cache.swa.fault): req_pool_index_out_of_range, "
-        "full_slot_out_of_range, seq_len_beyond_width, negative_seq_len, seq_lens_cpu_mismatch; "
-        "such a sample gives no record",
-        "ReporterStats.view_faults", "view_faults",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.samples.skipped", STATS_COUNTER, "{sample}",
-        "step() calls ignored because the current CUDA stream was capturing a graph",
-        "ReporterStats.skipped_captures", "skipped_captures",
-    ),
-    InstrumentSpec(
-        sc.NAMESPACE + "reporter.liveness.warnings", STATS_COUNTER, "{warning}",
-        "Liveness warnings: the reporter was on and delivered no sample for OTEL_SWA_LIVENESS_STEPS forward "
-        "steps, or in its whole life (no forward step reached it); each also an event and a log line",
-        "ReporterStats.liveness_warnings", "liveness_warnings",
-    ),
+    # the reporter's health counters (ReporterStats), one row each: name, unit, field, description
+    *(InstrumentSpec(sc.NAMESPACE + name, STATS_COUNTER, unit, description, "ReporterStats." + field, field)
+      for name, unit, field, description in (
+        ("reporter.samples.taken", "{sample}", "samples_taken",
+         "Samples the reporter started on the device"),
+        ("reporter.samples.delivered", "{sample}", "samples_delivered",
+         "Sample records handed to the sinks"),
+        ("reporter.ring_full.waits", "{wait}", "ring_full_waits",
+         "Times the host waited for the oldest device-to-host copy because every ring slot was in flight"),
+        ("reporter.sink.errors", "{error}", "sink_errors",
+         "Exceptions raised by sinks (caught and logged by the reporter)"),
+        ("reporter.samples.invalid", "{sample}", "invalid_samples",
+         "Samples that gave no record: a negative total (a negative observe count) or a fault of the "
+         "view (kv_cache.swa.reporter.view_faults); logged, never delivered"),
+        ("reporter.view_faults", "{sample}", "view_faults",
+         "Samples whose view showed a fault, per fault (kv_cache.swa.fault): req_pool_index_out_of_range, "
+         "full_slot_out_of_range, seq_len_beyond_width, negative_seq_len, seq_lens_cpu_mismatch; "
+         "such a sample gives no record"),
+        ("reporter.samples.skipped", "{sample}", "skipped_captures",
+         "step() calls ignored because the current CUDA stream was capturing a graph"),
+        ("reporter.liveness.warnings", "{warning}", "liveness_warnings",
+         "Liveness warnings: the reporter was on and delivered no sample for OTEL_SWA_LIVENESS_STEPS forward "
+         "steps, or in its whole life (no forward step reached it); each also an event and a log line"),
+    )),
     InstrumentSpec(
         sc.NAMESPACE + "telemetry.records.dropped", SINK_COUNTER, "{record}",
         "Records the telemetry sink could not hand to its delivery thread (its queue was full): not in "
