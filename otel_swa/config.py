@@ -333,12 +333,12 @@ def graph_checks(environ: Mapping[str, str] | None = None) -> str:
 
 
 #: Values of ``OTEL_SWA_PROVENANCE``, the default first: the checksum's coverage, or off.
-PROVENANCE_CHOICES = ("prefix", "all", "off")
+PROVENANCE_CHOICES = ("all", "prefix", "off")
 
 
 def provenance(environ: Mapping[str, str] | None = None) -> "tuple[str, int] | None":
     """``OTEL_SWA_PROVENANCE`` and ``OTEL_SWA_PROVENANCE_BUDGET``: ``(checksum, budget)`` for
-    provenance (``checksum`` one of ``prefix``, ``all``; default ``("prefix", 4096)``), or ``None``
+    provenance (``checksum`` one of ``all``, ``prefix``; default ``("all", 4096)``), or ``None``
     when it is ``off``.
 
     Raises:

@@ -139,8 +139,11 @@ OTEL_SWA_PROVENANCE = "OTEL_SWA_PROVENANCE"
 
 Provenance (``otel_swa.device.provenance``): stamp every KV slot with the token, position and prefix
 chain of the KV written there and hash its bytes at every forward step, check the writes and verify
-the live slots at each sampled step. ``prefix`` (default): the checksum covers the first 64 bytes of
-each K and V row; ``all``: every byte; ``off``: no provenance (nothing written, nothing wrapped for it).
+the live slots at each sampled step. ``all`` (default): the checksum covers every byte of every
+attention layer's K and V rows (folded into 16 bytes per slot and pool; a corrupt slot names the
+layer changed); ``prefix``: cheaper, it covers only the first 64 bytes of each K and V row of one
+layer per pool (the first of its kind) and misses a change anywhere else; ``off``: no provenance
+(nothing written, nothing wrapped for it).
 """
 
 OTEL_SWA_PROVENANCE_BUDGET = "OTEL_SWA_PROVENANCE_BUDGET"

@@ -33,12 +33,14 @@ PROVENANCE_CELLS = (
     "sweep_checks",  # swept slots (the prefix cache's, beyond the batch) hashed and compared
     "sweep_corrupt",  # of which the bytes changed
     "sweep_full_slot", "sweep_swa_slot",  # the first of them
+    "corrupt_d1", "corrupt_d2",  # the first corrupt slot's differences of the folds (the layer changed)
+    "sweep_d1", "sweep_d2",  # the same for the first corrupt swept slot
 )
 _PER_POOL = len(PROVENANCE_CELLS)
 PROVENANCE_WIDTH = 2 * _PER_POOL
 
 #: The keys a foreign or corrupt token's offender may name beyond its batch entry.
-_WHERE = ("expected_token", "expected_position", "found_token", "found_position")
+_WHERE = ("expected_token", "expected_position", "found_token", "found_position", "layer")
 
 
 class ProvenanceCheck(Check):

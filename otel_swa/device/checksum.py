@@ -1,44 +1,52 @@
-"""Content checksums: a hash of the K and V bytes of one token, as one ``int64`` per slot.
+"""Content checksums: a hash of the K and V bytes of one token in one layer, below 2**40.
 
 torch only; fixed shapes, no host read: the write side runs inside a captured forward.
 
-What is hashed: the first ``prefix_bytes`` bytes (default 64; ``None``: the whole row) of the token's
-K row and of its V row in the cache's dtype, read as little-endian words (32-bit when the row's
-byte count allows it, else 16- or 8-bit). SGLang's KV canary hashes the first 16 bytes in its
-``partial`` mode and the whole row in ``all`` (``sglang/srt/kv_canary/config.py``); its
-perturbations flip byte 0 of a slot's K row in the first layer of a pool, which every prefix sees.
+What is hashed: the first ``prefix_bytes`` bytes (``None``, the default of provenance: the whole
+row) of the token's K row and of its V row in the cache's dtype, read as little-endian words
+(32-bit when the row's byte count allows it, else 16- or 8-bit) taken as torch reads them: ``int32``
+and ``int16`` signed, ``uint8`` unsigned. The bytes, never a rounding: a bf16 or fp16 row is hashed
+as its 2-byte words. SGLang's KV canary hashes the first 16 bytes in its ``partial`` mode and the
+whole row in ``all`` (``sglang/srt/kv_canary/config.py``), of layer 0 of each sub-pool only.
 
 The hash (every intermediate below 2**63, so plain ``int64`` torch operations)::
 
-    h(row) = sum over words j of  g_j(w_j)
-    g_j(w) = y ^ (y >> 16),  y = ((w ^ key_j) * mult_j) mod 2**32
+    h(row) = (sum over words j of  g_j(w_j))  mod Q,      Q = 2**40 - 87 (a prime)
+    g_j(w) = y ^ (y >> 16),  y = (w * mult_j + keymult_j) mod 2**32  = ((w + key_j) * mult_j) mod 2**32
 
-with ``key_j`` and odd ``mult_j`` drawn per word position from a fixed integer mix, then bit 63 set
-(0 stays "never hashed"). Each ``g_j`` is a bijection of 32-bit words (xor, an odd multiplier mod
-2**32 and a xor-shift all are), and the sum is taken without reduction (at most 2**20 words of
-2**32), so **any change confined to one word of the hashed bytes always changes the hash** (a
-single flipped byte or bit: certain). Changes to several words collide when their ``g`` changes
-cancel: about 2**-32 for unrelated bytes (another token's KV in the slot). A 32-bit word is taken
-signed (the low 32 bits of the products are the same), so only 16-bit words need a mask.
+with ``key_j`` and odd ``mult_j`` drawn per word position from a fixed integer mix
+(``keymult_j = key_j * mult_j mod 2**32``). Each ``g_j`` is injective on the words of its width (an
+odd multiplier mod 2**32 and a xor-shift are bijections of 32-bit values, and distinct words stay
+distinct mod 2**32 after the shift by ``key_j``), and a single word's change moves the sum by less
+than 2**32 < Q, so **any change confined to one word of the hashed bytes always changes the hash**
+(a single flipped byte or bit: certain). Changes to several words collide when their ``g`` changes
+cancel mod Q: about 2**-32 for unrelated bytes (another token's KV in the slot). ``Q`` keeps the
+hash below 2**40 so that the folds over layers (:mod:`otel_swa.device.kv_folds`) stay exact in
+``int64``.
 
-Cost: about 9 device operations over ``[tokens, words]`` per hash, the K and V words together (the
-words are views of the given rows; one ``cat`` copies the hashed prefix), and 4 for the table's
-write.
+Cost: 7 device operations over ``[tokens, words]`` per hash of one layer, the K and V words
+together (one ``cat`` of views of the given rows; the word-to-``int64`` widening happens inside the
+``addcmul``), and the same 7 for the rows of every layer of a pool at once at a sample
+(:meth:`RowHasher.of_rows`, after one gather per buffer).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["CHECKSUM_MODES", "HASHED_DTYPES", "RowHasher", "rows_viewable"]
+__all__ = ["CHECKSUM_MODES", "HASH_PRIME", "HASHED_DTYPES", "RowHasher", "rows_viewable", "hash_constants"]
 
-#: ``prefix``: the first ``prefix_bytes`` of each row (default); ``all``: every byte; ``off``.
-CHECKSUM_MODES = ("prefix", "all", "off")
+#: ``all`` (default): every byte of every attention layer's K and V rows; ``prefix``: the first
+#: ``checksum_bytes`` of each row of one designated layer per pool (cheaper; misses every other layer
+#: and every later byte); ``off``.
+CHECKSUM_MODES = ("all", "prefix", "off")
+#: The prime the hash is reduced by: every hash is below 2**40 (module docstring).
+HASH_PRIME = (1 << 40) - 87
 #: Cache dtypes whose bytes are hashed as written: the given K/V are cast to them first. Anything
 #: else (fp8 caches stored as uint8 with scales; integer caches) is counted unchecked.
 HASHED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 _M32 = 0xFFFFFFFF
-_WORDS = {4: (torch.int32, 0xFFFFFFFF), 2: (torch.int16, 0xFFFF), 1: (torch.uint8, 0xFF)}
+_WORDS = {4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
 def _layout(row_bytes: int, prefix_bytes: "int | None") -> "tuple[int, int]":
@@ -84,39 +92,41 @@ class RowHasher:
         self.words = (self.k_take + self.v_take) * size // self.word if self.supported else 0
         self._consts: "tuple[torch.Tensor, torch.Tensor] | None" = None
 
+    @property
+    def layout(self) -> tuple:
+        """What fixes the hash of a row: the dtype, the row sizes and the part hashed, the word size
+        (layers of equal layout are hashed together)."""
+        return (self.dtype, self.k_elems, self.v_elems, self.k_take, self.v_take, self.word)
+
     # ------------------------------------------------------------------ the hash
     def _constants(self, recording_capture: bool) -> "tuple[torch.Tensor, torch.Tensor]":
-        """``(key, mult)``, ``int64 [words]`` each: made once, outside capture (made inside one
-        they are a temporary of the graph, recomputed at every replay, never kept)."""
+        """``(keymult, mult)``, ``int64 [words]`` each (:func:`hash_constants`): made once, outside
+        capture (made inside one they are a temporary of the graph, recomputed at every replay,
+        never kept)."""
         if self._consts is not None:
             return self._consts
-        j = torch.arange(self.words, dtype=torch.int64, device=self.device)
-        x = (j * 0x9E3779B1 + 0x7F4A7C15) & _M32
-        x ^= x >> 15
-        x = (x * 0x2C1B3C6D) & _M32
-        x ^= x >> 12
-        key = x.clone()
-        mult = ((x * 0x297A2D39) & 0x7FFFFFFF) | 1  # odd, < 2**31
+        consts = hash_constants(self.words, self.device)
         if not recording_capture:
-            self._consts = (key, mult)
-        return key, mult
+            self._consts = consts
+        return consts
+
+    def _hash_words(self, words: torch.Tensor, capturing: bool) -> torch.Tensor:
+        """``int64 [...]`` from words ``[..., words]`` of the word dtype: 6 device operations."""
+        keymult, mult = self._constants(capturing)
+        x = torch.addcmul(keymult, words, mult).bitwise_and_(_M32)  # widened to int64 inside
+        x ^= x >> 16
+        return x.sum(dim=-1).remainder_(HASH_PRIME)
 
     def _hash(self, k_rows: torch.Tensor, v_rows: torch.Tensor, capturing: bool) -> torch.Tensor:
         """``int64 [n]`` from ``[n, k_take]`` and ``[n, v_take]`` rows of ``dtype`` (the last
         dimension contiguous)."""
-        word_dtype, mask = _WORDS[self.word]
-        words = torch.cat([_words(k_rows, word_dtype), _words(v_rows, word_dtype)], dim=1).long()
-        if self.word == 2:
-            words &= mask  # the sign-extended int16 word back to its unsigned value
-        key, mult = self._constants(capturing)
-        x = words.bitwise_xor_(key).mul_(mult).bitwise_and_(_M32)
-        x ^= x >> 16
-        return x.sum(dim=1).add_(-(1 << 63))  # bit 63: hashed (0 stays "never hashed")
+        word_dtype = _WORDS[self.word]
+        return self._hash_words(torch.cat([_words(k_rows, word_dtype), _words(v_rows, word_dtype)], dim=1), capturing)
 
     def of_given(self, k: torch.Tensor, v: torch.Tensor, tokens: int, capturing: bool = False) -> torch.Tensor:
-        """The checksums of the K and V a layer was given to store, ``int64 [tokens]``: ``k``,
-        ``v`` with ``tokens`` rows (any shape ``[tokens, ...]`` of the row's elements), cast to the
-        cache dtype as the store casts them (the hashed prefix only)."""
+        """The hashes of the K and V a layer was given to store, ``int64 [tokens]`` in ``0 ..
+        HASH_PRIME - 1``: ``k``, ``v`` with ``tokens`` rows (any shape ``[tokens, ...]`` of the
+        row's elements), cast to the cache dtype as the store casts them (the hashed prefix only)."""
         kk = k.reshape(tokens, -1)[:, :self.k_take]
         vv = v.reshape(tokens, -1)[:, :self.v_take]
         if kk.dtype != self.dtype:
@@ -127,13 +137,31 @@ class RowHasher:
 
     def of_pool(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Tensor,
                 capturing: bool = False) -> torch.Tensor:
-        """The checksums of the bytes the pool holds at ``slots`` (``int64 [n]``, clamped into the
+        """The hashes of the bytes the pool holds at ``slots`` (``int64 [n]``, clamped into the
         buffers), ``int64 [n]``."""
-        n = k_buffer.shape[0]
-        index = slots.clamp(0, n - 1)
-        kk = k_buffer.view(n, -1)[:, :self.k_take].index_select(0, index)
-        vv = v_buffer.view(n, -1)[:, :self.v_take].index_select(0, index)
-        return self._hash(kk, vv, capturing)
+        return self.of_rows([(k_buffer, v_buffer)], slots.clamp(0, k_buffer.shape[0] - 1), capturing)[:, 0]
+
+    def word_rows(self, buffer: torch.Tensor, k: bool) -> torch.Tensor:
+        """The hashed words of every row of ``buffer`` (this layout's K buffer when ``k``, else its
+        V buffer), ``[slots, words]``: a view when the strides allow one (:func:`rows_viewable`
+        buffers of a 4-byte aligned row), else a copy (keep it only while the buffer is unchanged)."""
+        n = buffer.shape[0]
+        return _words(buffer.view(n, -1)[:, :(self.k_take if k else self.v_take)], _WORDS[self.word])
+
+    def of_rows(self, buffers: "list[tuple[torch.Tensor, torch.Tensor]]", slots: torch.Tensor,
+                capturing: bool = False, words: "list[torch.Tensor] | None" = None) -> torch.Tensor:
+        """The hashes of the rows at ``slots`` (``int64 [n]``, already inside the buffers) of several
+        layers of this layout at once, ``int64 [n, layers]``: per buffer one gather, one ``cat``, then
+        the 6 operations of the hash over ``[n, layers, words]``.
+
+        Args:
+            buffers: ``(k_buffer, v_buffer)`` per layer, each of this hasher's layout.
+            words: the :meth:`word_rows` of those buffers (K, V, K, V, ...), when the caller keeps them.
+        """
+        if words is None:
+            words = [self.word_rows(buffer, k) for pair in buffers for k, buffer in zip((True, False), pair)]
+        rows = torch.cat([w.index_select(0, slots) for w in words], dim=1)
+        return self._hash_words(rows.view(slots.shape[0], len(words) // 2, self.words), capturing)
 
     def given_shape_ok(self, k: torch.Tensor, v: torch.Tensor, tokens: int) -> bool:
         """Whether ``k`` and ``v`` hold ``tokens`` rows of this layer's row sizes (metadata only)."""
@@ -161,3 +189,16 @@ def rows_viewable(buffer: torch.Tensor) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def hash_constants(words: int, device: "torch.device | str" = "cpu") -> "tuple[torch.Tensor, torch.Tensor]":
+    """The hash's per-word constants ``(keymult, mult)``, ``int64 [words]`` each (module docstring):
+    ``key`` and the odd ``mult < 2**31`` from a fixed integer mix of the word's index ``j``,
+    ``keymult = key * mult mod 2**32``."""
+    j = torch.arange(words, dtype=torch.int64, device=device)
+    x = (j * 0x9E3779B1 + 0x7F4A7C15) & _M32
+    x ^= x >> 15
+    x = (x * 0x2C1B3C6D) & _M32
+    x ^= x >> 12
+    mult = ((x * 0x297A2D39) & 0x7FFFFFFF) | 1  # odd, < 2**31
+    return (x * mult) & _M32, mult

@@ -86,8 +86,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from otel_swa.device.checksum import CHECKSUM_MODES, RowHasher
+from otel_swa.device.checksum import CHECKSUM_MODES
 from otel_swa.device.gate import SamplingGate
+from otel_swa.device.kv_folds import PoolFolds, layer_of
 from otel_swa.device.live_tokens import host_lengths
 from otel_swa.device.provenance_reading import (
     _C,
@@ -126,10 +127,14 @@ class KvProvenance:
         gate: the reporter's :class:`~otel_swa.device.gate.SamplingGate`.
         full_slots: slots of the FULL pool (the first dimension of its K/V buffers), int >= 1.
         swa_slots: slots of the SWA pool, or ``None`` for an engine without one.
-        checksum: :data:`~otel_swa.device.checksum.CHECKSUM_MODES`.
+        checksum: :data:`~otel_swa.device.checksum.CHECKSUM_MODES`: ``"all"`` (default: every byte
+            of every layer that calls :meth:`after_layer`, folded per slot,
+            :mod:`otel_swa.device.kv_folds`), ``"prefix"`` (the first ``checksum_bytes`` of each row
+            of one designated layer per pool), ``"off"``.
         checksum_bytes: bytes hashed at the start of each K and V row with ``checksum="prefix"``.
-        checksum_layers: ``{"full": layer_id, "swa": layer_id}``, the designated layer of each
-            pool; a pool not named takes the first layer of its kind that calls :meth:`after_layer`.
+        checksum_layers: with ``checksum="prefix"``, ``{"full": layer_id, "swa": layer_id}``, the
+            designated layer of each pool; a pool not named takes the first layer of its kind that
+            calls :meth:`after_layer`.
         budget: live slots verified per pool and sample (int >= 1).
         write_check: whether :meth:`after_layer` runs the write check at sampled steps.
         write_check_tokens, write_check_layers: the write check's ``max_tokens`` and ``layers``.
@@ -176,19 +181,21 @@ class KvProvenance:
         self.budget = budget
         self.checksum = checksum
         self.never_stamped = never_stamped
-        self._prefix = None if checksum == "all" else checksum_bytes
+        self._prefix = checksum_bytes if checksum == "prefix" else None
 
         def table(slots: "int | None") -> "torch.Tensor | None":
             return None if slots is None else torch.zeros(slots, dtype=torch.int64, device=self.device)
 
         #: ``int64 [slots]`` per pool (index 0 FULL, 1 SWA; ``None`` without that pool).
         self.stamps = (table(full_slots), table(swa_slots))
-        self.checksums = (table(full_slots), table(swa_slots)) if checksum != "off" else (None, None)
+        #: the folds of the layer hashes per pool (:class:`~otel_swa.device.kv_folds.PoolFolds`), or
+        #: ``None`` (checksums off, no such pool).
+        self.folds = tuple(None if checksum == "off" or slots is None else PoolFolds(slots, self.device, self._prefix)
+                           for slots in (full_slots, swa_slots))
         self.write_check = (WriteCheck(self.device, gate, max_tokens=write_check_tokens, layers=write_check_layers)
                             if write_check else None)
         self._designated: "list[int | None]" = [layers.get("full"), layers.get("swa")]
-        self._buffers: "list[tuple[torch.Tensor, torch.Tensor] | None]" = [None, None]
-        self._hashers: "list[RowHasher | None]" = [None, None]
+        self._written: "tuple | None" = None  # (out_cache_loc, FULL slots, SWA slots) of the last stamp call
         self._cursor = [0, 0]
         self.chains = ChainCache()
         self._sweep: "torch.Tensor | None" = None  # the FULL slots of the sweep pass under way
@@ -197,8 +204,7 @@ class KvProvenance:
     @property
     def bytes_per_slot(self) -> "tuple[int, int]":
         """Device bytes the tables take per slot of the FULL and of the SWA pool (0 without it)."""
-        return tuple(8 * sum(t is not None for t in (self.stamps[p], self.checksums[p])) if self.stamps[p] is not None
-                     else 0 for p in (0, 1))
+        return tuple(8 + 16 * (self.folds[p] is not None) if self.stamps[p] is not None else 0 for p in (0, 1))
 
     # ------------------------------------------------------------------ engine-facing: every forward
     def stamp(
@@ -216,7 +222,8 @@ class KvProvenance:
         in the FULL pool at ``out_cache_loc`` and in the SWA pool at its mapping. Call once per
         forward step, anywhere before the sample; fixed shapes, no host read: inside a captured
         forward it is recorded and every replay stamps its tokens. 32 device operations on ``[T]``
-        (decode) and 7 more for an extend batch.
+        (decode) and 7 more for an extend batch; with checksums, 1 more and the reset of the written
+        slots' folds (1 per pool), which the layers' calls that follow add to.
 
         Args:
             input_ids: ``int [T]``, the step's input token ids, on the device.
@@ -230,10 +237,20 @@ class KvProvenance:
         """
         full, swa = self.stamps
         extra = ()
+        swa_slots = None
         if swa is not None and full_to_swa_index_mapping is not None:
             loc = out_cache_loc.long().clamp(0, full_to_swa_index_mapping.shape[0] - 1)
-            extra = ((swa, full_to_swa_index_mapping.index_select(0, loc).clamp_(0, swa.shape[0] - 1)),)
+            swa_slots = full_to_swa_index_mapping.index_select(0, loc).clamp_(0, swa.shape[0] - 1)
+            extra = ((swa, swa_slots),)
         write_stamps(full, input_ids, positions, out_cache_loc, req_pool_indices, req_to_token, extend_start_loc, extra)
+        full_folds, swa_folds = self.folds
+        if full_folds is None:
+            return
+        full_slots = out_cache_loc.long().clamp(0, full.shape[0] - 1)
+        full_folds.reset(full_slots)
+        if swa_folds is not None and swa_slots is not None:
+            swa_folds.reset(swa_slots)
+        self._written = (out_cache_loc, full_slots, swa_slots, full_to_swa_index_mapping)
 
     def wants_layer(self, layer_id: int, swa: bool) -> bool:
         """Whether :meth:`after_layer` would do anything for layer ``layer_id`` (whose buffers are
@@ -245,57 +262,66 @@ class KvProvenance:
         if check is not None and self.gate.wanted() and check.wants(layer_id, swa):
             return True
         pool = 1 if swa else 0
-        return self.checksums[pool] is not None and self._designated[pool] in (None, layer_id)
+        return self.folds[pool] is not None and (self._prefix is None or self._designated[pool] in (None, layer_id))
 
     def after_layer(self, **store: Any) -> None:
         """One attention layer's part, after its forward stored this step's K/V; keyword arguments:
         the fields of :class:`~otel_swa.device.write_check.LayerStore` (``layer_id``, ``swa``, ``k``,
         ``v``, ``k_buffer``, ``v_buffer``, ``out_cache_loc``, and optionally
         ``full_to_swa_index_mapping``, ``positions``, ``extend_start_loc``; their shapes and dtypes
-        there). The checksum write when it is its pool's designated layer (every step), the write
-        check when the step is sampled or recorded
+        there). The layer's hash folded into its pool's folds at the slots the step writes (every
+        step; with ``checksum="prefix"`` only its pool's designated layer), the write check when the
+        step is sampled or recorded
         (:meth:`~otel_swa.device.write_check.WriteCheck.check_layer`). Never raises for inputs it
         cannot use (they are counted unchecked at the sample); a missing or unknown keyword is a
         ``TypeError``, at every call."""
         layer = LayerStore(**store)
         pool = 1 if layer.swa else 0
-        if self.checksums[pool] is not None:
-            if self._designated[pool] is None:
-                self._designated[pool] = layer.layer_id
-            if self._designated[pool] == layer.layer_id:
+        if self.folds[pool] is not None:
+            if self._prefix is None:
                 self._write_checksums(pool, layer)
+            else:
+                if self._designated[pool] is None:
+                    self._designated[pool] = layer.layer_id
+                if self._designated[pool] == layer.layer_id:
+                    self._write_checksums(pool, layer)
         check = self.write_check
         if check is not None and self.gate.wanted() and check.wants(layer.layer_id, layer.swa):
             check.check_layer(layer)
 
     def _write_checksums(self, pool: int, layer: LayerStore) -> None:
-        k, v, k_buffer, v_buffer = layer.k, layer.v, layer.k_buffer, layer.v_buffer
-        out_cache_loc, mapping = layer.out_cache_loc, layer.full_to_swa_index_mapping
-        hasher = self._hashers[pool]
-        if hasher is None or self._buffers[pool] is None or self._buffers[pool][0] is not k_buffer:
-            hasher = self._hashers[pool] = RowHasher(k_buffer, v_buffer, self._prefix)
-            self._buffers[pool] = (k_buffer, v_buffer)
-        tokens = int(out_cache_loc.shape[0])
-        if (not hasher.supported or k is None or v is None or tokens == 0 or not hasher.given_shape_ok(k, v, tokens)
+        """Fold ``layer``'s hash into its pool's folds at the slots the step writes: 9 device
+        operations (the slots are the stamp call's when it was given the same ``out_cache_loc``)."""
+        folds = self.folds[pool]
+        entry = folds.layer(layer.layer_id, layer.k_buffer, layer.v_buffer)
+        k, v, loc, mapping = layer.k, layer.v, layer.out_cache_loc, layer.full_to_swa_index_mapping
+        tokens = int(loc.shape[0])
+        if (entry is None or k is None or v is None or tokens == 0 or not entry.hasher.given_shape_ok(k, v, tokens)
                 or (pool == 1 and mapping is None)):
-            return  # nothing hashed: the slots stay "never hashed", counted unchecked at the sample
-        table = self.checksums[pool]
-        loc = out_cache_loc.long()
-        slots = loc if pool == 0 else mapping.index_select(0, loc.clamp(0, mapping.shape[0] - 1))
-        table.index_copy_(0, slots.clamp(0, table.shape[0] - 1), hasher.of_given(k, v, tokens, self.gate.capturing()))
+            return  # nothing hashed: the pool's slots are counted unchecked (or their folds differ: a fault)
+        written = self._written
+        if written is not None and written[0] is loc and (pool == 0 or written[3] is mapping):
+            slots = written[1 + pool]
+        else:
+            slots = loc.long()
+            if pool == 1:
+                slots = mapping.index_select(0, slots.clamp(0, mapping.shape[0] - 1))
+            slots = slots.clamp(0, folds.table.shape[0] - 1)
+        folds.add(entry, k, v, slots, self.gate.capturing())
 
     def move_slots(self, pool: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Carry the stamps and checksums of slots ``src`` to ``dst`` (``int [n]`` each) in ``pool``
         (``"full"``/``"swa"``): call where the engine copies KV between slots without a forward step
         (a load-back from host memory, a transfer), so the moved KV keeps its provenance."""
         p = PROVENANCE_POOLS.index(pool)
-        for table in (self.stamps[p], self.checksums[p]):
-            if table is not None:
-                table.index_copy_(0, dst.long(), table.index_select(0, src.long()))
+        if self.stamps[p] is not None:
+            self.stamps[p].index_copy_(0, dst.long(), self.stamps[p].index_select(0, src.long()))
+        if self.folds[p] is not None:
+            self.folds[p].move(src.long(), dst.long())
 
     def reset(self) -> None:
         """Forget every stamp and checksum (the engine emptied its cache)."""
-        for table in self.stamps + self.checksums:
+        for table in self.stamps + tuple(f.table for f in self.folds if f is not None):
             if table is not None:
                 table.zero_()
 
@@ -349,7 +375,8 @@ class KvProvenance:
         if swept is not None:
             for p in pools:
                 self._verify_swept(out[p * _PER_POOL:(p + 1) * _PER_POOL], swept, p, mapping)
-        return ProvenanceMeta(tuple(taken), tuple(over), self.checksum != "off")
+        return ProvenanceMeta(tuple(taken), tuple(over), self.checksum != "off",
+                              tuple(f.layer_ids if f is not None else frozenset() for f in self.folds))
 
     def _next_sweep(self, source: Any) -> "torch.Tensor | None":
         """The FULL slots this sample sweeps (``int64 [<= budget]`` on the device): the next part of
@@ -357,7 +384,7 @@ class KvProvenance:
         a tensor, or a zero-argument callable returning one or ``None``) gives now; ``None`` when
         there is nothing to sweep. A slot listed at a pass's start and written again since keeps a
         matching checksum (the write hashed it anew), so the list may be read over several samples."""
-        if source is None or self.checksums[0] is None:
+        if source is None or self.folds[0] is None:
             return None
         if self._sweep is None or self._sweep_at >= int(self._sweep.shape[0]):
             slots = source() if callable(source) else source
@@ -372,28 +399,33 @@ class KvProvenance:
         return part if part.numel() else None
 
     def _verify_swept(self, out: torch.Tensor, full: torch.Tensor, pool: int, mapping: "torch.Tensor | None") -> None:
-        """The checksums of the swept FULL slots ``full`` (their SWA slots for the SWA pool, those
+        """The folds of the swept FULL slots ``full`` (their SWA slots for the SWA pool, those
         mapped) against the bytes the pool holds, into ``out``'s sweep cells."""
-        hasher, buffers, table = self._hashers[pool], self._buffers[pool], self.checksums[pool]
-        if table is None or hasher is None or not hasher.supported or buffers is None:
+        folds = self.folds[pool]
+        if folds is None:
             return
+        size = folds.table.shape[0]
         if pool == 1:
             if mapping is None:
                 return
             swa = mapping.index_select(0, full.clamp(0, mapping.shape[0] - 1)).long()
-            slot = swa.clamp(0, table.shape[0] - 1)
+            slot = swa.clamp(0, size - 1)
             checked = swa.gt(0)
         else:
             swa = torch.full_like(full, -1)
-            slot = full.clamp(0, table.shape[0] - 1)
-            checked = full.lt(table.shape[0])
-        hashed = table.index_select(0, slot)
-        checked.logical_and_(hashed.ne(0))
-        corrupt = hasher.of_pool(buffers[0], buffers[1], slot).ne(hashed).logical_and_(checked)
+            slot = full.clamp(0, size - 1)
+            checked = full.lt(size)
+        verified = folds.verify(slot)
+        if verified is None:
+            return
+        written, delta = verified
+        checked.logical_and_(written)
+        corrupt = delta.ne(0).any(dim=1).logical_and_(checked)
         first = torch.max(corrupt, 0).indices.reshape(1)
-        at = torch.stack([full, swa]).index_select(1, first).reshape(-1)
+        at = torch.cat([torch.stack([full, swa]), delta.t()]).index_select(1, first).reshape(-1)
         base = _C["sweep_checks"]
-        out[base:base + 4].copy_(torch.stack([checked.sum(), corrupt.sum(), *at.unbind()]))
+        out[base:base + 4].copy_(torch.stack([checked.sum(), corrupt.sum(), at[0], at[1]]))
+        out[_C["sweep_d1"]:_C["sweep_d1"] + 2].copy_(at[2:])
 
     def _take(self, pool: int, low: np.ndarray, lens: np.ndarray) -> "tuple[list[tuple[int, int, int]], int]":
         """The ranges ``(entry, lo, hi)`` this sample verifies in ``pool`` (at most ``budget``
@@ -479,17 +511,17 @@ class KvProvenance:
         where = torch.stack([rows, found, full, swa_named]).index_select(1, first).reshape(-1)
         values = [live.sum() if live is not None else judged.new_zeros((), dtype=torch.int64), judged.sum(),
                   foreign.sum(), first.reshape(()), *where.unbind()]
-        hasher, buffers, table = self._hashers[pool], self._buffers[pool], self.checksums[pool]
-        if table is not None and hasher is not None and hasher.supported and buffers is not None:
-            hashed = table.index_select(0, slot)
-            now = hasher.of_pool(buffers[0], buffers[1], slot)
-            checked = hashed.ne(0)
+        folds = self.folds[pool]
+        verified = folds.verify(slot) if folds is not None else None
+        if verified is not None:
+            checked, delta = verified
             if live is not None:
                 checked.logical_and_(live)
-            corrupt = now.ne(hashed).logical_and_(checked)
+            corrupt = delta.ne(0).any(dim=1).logical_and_(checked)
             first_c = torch.max(corrupt, 0).indices.reshape(1)
-            at = torch.stack([rows, full, swa_named]).index_select(1, first_c).reshape(-1)
-            values += [checked.sum(), corrupt.sum(), first_c.reshape(()), *at.unbind()]
+            at = torch.cat([torch.stack([rows, full, swa_named]), delta.t()]).index_select(1, first_c).reshape(-1)
+            values += [checked.sum(), corrupt.sum(), first_c.reshape(()), *at[:3].unbind()]
+            out[_C["corrupt_d1"]:_C["corrupt_d1"] + 2].copy_(at[3:])
         else:  # no checksum to compare: every live slot unchecked
             zero = judged.new_zeros((), dtype=torch.int64)
             values += [zero] * 6

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from otel_swa.checks.provenance import _PER_POOL, PROVENANCE_CELLS, PROVENANCE_POOLS, PROVENANCE_WIDTH
+from otel_swa.device.kv_folds import layer_of
 from otel_swa.device.stamps import decode_stamp
 
 __all__ = ["PROVENANCE_POOLS", "PROVENANCE_CELLS", "PROVENANCE_WIDTH", "NEVER_STAMPED", "ProvenanceMeta",
@@ -41,7 +42,9 @@ class ProvenanceReading:
             ``expected_position``, ``found_token``, ``found_position`` (decoded from the stamps, token
             ids mod 2**20, positions mod 2**22), ``found_chain_known``; ``None`` when none.
         corrupt_offender: the first corrupt slot: ``entry``, ``row``, ``position``, ``pool``,
-            ``full_slot``, ``swa_slot``; ``None`` when none. A slot found by the sweep of the
+            ``full_slot``, ``swa_slot``, ``layer`` (the one attention layer whose bytes changed, from
+            the folds, :func:`otel_swa.device.kv_folds.layer_of`; ``None`` when several did);
+            ``None`` when none. A slot found by the sweep of the
             prefix cache (:meth:`KvProvenance.stage`) has ``entry``, ``row`` and ``position``
             ``None`` (no request of the batch reads it); the batch's come first.
 
@@ -69,11 +72,14 @@ class ProvenanceMeta:
             verified.
         over_budget: per pool, candidate slots not taken at this sample.
         checksums: whether checksums are on.
+        layer_ids: per pool, the ids of the layers its folds cover (what a corrupt slot's layer is
+            read among).
     """
 
     taken: "tuple[tuple[np.ndarray, np.ndarray, np.ndarray] | None, ...]"
     over_budget: "tuple[int, ...]"
     checksums: bool
+    layer_ids: "tuple[frozenset, ...]" = (frozenset(), frozenset())
 
     def read(self, values: Sequence[int]) -> ProvenanceReading:
         """The reading of the :data:`PROVENANCE_WIDTH` staged ints."""
@@ -90,7 +96,9 @@ class ProvenanceMeta:
             if swept_at is None and cells[_C["sweep_corrupt"]] > 0:
                 swa = int(cells[_C["sweep_swa_slot"]])
                 swept_at = {"entry": None, "row": None, "position": None, "pool": pool,
-                            "full_slot": int(cells[_C["sweep_full_slot"]]), "swa_slot": swa if swa >= 0 else None}
+                            "full_slot": int(cells[_C["sweep_full_slot"]]), "swa_slot": swa if swa >= 0 else None,
+                            "layer": layer_of(int(cells[_C["sweep_d1"]]), int(cells[_C["sweep_d2"]]),
+                                              self.layer_ids[p])}
             live = int(cells[_C["live"]]) if pool == "swa" else len(taken[0])
             stamp_checks += cells[_C["stamp_checks"]]
             foreign += cells[_C["foreign"]]
@@ -102,6 +110,8 @@ class ProvenanceMeta:
                 foreign_at = _foreign(pool, taken, cells)
             if corrupt_at is None and cells[_C["corrupt"]] > 0:
                 corrupt_at = _slot_fields(pool, taken, cells, "corrupt")
+                corrupt_at["layer"] = layer_of(int(cells[_C["corrupt_d1"]]), int(cells[_C["corrupt_d2"]]),
+                                               self.layer_ids[p])
         if corrupt_at is None:
             corrupt_at = swept_at
         on = self.checksums

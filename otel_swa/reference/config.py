@@ -38,8 +38,9 @@ class EngineConfig:
         read_check_queries: queries checked per sampled step (>= 1).
         provenance: with a reporter and the model, the engine writes provenance stamps and content
             checksums at every KV write, runs the write check at sampled steps and gives its
-            requests' token ids in its view (:mod:`otel_swa.device.provenance`): ``"prefix"`` (the
-            checksum of each K and V row's first 64 bytes), ``"all"`` (every byte), ``"off"``: none of it.
+            requests' token ids in its view (:mod:`otel_swa.device.provenance`): ``"all"`` (the
+            checksum of every byte of both layers' K and V rows), ``"prefix"`` (each K and V row's
+            first 64 bytes of the first layer of each pool), ``"off"``: none of it.
         provenance_budget: live slots verified per pool and sampled step (>= 1).
 
     Raises:
@@ -61,7 +62,7 @@ class EngineConfig:
     run_model: bool = True
     read_check: str = "rotate"
     read_check_queries: int = 8
-    provenance: str = "prefix"
+    provenance: str = "all"
     provenance_budget: int = 4096
 
     def __post_init__(self) -> None:
@@ -79,8 +80,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.token_budget={self.token_budget} is below max_running={self.max_running}")
         if self.read_check not in ("rotate", "all", "off"):
             raise ValueError(f"EngineConfig.read_check={self.read_check!r}; expected rotate, all or off")
-        if self.provenance not in ("prefix", "all", "off"):
-            raise ValueError(f"EngineConfig.provenance={self.provenance!r}; expected prefix, all or off")
+        if self.provenance not in ("all", "prefix", "off"):
+            raise ValueError(f"EngineConfig.provenance={self.provenance!r}; expected all, prefix or off")
         if not self.step_time_s >= 0:
             raise ValueError(f"EngineConfig.step_time_s={self.step_time_s!r}; expected a number >= 0")
 

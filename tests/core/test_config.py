@@ -53,8 +53,9 @@ def test_from_env_on():
 def test_provenance_variables():
     from otel_swa import config
 
-    assert config.provenance({}) == ("prefix", 4096)
+    assert config.provenance({}) == ("all", 4096)
     assert config.provenance({"OTEL_SWA_PROVENANCE": " ALL ", "OTEL_SWA_PROVENANCE_BUDGET": "64"}) == ("all", 64)
+    assert config.provenance({"OTEL_SWA_PROVENANCE": "prefix"}) == ("prefix", 4096)
     assert config.provenance({"OTEL_SWA_PROVENANCE": "off", "OTEL_SWA_PROVENANCE_BUDGET": "64"}) is None
     for bad in ({"OTEL_SWA_PROVENANCE": "full"}, {"OTEL_SWA_PROVENANCE_BUDGET": "0"},
                 {"OTEL_SWA_PROVENANCE_BUDGET": "2.5"}):

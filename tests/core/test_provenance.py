@@ -131,7 +131,7 @@ def test_the_chain_tells_prefixes_apart():
 
 # ---------------------------------------------------------------------- checksums
 def hash_rows(words: list) -> int:
-    """The documented hash of one row's words (Python ints), as a signed int64."""
+    """The documented hash of one row's words (Python ints, signed as torch reads them), below 2**40."""
     total = 0
     for j, w in enumerate(words):
         x = (j * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
@@ -139,9 +139,9 @@ def hash_rows(words: list) -> int:
         x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
         x ^= x >> 12
         key, mult = x, ((x * 0x297A2D39) & 0x7FFFFFFF) | 1
-        y = ((w ^ key) * mult) & 0xFFFFFFFF
+        y = ((w + key) * mult) & 0xFFFFFFFF
         total += y ^ (y >> 16)
-    return total - (1 << 63)
+    return total % ((1 << 40) - 87)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -159,7 +159,7 @@ def test_the_checksum_is_the_documented_hash_and_sees_every_byte_it_covers(dtype
     for i, s in enumerate(slots.tolist()):
         kb = k[s].contiguous().view(torch.uint8).view(-1)[:covered].tolist()
         vb = v[s].contiguous().view(torch.uint8).view(-1)[:covered].tolist()
-        words = [int.from_bytes(bytes(b[o:o + 4]), "little") for b in (kb, vb) for o in range(0, covered, 4)]
+        words = [int.from_bytes(bytes(b[o:o + 4]), "little", signed=True) for b in (kb, vb) for o in range(0, covered, 4)]
         assert got[i] == hash_rows(words)
     # what a layer was given (float32) hashes as the stored (cast) row
     assert hasher.of_given(k[slots].float(), v[slots].float(), 2).tolist() == got
@@ -410,7 +410,7 @@ def test_a_flipped_byte_in_a_held_slot_no_request_reads_is_found_by_the_sweep():
     got = engine.verify(_batch_of_first(engine, held))
     assert (got.checksum_checks, got.corrupt_tokens) == (20 + 6 + 6, 1)  # and 6 held slots in each pool
     assert got.corrupt_offender == {"entry": None, "row": None, "position": None, "pool": "full",
-                                    "full_slot": slot, "swa_slot": None}
+                                    "full_slot": slot, "swa_slot": None, "layer": 0}
     assert got.foreign_tokens == 0 and got.stamp_checks == 20  # the sweep compares no stamps
 
 
@@ -461,9 +461,15 @@ def test_a_corrupt_slot_found_by_the_sweep_reaches_the_record_named_by_its_slots
     assert (offender.request, offender.row, offender.position) == (None, None, None)
 
 
-def test_only_the_checksum_layers_and_the_write_checks_turn_want_a_layer():
+def test_every_layer_by_default_and_with_prefix_only_the_checksum_layers_and_the_write_checks_want_a_layer():
     gate = SamplingGate("cpu")
-    prov = KvProvenance("cpu", gate, full_slots=16, swa_slots=16, checksum_layers={"full": 1, "swa": 0})
+    every = KvProvenance("cpu", gate, full_slots=16, swa_slots=16)
+    # by default every layer folds its hash, sampled or not
+    for flag in (False, True):
+        gate.set(flag)
+        assert all(every.wants_layer(layer, swa) for layer, swa in ((0, True), (1, False), (2, True), (3, False)))
+    prov = KvProvenance("cpu", gate, full_slots=16, swa_slots=16, checksum="prefix",
+                        checksum_layers={"full": 1, "swa": 0})
     # a step that is not sampled: each pool's checksum layer only (layers 0 and 2 are SWA, 1 and 3 FULL)
     gate.set(False)
     assert [prov.wants_layer(layer, swa) for layer, swa in ((0, True), (1, False), (2, True), (3, False))] == [

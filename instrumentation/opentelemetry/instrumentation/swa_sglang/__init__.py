@@ -45,14 +45,14 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
     forward step (HiCache, LMCache, disaggregation: :func:`otel_swa.views.sglang.kv_filled_outside_forward`).
 ``sglang.srt.layers.radix_attention.RadixAttention.forward(self, q, k, v, forward_batch, ...)``
     The KV's provenance (:mod:`otel_swa.device.provenance`; ``OTEL_SWA_PROVENANCE``, default
-    ``prefix``). Each attention layer of an observed model runner carries its wiring (set when the
+    ``all``: every layer, every byte; ``prefix`` the cheaper one-layer, 64-byte option). Each attention layer of an observed model runner carries its wiring (set when the
     runner is wired, so a capture finds it too). Before the first attention layer of every forward
     step (the lowest layer id of the ``SWAKVPool``), the slots the step writes are stamped from the
     batch's ``input_ids``, ``positions`` and ``out_cache_loc`` (FULL pool) and their
     ``full_to_swa_index_mapping`` (SWA pool); after every layer's forward (which stored the step's
-    K/V through ``set_kv_buffer``), the K/V the layer was given are hashed into the checksum table
-    when it is its pool's designated layer (index 0 of its sub-pool: the layer SGLang's KV canary
-    hashes) and, at sampled steps, compared with what the pool holds at the slot the tables name
+    K/V through ``set_kv_buffer``), the K/V the layer was given are hashed and folded into its pool's
+    two folds per slot (:mod:`otel_swa.device.kv_folds`; with ``prefix`` only the pool's designated
+    layer, index 0 of its sub-pool: the layer SGLang's KV canary hashes) and, at sampled steps, compared with what the pool holds at the slot the tables name
     (the write check). Decode, extend and mixed batches that store K/V; not idle, speculative verify
     or cross-attention calls (a model runner with speculative decoding gets no provenance: a verify
     step writes draft tokens' K/V that are later rejected). At each sample the stamps and checksums
