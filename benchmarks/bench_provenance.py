@@ -3,10 +3,11 @@ step, the checks per call and per sampled step, memory per slot.
 
 Prints (median over interleaved rounds, spread min - max; torch on one thread):
 
-1. the write path every forward step pays (stamps of a decode batch, the checksum of one designated
-   layer's K/V per pool), microseconds per call and device operations, at the engine suite's shapes
+1. the write path every forward step pays (stamps of a decode batch, the checksum of one layer's K/V:
+   every layer pays it with the default ``OTEL_SWA_PROVENANCE=all``), microseconds per call and device
+   operations, at the engine suite's shapes
    (16 requests; 2 KV heads of 16, float32) and at batch 256; and the write path of a whole decode
-   step (stamps + one checksum write per pool) against that step (``_decode_model.py``'s decode step
+   step (stamps + every layer's checksum) against that step (``_decode_model.py``'s decode step
    of the engine suite's Mellum, eager, and the real sglang Engine's decode step measured in
    BENCHMARKS.md section 8);
 2. the checks, per call: the write check of one layer (8 tokens), the verification of a sample
@@ -15,7 +16,7 @@ Prints (median over interleaved rounds, spread min - max; torch on one thread):
 3. a decode step of the engine suite's Mellum with every check on: not sampled (stamps and checksums
    only) and sampled (plus the write check, the read check and the sample's verification), against
    the step without otel-swa;
-4. the reference engine at the engine suite's shapes with provenance on against off (interval 1 and
+4. the reference engine at the engine suite's shapes with provenance on (its default) against off (interval 1 and
    20, every forward step timed: the whole engine step);
 5. device memory per slot: the tables against the KV bytes a slot holds, at three model shapes;
 6. the chain's collisions: pairs of random 64-token prefixes (vocabulary 512) whose last stamps agree
@@ -158,10 +159,17 @@ def recorded_ops() -> list:
         full_to_swa_index_mapping=model.mapping, req_pool_indices=model.rows, seq_lens=model.seq_lens,
         query_rows=None, window=s.window, scaling=1.0, num_q_heads=s.q_heads))
     plain = warm_ops(lambda: model.forward(False))
+    gate.force_recorded = False
+    gate.set(False)
+    writes = warm_ops(lambda: model.forward(True)) - plain  # eager, not sampled: the stamps and every layer's fold
+    layers = len(s.layers)
     return [
         ("the decode step itself (4 layers), for scale", str(plain), "every step"),
         ("stamps (both pools)", str(stamp), "every step (in a graph: every replay)"),
-        ("checksum write, one designated layer (x 2: FULL and SWA)", str(checksum), "every step (every replay)"),
+        ("checksum write, one layer (x every layer with the default OTEL_SWA_PROVENANCE=all; x 2, one "
+         "per pool, with prefix)", str(checksum), "every step (every replay)"),
+        (f"the every-step write path of the decode step ({layers} layers: stamps + checksums)", str(writes),
+         "every step (every replay)"),
         ("write check, one layer (x 2: one of each pool)", str(write_check),
          "eager: sampled steps; masked graph: every replay; conditional: sampled replays"),
         ("read check, one sliding-window layer (x 1)", str(read_check), "the same"),
@@ -257,7 +265,7 @@ def section_engine(rounds: int, steps: int) -> None:
             reporter = SwaDivergenceReporter(interval)
             engine = ReferenceEngine(EngineConfig(window=9, num_heads=2, head_dim=16, max_running=16,
                                                   full_pool_size=16384, swa_pool_size=4096, token_budget=512,
-                                                  max_context_len=4096, provenance="prefix" if provenance else "off"),
+                                                  max_context_len=4096, **({} if provenance else {"provenance": "off"})),
                                      reporter=reporter)
             for request in load_trace("conv", limit=16):
                 engine.submit(request, arrival_s=0.0)
@@ -289,8 +297,8 @@ def section_memory() -> None:
         per_layer = 2 * shape.kv_heads * shape.head_dim * size
         for pool, layers in (("FULL", shape.layers.count(False)), ("SWA", shape.layers.count(True))):
             kv = layers * per_layer
-            rows.append((shape.name, pool, str(layers), str(kv), "16", f"{100 * 16 / kv:.3f} %"))
-    print_table("5. device memory per slot (bytes): stamps 8 + checksums 8, against the slot's KV", (
+            rows.append((shape.name, pool, str(layers), str(kv), "24", f"{100 * 24 / kv:.3f} %"))
+    print_table("5. device memory per slot (bytes): stamps 8 + the checksum's two folds 16, against the slot's KV", (
         "model", "pool", "layers", "KV bytes / slot", "tables", "tables / KV"), rows)
 
 

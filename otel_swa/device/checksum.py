@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CHECKSUM_MODES", "HASH_PRIME", "HASHED_DTYPES", "RowHasher", "rows_viewable", "hash_constants"]
+__all__ = ["CHECKSUM_MODES", "HASH_PRIME", "HASHED_DTYPES", "RowHasher", "rows_viewable", "hash_constants", "word_dtype"]
 
 #: ``all`` (default): every byte of every attention layer's K and V rows; ``prefix``: the first
 #: ``checksum_bytes`` of each row of one designated layer per pool (cheaper; misses every other layer
@@ -123,6 +123,24 @@ class RowHasher:
         word_dtype = _WORDS[self.word]
         return self._hash_words(torch.cat([_words(k_rows, word_dtype), _words(v_rows, word_dtype)], dim=1), capturing)
 
+    def given_words(self, k: torch.Tensor, v: torch.Tensor, tokens: int) -> "tuple[torch.Tensor, torch.Tensor]":
+        """The hashed words of the K and V a layer was given to store (``[tokens, ...]``, cast to the
+        cache dtype as the store casts them): ``[tokens, k words]`` and ``[tokens, v words]``, views
+        when the given rows allow."""
+        kk = k.reshape(tokens, -1)[:, :self.k_take]
+        vv = v.reshape(tokens, -1)[:, :self.v_take]
+        if kk.dtype != self.dtype:
+            kk = kk.to(self.dtype)
+        if vv.dtype != self.dtype:
+            vv = vv.to(self.dtype)
+        word_dtype = _WORDS[self.word]
+        return _words(kk, word_dtype), _words(vv, word_dtype)
+
+    def hash_words(self, words: torch.Tensor, capturing: bool = False) -> torch.Tensor:
+        """The hashes of rows of words ``[..., words]`` (K's then V's words of each row, the word dtype
+        of this layout), ``int64 [...]``: 6 device operations whatever the leading dimensions."""
+        return self._hash_words(words, capturing)
+
     def of_given(self, k: torch.Tensor, v: torch.Tensor, tokens: int, capturing: bool = False) -> torch.Tensor:
         """The hashes of the K and V a layer was given to store, ``int64 [tokens]`` in ``0 ..
         HASH_PRIME - 1``: ``k``, ``v`` with ``tokens`` rows (any shape ``[tokens, ...]`` of the
@@ -202,3 +220,8 @@ def hash_constants(words: int, device: "torch.device | str" = "cpu") -> "tuple[t
     x ^= x >> 12
     mult = ((x * 0x297A2D39) & 0x7FFFFFFF) | 1  # odd, < 2**31
     return (x * mult) & _M32, mult
+
+
+def word_dtype(hasher: RowHasher) -> torch.dtype:
+    """The torch dtype ``hasher``'s words are read as (``int32``, ``int16`` or ``uint8``)."""
+    return _WORDS[hasher.word]

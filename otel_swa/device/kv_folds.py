@@ -15,10 +15,14 @@ exact integer sums, never reduced: ``f1 < 2**62 + 4096 * 2**40`` and ``f2 < 4095
 < 2**63``, so ``int64`` never overflows and no modular inverse is needed to read them.
 
 Written at every forward step: the step's stamp call resets the folds of the slots it writes to
-``(MARK, 0)`` (one ``index_copy_`` per pool), then each layer's call adds its ``h_L`` and ``(L + 1) *
-h_L`` at those slots (its hash of the K/V it was given to store, 7 operations, then one multiply and
-one ``index_add_``: 9 device operations per layer, no per-row loop). A slot the prefix cache keeps
-is not written again: its folds stay.
+``(MARK, 0)`` (one ``index_copy_`` per pool), then the layers add their ``h_L`` and ``(L + 1) * h_L``
+at those slots, hashing the K/V each was given to store. When the engine names the pool's layers in
+the order it calls them (``order``), each layer's call is **one** device operation (a ``cat`` of its
+K and V words into row ``L`` of a step buffer ``[layers, T, words]``) and the pool's last layer hashes
+the whole buffer and folds it (9 more: the 6 of the hash, a weighted sum of 2, one ``index_add_``):
+``layers + 10`` operations per pool and step (the buffer's allocation included), whatever the row
+size. Without an order (or with one layer), each layer hashes and folds its own rows: 9 per layer. No per-row loop in
+either. A slot the prefix cache keeps is not written again: its folds stay.
 
 Verified at a sampled step (:meth:`PoolFolds.verify`): the folds are recomputed from the bytes the
 pool holds now, for every layer of the pool at once (one gather per K and per V buffer, one ``cat``,
@@ -51,7 +55,7 @@ from typing import NamedTuple
 
 import torch
 
-from otel_swa.device.checksum import RowHasher
+from otel_swa.device.checksum import RowHasher, word_dtype as _word_dtype
 
 __all__ = ["FOLD_MARK", "MAX_LAYER_ID", "PoolFolds", "layer_of"]
 
@@ -93,13 +97,26 @@ class PoolFolds:
         slots: the pool's slots (the first dimension of its K/V buffers), int >= 1.
         device: the KV cache's device.
         prefix_bytes: bytes of each row hashed, or ``None`` for every byte.
+        order: the ids of the pool's layers folded, in the order the engine calls them in a step
+            (each exactly once per step that writes), or ``None`` (unknown: each layer folds alone).
 
     Attributes:
         table: ``int64 [slots, 2]``, ``(f1, f2)`` per slot.
     """
 
-    def __init__(self, slots: int, device: torch.device, prefix_bytes: "int | None") -> None:
+    def __init__(self, slots: int, device: torch.device, prefix_bytes: "int | None",
+                 order: "tuple[int, ...] | None" = None) -> None:
         self.table = torch.zeros((slots, 2), dtype=torch.int64, device=device)
+        if order is not None and (not order or len(set(order)) != len(order)
+                                  or not all(type(i) is int and 0 <= i <= MAX_LAYER_ID for i in order)):  # noqa: E721
+            raise ValueError(f"order must name distinct layer ids from 0 to {MAX_LAYER_ID}, got {order!r}")
+        self.order = tuple(order) if order is not None else None
+        # one layer alone folds cheaper by itself (9 operations against 11)
+        self._index = {layer_id: i for i, layer_id in enumerate(self.order)} if self.order and len(self.order) > 1 else {}
+        self._order_weights = (torch.tensor([[[1, i + 1]] for i in self.order], dtype=torch.int64, device=device)
+                               if self.order else None)  # [layers, 1, 2]
+        self._step: "torch.Tensor | None" = None  # the step buffer [layers, T, words] being filled
+        self._uniform = True
         self._reset = torch.tensor([[FOLD_MARK, 0]], dtype=torch.int64, device=device)
         self.prefix_bytes = prefix_bytes
         self.layers: "dict[int, _Layer]" = {}
@@ -131,14 +148,31 @@ class PoolFolds:
             hasher = known.hasher  # keep its constants
         entry = self.layers[layer_id] = _Layer(layer_id, k_buffer, v_buffer, hasher)
         self._groups = None
+        # the order's step buffer needs one layout for all its layers (else each layer folds alone)
+        self._uniform = len({e.hasher.layout for e in self.layers.values() if e.layer_id in self._index}) <= 1
         return entry
 
     def add(self, layer: _Layer, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, capturing: bool) -> None:
         """Fold layer ``layer``'s hash of the given ``k``, ``v`` (``[T, ...]``, checked with
         :meth:`RowHasher.given_shape_ok`) into the folds of ``slots`` (``int64 [T]``, inside the table):
-        9 device operations."""
-        h = layer.hasher.of_given(k, v, int(slots.shape[0]), capturing)
-        self.table.index_add_(0, slots, h.unsqueeze(1) * self._weight(layer.layer_id, capturing))
+        with an ``order``, one device operation (10 more at the pool's last layer), else 9."""
+        tokens = int(slots.shape[0])
+        index = self._index.get(layer.layer_id)
+        if index is None or not self._uniform:
+            h = layer.hasher.of_given(k, v, tokens, capturing)
+            self.table.index_add_(0, slots, h.unsqueeze(1) * self._weight(layer.layer_id, capturing))
+            return
+        hasher = layer.hasher
+        step = self._step
+        if index == 0 or step is None or step.shape[1] != tokens:
+            step = self._step = torch.empty((len(self.order), tokens, hasher.words), dtype=_word_dtype(hasher),
+                                            device=self.table.device)
+        torch.cat(hasher.given_words(k, v, tokens), dim=1, out=step[index])
+        if index == len(self.order) - 1:
+            h = hasher.hash_words(step, capturing)  # [layers, T]
+            self.table.index_add_(0, slots, (h.unsqueeze(2) * self._order_weights).sum(dim=0))
+            self._step = None
+
 
     def _weight(self, layer_id: int, capturing: bool) -> torch.Tensor:
         """``int64 [1, 2]`` ``(1, layer_id + 1)`` on the device: made once outside capture (inside one

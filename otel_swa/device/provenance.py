@@ -81,7 +81,7 @@ with the KV: :meth:`KvProvenance.move_slots`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -135,6 +135,11 @@ class KvProvenance:
         checksum_layers: with ``checksum="prefix"``, ``{"full": layer_id, "swa": layer_id}``, the
             designated layer of each pool; a pool not named takes the first layer of its kind that
             calls :meth:`after_layer`.
+        checksum_order: with ``checksum="all"``, ``{"full": (layer_id, ...), "swa": (...)}``: each
+            pool's attention layers in the order a forward step calls them (each once per step that
+            writes K/V); the layers then fill one step buffer per pool that the last one hashes and
+            folds (:class:`~otel_swa.device.kv_folds.PoolFolds`: 1 device operation per layer and 10
+            per pool, instead of 9 per layer). A pool not named folds each layer alone.
         budget: live slots verified per pool and sample (int >= 1).
         write_check: whether :meth:`after_layer` runs the write check at sampled steps.
         write_check_tokens, write_check_layers: the write check's ``max_tokens`` and ``layers``.
@@ -158,6 +163,7 @@ class KvProvenance:
         checksum: str = CHECKSUM_MODES[0],
         checksum_bytes: int = 64,
         checksum_layers: "dict[str, int] | None" = None,
+        checksum_order: "dict[str, Sequence[int]] | None" = None,
         budget: int = 4096,
         write_check: bool = True,
         write_check_tokens: int = 8,
@@ -190,8 +196,14 @@ class KvProvenance:
         self.stamps = (table(full_slots), table(swa_slots))
         #: the folds of the layer hashes per pool (:class:`~otel_swa.device.kv_folds.PoolFolds`), or
         #: ``None`` (checksums off, no such pool).
-        self.folds = tuple(None if checksum == "off" or slots is None else PoolFolds(slots, self.device, self._prefix)
-                           for slots in (full_slots, swa_slots))
+        order = dict(checksum_order or {}) if checksum == "all" else {}
+        if set(order) - set(PROVENANCE_POOLS):
+            raise ValueError(f"checksum_order must map 'full' / 'swa' to layer ids, got {checksum_order!r}")
+        self.folds = tuple(
+            None if checksum == "off" or slots is None
+            else PoolFolds(slots, self.device, self._prefix,
+                           tuple(order[name]) if order.get(name) else None)
+            for name, slots in zip(PROVENANCE_POOLS, (full_slots, swa_slots)))
         self.write_check = (WriteCheck(self.device, gate, max_tokens=write_check_tokens, layers=write_check_layers)
                             if write_check else None)
         self._designated: "list[int | None]" = [layers.get("full"), layers.get("swa")]

@@ -184,7 +184,7 @@ class ReferenceEngine:
         if config.run_model and config.provenance != "off" and hasattr(reporter, "enable_provenance"):
             self._provenance = reporter.enable_provenance(
                 full_slots=self.kv.full_k.shape[0], swa_slots=self.kv.swa_k.shape[0], checksum=config.provenance,
-                budget=config.provenance_budget)
+                budget=config.provenance_budget, checksum_order={"full": (0,), "swa": (1,)})
 
     # -- input ------------------------------------------------------------------------------------
 

@@ -21,9 +21,11 @@ def provenance_layout(kv_pool: Any) -> "dict[str, Any] | None":
     byte the canary's self-tests flip there is one otel-swa hashed too.
 
     Returns:
-        ``{"full_slots", "swa_slots", "checksum_layers": {"full": id, "swa": id}, "first_layer",
-        "swa_layers": frozenset}`` (``first_layer``: the lowest model layer id of the pool, the
-        attention layer that runs first in a forward step), or ``None`` when ``kv_pool`` is not an
+        ``{"full_slots", "swa_slots", "checksum_layers": {"full": id, "swa": id}, "checksum_order":
+        {"full": (id, ...), "swa": (id, ...)}, "first_layer", "swa_layers": frozenset}``
+        (``checksum_order``: each pool's layer ids in increasing order, the order a forward step
+        calls them; ``first_layer``: the lowest model layer id of the pool, the attention layer that
+        runs first in a forward step), or ``None`` when ``kv_pool`` is not an
         ``SWAKVPool`` of K/V buffers (MLA, quantized, another layout): no provenance then.
     """
     mapping = getattr(kv_pool, "layers_mapping", None)
@@ -38,6 +40,8 @@ def provenance_layout(kv_pool: Any) -> "dict[str, Any] | None":
     designated = {("swa" if is_swa else "full"): layer for layer, (index, is_swa) in layers.items() if index == 0}
     return {
         "full_slots": full, "swa_slots": swa, "checksum_layers": designated, "first_layer": min(layers),
+        "checksum_order": {pool: tuple(sorted(layer for layer, (_, is_swa) in layers.items() if is_swa == swa))
+                           for pool, swa in (("full", False), ("swa", True))},
         "swa_layers": frozenset(layer for layer, (_, is_swa) in layers.items() if is_swa),
     }
 

@@ -51,6 +51,7 @@ def _enable_provenance(reporter: Any, runner: Any, *, late: bool = False) -> "tu
         provenance = reporter.enable_provenance(full_slots=layout["full_slots"], swa_slots=layout["swa_slots"],
                                                 checksum=settings[0], budget=settings[1],
                                                 checksum_layers=layout["checksum_layers"],
+                                                checksum_order=layout["checksum_order"],
                                                 never_stamped="unchecked" if late else "foreign")
     except Exception:
         _log.exception("KV provenance is off for this model runner")
