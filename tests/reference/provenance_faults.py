@@ -20,6 +20,9 @@ the sample, the audit and the read check look at healthy, or healthy enough that
   FULL or of the SWA pool: SGLang's KV canary perturbations ``real_kv_post_forward`` (a slot just
   written) and ``real_kv_used`` (a slot of an earlier token still in use), which flip byte 0 of a
   slot's K row in layer 0 of a sub-pool (``sglang/srt/kv_canary/perturb/utils.py``).
+* :func:`install_bit_flip_past_the_prefix` and :func:`install_stray_write_in_the_last_layer`: what
+  a checksum of one layer's first bytes misses (issue 32, made in the real sglang Engine): one bit
+  past a row's first 64 bytes, and a stray write in the model's last layer only.
 
 Each takes ``at``: the forward step (the engine's ``forward_ct``) whose forward the fault corrupts,
 and records what it did in ``engine.fault_log`` (a list of dicts) so a test can name the offender
@@ -179,3 +182,55 @@ def install_byte_flip(engine, at: int, pool: str, used: bool = False) -> None:
             flip(step, batch, 0)
 
     _wrap_forward(engine, before=before, after=after)
+
+
+def install_bit_flip_past_the_prefix(engine, at: int, pool: str = "swa") -> None:
+    """At step ``at``, before the forward, one bit flipped past the first 64 bytes of a live V row: the
+    sign bit of the last element of the V row of the first decode request's previous position, in
+    ``pool``'s layer (issue 32's report: in the real sglang Engine this changed 2 of 20 outputs while
+    every check passed, the checksum covering the first 64 bytes; SGLang's KV canary hashes only the
+    first bytes of ``k_buffer[0]`` / ``v_buffer[0]`` of a sub-pool, ``pool_patcher/adapters/swa.py``).
+    Needs V rows over 64 bytes (``num_heads * head_dim * 4 > 64``)."""
+    _remember_plan(engine)
+
+    def before(step, batch):
+        if step != at:
+            return batch
+        entry, token, req = _decode_tokens(engine, batch)[0]
+        position = int(batch.positions[token]) - 1
+        full = int(engine.pools.req_to_token[req.slots.row, position])
+        swa = int(engine.pools.full_to_swa_index_mapping[full])
+        buffer = engine.kv.full_v if pool == "full" else engine.kv.swa_v
+        row = buffer[full if pool == "full" else swa].view(-1).view(torch.uint8)
+        assert row.shape[0] > 64
+        row[-1] ^= 0x80  # little-endian float32: the last byte holds the sign bit
+        engine.fault_log.append(dict(step=step, entry=entry, request=req.rid, position=position, full_slot=full,
+                                     swa_slot=swa, pool=pool, layer=0 if pool == "full" else 1))
+        return batch
+
+    _wrap_forward(engine, before=before)
+
+
+def install_stray_write_in_the_last_layer(engine, at: int) -> None:
+    """At step ``at``, after the forward, the K and V just written for the second decode token are
+    copied over the live in-window SWA slot of the first decode request's previous position, in the
+    model's LAST layer only (the sliding-window layer, layer 1): a stray write of one deep layer, as
+    issue 32 made inside the real sglang Engine (another request's fresh K/V over a live slot of the
+    last sliding-window layer: 5 of 20 outputs changed, every check passed; a checksum of one
+    designated layer, or SGLang's KV canary's ``k_buffer[0]``, never sees a deeper layer)."""
+    _remember_plan(engine)
+
+    def after(step, batch):
+        if step != at:
+            return
+        (entry_a, token_a, req_a), (_, token_b, _) = _decode_tokens(engine, batch)[:2]
+        mapping = engine.pools.full_to_swa_index_mapping
+        position = int(batch.positions[token_a]) - 1
+        full = int(engine.pools.req_to_token[req_a.slots.row, position])
+        swa, source = int(mapping[full]), int(mapping[int(batch.full_slots[token_b])])
+        engine.kv.swa_k[swa] = engine.kv.swa_k[source]
+        engine.kv.swa_v[swa] = engine.kv.swa_v[source]
+        engine.fault_log.append(dict(step=step, entry=entry_a, request=req_a.rid, position=position, full_slot=full,
+                                     swa_slot=swa, pool="swa", layer=1))
+
+    _wrap_forward(engine, after=after)

@@ -32,7 +32,8 @@ def run(fault=None, *, interval=5, requests=24, page_size=1, budget=1 << 16, mon
     engine_config = EngineConfig(**{**CONFIG, **config}, page_size=page_size)
     slots = (engine_config.full_pool_size // page_size + 1) * page_size
     swa_slots = (engine_config.swa_pool_size // page_size + 1) * page_size
-    reporter.enable_provenance(full_slots=slots, swa_slots=swa_slots, budget=budget)
+    reporter.enable_provenance(full_slots=slots, swa_slots=swa_slots, budget=budget,
+                               checksum=engine_config.provenance)
     engine = ReferenceEngine(engine_config, reporter=reporter)
     run_trace(engine, requests, fault)
     reporter.close()
@@ -150,6 +151,30 @@ def test_a_flipped_byte_is_a_corrupt_token_of_its_pool(pool, used, monkeypatch):
     assert not flagged(readings, "foreign_tokens")  # the stamps say the slot is the token's
 
 
+DEEP_FAULTS = {
+    "a bit past the first 64 bytes of a SWA V row": (lambda e: faults.install_bit_flip_past_the_prefix(e, 25, "swa")),
+    "a bit past the first 64 bytes of a FULL V row": (lambda e: faults.install_bit_flip_past_the_prefix(e, 25, "full")),
+    "a stray write in the last layer only": (lambda e: faults.install_stray_write_in_the_last_layer(e, 25)),
+}
+
+
+@pytest.mark.parametrize("name", list(DEEP_FAULTS))
+def test_every_layer_and_every_byte_by_default_the_changed_layer_named(name, monkeypatch):
+    """Rows of 128 bytes (2 heads of 16, float32): the default checksum sees a byte past the first 64
+    and the model's last layer, and the first offender names the layer; ``prefix`` misses the bit."""
+    engine, readings = run(DEEP_FAULTS[name], num_heads=2, monkeypatch=monkeypatch)
+    (made,) = engine.fault_log
+    step, first = flagged(readings, "corrupt_tokens")[0]
+    assert step == made["step"] == 25
+    offender = first.provenance.corrupt_offender
+    assert {k: offender[k] for k in ("pool", "entry", "position", "full_slot", "swa_slot", "layer")} == {
+        k: made[k] for k in ("pool", "entry", "position", "full_slot", "swa_slot", "layer")}
+    assert first.provenance.corrupt_tokens == 1 and not flagged(readings, "foreign_tokens")
+    if "bit" in name:  # past the 64 bytes the cheaper option covers (the last layer is the only SWA one here)
+        _, readings = run(DEEP_FAULTS[name], num_heads=2, provenance="prefix", monkeypatch=monkeypatch)
+        assert readings and not flagged(readings, "corrupt_tokens")
+
+
 # ---------------------------------------------------------------------- a whole engine, both ways
 def engine_readings(recorded: bool, monkeypatch, fault=None):
     reporter = SwaDivergenceReporter(4)
@@ -188,7 +213,7 @@ FAULTS = {
 }
 
 
-def logged_run(fault, log):
+def logged_run(fault, log, **config):
     import logging
 
     from otel_swa.logline import LogLineSink
@@ -199,7 +224,7 @@ def logged_run(fault, log):
     handler = logging.FileHandler(log)
     logger.addHandler(handler)
     reporter = SwaDivergenceReporter(5, sinks=[lambda record, context: records.append(record), LogLineSink(logger)])
-    engine = ReferenceEngine(EngineConfig(**CONFIG, provenance_budget=1 << 16), reporter=reporter)
+    engine = ReferenceEngine(EngineConfig(**{**CONFIG, **config}, provenance_budget=1 << 16), reporter=reporter)
     run_trace(engine, 24, fault)
     reporter.close()
     handler.close()
@@ -231,6 +256,22 @@ def test_check_fails_each_fault_naming_its_first_offender(name, tmp_path, capsys
     assert main(["check", str(log)]) == 1
     out = capsys.readouterr().out
     assert fault in out and offender.describe() in out, out
+
+
+@pytest.mark.parametrize("name", list(DEEP_FAULTS))
+def test_check_fails_a_deep_fault_naming_its_layer(name, tmp_path, capsys):
+    from otel_swa.cli import main
+
+    log = tmp_path / "deep.log"
+    engine, records = logged_run(DEEP_FAULTS[name], log, num_heads=2)
+    (made,) = engine.fault_log
+    first = next(r for r in records if r.kv_corrupt_tokens)
+    offender = first.offender("kv_corrupt_tokens")
+    assert (offender.pool, offender.position, offender.layer) == (made["pool"], made["position"], made["layer"])
+    capsys.readouterr()
+    assert main(["check", str(log)]) == 1
+    out = capsys.readouterr().out
+    assert "kv_corrupt_tokens" in out and offender.describe() in out and f"layer {made['layer']}" in out, out
 
 
 def test_a_replay_whose_engine_flips_a_written_byte_exits_1_and_says_why(monkeypatch, capsys):
