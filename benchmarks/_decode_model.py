@@ -103,7 +103,13 @@ class DecodeModel:
         self.reporter = SwaDivergenceReporter(interval, device=dev, graph_mode=graph_mode)
         self.checks = checks
         if checks:
-            self.provenance = self.reporter.enable_provenance(full_slots=slots, swa_slots=slots)
+            order = {"full": tuple(i for i, sliding in enumerate(s.layers) if not sliding),
+                     "swa": tuple(i for i, sliding in enumerate(s.layers) if sliding)}
+            try:  # the layers in call order, as the SGLang wiring gives them
+                self.provenance = self.reporter.enable_provenance(full_slots=slots, swa_slots=slots,
+                                                                  checksum_order=order)
+            except TypeError:  # an otel-swa before checksum_order (a side-by-side run)
+                self.provenance = self.reporter.enable_provenance(full_slots=slots, swa_slots=slots)
             self.read_check = self.reporter.enable_read_check()
         self._offsets = {r: torch.arange(r, device=dev) - (r - 1) for r in {s.window, s.context + 1}}
 

@@ -99,10 +99,10 @@ class InForwardChecks:
 
         Args:
             full_slots, swa_slots: slots of the FULL and SWA pools (their K/V buffers' first
-                dimension; ``swa_slots=None``: no SWA pool). The tables take 8 bytes per slot each,
-                on the reporter's device.
+                dimension; ``swa_slots=None``: no SWA pool). The tables take 24 bytes per slot
+                (8 of stamps, 16 of checksums), on the reporter's device.
             options: :class:`~otel_swa.device.provenance.KvProvenance`'s (``checksum``,
-                ``checksum_bytes``, ``checksum_layers``, ``budget``, ``write_check``,
+                ``checksum_bytes``, ``checksum_layers``, ``checksum_order``, ``budget``, ``write_check``,
                 ``write_check_tokens``, ``write_check_layers``).
 
         Raises:

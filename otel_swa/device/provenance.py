@@ -1,14 +1,18 @@
 """Provenance of a hybrid KV cache: is the KV in every slot the tables name the KV of the token they name it for?
 
 torch only (numpy on the host side of a sample). Two device tables per pool (FULL, and SWA when the
-engine has one), ``int64 [num_slots]`` each on the KV cache's device, 8 bytes per slot each:
+engine has one) on the KV cache's device, 24 bytes per slot together:
 
-* **stamps** (:mod:`otel_swa.device.stamps`): the token id, the position and a 20-bit chain over the
-  request's prefix of the token whose KV was last written to the slot; 0: never stamped;
-* **checksums** (:mod:`otel_swa.device.checksum`): a hash of the first bytes (or all) of the K and V
-  rows written for that token at one designated layer of the pool's kind (by default the first such
-  layer called, as SGLang's KV canary hashes layer 0 of each sub-pool), taken from the tensors the
-  layer was given to store; 0: never hashed.
+* **stamps** (:mod:`otel_swa.device.stamps`, ``int64 [num_slots]``): the token id, the position and a
+  20-bit chain over the request's prefix of the token whose KV was last written to the slot; 0:
+  never stamped;
+* **checksums** (:mod:`otel_swa.device.kv_folds`, ``int64 [num_slots, 2]``): two folds over the
+  pool's attention layers of a hash of every byte of the K and V rows written for that token in
+  each layer (:mod:`otel_swa.device.checksum`), taken from the tensors each layer was given to
+  store; a change in one layer names that layer; 0: never written. ``checksum="prefix"`` folds
+  only the first ``checksum_bytes`` of each row of one designated layer per pool (the first such
+  layer called, as SGLang's KV canary hashes layer 0 of each sub-pool): cheaper, blind to every
+  other layer and byte.
 
 Both are written at every forward step with fixed shapes and no host read (so a CUDA graph capture
 records them), and verified at sampled steps (:meth:`KvProvenance.stage`, called by the reporter with
@@ -62,10 +66,11 @@ positions). Host work per sample: the expected stamps of the taken positions (nu
 of each request's chain every 1,024 positions (8 bytes per 1,024 tokens of a request), so each
 token id is converted once over the request's life plus up to 1,024 per range re-read; the upload:
 ``3 x 8`` bytes per taken slot (batch entry, position, expected stamp), 192 KiB at the default budget
-with both pools full, through the reporter's pinned ring. Device work per pool and sample: about 55
-operations over the taken slots (the gathers of ``req_to_token``, the mapping, the stamps, the
-checksums and the K/V rows, the comparisons and the first offenders; ``benchmarks/bench_provenance.py``
-table 2 measures it: 3 - 7 ms on 2 loaded CPU cores at 2,720 - 8,192 slots).
+with both pools full, through the reporter's pinned ring. Device work per pool and sample: about 40
+operations over the taken slots (the gathers of ``req_to_token``, the mapping, the stamps and the
+folds, the comparisons and the first offenders) and the recomputed folds: two gathers per layer (its
+K and V rows) and about 10 operations over ``[slots, layers, words]`` for all the pool's layers at
+once (``benchmarks/bench_provenance.py`` table 2 measures it).
 
 The sweep. KV that no running request reads (a prefix cache's) is not in any batch: a byte changed
 there is read, wrongly, only by a later prefix hit. A view that names such slots

@@ -95,6 +95,14 @@ PHASED = {
          ("write_raw", "sgl-project/sglang#23984, #20181 (SWA layers store new KV at the raw FULL index)"),
          ("stale_prefix", "sgl-project/sglang#31486 (a prefix hit re-uses window-evicted SWA KV)")),
     ),
+    "every_layer": (
+        {"page_size": 1, "disable_overlap_schedule": True},
+        {"OTEL_SWA_TEST_SGLANG_FAULT": ",".join(f"{fault}@{AT_STEP}" for fault in ("deep_layer_write",
+                                                                                  "v_sign_bit_flip"))},
+        (("deep_layer_write", "a stray write of another request's K/V over a live slot of the last sliding-window "
+                              "layer only (issue 32)"),
+         ("v_sign_bit_flip", "one bit past the first 64 bytes of a live V row of the last layer (issue 32)")),
+    ),
     "perturbations": (
         {"page_size": 1, "disable_overlap_schedule": True, "kv_canary_real_data": "partial",
          "kv_canary_sweep_interval": INTERVAL},
@@ -428,6 +436,7 @@ def _expected_signals(fault: str) -> tuple:
     if fault.startswith("perturb "):
         return ("kv_corrupt_tokens",)
     return {"write_raw": ("kv_write_mismatches", "kv_corrupt_tokens"),
+            "deep_layer_write": ("kv_corrupt_tokens",), "v_sign_bit_flip": ("kv_corrupt_tokens",),
             "stale_write_loc": ("kv_foreign_tokens", "kv_write_mismatches")}.get(fault, ("kv_foreign_tokens",))
 
 
@@ -473,6 +482,8 @@ def test_each_phased_fault_is_flagged_where_it_was_made(phase):
     # the SWA slot it replaced, which the audit names)
     signal = next(name for name in _expected_signals(made["fault"]) if getattr(first, name))
     assert _made_where(first.offender(signal), made), (first.offender(signal), made)
+    if "layer" in made:  # a fault of one layer: the offender names it
+        assert (first.offender(signal).layer, first.offender(signal).pool) == (made["layer"], made["pool"]), made
     assert row["check_exit"] == 1, row
 
 

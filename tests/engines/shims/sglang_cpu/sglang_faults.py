@@ -38,6 +38,12 @@ one forward step, on the requests of the batch closest to finishing:
 ``stale_prefix``
     :mod:`fault_sglang_31486_stale_prefix`: at a prefix-cache hit, a window-evicted SWA slot put
     back into the mapping of a matched token (re-cached stale KV).
+``deep_layer_write``
+    :mod:`fault_deep_layer_stray_write`: another request's K/V written over a live slot of the last
+    sliding-window layer only.
+``v_sign_bit_flip``
+    :mod:`fault_v_sign_bit_flip`: the sign bit of the last element of a live V row (past its first
+    64 bytes) of the last layer flipped.
 
 Every injection that took effect appends ``{"pid", "fault", "step", ...}`` to
 ``faults-<pid>.jsonl`` in the probe's directory: ``step`` is the first forward step whose sample can
@@ -51,7 +57,8 @@ import json
 import os
 
 FAULTS = ("torch_native_raw_read", "early_eviction", "leak_on_free", "freed_while_mapped",
-          "wrong_position", "swapped_ownership", "stale_write_loc", "write_raw", "stale_prefix")
+          "wrong_position", "swapped_ownership", "stale_write_loc", "write_raw", "stale_prefix",
+          "deep_layer_write", "v_sign_bit_flip")
 
 #: fault -> the module that makes it
 _MODULES = {
@@ -63,9 +70,12 @@ _MODULES = {
     "stale_write_loc": "fault_sglang_25889_stale_write_loc",
     "write_raw": "fault_sglang_23984_write_raw",
     "stale_prefix": "fault_sglang_31486_stale_prefix",
+    "deep_layer_write": "fault_deep_layer_stray_write",
+    "v_sign_bit_flip": "fault_v_sign_bit_flip",
 }
 #: The faults that take a :class:`Gate` (made once each, one after the other).
-GATED = ("wrong_position", "swapped_ownership", "stale_write_loc", "write_raw", "stale_prefix")
+GATED = ("wrong_position", "swapped_ownership", "stale_write_loc", "write_raw", "stale_prefix", "deep_layer_write",
+         "v_sign_bit_flip")
 
 
 def at_step() -> int:
