@@ -14,8 +14,8 @@ weights are random, made on the device.
 
 The checks (``checks=True``): the stamps before the first layer
 (:meth:`~otel_swa.device.provenance.KvProvenance.stamp`), each layer's
-:meth:`~otel_swa.device.provenance.KvProvenance.after_layer` (checksums of the designated layer of
-each pool, the write check), and the read check of the sliding-window layers
+:meth:`~otel_swa.device.provenance.KvProvenance.after_layer` (every layer's checksum folded, the
+layers given in their order; the write check), and the read check of the sliding-window layers
 (:meth:`~otel_swa.device.read_check.ReadCheck.check_layer`), each called when
 ``reporter.checks_wanted()`` (always inside a capture).
 """

@@ -166,8 +166,8 @@ def recorded_ops() -> list:
     return [
         ("the decode step itself (4 layers), for scale", str(plain), "every step"),
         ("stamps (both pools)", str(stamp), "every step (in a graph: every replay)"),
-        ("checksum write, one layer (x every layer with the default OTEL_SWA_PROVENANCE=all; x 2, one "
-         "per pool, with prefix)", str(checksum), "every step (every replay)"),
+        ("checksum write of layer 0 (all: every layer; in the layers' order a copy into the step buffer, "
+         "10 more at a pool's last; prefix: x 2, one layer per pool)", str(checksum), "every step (every replay)"),
         (f"the every-step write path of the decode step ({layers} layers: stamps + checksums)", str(writes),
          "every step (every replay)"),
         ("write check, one layer (x 2: one of each pool)", str(write_check),
