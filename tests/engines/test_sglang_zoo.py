@@ -9,13 +9,16 @@ engine) and SGLang's idle memory check in warn mode, both sampled every :data:`I
 The fault is on from forward step :data:`AT_STEP` (the raw read from the first step): the records
 before it are the configuration's clean run, and must show no fault of any kind.
 
-The faults of the KV's provenance (what a slot holds against what the tables say it holds) share two
+The faults of the KV's provenance (what a slot holds against what the tables say it holds) share four
 runs (:data:`PHASED`, 16 requests of the trace and 4 repeats each): ``provenance`` makes five faults
 (``sglang_faults``: a wrong position, swapped ownership, a stale write location, a raw-index SWA
 write, a stale prefix-cache SWA slot), ``perturbations`` runs SGLang's own KV canary self-tests
 (``sglang_perturb_phases``: ``req_to_token``, ``real_kv_used``, ``real_kv_unused_cache``,
 ``real_kv_post_forward``, each for the FULL and for the SWA pool, with the canary's real-KV hashing
-on and a sweep every :data:`INTERVAL` steps). Each fault is made once, at a sampled step, on the
+on and a sweep every :data:`INTERVAL` steps); ``every_layer`` and ``every_layer_bf16`` (a float32 and
+a bf16 KV cache) make what a checksum of one layer's first bytes misses (issue 32): a stray write in
+the last sliding-window layer only and one bit past a row's first 64 bytes of the last layer, each
+named by its layer. Each fault is made once, at a sampled step, on the
 requests closest to finishing; the next waits until those requests have left and a clean sample was
 taken (the perturbations are undone after both checkers had a look), so each is judged on its own
 records: the last sample before it must be clean, its first sample must flag it naming what it
@@ -102,6 +105,13 @@ PHASED = {
         (("deep_layer_write", "a stray write of another request's K/V over a live slot of the last sliding-window "
                               "layer only (issue 32)"),
          ("v_sign_bit_flip", "one bit past the first 64 bytes of a live V row of the last layer (issue 32)")),
+    ),
+    "every_layer_bf16": (
+        {"page_size": 1, "disable_overlap_schedule": True, "dtype": "bfloat16"},
+        {"OTEL_SWA_TEST_SGLANG_FAULT": ",".join(f"{fault}@{AT_STEP}" for fault in ("deep_layer_write",
+                                                                                  "v_sign_bit_flip"))},
+        (("deep_layer_write", "the same, a bf16 KV cache (its 2-byte words hashed as stored)"),
+         ("v_sign_bit_flip", "the same, a bf16 KV cache (the last byte of a 64-byte row)")),
     ),
     "perturbations": (
         {"page_size": 1, "disable_overlap_schedule": True, "kv_canary_real_data": "partial",

@@ -8,8 +8,9 @@ Stands in for a single-bit memory or transfer error anywhere in a row: at one de
 ``at_step`` on, before the forward, the sign bit of the last element of the V row of the FULL
 pool's last layer (the model's last attention layer, the engine suite's only full-attention one) at
 the slot of the previous position of the batch's request closest to finishing is flipped (its last
-byte xor 0x80: little-endian floats keep the sign in the last byte). Undone before SGLang processes
-the step's results (after the step's sample).
+byte xor 0x80: little-endian floats keep the sign in the last byte; byte 127 of a float32 row of
+the engine suite's model, byte 63 of a bf16 one). Undone before SGLang processes the step's results
+(after the step's sample).
 """
 
 from __future__ import annotations
@@ -38,9 +39,7 @@ def install(at_step: int, gate, order: int) -> None:
         row_index = int(forward_batch.req_pool_indices[victim])
         full = int(runner.req_to_token_pool.req_to_token[row_index, position])
         row = pool.full_kv_pool.v_buffer[index][full].view(-1).view(torch.uint8)
-        if row.shape[0] <= 64:
-            return
-        row[-1] ^= 0x80
+        row[-1] ^= 0x80  # past the first 64 bytes where the row is longer (float32 here: 128 bytes)
         undo.append(row)
         batch = sglang_step_probe.current_batch()
         rid = batch.reqs[victim].rid
