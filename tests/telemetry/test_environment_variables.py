@@ -42,7 +42,7 @@ BAD_VALUES = {
     ev.OTEL_SWA_PROMETHEUS_PORT_OFFSET: (["-1", "abc", "1.5", "local"], "'rank' or an integer >= 0"),
     ev.OTEL_SWA_PROMETHEUS_LINGER: (["-1", "soon", "601", "nan", "inf"], "seconds from 0 to 600"),
     ev.OTEL_SWA_GRAPH_CHECKS: (["maybe", "on", "1", "-1", "true"], "one of masked, conditional"),
-    ev.OTEL_SWA_PROVENANCE: (["maybe", "on", "1", "-1", "true"], "one of prefix, all, off"),
+    ev.OTEL_SWA_PROVENANCE: (["maybe", "on", "1", "-1", "true"], "one of all, prefix, off"),
     ev.OTEL_SWA_PROVENANCE_BUDGET: (["0", "1048577", "-1", "abc", "many", "2.5"], "an integer from 1 to 1048576"),
 }
 CASES = [(name, value) for name, (values, _) in BAD_VALUES.items() for value in values]
