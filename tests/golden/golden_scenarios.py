@@ -132,7 +132,7 @@ SCENARIOS = (
              engine_fault=lambda engine: golden_faults.install_silent_view(engine, 9, 31),
              lines=("otel_swa_liveness=",)),
     # a pipeline of two micro-batches, every micro-batch of a sampled round, on pipeline rank 1
-    Scenario("micro_batch", ("--requests", "8"),
+    Scenario("micro_batch", ("--requests", "8", "--page-size", "4", "--swa-pool", "2048"),
              env={"OTEL_SWA_MICRO_BATCHES": "every", "OTEL_SWA_PP_RANK": "1", "OTEL_SWA_TP_RANK": "2"},
              engine_fault=golden_faults.install_pipeline, lines=('"micro_batch":1',)),
 )
