@@ -8,9 +8,11 @@ server runs write ``engine.log``: the engine process's stdout and stderr; the vL
 
 * ``OUT/<suite>/raw/<path under basetemp>``: the file as the test wrote it;
 * ``OUT/<suite>/lines/<same path>``: its otel-swa lines, normalised: every line that holds
-  ``kv_canary_swa_divergence=`` (otel-swa's and SGLang's own), ``otel_swa`` or ``otel-swa``, in
-  order, with what varies from run to run replaced (:func:`normalise`: dates and times, process
-  ids, the basetemp path, TCP ports, object addresses, durations in seconds);
+  ``kv_canary_swa_divergence=`` (otel-swa's and SGLang's own), ``otel_swa`` or ``otel-swa`` (a
+  traceback's frames left out), otel-swa's tagged lines first and the others after them, each group
+  in its order, with what varies from run to run replaced (:func:`normalise`: dates and times,
+  process ids, the basetemp path, TCP ports, object addresses, durations in seconds, SGLang's
+  request ids);
 * ``OUT/<suite>/pytest.txt``: the command, its exit status and the tail of pytest's output.
 
 Compare two captures with ``tests/golden/compare_engine_logs.py BASE NEW`` (``--noise BASE2``, a
@@ -22,6 +24,7 @@ Usage (from the repository root; the worktree's code, not an installed copy, is 
     python3 tests/golden/capture_engine_logs.py OUT                    # both suites, the default files
     python3 tests/golden/capture_engine_logs.py OUT --suite sglang     # one suite
     python3 tests/golden/capture_engine_logs.py OUT --suite vllm --tests tests/engines/test_vllm_real.py
+    python3 tests/golden/capture_engine_logs.py OUT --renormalise       # lines/ again from raw/, nothing run
 
 Environments: ``--sglang-venv`` (default ``$OTEL_SWA_SGLANG_VENV`` or ``.venv-sglang``) and
 ``--vllm-venv`` (``$OTEL_SWA_VLLM_VENV`` or ``.venv-vllm``). ``PYTHONPATH`` is set to the repository
@@ -66,7 +69,17 @@ _RULES = (
     (re.compile(r"\b((?:127\.0\.0\.1|localhost|0\.0\.0\.0)):\d+"), r"\g<1>:<port>"),
     (re.compile(r"\b0x[0-9a-f]{6,}\b"), "<addr>"),
     (re.compile(r"\b\d+\.\d+ ?(s|ms|seconds)\b"), r"<dur> \g<1>"),
+    (re.compile(r'("\w+_s"\s*:\s*)\d+(?:\.\d+)?'), r"\g<1><dur>"),  # {"startup_s": 27.55}
+    (re.compile(r'("children"\s*:\s*)\[[\d, ]*\]'), r"\g<1>[<pids>]"),
+    (re.compile(r"\b[0-9a-f]{32}\b"), "<rid>"),  # SGLang's request ids (uuid4 hex)
 )
+#: A line left out although it holds a word of KEEP: a traceback's frame (its path and line number
+#: are the code's, not a line otel-swa writes).
+_DROP = re.compile(r'^\s+File "')
+#: otel-swa's own lines (its tag): kept first, in their order; the other kept lines follow in theirs.
+#: The two are written by different threads or processes (an OpenTelemetry batch processor, SGLang's
+#: logger), so how they interleave is timing, not behaviour.
+_TAG = "otel_swa[verify="
 
 
 def normalise(line: str, basetemp: str) -> str:
@@ -100,13 +113,29 @@ def keep_logs(basetemp: Path, out: Path) -> int:
         raw = out / "raw" / rel
         raw.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(path, raw)
-        text = path.read_text(encoding="utf-8", errors="replace")
-        kept = [normalise(line, str(basetemp)) for line in text.splitlines() if any(word in line for word in KEEP)]
-        lines = out / "lines" / rel
-        lines.parent.mkdir(parents=True, exist_ok=True)
-        lines.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        _write_lines(raw, out / "lines" / rel, str(basetemp))
         count += 1
     return count
+
+
+def _write_lines(raw: Path, lines: Path, basetemp: str) -> None:
+    text = raw.read_text(encoding="utf-8", errors="replace")
+    kept = [normalise(line, basetemp) for line in text.splitlines()
+            if any(word in line for word in KEEP) and not _DROP.match(line)]
+    ordered = [line for line in kept if _TAG in line] + [line for line in kept if _TAG not in line]
+    lines.parent.mkdir(parents=True, exist_ok=True)
+    lines.write_text("".join(line + "\n" for line in ordered), encoding="utf-8")
+
+
+def renormalise(out: Path) -> int:
+    """Write ``out/lines`` again from ``out/raw`` (after a change of the rules above); return how many files."""
+    match = re.search(r"--basetemp=(\S+)", (out / "pytest.txt").read_text())
+    basetemp = match.group(1) if match else str(out / "basetemp")
+    shutil.rmtree(out / "lines", ignore_errors=True)
+    raws = sorted(p for p in (out / "raw").rglob("*") if p.is_file())
+    for raw in raws:
+        _write_lines(raw, out / "lines" / raw.relative_to(out / "raw"), basetemp)
+    return len(raws)
 
 
 def _shim_paths(venv: Path) -> "list[str]":
@@ -165,8 +194,15 @@ def main(argv: "list[str] | None" = None) -> int:
                         default=Path(os.environ.get("OTEL_SWA_VLLM_VENV", ROOT / ".venv-vllm")))
     parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[],
                         help="more pytest arguments (last on the line)")
+    parser.add_argument("--renormalise", action="store_true",
+                        help="run nothing: write OUT/<suite>/lines again from OUT/<suite>/raw")
     args = parser.parse_args(argv)
     suites = args.suite or sorted(DEFAULT_TESTS)
+    if args.renormalise:
+        for suite in suites:
+            if (args.out / suite / "raw").is_dir():
+                print(f"{suite}: {renormalise(args.out / suite)} files normalised again")
+        return 0
     if args.tests and len(suites) != 1:
         parser.error("--tests needs exactly one --suite")
     status = 0
