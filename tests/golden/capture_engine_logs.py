@@ -9,7 +9,8 @@ server runs write ``engine.log``: the engine process's stdout and stderr; the vL
 * ``OUT/<suite>/raw/<path under basetemp>``: the file as the test wrote it;
 * ``OUT/<suite>/lines/<same path>``: its otel-swa lines, normalised: every line that holds
   ``kv_canary_swa_divergence=`` (otel-swa's and SGLang's own), ``otel_swa`` or ``otel-swa`` (a
-  traceback's frames left out), otel-swa's tagged lines first and the others after them, each group
+  traceback's frames left out; of a collector's output, ``rotel.out``, only the log record bodies
+  that hold otel-swa's tagged lines), otel-swa's tagged lines first and the others after them, each group
   in its order, with what varies from run to run replaced (:func:`normalise`: dates and times,
   process ids, the basetemp path, TCP ports, object addresses, durations in seconds, SGLang's
   request ids);
@@ -75,6 +76,11 @@ _RULES = (
     (re.compile(r'("children"\s*:\s*)\[[\d, ]*\]'), r"\g<1>[<pids>]"),
     (re.compile(r"\b[0-9a-f]{32}\b"), "<rid>"),  # SGLang's request ids (uuid4 hex)
 )
+#: What a collector printed (``rotel-agent --debug-log``): of it only the bodies of the log records
+#: that hold otel-swa's tagged lines are kept; the attribute lines (``-> otel_swa.tp_rank: Int(0)``)
+#: say nothing without the record around them, and which export request carries which metric point
+#: or span is timing.
+COLLECTOR_FILES = ("rotel.out",)
 #: A line left out although it holds a word of KEEP: a traceback's frame (its path and line number
 #: are the code's, not a line otel-swa writes).
 _DROP = re.compile(r'^\s+File "')
@@ -122,8 +128,9 @@ def keep_logs(basetemp: Path, out: Path) -> int:
 
 def _write_lines(raw: Path, lines: Path, basetemp: str) -> None:
     text = raw.read_text(encoding="utf-8", errors="replace")
+    keep = (_TAG,) if raw.name in COLLECTOR_FILES else KEEP
     kept = [normalise(line, basetemp) for line in text.splitlines()
-            if any(word in line for word in KEEP) and not _DROP.match(line)]
+            if any(word in line for word in keep) and not _DROP.match(line)]
     ordered = [line for line in kept if _TAG in line] + [line for line in kept if _TAG not in line]
     lines.parent.mkdir(parents=True, exist_ok=True)
     lines.write_text("".join(line + "\n" for line in ordered), encoding="utf-8")
