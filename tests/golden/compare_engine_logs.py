@@ -6,10 +6,12 @@ Usage::
 
 For each normalised file (``<suite>/lines/...``) of either capture it says ``identical``,
 ``DIFFERS`` (with a short unified diff), ``only in BASE`` or ``only in NEW``. With ``--noise BASE2``
-(a second capture of the base commit) a file that already differs between BASE and BASE2 is
-``not comparable`` (the engine's own batching varied between two runs of the same code) and
-does not count against NEW; its diff against NEW is still summed up in one line. Also says, per
-suite, the pytest exit status of each capture (``pytest.txt``).
+(a second capture of the base commit), the lines that differ between BASE and BASE2 (same length)
+are left out of the comparison: a file whose only differences from BASE are such lines is
+``identical`` (the count said); a file whose length differs between BASE and BASE2 is ``not
+comparable`` (the engine's own batching varied between two runs of the same code) and does not
+count against NEW, its diff against NEW summed up in one line. Also says, per suite, the pytest
+exit status of each capture (``pytest.txt``).
 
 Exit status: 0 when every comparable file is identical and no file is missing from either side,
 1 otherwise, 2 for a capture folder that does not exist.
@@ -35,6 +37,18 @@ def _status(capture: Path, suite: str) -> str:
         return "no pytest.txt"
     match = re.search(r"^exit status: (\S+)", report.read_text(), re.M)
     return f"pytest exit {match.group(1) if match else '?'}"
+
+
+def _lines(path: Path) -> "list[str]":
+    return path.read_text(encoding="utf-8").splitlines()
+
+
+def _unstable(base: "list[str]", noise: "list[str]") -> "set[int] | None":
+    """The indices of the lines of ``base`` that differ in ``noise`` (a second run of the same
+    commit), or ``None`` when the two differ in length (the whole file is then not comparable)."""
+    if len(base) != len(noise):
+        return None
+    return {i for i, (a, b) in enumerate(zip(base, noise)) if a != b}
 
 
 def _diff(a: Path, b: Path, name_a: str, name_b: str, context: int, most: int) -> "tuple[int, str]":
@@ -65,17 +79,22 @@ def compare(base: Path, new: Path, noise: "Path | None", context: int, most: int
             counts["missing"] += 1
             print(f"only in NEW     {name}", file=out)
             continue
-        same = base_files[name].read_bytes() == new_files[name].read_bytes()
-        noisy = (noise is not None and name in noise_files
-                 and base_files[name].read_bytes() != noise_files[name].read_bytes())
-        size = len(base_files[name].read_text(encoding="utf-8").splitlines())
-        if noisy:
-            counts["not comparable"] += 1
-            verdict = "same as base" if same else f"{_diff(base_files[name], new_files[name], '', '', 0, 0)[0]} lines differ"
-            print(f"not comparable  {name} ({size} lines; varies between two base runs; new: {verdict})", file=out)
-        elif same:
+        base_lines, new_lines = _lines(base_files[name]), _lines(new_files[name])
+        size = len(base_lines)
+        unstable = _unstable(base_lines, _lines(noise_files[name])) if name in noise_files else set()
+        changed = {i for i, (a, b) in enumerate(zip(base_lines, new_lines)) if a != b}
+        if base_lines == new_lines:
             counts["identical"] += 1
             print(f"identical       {name} ({size} lines)", file=out)
+        elif unstable is None:
+            counts["not comparable"] += 1
+            verdict = f"{_diff(base_files[name], new_files[name], '', '', 0, 0)[0]} lines differ"
+            print(f"not comparable  {name} ({size} lines; its length varies between two base runs; new: {verdict})",
+                  file=out)
+        elif len(base_lines) == len(new_lines) and changed <= unstable:
+            counts["identical"] += 1
+            print(f"identical       {name} ({size} lines; {len(changed)} of the {len(unstable)} that vary between "
+                  f"two base runs differ)", file=out)
         else:
             counts["differs"] += 1
             changed, shown = _diff(base_files[name], new_files[name], f"BASE/{name}", f"NEW/{name}", context, most)

@@ -43,19 +43,25 @@ def _capture(root, files: dict):
 
 def test_compare_says_identical_differs_missing_and_not_comparable(tmp_path):
     base = _capture(tmp_path / "base", {"a/engine.log": "1\n2\n", "b/engine.log": "x\n", "c/run.log": "s\n",
-                                        "d/run.log": "gone\n"})
-    noise = _capture(tmp_path / "noise", {"a/engine.log": "1\n2\n", "b/engine.log": "y\n", "c/run.log": "s\n"})
+                                        "d/run.log": "gone\n", "f/engine.log": "k\nv\nk\n"})
+    noise = _capture(tmp_path / "noise", {"a/engine.log": "1\n2\n", "b/engine.log": "y\ny\n", "c/run.log": "s\n",
+                                          "f/engine.log": "k\nw\nk\n"})
     new = _capture(tmp_path / "new", {"a/engine.log": "1\n2\n", "b/engine.log": "z\n", "c/run.log": "t\n",
-                                      "e/run.log": "new\n"})
+                                      "e/run.log": "new\n", "f/engine.log": "k\nu\nk\n"})
     out = io.StringIO()
     assert compare_engine_logs.compare(base, new, noise, 1, 30, out) == 1
     text = out.getvalue().splitlines()
     assert text[0] == "suite sglang: base pytest exit 0, new pytest exit 0, noise pytest exit 0"
     assert "identical       sglang/lines/a/engine.log (2 lines)" in text
-    assert ("not comparable  sglang/lines/b/engine.log (1 lines; varies between two base runs; new: 2 lines differ)"
-            in text)
+    assert ("not comparable  sglang/lines/b/engine.log (1 lines; its length varies between two base runs; "
+            "new: 2 lines differ)") in text
     assert "DIFFERS         sglang/lines/c/run.log (2 lines changed)" in text
     assert "    -s" in text and "    +t" in text
     assert "only in BASE    sglang/lines/d/run.log" in text and "only in NEW     sglang/lines/e/run.log" in text
-    assert text[-1] == "1 identical, 1 differs, 2 missing, 1 not comparable"
+    assert "identical       sglang/lines/f/engine.log (3 lines; 1 of the 1 that vary between two base runs differ)" in text
+    assert text[-1] == "2 identical, 1 differs, 2 missing, 1 not comparable"
+    # without the second base run, the line that varies is a difference
+    out = io.StringIO()
+    assert compare_engine_logs.compare(base, new, None, 1, 30, out) == 1
+    assert "DIFFERS         sglang/lines/f/engine.log (2 lines changed)" in out.getvalue()
     assert compare_engine_logs.compare(base, base, None, 1, 30, io.StringIO()) == 0
