@@ -23,12 +23,24 @@ import golden_scenarios
 from golden_scenarios import DATA, SCENARIOS
 
 
+def _first_difference(expected: str, actual: str) -> str:
+    """Where the first differing line differs, with 40 characters either side of it."""
+    old, new = expected.splitlines(), actual.splitlines()
+    for number, (a, b) in enumerate(zip(old, new), 1):
+        if a != b:
+            col = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            start = max(0, col - 40)
+            return (f"first difference: line {number}, column {col + 1}\n"
+                    f"  golden:   ...{a[start:col + 40]}...\n  this run: ...{b[start:col + 40]}...\n")
+    return f"first difference: the golden file has {len(old)} lines, this run {len(new)}\n"
+
+
 def _diff(expected: str, actual: str, name: str) -> str:
     lines = list(difflib.unified_diff(expected.splitlines(keepends=True), actual.splitlines(keepends=True),
                                       fromfile=f"golden/{name}", tofile=f"this run/{name}", n=1))
     shown = "".join(lines[:80])
     more = f"... ({len(lines) - 80} more diff lines)\n" if len(lines) > 80 else ""
-    return f"{name} differs from its golden file:\n{shown}{more}"
+    return f"{name} differs from its golden file:\n{_first_difference(expected, actual)}{shown}{more}"
 
 
 def _assert_same(name: str, actual: str) -> None:
