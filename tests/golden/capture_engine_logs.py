@@ -14,6 +14,9 @@ server runs write ``engine.log``: the engine process's stdout and stderr; the vL
   in its order, with what varies from run to run replaced (:func:`normalise`: dates and times,
   process ids, the basetemp path, TCP ports, object addresses, durations in seconds, SGLang's
   request ids);
+* ``OUT/<suite>/raw/detection/detection.json`` and ``lines/detection/detection.json``: the
+  detection table's rows the zoos write (each fault made on purpose, where otel-swa first flagged
+  it, its offender in words), whole, normalised;
 * ``OUT/<suite>/pytest.txt``: the command, its exit status and the tail of pytest's output.
 
 Compare two captures with ``tests/golden/compare_engine_logs.py BASE NEW`` (``--noise BASE2``, a
@@ -81,6 +84,9 @@ _RULES = (
 #: say nothing without the record around them, and which export request carries which metric point
 #: or span is timing.
 COLLECTOR_FILES = ("rotel.out",)
+#: The detection table's rows that the zoos write (``$OTEL_SWA_DETECTION_DIR/detection.json``: each
+#: fault made on purpose, where otel-swa first flagged it and its offender in words): kept whole.
+DETECTION = "detection.json"
 #: A line left out although it holds a word of KEEP: a traceback's frame (its path and line number
 #: are the code's, not a line otel-swa writes).
 _DROP = re.compile(r'^\s+File "')
@@ -128,7 +134,7 @@ def keep_logs(basetemp: Path, out: Path) -> int:
 
 def _write_lines(raw: Path, lines: Path, basetemp: str) -> None:
     text = raw.read_text(encoding="utf-8", errors="replace")
-    keep = (_TAG,) if raw.name in COLLECTOR_FILES else KEEP
+    keep = (_TAG,) if raw.name in COLLECTOR_FILES else ("",) if raw.name == DETECTION else KEEP
     kept = [normalise(line, basetemp) for line in text.splitlines()
             if any(word in line for word in keep) and not _DROP.match(line)]
     ordered = [line for line in kept if _TAG in line] + [line for line in kept if _TAG not in line]
@@ -183,6 +189,12 @@ def run_suite(suite: str, venv: Path, tests: list, out: Path, extra: list) -> in
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     seconds = time.monotonic() - start
     kept = keep_logs(basetemp, out)
+    detection = out / "detection" / DETECTION
+    if detection.exists():
+        (out / "raw" / "detection").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(detection, out / "raw" / "detection" / DETECTION)
+        _write_lines(detection, out / "lines" / "detection" / DETECTION, str(basetemp))
+        kept += 1
     tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
     (out / "pytest.txt").write_text(f"command: {' '.join(command)}\nexit status: {proc.returncode}\n"
                                     f"seconds: {seconds:.0f}\nlog files kept: {kept}\n--- output (tail)\n{tail}\n")
