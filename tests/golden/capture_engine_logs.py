@@ -29,6 +29,7 @@ Usage (from the repository root; the worktree's code, not an installed copy, is 
     python3 tests/golden/capture_engine_logs.py OUT --suite sglang     # one suite
     python3 tests/golden/capture_engine_logs.py OUT --suite vllm --tests tests/engines/test_vllm_real.py
     python3 tests/golden/capture_engine_logs.py OUT --renormalise       # lines/ again from raw/, nothing run
+    python3 tests/golden/capture_engine_logs.py OUT --repo ../other-tree   # another checkout's code and tests
 
 Environments: ``--sglang-venv`` (default ``$OTEL_SWA_SGLANG_VENV`` or ``.venv-sglang``) and
 ``--vllm-venv`` (``$OTEL_SWA_VLLM_VENV`` or ``.venv-vllm``). ``PYTHONPATH`` is set to the repository
@@ -153,7 +154,7 @@ def renormalise(out: Path) -> int:
     return len(raws)
 
 
-def _shim_paths(venv: Path) -> "list[str]":
+def _shim_paths(venv: Path, root: Path) -> "list[str]":
     """This repository's copies of the shim folders that the environment's
     ``otel_swa_sglang_cpu_shims.pth`` (``tests/engines/shims/install.py``) names, wherever that file
     points: on ``PYTHONPATH`` they come first, so the engine's processes load this tree's shims
@@ -163,12 +164,13 @@ def _shim_paths(venv: Path) -> "list[str]":
         for line in pth.read_text().splitlines():
             parts = Path(line.strip()).parts
             if not line.startswith("import") and parts[-4:-1] == ("tests", "engines", "shims"):
-                paths.append(str(ROOT / "tests" / "engines" / "shims" / parts[-1]))
+                paths.append(str(root / "tests" / "engines" / "shims" / parts[-1]))
     return paths
 
 
-def run_suite(suite: str, venv: Path, tests: list, out: Path, extra: list) -> int:
-    """Run one suite's ``tests`` with ``--basetemp`` under ``out``; keep its logs; pytest's exit status."""
+def run_suite(suite: str, venv: Path, tests: list, out: Path, extra: list, root: Path = ROOT) -> int:
+    """Run one suite's ``tests`` of the tree ``root`` with ``--basetemp`` under ``out``; keep its logs;
+    pytest's exit status."""
     python = venv / "bin" / "python"
     if not python.exists():
         print(f"capture_engine_logs: no {python} (build it with .ci/{suite}-tests.sh build)", file=sys.stderr)
@@ -178,7 +180,7 @@ def run_suite(suite: str, venv: Path, tests: list, out: Path, extra: list) -> in
     out.mkdir(parents=True)
     basetemp = out / "basetemp"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "instrumentation"), *_shim_paths(venv)])
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "instrumentation"), *_shim_paths(venv, root)])
     env[REQUIRE[suite]] = "1"
     env.setdefault("CI", "1")
     env["HF_HUB_OFFLINE"] = "1"
@@ -186,7 +188,7 @@ def run_suite(suite: str, venv: Path, tests: list, out: Path, extra: list) -> in
     command = [str(python), "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={basetemp}",
                "-m", MARKERS[suite], *extra, *tests]
     start = time.monotonic()
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
     seconds = time.monotonic() - start
     kept = keep_logs(basetemp, out)
     detection = out / "detection" / DETECTION
@@ -209,6 +211,8 @@ def main(argv: "list[str] | None" = None) -> int:
     parser.add_argument("--suite", action="append", choices=sorted(DEFAULT_TESTS),
                         help="a suite to run (repeatable; default both)")
     parser.add_argument("--tests", nargs="+", help="test files or node ids instead of the suite's default files")
+    parser.add_argument("--repo", type=Path, default=ROOT,
+                        help="the tree whose code and tests run (default: this script's, %(default)s)")
     parser.add_argument("--sglang-venv", type=Path,
                         default=Path(os.environ.get("OTEL_SWA_SGLANG_VENV", ROOT / ".venv-sglang")))
     parser.add_argument("--vllm-venv", type=Path,
@@ -230,7 +234,7 @@ def main(argv: "list[str] | None" = None) -> int:
     for suite in suites:
         venv = args.sglang_venv if suite == "sglang" else args.vllm_venv
         code = run_suite(suite, venv, args.tests or DEFAULT_TESTS[suite], args.out.resolve() / suite,
-                         args.pytest_args)
+                         args.pytest_args, args.repo.resolve())
         status = max(status, 2 if code == 2 else (1 if code else 0))
     return status
 
