@@ -24,12 +24,13 @@ second capture of the base, marks the files that differ between two runs of the 
 engine's batching depends on timing, so not every engine log repeats).
 
 What repeats (two captures of commit f358b45 on 2 shared CPU cores, normalised as above): every
-vLLM file (22 logs and the detection rows) byte for byte, and so are the raw vLLM logs; of the 39
-SGLang files, 38, and all but one line of the last: in the zoo's ``freed_while_mapped`` run (its
-``engine.log`` and the collector's copy) the ``swa_shared_slots`` offender at forward_ct 40 named
-FULL slot 116 in one run and 120 in the other (two FULL slots map to that SWA slot; which is named
-first was not traced: the holders' order under the overlap scheduler, or ``scatter_`` with duplicate
-indices, whose winner PyTorch leaves undefined). ``--noise`` takes care of such lines. The raw
+vLLM file (22 logs and the detection rows) byte for byte (the raw vLLM logs too, but for the run
+start line's pid); of the 39 SGLang files, 37, and all but one line of the other two: in the zoo's
+``freed_while_mapped`` run (its ``engine.log`` and the collector's copy of its lines) the
+``swa_shared_slots`` offender at forward_ct 40 named FULL slot 116 in one run and 120 in the other
+(two FULL slots map to that SWA slot; why the one named changes was not traced: the holders' order
+under the overlap scheduler, or ``scatter_`` with duplicate indices, whose winner PyTorch leaves
+undefined). ``--noise`` takes care of such lines. The raw
 SGLang logs do not repeat (SGLang's own lines carry throughput figures and timings), nor do the
 collector's metric points and spans (which export carries which point is timing).
 
