@@ -7,9 +7,14 @@ these texts, normalised (:func:`normalise`), each kept as a file under ``tests/g
 
 * ``<name>.log``: the log file, every line;
 * ``<name>.replay.txt``: the replay's exit status, its summary rows (the ``wall time`` row left
-  out: it is a measured time) and its standard error;
+  out: it is a measured time), its standard error and what it logged at WARNING or above;
 * ``<name>.check.txt``: ``otel-swa check -v --run each FILE``: exit status and output;
-* ``<name>.records.jsonl`` / ``<name>.records.csv``: ``otel-swa records`` in both formats.
+* ``<name>.records.jsonl`` / ``<name>.records.csv``: ``otel-swa records`` in both formats;
+* ``foreign_corrupt.metrics.json``: one run's metric points (:mod:`golden_metrics`).
+
+The faults come from ``tests/cli`` and ``tests/reference`` (imported from there as they are) and
+from :mod:`golden_faults`; a change that moves one of them moves the import here, and one that
+changes what a fault does changes these runs.
 
 What is normalised, and only that (everything else must stay byte for byte): the date and time of
 the log prefix and of ``records``' timestamps (``<time>``), the process id of the run start line
