@@ -20,9 +20,10 @@ NAME = "stale_write_loc"
 
 def install(at_step: int, gate, order: int) -> None:
     def redirect(forward_batch, step) -> None:
-        picked = sglang_faults.decode_pair(forward_batch, step, gate, at_step, order)
-        if picked is None:
+        pair = sglang_faults.decode_pair(forward_batch, step, gate, at_step, order)
+        if pair is None:
             return
+        batch, picked = pair
         writer, owner = picked
         owner_row = int(forward_batch.req_pool_indices[owner])
         owner_position = int(forward_batch.seq_lens[owner]) - 2

@@ -20,9 +20,10 @@ NAME = "swapped_ownership"
 
 def install(at_step: int, gate, order: int) -> None:
     def swap(runner, forward_batch, step, line) -> None:
-        picked = sglang_faults.decode_pair(forward_batch, step, gate, at_step, order)
-        if picked is None:
+        pair = sglang_faults.decode_pair(forward_batch, step, gate, at_step, order)
+        if pair is None:
             return
+        batch, picked = pair
         mapping = runner.token_to_kv_pool_allocator.full_to_swa_index_mapping
         full = [int(forward_batch.out_cache_loc[i]) for i in picked]
         swa = [int(mapping[f]) for f in full]

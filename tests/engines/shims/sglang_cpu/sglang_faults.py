@@ -144,10 +144,11 @@ def closest_to_finishing(batch, count: int = 1) -> list[int]:
     return [i for n, i in sorted(left) if n >= 1][:count]
 
 
-def decode_pair(forward_batch, step: int, gate, at_step: int, order: int) -> "list[int] | None":
-    """The two requests of a decode step closest to finishing (batch entries), when ``gate`` lets a
-    fault be made at this step; ``None`` otherwise (not ready, not a decode step, fewer than two
-    requests, or the forward batch is not the scheduler's whole batch)."""
+def decode_pair(forward_batch, step: int, gate, at_step: int, order: int) -> "tuple | None":
+    """``(schedule batch, [entry, entry])``: the scheduler's batch and the two requests of a decode
+    step closest to finishing, when ``gate`` lets a fault be made at this step; ``None`` otherwise
+    (not ready, not a decode step, fewer than two requests, or the forward batch is not the
+    scheduler's whole batch)."""
     if not gate.ready(step, at_step, order) or not forward_batch.forward_mode.is_decode():
         return None
     import sglang_step_probe
@@ -156,7 +157,7 @@ def decode_pair(forward_batch, step: int, gate, at_step: int, order: int) -> "li
     picked = closest_to_finishing(batch, 2)
     if len(picked) < 2 or forward_batch.batch_size != len(batch.reqs):
         return None
-    return picked
+    return batch, picked
 
 
 def install(spec: str) -> None:
