@@ -29,7 +29,7 @@ def install(at_step: int, gate, order: int) -> None:
         picked = sglang_faults.decode_pair(forward_batch, step, gate, at_step, order)
         if picked is None:
             return
-        victim, source = picked
+        batch, (victim, source) = picked
         pool = runner.token_to_kv_pool
         mapping = runner.token_to_kv_pool_allocator.full_to_swa_index_mapping
         layer, index = max((layer_id, index) for layer_id, (index, swa) in pool.layers_mapping.items() if swa)
@@ -45,7 +45,6 @@ def install(at_step: int, gate, order: int) -> None:
         k, v = pool.swa_kv_pool.k_buffer[index], pool.swa_kv_pool.v_buffer[index]
         undo.append((k, v, swa, k[swa].clone(), v[swa].clone()))
         k[swa], v[swa] = k[swa_source], v[swa_source]
-        batch = sglang_step_probe.current_batch()
         rid = batch.reqs[victim].rid
         gate.made(step, [rid])
         sglang_faults.record(NAME, step, requests=[rid], row=int(forward_batch.req_pool_indices[victim]),

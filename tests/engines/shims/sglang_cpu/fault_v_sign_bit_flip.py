@@ -30,7 +30,7 @@ def install(at_step: int, gate, order: int) -> None:
         picked = sglang_faults.decode_pair(forward_batch, step, gate, at_step, order)
         if picked is None:
             return
-        victim = picked[0]
+        batch, (victim, _) = picked
         pool = runner.token_to_kv_pool
         layer, index = max((layer_id, index) for layer_id, (index, swa) in pool.layers_mapping.items() if not swa)
         position = int(forward_batch.seq_lens[victim]) - 2
@@ -41,7 +41,6 @@ def install(at_step: int, gate, order: int) -> None:
         row = pool.full_kv_pool.v_buffer[index][full].view(-1).view(torch.uint8)
         row[-1] ^= 0x80  # past the first 64 bytes where the row is longer (float32 here: 128 bytes)
         undo.append(row)
-        batch = sglang_step_probe.current_batch()
         rid = batch.reqs[victim].rid
         gate.made(step, [rid])
         sglang_faults.record(NAME, step, requests=[rid], row=row_index, position=position, full_slot=full,
