@@ -7,7 +7,8 @@ the liveness warning, the fault line of each fault the reference engine can make
 and shared SWA slots, premature evictions, read and write mismatches, foreign and corrupt tokens),
 records of a pipeline's micro-batches and a rank prefix. Each run's log, its summary and exit
 status, ``otel-swa check`` and ``otel-swa records`` on its log, and one run's metric points are
-compared with the files under ``tests/golden/data/`` (taken at commit f358b45), after normalising
+compared with the files under ``tests/golden/data/`` (taken at commit f358b45; a corrupt token's offender names
+its layer since the checksums cover every layer), after normalising
 only what varies between two runs (times, pid, the log's path: :func:`golden_scenarios.normalise`).
 """
 
