@@ -6,7 +6,8 @@ Usage: ``python drive_llm.py CONFIG.json`` where the JSON object holds ``model``
 ``out`` (the results JSON to write), ``llm`` (further ``vllm.LLM`` keyword arguments:
 ``enable_prefix_caching``, ``enable_chunked_prefill``, ``max_num_batched_tokens``,
 ``kv_cache_memory_bytes``...), ``requests`` and ``repeat`` (how many of them are sent again in a
-second wave, for prefix-cache hits).
+second wave, for prefix-cache hits), and optionally ``fault`` and ``fault_at`` (a fault of
+``faults.py`` made from that forward step on).
 
 The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the harness), so
 the scheduler and the CPU model runner (``vllm/v1/worker/cpu_model_runner.py``) share it, as vLLM's
@@ -24,6 +25,7 @@ blocks of the pool.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
@@ -60,6 +62,12 @@ def main(config_path: str) -> None:
 
     Scheduler._preempt_request = _preempt_request
     BlockPool._maybe_evict_cached_block = _maybe_evict_cached_block
+    fault = None
+    if config.get("fault"):
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import faults
+
+        fault = faults.install(config["fault"], int(config.get("fault_at", 10)))
     kwargs = dict(model=config["model"], tokenizer=config["model"], dtype="float32", enforce_eager=True, seed=0,
                   max_model_len=512, max_num_seqs=16, block_size=32, kv_cache_memory_bytes=2 << 20)
     kwargs.update(config.get("llm", {}))
@@ -82,7 +90,7 @@ def main(config_path: str) -> None:
     core = llm.llm_engine.engine_core.engine_core
     summary = {"requests": results, "preemptions": len(preempted), "evictions": len(evicted), "startup_s": started - T0,
                "generate_s": generated - started,
-               "num_blocks": core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks}
+               "num_blocks": core.scheduler.kv_cache_manager.block_pool.num_gpu_blocks, "fault": fault}
     with open(config["out"], "w") as f:
         json.dump(summary, f)
     print(f"drive_llm: {len(results)} requests, {summary['preemptions']} preemptions, {len(evicted)} evictions, "

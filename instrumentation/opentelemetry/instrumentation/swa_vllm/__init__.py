@@ -68,11 +68,11 @@ stores):
 ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.initialize_kv_cache(self, kv_cache_config, ...)``
 ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache(self, kv_cache_config, ...)``
     The write check (:mod:`opentelemetry.instrumentation.swa_vllm.write_check`). After the KV cache
-    is allocated (before vLLM captures its CUDA graphs), a runner on CUDA under the uni-process
-    executor with world size 1 (the model runner in the scheduler's process, vLLM's ``EngineCore``)
+    is allocated (before vLLM captures its CUDA graphs), a runner on CUDA or on the CPU (vLLM's
+    ``CPUModelRunner``, a ``GPUModelRunner`` subclass) under the uni-process executor with world size 1 (the model runner in the scheduler's process, vLLM's ``EngineCore``)
     gets a :class:`~otel_swa.device.write_check.WriteCheck` on its device, and the
-    ``do_kv_cache_update`` of its layers' backends (FlashAttention, Triton, FlashInfer; 0.33's
-    layout in :mod:`otel_swa.device.paged_write`) is wrapped: the original store, then, at sampled
+    ``do_kv_cache_update`` of its layers' backends (FlashAttention, Triton, FlashInfer, and
+    CPU_ATTN on the CPU; their layouts in :mod:`otel_swa.device.paged_write`) is wrapped: the original store, then, at sampled
     steps (and inside a capture, under the sampling flag), for up to 8 new tokens and one layer of
     each KV cache group kind in turn, the K/V the layer was given compared bit for bit with what its
     KV cache holds at the slot vLLM's slot mapping names. An exception there is logged once and
