@@ -14,7 +14,12 @@ process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), 20 requests then 6 of them again
   requests are preempted;
 * ``plugin_no_prefix_cache``: the same with prefix caching off;
 * ``instrument``: ``opentelemetry-instrument python`` with the same variables, prefix caching on,
-  vLLM's default step budget (no chunking of these prompts).
+  vLLM's default step budget (no chunking of these prompts);
+* ``write_slot_off``: ``plugin`` with a fault of ``vllm_engine/faults.py`` from the 10th forward step
+  on: the first sliding-window layer stores its new K/V one slot off.
+
+Every run checks vLLM's KV writes (the write check on CPU_ATTN's layout, wrapped around
+``CPUAttentionBackendImpl.do_kv_cache_update``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ RUNS = {
     "plugin": dict(llm=SMALL_CHUNKED),
     "plugin_no_prefix_cache": dict(llm={**SMALL_CHUNKED, "enable_prefix_caching": False}),
     "instrument": dict(llm={"enable_prefix_caching": True, "kv_cache_memory_bytes": 2 << 20}, launcher=True),
+    "write_slot_off": dict(llm=SMALL_CHUNKED, fault="write_slot_off", fault_at=10),
 }
 CLEAN = ("plugin", "plugin_no_prefix_cache", "instrument")
 
@@ -78,10 +84,14 @@ def test_a_clean_run_passes_check_with_zero_faults(runs, name, capsys):
     assert steps and steps == list(range(1, len(steps) + 1))  # interval 1: every forward step sampled, once
     assert max(r.swa_out_of_window_tokens for r in run.records if r.swa_out_of_window_tokens is not None) > 0
     assert "vllm is not installed" not in run.log.read_text()
+    writes = [r.kv_write_checks for r in run.records if r.kv_write_checks is not None]
+    unchecked = sum(r.kv_write_unchecked or 0 for r in run.records)
+    assert len(writes) == len(steps) and sum(writes) > 0 and unchecked == 0  # CPU_ATTN's vec layout, float32
     with capsys.disabled():
         print(f"\n  vllm engine {name}: {run.seconds:.1f} s, {len(steps)} sampled steps, "
               f"{run.results['preemptions']} preemptions, {run.results['evictions']} evictions, "
-              f"{sum(r['cached_tokens'] for r in run.results['requests'])} cached tokens; faults {faults}")
+              f"{sum(r['cached_tokens'] for r in run.results['requests'])} cached tokens, {sum(writes)} KV writes "
+              f"checked; faults: {sum(faults.values())} ({len(faults)} kinds, all 0)")
 
 
 @pytest.mark.parametrize("name", CLEAN)
@@ -111,3 +121,49 @@ def test_under_opentelemetry_instrument_the_plugin_stands_aside(runs):
     run = runs("instrument")
     firsts = [r for r in run.records if r.forward_ct == 1 and r.verify_full is not None]
     assert len(firsts) == 1
+
+
+def test_a_store_one_slot_off_fails_check_naming_its_first_offender(runs, capsys):
+    run = runs("write_slot_off")
+    made = run.results["fault"]
+    assert made["step"] == 10 and made["stores"] > 0
+    status, output = run.check()
+    assert status == 1 and "not stored at the slot the tables name" in output, output
+    flagged = [r for r in run.records if r.kv_write_mismatches]
+    first = flagged[0]
+    # the record of forward step N carries the write check of step N - 1: the fault's first step is
+    # checked (the sliding-window layers take turns: layer 0 at once or the step after)
+    assert first.forward_ct in (made["step"] + 1, made["step"] + 2)
+    assert all(r.kv_write_mismatches == 0 for r in run.records if r.forward_ct <= made["step"])
+    offender = next(o for o in first.offenders if o.fault == "kv_write_mismatches")
+    assert (offender.layer, offender.layer_name, offender.pool) == (0, "model.layers.0.self_attn.attn", "swa")
+    if first.forward_ct == made["step"] + 1:
+        assert offender.swa_slot in made["slots"]  # a slot vLLM named at the faulty store
+    assert f"first non-zero at forward_ct={first.forward_ct}" in output and f"request {offender.request}" in output
+    changed = sum(a != b for a, b in zip(run.outputs(), runs("off").outputs()))
+    assert changed > 0
+    with capsys.disabled():
+        print(f"\n  vllm engine write_slot_off: made at forward step {made['step']}, first flagged at forward_ct "
+              f"{first.forward_ct}, first offender request {offender.request} position {offender.position} "
+              f"slot {offender.swa_slot} layer {offender.layer_name}; check exit {status}; "
+              f"{changed} of {len(run.outputs())} outputs changed")
+
+
+def test_the_cpu_attn_layout_is_where_vllms_own_store_puts_k_and_v():
+    """``cpu_attn_kv_views`` against vLLM's compiled ``cpu_attn_reshape_and_cache`` (the ``vec`` set,
+    float32 and bfloat16), in this process."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    from otel_swa.device.paged_write import cpu_attn_kv_views
+
+    blocks, heads, block_size, head = 5, 2, 32, 32
+    for dtype in (torch.float32, torch.bfloat16):
+        kv_cache = torch.zeros(blocks, heads, block_size, 2 * head, dtype=dtype)
+        key_half, value_half = kv_cache.view(blocks, heads, 2 * block_size, head).chunk(2, dim=2)  # as vLLM splits it
+        key, value = torch.randn(7, heads, head).to(dtype), torch.randn(7, heads, head).to(dtype)
+        slots = torch.tensor([33, 34, 70, 95, 96, 127, 159])
+        ops.cpu_attn_reshape_and_cache(key, value, key_half, value_half, slots, "vec")
+        key_cache, value_cache = cpu_attn_kv_views(kv_cache, head)
+        at = (slots // block_size, slots % block_size)
+        assert torch.equal(key_cache[at], key) and torch.equal(value_cache[at], value)

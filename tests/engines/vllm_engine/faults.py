@@ -34,7 +34,8 @@ def _write_slot_off(at: int, made: dict) -> None:
         if getattr(layer, "layer_name", None) == LAYER:
             calls[0] += 1
             if calls[0] >= at:
-                made.setdefault("step", calls[0])  # this layer is called once per forward step
+                if "step" not in made:  # this layer is called once per forward step
+                    made.update(step=calls[0], slots=slot_mapping[slot_mapping >= 0].tolist())
                 made["stores"] = made.get("stores", 0) + 1
                 last = kv_cache.shape[0] * kv_cache.shape[2] - 1  # the pool's last slot: stepped back from
                 off = torch.where(slot_mapping == last, slot_mapping - 1, slot_mapping + 1)
@@ -45,7 +46,8 @@ def _write_slot_off(at: int, made: dict) -> None:
 
 
 #: Fault name -> installer ``(at, made)``; ``made`` gets ``step`` (the forward step of the first
-#: faulty store, counted by the layer's own calls) and ``stores``.
+#: faulty store, counted by the layer's own calls), ``slots`` (the slots vLLM named at that store,
+#: padding left out) and ``stores`` (faulty stores in all).
 FAULTS = {"write_slot_off": _write_slot_off}
 
 

@@ -67,13 +67,13 @@ def build_model(out: Path, python: str = sys.executable) -> Path:
 
 def run_llm(directory: Path, model: Path, name: str, llm: "dict | None" = None, *, interval: "int | None" = 1,
             launcher: bool = False, env: "dict | None" = None, requests: int = 20, repeat: int = 6,
-            timeout_s: float = 300.0) -> LlmRun:
+            fault: "str | None" = None, fault_at: int = 10, timeout_s: float = 300.0) -> LlmRun:
     """Run ``drive_llm.py`` once in ``directory / name`` (module docstring); raises ``AssertionError``
     with the log's tail when it fails."""
     where = directory / name
     where.mkdir(parents=True, exist_ok=True)
     config = {"model": str(model), "out": str(where / "results.json"), "llm": llm or {}, "requests": requests,
-              "repeat": repeat}
+              "repeat": repeat, "fault": fault, "fault_at": fault_at}
     (where / "config.json").write_text(json.dumps(config))
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_"))}
     clean.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
