@@ -167,3 +167,16 @@ def test_the_cpu_attn_layout_is_where_vllms_own_store_puts_k_and_v():
         key_cache, value_cache = cpu_attn_kv_views(kv_cache, head)
         at = (slots // block_size, slots % block_size)
         assert torch.equal(key_cache[at], key) and torch.equal(value_cache[at], value)
+
+
+def test_the_shutdown_otel_swa_wraps_has_the_signature_it_relies_on():
+    import inspect
+
+    import vllm.v1.engine.utils
+    import vllm.v1.utils
+
+    from opentelemetry.instrumentation.swa_vllm import stop_paths
+
+    module = sys.modules[stop_paths.MODULE]
+    assert getattr(module, stop_paths.FUNCTION) is vllm.v1.utils.shutdown  # the name vLLM's manager calls
+    assert tuple(inspect.signature(vllm.v1.utils.shutdown).parameters)[:2] == stop_paths.PARAMETERS

@@ -85,7 +85,7 @@ stores):
     (``mp``, ``ray``, ``external_launcher``), world size > 1, ``OTEL_SWA_PROVENANCE=off``, several
     schedulers or runners in one process. fp8 / NVFP4 caches are counted unchecked.
 
-``vllm.v1.utils.shutdown(procs, timeout)``
+``vllm.v1.utils.shutdown(procs, timeout)`` (the name in ``vllm.v1.engine.utils``)
     How vLLM's API server or ``LLM`` process ends the engine core: SIGTERM, then SIGKILL after
     ``timeout`` (0 by default). The wrapper gives the engine core at least the time of otel-swa's
     SIGTERM flush (:mod:`opentelemetry.instrumentation.swa_vllm.stop_paths`), so that a server
@@ -184,7 +184,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
     distribution = "vllm"
     instruments = _instruments
     wrapped = WRAPPED
-    more_wrapped = _write_check.MORE_WRAPPED + _stop_paths.WRAPPED
+    more_wrapped = _write_check.MORE_WRAPPED
     version_error = VllmVersionError
 
     def _wrappers(self) -> tuple:
@@ -192,7 +192,12 @@ class SwaVllmInstrumentor(EngineInstrumentor):
 
     def _more_wrappers(self) -> tuple:
         wrap = _write_check.wrap_initialize_kv_cache(self._originals)
-        return (wrap, wrap, _stop_paths.wrap_shutdown)
+        return (wrap, wrap)
+
+    def _instrument(self, **kwargs: Any) -> None:
+        super()._instrument(**kwargs)
+        if self._hooks or self._originals:  # switched on, vLLM here: its shutdown gives time to flush
+            self._hooks.append(_stop_paths.install(self._originals))
 
     def _uninstrument(self, **kwargs: Any) -> None:
         _write_check.REGISTRY.clear()
