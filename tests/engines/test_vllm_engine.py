@@ -51,11 +51,16 @@ CLEAN = ("plugin", "plugin_no_prefix_cache", "instrument")
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
+def vllm_here() -> None:
+    """Skip where vLLM is not installed (fail under ``OTEL_SWA_REQUIRE_VLLM=1``)."""
     if importlib.util.find_spec("vllm") is None:
         if config.require_vllm():
             pytest.fail(f"{ev.OTEL_SWA_REQUIRE_VLLM}=1 but vLLM is not installed")
         pytest.skip("vLLM is not installed here; run .ci/vllm-engine-tests.sh")
+
+
+@pytest.fixture(scope="module")
+def model(vllm_here, tmp_path_factory) -> Path:
     return build_model(tmp_path_factory.mktemp("vllm-model") / "gemma3-tiny")
 
 
@@ -149,7 +154,7 @@ def test_a_store_one_slot_off_fails_check_naming_its_first_offender(runs, capsys
               f"{changed} of {len(run.outputs())} outputs changed")
 
 
-def test_the_cpu_attn_layout_is_where_vllms_own_store_puts_k_and_v():
+def test_the_cpu_attn_layout_is_where_vllms_own_store_puts_k_and_v(vllm_here):
     """``cpu_attn_kv_views`` against vLLM's compiled ``cpu_attn_reshape_and_cache`` (the ``vec`` set,
     float32 and bfloat16), in this process."""
     import torch
@@ -169,7 +174,7 @@ def test_the_cpu_attn_layout_is_where_vllms_own_store_puts_k_and_v():
         assert torch.equal(key_cache[at], key) and torch.equal(value_cache[at], value)
 
 
-def test_the_shutdown_otel_swa_wraps_has_the_signature_it_relies_on():
+def test_the_shutdown_otel_swa_wraps_has_the_signature_it_relies_on(vllm_here):
     import inspect
 
     import vllm.v1.engine.utils
