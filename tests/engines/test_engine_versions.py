@@ -145,13 +145,9 @@ def cpu_build(monkeypatch, tmp_path):
     return install
 
 
-@pytest.fixture
-def instrumentor():
-    from opentelemetry.instrumentation.swa_vllm import SwaVllmInstrumentor
+from _instrumentation_support import vllm_instrumentor  # noqa: E402
 
-    made = SwaVllmInstrumentor()
-    yield made
-    made.uninstrument()
+instrumentor = pytest.fixture(vllm_instrumentor, name="instrumentor")
 
 
 @pytest.mark.parametrize("skip_dep_check", [False, True], ids=["BaseInstrumentor's check", "the loader's call"])

@@ -28,8 +28,8 @@ from types import SimpleNamespace
 import pytest
 from opentelemetry import trace
 
-from _instrumentation_support import install_standin, instrument_as_the_loader
-from opentelemetry.instrumentation.swa_vllm import SCHEDULER_ATTRIBUTE, SwaVllmInstrumentor, VllmVersionError
+from _instrumentation_support import install_standin, instrument_as_the_loader, vllm_instrumentor
+from opentelemetry.instrumentation.swa_vllm import SCHEDULER_ATTRIBUTE, VllmVersionError
 from vllm_support import vllm_source_dir
 
 BLOCK, WINDOW, NUM_BLOCKS = 4, 8, 400
@@ -150,11 +150,7 @@ def vllm_standin(monkeypatch, tmp_path):
     return install
 
 
-@pytest.fixture
-def instrumentor():
-    made = SwaVllmInstrumentor()
-    yield made
-    made.uninstrument()
+instrumentor = pytest.fixture(vllm_instrumentor, name="instrumentor")
 
 
 def recount(scheduler, output) -> tuple[int, int, int]:

@@ -32,6 +32,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine_support import process_tree, wait_for_tree
+from opentelemetry.instrumentation.swa_sglang.stop_paths import alive
+
 from otel_swa.record import SwaDivergenceRecord, find_all
 
 #: How a run ends: name -> what a user (or their supervisor) does.
@@ -111,24 +114,10 @@ def send_traffic(base: str, model: str) -> list[dict]:
     return answers
 
 
-def _tree(pid: int) -> list:
-    import psutil
-
-    try:
-        main = psutil.Process(pid)
-        return [main] + main.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _alive(processes: list) -> list:
-    return [p for p in processes if p.is_running() and p.status() != "zombie"]
-
-
 def stop_server(proc: subprocess.Popen, stop: str, timeout_s: float) -> tuple[float, list]:
     """Stop the server ``stop``'s way; returns the seconds until every process of its tree had
     ended and the pids of those still alive then (killed afterwards)."""
-    tree = _tree(proc.pid)
+    tree = process_tree(proc.pid)
     start = time.monotonic()
     if stop == "sigterm":
         proc.send_signal(signal.SIGTERM)
@@ -136,16 +125,7 @@ def stop_server(proc: subprocess.Popen, stop: str, timeout_s: float) -> tuple[fl
         os.killpg(proc.pid, signal.SIGINT)
     else:
         raise ValueError(f"stop={stop!r}; expected one of {sorted(STOPS)}")
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pass
-    while _alive(tree) and time.monotonic() - start < timeout_s:
-        time.sleep(0.1)
-    seconds, leftover = time.monotonic() - start, _alive(tree)
-    for process in leftover:
-        process.kill()
-    return seconds, [p.pid for p in leftover]
+    return wait_for_tree(proc, tree, start, timeout_s)
 
 
 def run_server(directory: Path, model: Path, stop: str, *, env: "dict | None" = None, ready_timeout_s: float = 300.0,
@@ -170,7 +150,7 @@ def run_server(directory: Path, model: Path, stop: str, *, env: "dict | None" = 
             answers = send_traffic(base, str(model))
             stop_s, leftover = stop_server(proc, stop, stop_timeout_s)
         except BaseException:
-            for process in _alive(_tree(proc.pid)):
+            for process in alive(process_tree(proc.pid)):
                 process.kill()
             raise
     return ServerRun(stop, log, answers, ready_s, stop_s, leftover, proc.returncode)
