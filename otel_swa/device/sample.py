@@ -531,11 +531,13 @@ def _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, 
     return gathered
 
 
-def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
+def read_sample(values: Sequence[int], meta: SampleMeta, fused: bool = True) -> SampleReading:
     """Read a staged sample (``values``: the ``STAGE_WIDTH`` ints of its slot) with ``meta``.
 
     The faults (:data:`FAULTS`) come from the staged ranges and counts and from
     ``meta.host_faults``; the counts are those of SGLang's definition when there is none.
+    ``fused``: also read the cells of the checks fused into the core pass (the audit's and the
+    window's; the reporter leaves them to those checks' own reading, :mod:`otel_swa.checks`).
     """
     faults = set(meta.host_faults)
     live = meta.live_tokens
@@ -575,10 +577,10 @@ def read_sample(values: Sequence[int], meta: SampleMeta) -> SampleReading:
             nonzero -= masked * (filler_swa != 0)
             divergence -= masked * (filler_swa != 0 and filler_swa != filler)
         out_of_window = live - nonzero
-    audit = tuple(values[_AUDIT:_AUDIT + AUDIT_COUNTS]) if meta.audited else None
+    audit = tuple(values[_AUDIT:_AUDIT + AUDIT_COUNTS]) if meta.audited and fused else None
     audit_where = dict(zip(AUDIT_OFFENDER_CELLS, values[_AUDIT + AUDIT_COUNTS:_AUDIT + AUDIT_WIDTH])) if audit else None
     premature = late_held = premature_where = None
-    if meta.window is not None:
+    if meta.window is not None and fused:
         window_tokens = meta.window_tokens if meta.window_tokens is not None else values[_WINDOW + 2]
         premature = window_tokens - values[_WINDOW]
         late_held = values[_WINDOW + 1]

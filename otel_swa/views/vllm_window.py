@@ -20,9 +20,9 @@ from otel_swa.views.base import BlockHashFindings, KvBlockAuditInputs, SwaBatch
 NULL_BLOCK_ID = 0
 
 #: The vLLM versions whose v1 KV cache manager has the structures read here (pip specifier). The
-#: lower bound is the version this adapter was run against (0.33.0's real ``KVCacheManager`` and
-#: ``Scheduler``); older versions were not tested.
-SUPPORTED_VLLM = "vllm >= 0.33.0, < 0.34"
+#: lower bound is the oldest version this adapter was run against (0.32.0's CPU build, whole engine;
+#: 0.33.0's real ``KVCacheManager`` and ``Scheduler``); older versions were not tested.
+SUPPORTED_VLLM = "vllm >= 0.32.0, < 0.34"
 
 _BLOCK_ID = operator.attrgetter("block_id")
 

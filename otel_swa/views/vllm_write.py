@@ -15,11 +15,13 @@ here imports vLLM: the structures are reached through the attributes named below
 * the layers: ``vllm_config.compilation_config.static_forward_context[layer_name]``, the
   ``Attention`` modules (``layer.layer_name``, ``layer.impl``);
 * the backends whose store is understood (:data:`SUPPORTED_IMPLS`): ``FlashAttentionImpl``,
-  ``TritonAttentionImpl``, ``FlashInferImpl``; quantized caches (``impl.kv_cache_dtype`` other than
+  ``TritonAttentionImpl``, ``FlashInferImpl``, and on CPU ``CPUAttentionBackendImpl`` (CPU_ATTN, vLLM
+  0.32.0's CPU build, whose layout depends on the instruction set vLLM picked, ``layer.isa``:
+  :data:`CPU_ATTN_LAYOUTS`, the others counted unchecked); quantized caches (``impl.kv_cache_dtype`` other than
   a float type, Triton's ``_is_per_token_head_quant``, FlashInfer's ``is_kvcache_nvfp4`` /
   ``nvfp4_fa2``) are counted unchecked;
 * per call: ``vllm.forward_context.get_forward_context().attn_metadata[layer_name]
-  .query_start_loc`` (FlashAttention's and Triton's metadata: ``int32 [B + 1]``; FlashInfer's has
+  .query_start_loc`` (FlashAttention's, Triton's and CPU_ATTN's metadata: ``int32 [B + 1]``; FlashInfer's has
   none, its offender's entry is then the token index) and the runner's positions buffer
   (V1: ``GPUModelRunner.positions``, line 778; V2: ``input_buffers.positions``,
   ``vllm/v1/worker/gpu/input_batch.py`` line 30);
@@ -37,7 +39,7 @@ from typing import Any, Sequence
 from otel_swa.device.paged_write import paged_layer_store, unchecked_store
 from otel_swa.device.write_check import LayerStore
 
-__all__ = ["SUPPORTED_IMPLS", "WriteLayer", "write_layers", "layer_store", "runner_request_ids", "runner_positions",
+__all__ = ["SUPPORTED_IMPLS", "CPU_ATTN_LAYOUTS", "WriteLayer", "write_layers", "layer_store", "runner_request_ids", "runner_positions",
            "impl_quantized"]
 
 #: ``(module, class)`` of the attention implementations whose ``do_kv_cache_update`` stores with
@@ -46,7 +48,12 @@ SUPPORTED_IMPLS = (
     ("vllm.v1.attention.backends.flash_attn", "FlashAttentionImpl"),
     ("vllm.v1.attention.backends.triton_attn", "TritonAttentionImpl"),
     ("vllm.v1.attention.backends.flashinfer", "FlashInferImpl"),
+    ("vllm.v1.attention.backends.cpu_attn", "CPUAttentionBackendImpl"),
 )
+#: CPU_ATTN's instruction sets (the ``Attention`` module's ``isa``, set by its metadata builder) whose
+#: store layout is known (:data:`otel_swa.device.paged_write.LAYOUTS`); the others are unchecked.
+CPU_ATTN_LAYOUTS = {"vec": "cpu_attn_vec", "vec16": "cpu_attn_vec"}
+_CPU_ATTN = "CPUAttentionBackendImpl"
 #: The implementations whose attention metadata has no ``query_start_loc`` (the offender's batch row
 #: and request are then not named).
 _NO_ROWS = ("FlashInferImpl",)
@@ -149,20 +156,27 @@ def _query_start_loc(layer_name: str) -> Any:
 def layer_store(write_layer: WriteLayer, impl: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any,
                 positions: Any = None, query_start_loc: Any = None) -> LayerStore:
     """The :class:`~otel_swa.device.write_check.LayerStore` of one ``do_kv_cache_update`` call
-    (:func:`otel_swa.device.paged_write.paged_layer_store`); a cache of another shape than the
-    layout known is counted unchecked (:func:`otel_swa.device.paged_write.unchecked_store`).
+    (:func:`otel_swa.device.paged_write.paged_layer_store`, in the layout of the implementation:
+    CPU_ATTN's by its instruction set, :data:`CPU_ATTN_LAYOUTS`); a cache of another shape or
+    strides than the layout known, or a CPU_ATTN instruction set not measured, is counted unchecked (:func:`otel_swa.device.paged_write.unchecked_store`).
 
     Args:
         query_start_loc: ``int32 [B + 1]`` or ``None`` to read it from vLLM's forward context.
     """
     head_size = int(getattr(impl, "head_size", 0) or 0)
-    if head_size < 1 or kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
+    layout = "flash"
+    if type(impl).__name__ == _CPU_ATTN:
+        layout = CPU_ATTN_LAYOUTS.get(getattr(write_layer.layer, "isa", None))
+    if layout is None or head_size < 1 or kv_cache.dim() != 4 or kv_cache.shape[-1] != 2 * head_size:
         return unchecked_store(write_layer.layer_id, write_layer.swa, slot_mapping)
     if query_start_loc is None and write_layer.rows:
         query_start_loc = _query_start_loc(write_layer.name)
-    return paged_layer_store(write_layer.layer_id, write_layer.swa, key, value, kv_cache, slot_mapping,
-                             head_size=head_size, positions=positions, query_start_loc=query_start_loc,
-                             quantized=impl_quantized(impl))
+    try:
+        return paged_layer_store(write_layer.layer_id, write_layer.swa, key, value, kv_cache, slot_mapping,
+                                 head_size=head_size, positions=positions, query_start_loc=query_start_loc,
+                                 quantized=impl_quantized(impl), layout=layout)
+    except ValueError:  # strides the layout cannot view (CPU_ATTN needs its rows contiguous)
+        return unchecked_store(write_layer.layer_id, write_layer.swa, slot_mapping)
 
 
 def runner_positions(runner: Any) -> Any:

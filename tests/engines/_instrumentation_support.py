@@ -63,3 +63,13 @@ def install_standin(monkeypatch, tmp_path: Path, distribution: str, version: str
         for key, value in modules.get(name, {}).items():
             setattr(module, key, value)
         monkeypatch.setitem(sys.modules, name, module)
+
+
+def vllm_instrumentor():
+    """The body of an ``instrumentor`` fixture: a ``SwaVllmInstrumentor``, uninstrumented after the test
+    (``instrumentor = pytest.fixture(vllm_instrumentor, name="instrumentor")``)."""
+    from opentelemetry.instrumentation.swa_vllm import SwaVllmInstrumentor
+
+    made = SwaVllmInstrumentor()
+    yield made
+    made.uninstrument()

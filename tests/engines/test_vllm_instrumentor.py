@@ -28,8 +28,8 @@ from types import SimpleNamespace
 import pytest
 from opentelemetry import trace
 
-from _instrumentation_support import install_standin, instrument_as_the_loader
-from opentelemetry.instrumentation.swa_vllm import SCHEDULER_ATTRIBUTE, SwaVllmInstrumentor, VllmVersionError
+from _instrumentation_support import install_standin, instrument_as_the_loader, vllm_instrumentor
+from opentelemetry.instrumentation.swa_vllm import SCHEDULER_ATTRIBUTE, VllmVersionError
 from vllm_support import vllm_source_dir
 
 BLOCK, WINDOW, NUM_BLOCKS = 4, 8, 400
@@ -150,11 +150,7 @@ def vllm_standin(monkeypatch, tmp_path):
     return install
 
 
-@pytest.fixture
-def instrumentor():
-    made = SwaVllmInstrumentor()
-    yield made
-    made.uninstrument()
+instrumentor = pytest.fixture(vllm_instrumentor, name="instrumentor")
 
 
 def recount(scheduler, output) -> tuple[int, int, int]:
@@ -307,7 +303,7 @@ def test_v2_without_dummy_run_is_an_unsupported_build(vllm_standin, instrumentor
 
 
 def test_unsupported_version_is_not_instrumented(vllm_standin, instrumentor, pipeline, monkeypatch):
-    v = vllm_standin(version="0.32.1")
+    v = vllm_standin(version="0.31.0")
     monkeypatch.setenv("OTEL_SWA_DIVERGENCE_INTERVAL", "1")
     instrumentor.instrument(**pipeline.providers())
     assert v.Scheduler.__dict__["schedule"] is v.schedule
@@ -320,7 +316,7 @@ def test_unsupported_version_under_the_loaders_call_warns_once_and_wraps_nothing
     ours = instrument_as_the_loader(instrumentor, pipeline, monkeypatch, caplog, "opentelemetry.instrumentation.swa_vllm")
     assert v.Scheduler.__dict__["schedule"] is v.schedule
     assert v.V1.__dict__["execute_model"] is v.execute_v1 and v.V2.__dict__["execute_model"] is v.execute_v2
-    assert ours == ["swa_vllm: installed vllm 0.34.0 is outside the supported vllm >= 0.33.0, < 0.34; "
+    assert ours == ["swa_vllm: installed vllm 0.34.0 is outside the supported vllm >= 0.32.0, < 0.34; "
                     "vLLM is not instrumented"]
 
 

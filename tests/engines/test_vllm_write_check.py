@@ -4,9 +4,9 @@ vLLM 0.33's GPU worker is replaced by the stand-ins of :mod:`shims.vllm_attentio
 ``GPUModelRunner`` with ``initialize_kv_cache`` / ``execute_model``, a ``FlashAttentionImpl``
 whose ``do_kv_cache_update`` stores with ``reshape_and_cache_flash``'s semantics into a cache of
 0.33's layout, the ``Attention`` layer, the forward context); the scheduler side is the
-instrumentor's own, driven by a stand-in ``Scheduler``. The instrumentor wires the check only on
-CUDA: these tests add ``"cpu"`` to ``WIRED_DEVICE_TYPES`` (monkeypatched), except the test that
-shows the CUDA condition. The loop is vLLM's ``EngineCore.step``: ``schedule()`` then
+instrumentor's own, driven by a stand-in ``Scheduler``. The instrumentor wires the check on CUDA
+and on the CPU (vLLM's CPU model runner); the test of the device condition takes ``"cpu"`` out of
+``WIRED_DEVICE_TYPES`` (monkeypatched) to stand for a device type otel-swa does not wire. The loop is vLLM's ``EngineCore.step``: ``schedule()`` then
 ``execute_model()``.
 
 Expected counts are recounted from what the stand-in runner stored at each step (its slot
@@ -252,7 +252,7 @@ def test_not_wired_with_a_multiprocess_executor_or_several_ranks(engine, caplog,
 
 
 def test_not_wired_without_cuda(engine, monkeypatch, caplog):
-    monkeypatch.setattr(vllm_write, "WIRED_DEVICE_TYPES", ("cuda",))  # the instrumentor's own setting
+    monkeypatch.setattr(vllm_write, "WIRED_DEVICE_TYPES", ("cuda",))  # cpu stands for a device not wired
     with caplog.at_level(logging.INFO, logger="opentelemetry.instrumentation.swa_vllm"):
         scheduler, runner, _, _ = engine()
         records = drive(scheduler, runner)
@@ -335,3 +335,29 @@ def test_a_kv_cache_initialized_again_after_pairing_replaces_the_check(engine):
     records = drive(scheduler, runner, steps=3)
     step = runner.steps[checked_forward(records[-1]) - 1]
     assert (records[-1].kv_write_checks, records[-1].kv_write_mismatches) == (recount(step), recount(step))
+
+
+@pytest.mark.parametrize("isa, checked", [("vec", 2), ("vec16", 2), ("amx", 0), ("neon", 0), (None, 0)])
+def test_cpu_attn_is_read_in_the_layout_of_its_instruction_set(isa, checked):
+    """vLLM's CPU_ATTN (``CPUAttentionBackendImpl``, stand-in class of that name) packs K by
+    instruction set (``layer.isa``): the ``vec`` / ``vec16`` layout is read, the others are counted
+    unchecked, never compared in a layout they do not have."""
+    from otel_swa.device.gate import SamplingGate
+    from otel_swa.device.write_check import WriteCheck, write_counts
+    from otel_swa.views.vllm_write import WriteLayer, layer_store
+
+    impl = type("CPUAttentionBackendImpl", (), {"head_size": 32, "kv_cache_dtype": "auto"})()
+    layer = SimpleNamespace(isa=isa) if isa is not None else SimpleNamespace()
+    blocks, heads, block_size, head = 3, 2, 32, 32
+    kv_cache = torch.zeros(blocks, heads, block_size, 2 * head)
+    key, value = torch.randn(2, heads, head), torch.randn(2, heads, head)
+    slots = torch.tensor([33, 34])
+    halves = kv_cache.view(blocks, heads, 2, block_size * head)  # the vec layout, written by hand
+    for i, slot in enumerate(slots.tolist()):
+        b, o = divmod(slot, block_size)
+        halves[b, :, 0].view(heads, head, block_size)[:, :, o] = key[i]
+        halves[b, :, 1].view(heads, block_size, head)[:, o] = value[i]
+    check = WriteCheck("cpu", SamplingGate("cpu"))
+    check.check_layer(layer_store(WriteLayer("model.layers.0.self_attn.attn", layer, 0, 0, True), impl, key, value,
+                                  kv_cache, slots, query_start_loc=torch.tensor([0, 2], dtype=torch.int32)))
+    assert write_counts(check.take().tolist()) == (checked, 0, 2 - checked)

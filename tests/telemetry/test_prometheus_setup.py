@@ -60,7 +60,12 @@ def _get(url: str) -> str:
 
 
 def test_the_endpoint_serves_the_records_with_the_ranks_and_closes_at_shutdown():
-    port = free_port()
+    # the rank listens on the base port + its global rank (3): the port it will bind is the free one
+    # (a free base port's +3 may be anybody's on a shared machine)
+    served = free_port()
+    while served < 1027:
+        served = free_port()
+    port = served - 3
     environ = {"OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
                "OTEL_SWA_TP_RANK": "1", "RANK": "3", "WORLD_SIZE": "4"}
     telemetry = configure(exporters="prometheus", use_global=False, set_global=False, environ=environ,

@@ -14,27 +14,20 @@ transformers' model classes for comparison (sglang registers its own).
 
 from __future__ import annotations
 
-import argparse
-import json
+import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/engines: engine_support
+from engine_support import build_model_main, save_word_level_tokenizer  # noqa: E402
+
 VOCAB = 512
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 
 
 def build(out: Path, window: int) -> dict:
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import MellumConfig, MellumForCausalLM, PreTrainedTokenizerFast
+    from transformers import MellumConfig, MellumForCausalLM
 
-    vocab = {token: i for i, token in enumerate(SPECIALS)}
-    vocab.update({f"w{i}": len(SPECIALS) + i for i in range(VOCAB - len(SPECIALS))})
-    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece(prefix="##")
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
-    ).save_pretrained(out)
+    save_word_level_tokenizer(out, VOCAB)
     config = MellumConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
@@ -50,14 +43,5 @@ def build(out: Path, window: int) -> dict:
     return {"path": str(out), "window": window, "parameters": sum(p.numel() for p in model.parameters())}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--window", type=int, default=8)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    print(json.dumps(build(args.out, args.window)))
-
-
 if __name__ == "__main__":
-    main()
+    build_model_main(__doc__, build, 8)

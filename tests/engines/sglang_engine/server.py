@@ -31,6 +31,7 @@ from pathlib import Path
 
 from collector_support import RotelCollector, free_port
 
+from engine_support import process_tree, wait_for_tree
 from opentelemetry.instrumentation.swa_sglang.stop_paths import alive
 from sglang_engine.harness import EngineRun, prepare_run, read_probe
 
@@ -134,23 +135,13 @@ def send_traffic(base: str, requests: int, repeat: int) -> list[dict]:
     return sent
 
 
-def _server_tree(pid: int) -> list:
-    import psutil
-
-    try:
-        main = psutil.Process(pid)
-        return [main] + main.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
 def stop_server(proc: subprocess.Popen, stop: str, timeout_s: float) -> tuple[float, float, list]:
     """Stop the server ``stop``'s way (:data:`STOPS`); returns the wall-clock time of the stop
     (``time.time()``), the seconds until every process of its tree had ended and those still alive
     then (killed afterwards)."""
     if stop == "kill_process_tree":
         from sglang.srt.utils import kill_process_tree  # imported before the clock starts (seconds)
-    tree = _server_tree(proc.pid)
+    tree = process_tree(proc.pid)
     stop_time, start = time.time(), time.monotonic()
     if stop == "sigterm":
         proc.send_signal(signal.SIGTERM)
@@ -162,20 +153,8 @@ def stop_server(proc: subprocess.Popen, stop: str, timeout_s: float) -> tuple[fl
         kill_process_tree(proc.pid, include_parent=True, wait_timeout=timeout_s)
     else:
         raise ValueError(f"stop={stop!r}; expected one of {sorted(STOPS)}")
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        pass
-    while alive(tree) and time.monotonic() - start < timeout_s:
-        time.sleep(0.05)
-    seconds = time.monotonic() - start
-    leftover = alive(tree)
-    for process in leftover:
-        try:
-            process.kill()
-        except Exception:
-            pass
-    return stop_time, seconds, [p.pid for p in leftover]
+    seconds, leftover = wait_for_tree(proc, tree, start, timeout_s)
+    return stop_time, seconds, leftover
 
 
 def _ignore_sigint() -> None:
@@ -257,7 +236,7 @@ def run_server(
                     client.join(timeout=60)
                     sent = holder.get("sent", [])
             except BaseException:
-                for process in alive(_server_tree(proc.pid)):
+                for process in alive(process_tree(proc.pid)):
                     process.kill()
                 proc.wait(timeout=30)
                 raise

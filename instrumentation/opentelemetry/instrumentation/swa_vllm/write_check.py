@@ -5,7 +5,9 @@ scheduler's reporter.
 gpu_model_runner.py`` line 6990, V2 ``vllm/v1/worker/gpu/model_runner.py`` line 623; both runners
 allocate the KV cache there, and vLLM's worker calls it before ``compile_or_warm_up_model``
 captures the CUDA graphs, ``vllm/v1/worker/gpu_worker.py`` lines 907, 994) is wrapped: after it
-returns, where the runner may be checked (:func:`off_reason`: a CUDA device, the uni-process
+returns, where the runner may be checked (:func:`off_reason`: a CUDA device or the CPU (vLLM's
+``CPUModelRunner``, ``vllm/v1/worker/cpu_model_runner.py``, whose ``initialize_kv_cache`` calls
+this one), the uni-process
 executor, world size 1, ``OTEL_SWA_PROVENANCE`` not ``off``), the runner gets a
 :class:`RunnerWriteCheck` (a :class:`~otel_swa.device.write_check.WriteCheck` and its
 :class:`~otel_swa.device.gate.SamplingGate` on the runner's device, ``layers="rotate"``), each
@@ -47,8 +49,10 @@ MORE_WRAPPED = (
 RUNNER_ATTRIBUTE = "_otel_swa_write_check"
 #: Attribute of an ``Attention`` module holding ``(RunnerWriteCheck, WriteLayer)``.
 LAYER_ATTRIBUTE = "_otel_swa_write_layer"
-#: Device types where the check is wired (its device work is meant for the GPU the runner uses).
-WIRED_DEVICE_TYPES = ("cuda",)
+#: Device types where the check is wired: the GPU the runner uses, and the CPU of vLLM's CPU model
+#: runner (``vllm/v1/worker/cpu_model_runner.py``, a ``GPUModelRunner`` subclass whose
+#: ``initialize_kv_cache`` calls this one, with the CPU_ATTN backend).
+WIRED_DEVICE_TYPES = ("cuda", "cpu")
 
 
 def _once(key: str, level: int, message: str, *args: Any) -> None:
@@ -68,7 +72,7 @@ def off_reason(runner: Any) -> "str | None":
     device = getattr(runner, "device", None)
     device_type = getattr(device, "type", str(device).split(":")[0])
     if device_type not in WIRED_DEVICE_TYPES:
-        return f"the model runner's device is {device}, not CUDA"
+        return f"the model runner's device is {device}, not CUDA or the CPU"
     parallel = getattr(getattr(runner, "vllm_config", None), "parallel_config", None)
     backend = getattr(parallel, "distributed_executor_backend", None)
     if backend != "uni":
@@ -196,7 +200,7 @@ class _Registry:
             wired.reporter = None
         if not checks:
             _once("no-check", logging.INFO, "otel-swa: vLLM's KV cache write check is not wired in this process: no "
-                  "model runner here has one (it needs the uni-process executor, world size 1 and CUDA; the "
+                  "model runner here has one (it needs the uni-process executor, world size 1 and CUDA or the CPU; the "
                   "runner's process logs why); the records' kv_write_* fields stay empty")
         else:
             _once("several", logging.WARNING, "otel-swa: vLLM's KV cache write check is not wired: %d scheduler "

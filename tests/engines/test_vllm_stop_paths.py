@@ -1,0 +1,95 @@
+"""The wrapper of vLLM's ``vllm.v1.utils.shutdown(procs, timeout)``
+(``opentelemetry.instrumentation.swa_vllm.stop_paths``): the engine core gets at least the SIGTERM
+flush's time (the OTLP timeout less half a second) before vLLM's SIGKILL. The original here is a
+stand-in with 0.32.0 / 0.33.0's signature that records what it was given; the real one runs in
+the engine suite's server test (``test_vllm_server.py``, ``kill -TERM``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from opentelemetry.instrumentation.swa_vllm import stop_paths
+from opentelemetry.instrumentation.swa_vllm.stop_paths import wrap_shutdown
+
+
+def _recording():
+    given = []
+
+    def shutdown(procs, timeout=None):  # vllm/v1/utils.py line 605's signature
+        given.append((procs, timeout))
+
+    return shutdown, given
+
+
+@pytest.mark.parametrize("timeout, expected", [(None, 3.5), (0, 3.5), (2.0, 3.5), (30.0, 30.0)])
+def test_the_engine_core_gets_the_flushs_time_at_least(monkeypatch, timeout, expected):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TIMEOUT", "4")  # seconds, as the Python exporters read it
+    original, given = _recording()
+    wrapped = wrap_shutdown(original)
+    procs = ["EngineCore_DP0"]
+    wrapped(procs) if timeout is None else wrapped(procs, timeout)
+    assert given == [(procs, expected)]
+    assert wrapped.__wrapped__ is original
+
+
+def test_a_failure_of_its_own_leaves_vllms_timeout(monkeypatch):
+    original, given = _recording()
+
+    def broken():
+        raise RuntimeError("no timeout here")
+
+    monkeypatch.setattr("otel_swa.lifecycle.sigterm_flush_timeout_s", broken)
+    wrap_shutdown(original)(["EngineCore_DP0"], 0)
+    assert given == [(["EngineCore_DP0"], 0)]
+
+
+def test_installed_when_vllms_engine_utils_is_imported_and_restored(monkeypatch):
+    """``install`` replaces the name in ``vllm.v1.engine.utils`` once that module is imported (a
+    stand-in module here), and the original it records is what the instrumentor restores."""
+    import sys
+    import types
+
+    from otel_swa import import_hooks
+
+    original, given = _recording()
+    module = types.ModuleType(stop_paths.MODULE)
+    module.shutdown = original
+    monkeypatch.setitem(sys.modules, stop_paths.MODULE, module)
+    originals: dict = {}
+    handle = stop_paths.install(originals)
+    try:
+        assert module.shutdown is not original and module.shutdown.__wrapped__ is original
+        assert originals == {(module, "shutdown"): original}
+        stop_paths.install(originals)  # a second install leaves the wrapper as it is
+        assert module.shutdown.__wrapped__ is original
+    finally:
+        import_hooks.cancel(handle)
+
+
+def test_a_function_of_other_parameters_is_left_alone(monkeypatch, caplog):
+    import sys
+    import types
+
+    module = types.ModuleType(stop_paths.MODULE)
+    module.shutdown = lambda processes, grace=None: None
+    monkeypatch.setitem(sys.modules, stop_paths.MODULE, module)
+    kept = module.shutdown
+    originals: dict = {}
+    stop_paths.install(originals)
+    assert module.shutdown is kept and originals == {}
+    assert any("is not vLLM's shutdown(procs, timeout)" in r.getMessage() for r in caplog.records)
+
+
+def test_the_instrumentor_installs_it_only_when_it_instruments(monkeypatch, tmp_path):
+    """Switched off (no interval variable): nothing waits for ``vllm.v1.engine.utils``."""
+    from opentelemetry.instrumentation.swa_vllm import SwaVllmInstrumentor
+
+    from otel_swa import import_hooks
+
+    monkeypatch.delenv("OTEL_SWA_DIVERGENCE_INTERVAL", raising=False)
+    instrumentor = SwaVllmInstrumentor()
+    try:
+        instrumentor.instrument(skip_dep_check=True)
+        assert stop_paths.MODULE not in import_hooks._hooks
+    finally:
+        instrumentor.uninstrument()
