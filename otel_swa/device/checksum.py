@@ -127,14 +127,15 @@ class RowHasher:
         """The hashed words of the K and V a layer was given to store (``[tokens, ...]``, cast to the
         cache dtype as the store casts them): ``[tokens, k words]`` and ``[tokens, v words]``, views
         when the given rows allow."""
-        kk = k.reshape(tokens, -1)[:, :self.k_take]
-        vv = v.reshape(tokens, -1)[:, :self.v_take]
-        if kk.dtype != self.dtype:
-            kk = kk.to(self.dtype)
-        if vv.dtype != self.dtype:
-            vv = vv.to(self.dtype)
+        kk, vv = self._as_stored(k, v, tokens)
         word_dtype = _WORDS[self.word]
         return _words(kk, word_dtype), _words(vv, word_dtype)
+
+    def _as_stored(self, k: torch.Tensor, v: torch.Tensor, tokens: int) -> "tuple[torch.Tensor, torch.Tensor]":
+        """The hashed part of the given rows, ``[tokens, elements]``, cast to the cache dtype."""
+        kk = k.reshape(tokens, -1)[:, :self.k_take]
+        vv = v.reshape(tokens, -1)[:, :self.v_take]
+        return (kk if kk.dtype == self.dtype else kk.to(self.dtype)), (vv if vv.dtype == self.dtype else vv.to(self.dtype))
 
     def hash_words(self, words: torch.Tensor, capturing: bool = False) -> torch.Tensor:
         """The hashes of rows of words ``[..., words]`` (K's then V's words of each row, the word dtype
@@ -145,13 +146,7 @@ class RowHasher:
         """The hashes of the K and V a layer was given to store, ``int64 [tokens]`` in ``0 ..
         HASH_PRIME - 1``: ``k``, ``v`` with ``tokens`` rows (any shape ``[tokens, ...]`` of the
         row's elements), cast to the cache dtype as the store casts them (the hashed prefix only)."""
-        kk = k.reshape(tokens, -1)[:, :self.k_take]
-        vv = v.reshape(tokens, -1)[:, :self.v_take]
-        if kk.dtype != self.dtype:
-            kk = kk.to(self.dtype)
-        if vv.dtype != self.dtype:
-            vv = vv.to(self.dtype)
-        return self._hash(kk, vv, capturing)
+        return self._hash(*self._as_stored(k, v, tokens), capturing)
 
     def of_pool(self, k_buffer: torch.Tensor, v_buffer: torch.Tensor, slots: torch.Tensor,
                 capturing: bool = False) -> torch.Tensor:

@@ -76,6 +76,18 @@ def _remember_plan(engine) -> None:
     engine.scheduler.schedule = plan
 
 
+def _after_step(engine, at: int, fault) -> None:
+    """Make ``fault(step, batch, decodes)`` after the forward of step ``at`` (``decodes``: the batch's
+    decode tokens, ``(entry, token, request)`` each)."""
+    _remember_plan(engine)
+
+    def after(step, batch):
+        if step == at:
+            fault(step, batch, _decode_tokens(engine, batch))
+
+    _wrap_forward(engine, after=after)
+
+
 def install_swa_write_at_full_index(engine, at: int = 1) -> None:
     """From step ``at``, the sliding-window layer stores K/V at the raw FULL slots (sgl-project/sglang#20181
     class). Needs an SWA pool at least as large as the FULL pool (the raw slots stay inside it)."""
@@ -91,12 +103,7 @@ def install_swa_write_at_full_index(engine, at: int = 1) -> None:
 def install_swapped_ownership(engine, at: int) -> None:
     """At step ``at``, after the forward, the SWA mapping entries of the first two decode tokens of
     the batch are swapped (each request now reads the other's KV)."""
-    _remember_plan(engine)
-
-    def after(step, batch):
-        if step != at:
-            return
-        decodes = _decode_tokens(engine, batch)
+    def swap(step, batch, decodes):
         (entry_a, token_a, req_a), (entry_b, token_b, req_b) = decodes[:2]
         mapping = engine.pools.full_to_swa_index_mapping
         full_a, full_b = int(batch.full_slots[token_a]), int(batch.full_slots[token_b])
@@ -107,19 +114,15 @@ def install_swapped_ownership(engine, at: int) -> None:
                                      found_token=int(batch.token_ids[token_b]) % (1 << 20),
                                      expected_token=int(batch.token_ids[token_a]) % (1 << 20), request=req_a.rid))
 
-    _wrap_forward(engine, after=after)
+    _after_step(engine, at, swap)
 
 
 def install_stale_prefix(engine, at: int, positions: int = 4) -> None:
     """At step ``at``, after the forward, the first ``positions`` entries of the first decode
     request's ``req_to_token`` row name the FULL slots the second decode request holds at the same
     positions (a stale prefix hit on slots that hold other KV)."""
-    _remember_plan(engine)
-
-    def after(step, batch):
-        if step != at:
-            return
-        (entry_a, _, req_a), (entry_b, _, req_b) = _decode_tokens(engine, batch)[:2]
+    def stale(step, batch, decodes):
+        (entry_a, _, req_a), (entry_b, _, req_b) = decodes[:2]
         r2t = engine.pools.req_to_token
         row_a, row_b = req_a.slots.row, req_b.slots.row
         r2t[row_a, :positions] = r2t[row_b, :positions]
@@ -128,7 +131,7 @@ def install_stale_prefix(engine, at: int, positions: int = 4) -> None:
         engine.fault_log.append(dict(step=step, entry=entry_a, request=req_a.rid, row=row_a,
                                      full_slots=[int(s) for s in r2t[row_b, :positions]], ids_a=ids_a, ids_b=ids_b))
 
-    _wrap_forward(engine, after=after)
+    _after_step(engine, at, stale)
 
 
 def install_wrong_position(engine, at: int) -> None:
@@ -218,12 +221,8 @@ def install_stray_write_in_the_last_layer(engine, at: int) -> None:
     issue 32 made inside the real sglang Engine (another request's fresh K/V over a live slot of the
     last sliding-window layer: 5 of 20 outputs changed, every check passed; a checksum of one
     designated layer, or SGLang's KV canary's ``k_buffer[0]``, never sees a deeper layer)."""
-    _remember_plan(engine)
-
-    def after(step, batch):
-        if step != at:
-            return
-        (entry_a, token_a, req_a), (_, token_b, _) = _decode_tokens(engine, batch)[:2]
+    def stray(step, batch, decodes):
+        (entry_a, token_a, req_a), (_, token_b, _) = decodes[:2]
         mapping = engine.pools.full_to_swa_index_mapping
         position = int(batch.positions[token_a]) - 1
         full = int(engine.pools.req_to_token[req_a.slots.row, position])
@@ -233,4 +232,4 @@ def install_stray_write_in_the_last_layer(engine, at: int) -> None:
         engine.fault_log.append(dict(step=step, entry=entry_a, request=req_a.rid, position=position, full_slot=full,
                                      swa_slot=swa, pool="swa", layer=1))
 
-    _wrap_forward(engine, after=after)
+    _after_step(engine, at, stray)

@@ -31,8 +31,8 @@ def install(at_step: int, gate, order: int) -> None:
             return
         batch, (victim, source) = picked
         pool = runner.token_to_kv_pool
+        layer, index = sglang_faults.last_layer(pool, swa=True)
         mapping = runner.token_to_kv_pool_allocator.full_to_swa_index_mapping
-        layer, index = max((layer_id, index) for layer_id, (index, swa) in pool.layers_mapping.items() if swa)
         req_to_token = runner.req_to_token_pool.req_to_token
         slots = []
         for entry in (victim, source):

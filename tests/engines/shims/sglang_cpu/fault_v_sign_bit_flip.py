@@ -27,12 +27,12 @@ def install(at_step: int, gate, order: int) -> None:
     undo: list = []
 
     def corrupt(runner, forward_batch, step) -> None:
+        pool = runner.token_to_kv_pool
+        layer, index = sglang_faults.last_layer(pool, swa=False)
         picked = sglang_faults.decode_pair(forward_batch, step, gate, at_step, order)
         if picked is None:
             return
         batch, (victim, _) = picked
-        pool = runner.token_to_kv_pool
-        layer, index = max((layer_id, index) for layer_id, (index, swa) in pool.layers_mapping.items() if not swa)
         position = int(forward_batch.seq_lens[victim]) - 2
         if position < 0:
             return

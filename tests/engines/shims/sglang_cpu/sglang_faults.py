@@ -160,6 +160,12 @@ def decode_pair(forward_batch, step: int, gate, at_step: int, order: int) -> "tu
     return batch, picked
 
 
+def last_layer(pool, swa: bool) -> "tuple[int, int]":
+    """``(layer id, index into its sub-pool's buffers)`` of the last attention layer of the SWA
+    (``swa``) or FULL kind of a ``SWAKVPool`` (its ``layers_mapping``)."""
+    return max((layer_id, index) for layer_id, (index, is_swa) in pool.layers_mapping.items() if is_swa == swa)
+
+
 def install(spec: str) -> None:
     faults = parse_spec(spec)
     align = int(os.environ.get("OTEL_SWA_TEST_SGLANG_FAULT_ALIGN", "1") or 1)
