@@ -4,14 +4,16 @@ Each subcommand lives in its own module under :mod:`otel_swa.commands` with two 
 ``add_arguments(parser)`` and ``run(args) -> int``; this module only dispatches.
 
 Exit status: 0 success; 1 the command ran and its check failed (``check``: the SWA path was not
-observed; ``replay``: its own SWA slot audit found faults, or it took no sample; ``records``: its
-output could not be written); 2 unusable input, arguments or environment (the message names the
-value and what was expected; ``check``, ``records`` and ``plot``: also an empty file, one that is
-not a text log, and, for ``records`` and ``plot``, a log whose records are all malformed); 3 ``replay`` ran but every export of a signal failed
-(nothing reached the collector); 130 ``replay`` interrupted (Ctrl-C), after its summary. When the reader of standard
-output goes away (``otel-swa replay | head -1``), output stops quietly and the exit status is the
-one the command would have had (``check`` keeps its verdict); when standard output cannot take
-more (``> /dev/full``), one line on stderr says so.
+observed; ``replay``: its own SWA slot audit found faults, or it took no sample); 2 unusable input,
+arguments or environment (the message names the value and what was expected; ``check``,
+``records`` and ``plot``: also an empty file, one that is not a text log, and, for ``records`` and
+``plot``, a log whose records are all malformed), or an output that could not be written
+(standard output or ``replay --log-file`` on a full disk, a log file that is a pipe nobody reads:
+one line on stderr names it and the error; ``check`` keeps its verdict, ``replay`` its 1 and 130);
+3 ``replay`` ran but every export of a signal failed (nothing reached the collector); 130
+interrupted (Ctrl-C), after the summary so far. When the reader of standard output goes away
+(``otel-swa replay | head -1``), output stops quietly and the exit status is the one the command
+would have had.
 """
 
 from __future__ import annotations

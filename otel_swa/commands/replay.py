@@ -21,8 +21,9 @@ the interval); 2 unusable options, input or environment (one line on stderr); 3 
 signal to an exporter that sends failed (nothing of it reached a collector); 130 interrupted
 (Ctrl-C): every sample taken so far is delivered and the summary printed first. The summary's wall
 time is the process's, from its start to the summary (the stop after the replay included). Standard output
-that its reader closes (``| head``) stops quietly; one that cannot take more (``> /dev/full``) is
-said once on stderr; neither changes the exit status.
+that its reader closes (``| head``) stops quietly; standard output or a ``--log-file`` that cannot
+take more (``> /dev/full``, ``--log-file /dev/full``, a pipe nobody reads) is named once on stderr
+with the error, the run goes on without it, and the exit status is 2 (unless 1 or 130).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 from otel_swa import config as otel_swa_config
 from otel_swa import environment_variables as ev
 from otel_swa.commands._args import non_negative_int, positive_float, positive_int
-from otel_swa.commands._output import GuardedStdout, StdoutLogHandler
+from otel_swa.commands._output import FileLogHandler, GuardedStdout, StdoutLogHandler
 from otel_swa.commands._replay_checks import (
     available_memory as _available_memory,
     check_log_file,
@@ -49,7 +50,15 @@ from otel_swa.commands._replay_checks import (
     is_allocation_error,
     pool_too_large,
 )
-from otel_swa.commands._replay_summary import Progress, WallTime, export_row, print_summary, summary_rows, verdict_of
+from otel_swa.commands._replay_summary import (
+    EXPORTS_FAILED,
+    Progress,
+    WallTime,
+    export_row,
+    print_summary,
+    summary_rows,
+    verdict_of,
+)
 from otel_swa.record import SwaDivergenceRecord
 
 #: The SGLang log format (``[time{rank tokens}] message``), so the output reads like an engine's log.
@@ -165,14 +174,14 @@ def rank_prefix(ranks: dict[str, int]) -> str:
     return "".join(" " + token for token in tokens)
 
 
-def _line_logger(log_file: str | None, prefix: str, out: GuardedStdout) -> logging.Logger:
+def _line_logger(log_file: FileLogHandler | None, prefix: str, out: GuardedStdout) -> logging.Logger:
     logger = logging.getLogger("otel_swa.replay")
     logger.setLevel(logging.INFO)
     logger.propagate = False
     formatter = logging.Formatter(LOG_FORMAT.replace("{prefix}", prefix), LOG_DATEFMT)
     handlers: list[logging.Handler] = [StdoutLogHandler(out)]
-    if log_file:
-        handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+    if log_file is not None:
+        handlers.append(log_file)
     for handler in handlers:
         handler.setFormatter(formatter)
         logger.addHandler(handler)
@@ -227,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     out = GuardedStdout()  # every writer of standard output goes through it: no traceback for | head or a full disk
+    log_file = None  # the --log-file handler: a write error there is said once and ends its writes only
     exporters = args.exporter if args.exporter is not None else ["logline"]
     records: list[SwaDivergenceRecord] = []
     reporter = None
@@ -237,7 +247,14 @@ def run(args: argparse.Namespace) -> int:
         )
     logger = None
     if "logline" in exporters and reporter is not None:
-        logger = _line_logger(args.log_file, prefix, out)
+        if args.log_file:
+            try:
+                log_file = FileLogHandler(args.log_file)
+            except OSError as exc:
+                print(f"otel-swa replay: --log-file {args.log_file!r} cannot be opened for appending: "
+                      f"{exc.strerror or exc}", file=sys.stderr)
+                return 2
+        logger = _line_logger(log_file, prefix, out)
     telemetry = None
     otel_exporters = [name for name in exporters if name in ("console", "otlp", "prometheus")]
     # Without --exporter, the standard OTEL_{TRACES,METRICS,LOGS}_EXPORTER variables choose the
@@ -360,7 +377,15 @@ def run(args: argparse.Namespace) -> int:
             return 2
         out.write(f"plot written to {plot_path}\n")
         out.flush()
-    return verdict.exit_status
+    return _with_outputs(verdict.exit_status, out, log_file)
+
+
+def _with_outputs(status: int, out: GuardedStdout, log_file: FileLogHandler | None) -> int:
+    """The exit status once the outputs are counted: 2 when standard output or the log file could
+    not be written (a full disk; each said once on stderr), unless interrupted (130) or a fault was
+    found (1); a reader that closed standard output is no failure."""
+    lost = out.failed is not None or (log_file is not None and log_file.failed is not None)
+    return 2 if lost and status in (0, EXPORTS_FAILED) else status
 
 
 class _StopAtStep:
