@@ -7,7 +7,15 @@ import sys
 
 from otel_swa.commands._args import non_negative_int, positive_seconds, seconds
 from otel_swa.commands._output import stdout_closed
-from otel_swa.logsource import LoggedEntry, LoggedRecord, decode_log, logged_entries, not_a_text_log, read_data
+from otel_swa.logsource import (
+    LoggedEntry,
+    LoggedRecord,
+    decode_log,
+    logged_entries,
+    not_a_text_log,
+    read_data,
+    split_cut_line,
+)
 from otel_swa.record import MalformedRecordError
 
 __all__ = [
@@ -54,6 +62,10 @@ def unusable_text(source: str, data: "bytes | str") -> InputError | None:
 def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]]:
     """The records and run start markers of a complete log, and the malformed lines skipped.
 
+    A last line cut in the middle (:func:`otel_swa.logsource.split_cut_line`: a log still being
+    written) is left out, and one line on stderr says so (``otel-swa: log file 'run.log': the last
+    line (19) has no line end and cannot be read (...); read without it``).
+
     Raises:
         InputError: the file is missing or cannot be read, is empty, or is not a text log.
     """
@@ -67,7 +79,10 @@ def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordEr
     problem = unusable_text(source, data)
     if problem is not None:
         raise problem
-    return logged_entries(decode_log(data), errors=errors), errors
+    text, cut = split_cut_line(decode_log(data))
+    if cut is not None:
+        print(f"otel-swa: {source_name(source)}: {cut.describe()}", file=sys.stderr)
+    return logged_entries(text, errors=errors), errors
 
 
 def load_records(source: str) -> tuple[list[LoggedRecord], int]:

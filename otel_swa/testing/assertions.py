@@ -67,9 +67,12 @@ def _is_seconds(value: object) -> bool:
 
 def judge_snapshot(snapshot: Snapshot, describe: str, waited_s: float = 0.0, **rules) -> SwaObservation:
     """:func:`~otel_swa.testing.judge.judge` on what a source read (``rules``: its keyword arguments)."""
-    return judge(snapshot.records, errors=snapshot.errors, source=describe, waited_s=waited_s,
-                 problem=snapshot.problem, empty=snapshot.empty, duplicates=snapshot.duplicates,
-                 first_duplicate_line_no=snapshot.first_duplicate_line_no, **rules)
+    observation = judge(snapshot.records, errors=snapshot.errors, source=describe, waited_s=waited_s,
+                        problem=snapshot.problem, empty=snapshot.empty, duplicates=snapshot.duplicates,
+                        first_duplicate_line_no=snapshot.first_duplicate_line_no, **rules)
+    if snapshot.notes:  # what reading did (a cut last line left out), before the judge's notes
+        observation = dataclasses.replace(observation, notes=snapshot.notes + observation.notes)
+    return observation
 
 
 def _awaits_audit_line(records: Sequence[RunRecord]) -> bool:
