@@ -20,7 +20,8 @@ explanation cannot be written (a reader that closed the pipe, a full disk). With
 file that is still being written (or does not exist yet) is read again every ``--poll`` seconds
 until the verdict is a pass or the time is up; with ``--until end``, until the run being written
 has ended (the next run's start, or ``--quiet-period`` seconds without anything new), judged
-whole; when the first read does not end the wait, one line on stderr says what it waits for.
+whole; when the first read does not end the wait, one line on stderr says what it waits for (not
+with ``--quiet``).
 Standard input (``-``) is read to its end. A run whose otel-swa lines are only its start
 marker or a liveness warning ("instrumented, 0 samples in N steps") fails.
 """
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
 
         observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, new_only=args.new,
                                            until=args.until, quiet_s=args.quiet_s, judge_on_interrupt=True,
-                                           on_waiting=waiting if args.wait > 0 else None, **rules)
+                                           on_waiting=waiting if args.wait > 0 and not args.quiet else None, **rules)
         if observation.problem is not None:
             return error(observation.problem)
         if observation.records == 0:  # at the end of the wait: empty, or no log at all?
