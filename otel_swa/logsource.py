@@ -300,6 +300,10 @@ def split_cut_line(text: str, first_line_no: int = 1) -> "tuple[str, CutLine | N
     return text[:start], CutLine(first_line_no + text.count("\n", 0, start), error.reason)
 
 
+#: How much of a log :class:`LogFollower` reads at once (bytes): the most text it holds.
+READ_CHUNK_BYTES = 8 * 2**20
+
+
 class LogFollower:
     """A log file read incrementally, while another process may still be appending to it.
 
@@ -373,7 +377,13 @@ class LogFollower:
                     self.duplicates = DuplicateLines()
                     self._prefixes = PrefixClaims()
                 handle.seek(self._offset)
-                data = handle.read()
+                new: list[LoggedRecord] = []
+                while True:  # in chunks: the text held at once is one chunk, whatever the file's size
+                    data = handle.read(READ_CHUNK_BYTES)
+                    if not data:
+                        break
+                    self._offset += len(data)
+                    new += self._parse(data, final=False)
         except FileNotFoundError:
             self.missing = True
             self.error = None
@@ -384,7 +394,11 @@ class LogFollower:
             return []
         self.missing = False
         self.error = None
-        self._offset += len(data)
+        return new + self._parse(b"", final=final)
+
+    def _parse(self, data: bytes, final: bool) -> list[LoggedRecord]:
+        """Parse the complete lines of what is pending plus ``data`` (and, when ``final``, the
+        last line without its line end, unless it cannot be read); return the new records."""
         data = self._pending + data
         cut = data.rfind(b"\n") + 1
         complete, self._pending = data[:cut], data[cut:]
