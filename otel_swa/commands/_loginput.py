@@ -8,6 +8,8 @@ import sys
 from otel_swa.commands._args import non_negative_int, positive_seconds, seconds
 from otel_swa.commands._output import stdout_closed
 from otel_swa.logsource import (
+    TEXT_PROBE_BYTES,
+    LogFollower,
     LoggedEntry,
     LoggedRecord,
     decode_log,
@@ -62,18 +64,20 @@ def unusable_text(source: str, data: "bytes | str") -> InputError | None:
 def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]]:
     """The records and run start markers of a complete log, and the malformed lines skipped.
 
-    A last line cut in the middle (:func:`otel_swa.logsource.split_cut_line`: a log still being
-    written) is left out, and one line on stderr says so (``otel-swa: log file 'run.log': the last
-    line (19) has no line end and cannot be read (...); read without it``).
+    A file is read in chunks (:class:`otel_swa.logsource.LogFollower`: the text held at once is
+    one chunk), standard input whole. A last line cut in the middle
+    (:func:`otel_swa.logsource.split_cut_line`: a log still being written) is left out, and one
+    line on stderr says so (``otel-swa: log file 'run.log': the last line (19) has no line end and
+    cannot be read (...); read without it``).
 
     Raises:
         InputError: the file is missing or cannot be read, is empty, or is not a text log.
     """
+    if source != "-":
+        return _load_file(source)
     errors: list[MalformedRecordError] = []
     try:
         data = read_data(source)
-    except FileNotFoundError:
-        raise InputError(f"log file {source!r} does not exist") from None
     except OSError as exc:
         raise InputError(f"{source_name(source)} cannot be read: {exc.strerror or exc}") from None
     problem = unusable_text(source, data)
@@ -83,6 +87,28 @@ def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordEr
     if cut is not None:
         print(f"otel-swa: {source_name(source)}: {cut.describe()}", file=sys.stderr)
     return logged_entries(text, errors=errors), errors
+
+
+def _load_file(path: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]]:
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(TEXT_PROBE_BYTES)
+            longer = bool(stream.read(1))
+    except FileNotFoundError:
+        raise InputError(f"log file {path!r} does not exist") from None
+    except OSError as exc:
+        raise InputError(f"{source_name(path)} cannot be read: {exc.strerror or exc}") from None
+    problem = None if longer and not head.strip() else unusable_text(path, head)  # blanks first, text later
+    if problem is not None:
+        raise problem
+    follower = LogFollower(path)
+    follower.poll(final=True)
+    if follower.missing or follower.error is not None:
+        why = "it was removed" if follower.missing else (follower.error.strerror or str(follower.error))
+        raise InputError(f"{source_name(path)} cannot be read: {why}")
+    if follower.cut_line is not None:
+        print(f"otel-swa: {source_name(path)}: {follower.cut_line.describe()}", file=sys.stderr)
+    return follower.entries, follower.errors
 
 
 def load_records(source: str) -> tuple[list[LoggedRecord], int]:
