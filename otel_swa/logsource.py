@@ -376,7 +376,8 @@ class LogFollower:
                     self._pairing = AuditPairing()
                     self.duplicates = DuplicateLines()
                     self._prefixes = PrefixClaims()
-                handle.seek(self._offset)
+                if self._offset:  # a pipe (`check <(engine ...)`) cannot seek, and is read from its start once
+                    handle.seek(self._offset)
                 new: list[LoggedRecord] = []
                 while True:  # in chunks: the text held at once is one chunk, whatever the file's size
                     data = handle.read(READ_CHUNK_BYTES)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from otel_swa.commands._args import non_negative_int, positive_seconds, seconds
@@ -64,8 +65,8 @@ def unusable_text(source: str, data: "bytes | str") -> InputError | None:
 def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]]:
     """The records and run start markers of a complete log, and the malformed lines skipped.
 
-    A file is read in chunks (:class:`otel_swa.logsource.LogFollower`: the text held at once is
-    one chunk), standard input whole. A last line cut in the middle
+    A regular file is read in chunks (:class:`otel_swa.logsource.LogFollower`: the text held at
+    once is one chunk), standard input and a pipe whole. A last line cut in the middle
     (:func:`otel_swa.logsource.split_cut_line`: a log still being written) is left out, and one
     line on stderr says so (``otel-swa: log file 'run.log': the last line (19) has no line end and
     cannot be read (...); read without it``).
@@ -73,11 +74,13 @@ def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordEr
     Raises:
         InputError: the file is missing or cannot be read, is empty, or is not a text log.
     """
-    if source != "-":
+    if source != "-" and os.path.isfile(source):  # a pipe (`records <(engine ...)`) is read once, whole
         return _load_file(source)
     errors: list[MalformedRecordError] = []
     try:
         data = read_data(source)
+    except FileNotFoundError:
+        raise InputError(f"log file {source!r} does not exist") from None
     except OSError as exc:
         raise InputError(f"{source_name(source)} cannot be read: {exc.strerror or exc}") from None
     problem = unusable_text(source, data)

@@ -45,3 +45,26 @@ def test_chunked_reads_find_what_one_read_finds(tmp_path, monkeypatch, chunk):
         ("LoggedRunStart", None, None), ("LoggedRecord", 20, 0), ("LoggedRecord", 40, None)]
     assert len(want[1]) == 1  # the record line that is no JSON
     assert follower.cut_line == cut and cut is not None and cut.line_no == 6  # bare CRs start no numbered line
+
+
+@pytest.mark.parametrize("command", ["check", "records"])
+def test_a_pipe_path_is_read_from_its_start(capsys, command):
+    # `otel-swa check <(my-engine ...)`: the path is a pipe, which cannot seek and can be read once
+    # (was: "log file '/dev/fd/63' cannot be read (File or stream is not seekable.)")
+    import os
+
+    from otel_swa.cli import main
+
+    read_end, write_end = os.pipe()
+    os.write(write_end, "".join(LINES[:2] + LINES[3:5]).encode("utf-8"))
+    os.close(write_end)
+    try:
+        status = main([command, f"/dev/fd/{read_end}"])
+    finally:
+        os.close(read_end)
+    out = capsys.readouterr().out
+    if command == "check":
+        assert out.startswith(f"SWA path observed in /dev/fd/{read_end}: 2 record(s) seen") and status == 0
+    else:
+        assert [line.split('"forward_ct":')[1].split(",")[0] for line in out.splitlines()] == ["20", "40"]
+        assert status == 0
