@@ -9,7 +9,8 @@ The reference engine stands for any engine: what matters is where the calls go.
 
 Exporters, endpoint, protocol, headers, temporality, service name and resource come from the
 standard ``OTEL_*`` variables (see docs/telemetry.md); the sampling interval from
-``OTEL_SWA_DIVERGENCE_INTERVAL`` (this script defaults it to 4 when unset).
+``OTEL_SWA_DIVERGENCE_INTERVAL`` (this script defaults it to 4 when unset). An unknown exporter or
+an unusable variable is refused in one line (exit status 2) before torch is imported.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from types import SimpleNamespace
 
-from otel_swa.reference.engine import EngineConfig, ReferenceEngine
-from otel_swa.reporter import SwaDivergenceReporter
-from otel_swa.telemetry import configure
+from otel_swa import config
 
 # Small prompts against a 16-token window and a 128-slot SWA pool: tokens leave the window and
 # their SWA slots are reused within a few steps, so divergence and out-of-window tokens show.
@@ -38,12 +38,20 @@ def main() -> int:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("OTEL_SWA_DIVERGENCE_INTERVAL", "4")
-
-    # 1. telemetry: providers from the OTEL_* variables (or the application's own, if installed)
     exporters = args.exporters
     if exporters is None and not any(os.environ.get(f"OTEL_{signal}_EXPORTER") for signal in ("TRACES", "METRICS", "LOGS")):
         exporters = "console,logline"
-    telemetry = configure(exporters=exporters, default_service_name="otel-swa-example")
+    try:  # what cannot work is said in one line, before torch is imported
+        config.check_environment()
+        from otel_swa.telemetry import configure  # OpenTelemetry, not torch
+
+        # 1. telemetry: providers from the OTEL_* variables (or the application's own, if installed)
+        telemetry = configure(exporters=exporters, default_service_name="otel-swa-example")
+    except config.ConfigError as exc:
+        print(f"engine_by_hand.py: {exc}", file=sys.stderr)
+        return 2
+    from otel_swa.reference.engine import EngineConfig, ReferenceEngine
+    from otel_swa.reporter import SwaDivergenceReporter
 
     # 2. the engine and its reporter (None when the interval is 0: no reporter work at all)
     engine = ReferenceEngine(EngineConfig(window=16, full_pool_size=2048, swa_pool_size=128, max_running=4,

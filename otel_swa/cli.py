@@ -4,14 +4,16 @@ Each subcommand lives in its own module under :mod:`otel_swa.commands` with two 
 ``add_arguments(parser)`` and ``run(args) -> int``; this module only dispatches.
 
 Exit status: 0 success; 1 the command ran and its check failed (``check``: the SWA path was not
-observed; ``replay``: its own SWA slot audit found faults, or it took no sample; ``records``: its
-output could not be written); 2 unusable input, arguments or environment (the message names the
-value and what was expected; ``check``, ``records`` and ``plot``: also an empty file, one that is
-not a text log, and, for ``records`` and ``plot``, a log whose records are all malformed); 3 ``replay`` ran but every export of a signal failed
-(nothing reached the collector); 130 ``replay`` interrupted (Ctrl-C), after its summary. When the reader of standard
-output goes away (``otel-swa replay | head -1``), output stops quietly and the exit status is the
-one the command would have had (``check`` keeps its verdict); when standard output cannot take
-more (``> /dev/full``), one line on stderr says so.
+observed; ``replay``: its own SWA slot audit found faults, or it took no sample); 2 unusable input,
+arguments or environment (the message names the value and what was expected; ``check``,
+``records`` and ``plot``: also an empty file, one that is not a text log, and, for ``records`` and
+``plot``, a log whose records are all malformed), or an output that could not be written
+(standard output or ``replay --log-file`` on a full disk, a log file that is a pipe nobody reads:
+one line on stderr names it and the error; ``check`` keeps its verdict, ``replay`` its 1 and 130);
+3 ``replay`` ran but every export of a signal failed (nothing reached the collector); 130
+interrupted (Ctrl-C), after the summary so far. When the reader of standard output goes away
+(``otel-swa replay | head -1``), output stops quietly and the exit status is the one the command
+would have had.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import sys
 import time
 from typing import Sequence
 
+from otel_swa.commands._interrupt import INTERRUPTED, CommandInterrupt
 from otel_swa.version import __version__
 
 #: When this module was imported, on the ``time.monotonic()`` clock: the start of an ``otel-swa``
@@ -65,13 +68,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The wall time ``replay`` prints counts from the start of the command when this is the
     # process's command (``argv`` None: its imports included), else from this call.
     started_at = _IMPORTED_AT if argv is None else time.monotonic()
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.started_at = started_at
-    if getattr(args, "_run", None) is None:
-        parser.print_help()
-        return 2
+    command = _command_name(sys.argv[1:] if argv is None else argv)
+    interrupt = CommandInterrupt(command or "").install()  # Ctrl-C: never a traceback (commands/_interrupt.py)
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        args.started_at = started_at
+        args.interrupt = interrupt
+        if getattr(args, "_run", None) is None:
+            parser.print_help()
+            return 2
         return int(args._run(args) or 0)
     except BrokenPipeError:
         # Standard output was closed by its reader. As the Python documentation advises (signal
@@ -79,6 +85,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         from otel_swa.commands._output import stdout_closed
 
         return stdout_closed()
+    except KeyboardInterrupt:
+        name = f"otel-swa {command}" if command else "otel-swa"
+        print(f"{name}: interrupted (Ctrl-C); exit status {INTERRUPTED}", file=sys.stderr)
+        return INTERRUPTED
+    finally:
+        if argv is None:
+            interrupt.exiting()  # the process's own command: a Ctrl-C while it exits ends it at once
+        else:
+            interrupt.uninstall()
+
+
+def _command_name(argv: Sequence[str]) -> str | None:
+    """The subcommand named in ``argv`` (the first word that is one), for messages."""
+    return next((word for word in argv if word in SUBCOMMANDS), None)
 
 
 if __name__ == "__main__":  # pragma: no cover

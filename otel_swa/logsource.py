@@ -18,7 +18,14 @@ read by :mod:`otel_swa.record` (:func:`~otel_swa.record.iter_entries`,
 
 * :class:`LogFollower`: a log file that another process may still be appending to, read
   incrementally (only complete lines until the final read, so a half-written record is not taken
-  for a malformed one).
+  for a malformed one);
+
+* **a cut last line** (:func:`split_cut_line`, :class:`CutLine`): a log whose last line has no
+  line end and holds a line of otel-swa's or SGLang's that cannot be read (a record, an audit,
+  fault, provenance, run start or liveness line cut in the middle: a log still being written, or
+  copied while it was) is read without that line, whatever its kind, by every reader (a file, a
+  file followed while it grows, standard input, log text, captured output), and the readers say so
+  in one line (:meth:`CutLine.describe`). A last line without a line end that reads whole is kept.
 """
 
 from __future__ import annotations
@@ -62,6 +69,8 @@ __all__ = [
     "read_log",
     "group_by_rank",
     "ROW_FIELDS",
+    "CutLine",
+    "split_cut_line",
 ]
 
 #: Columns of a record as data (``otel-swa records``): where it was found, the run it belongs to,
@@ -241,6 +250,60 @@ def logged_records(
     return [e for e in logged_entries(text, first_line_no=first_line_no, errors=errors) if isinstance(e, LoggedRecord)]
 
 
+@dataclass(frozen=True, slots=True)
+class CutLine:
+    """The last line of a log, without a line end, whose line of otel-swa's or SGLang's cannot be
+    read: left out (see the module docstring).
+
+    Attributes:
+        line_no: its 1-based line number.
+        reason: why it cannot be read (the first malformed line kind's reason).
+    """
+
+    line_no: int
+    reason: str
+
+    def describe(self) -> str:
+        """One line for the reader: ``the last line (19) has no line end and cannot be read (...):
+        the log is still being written, or was cut there; read without it``."""
+        return (f"the last line ({self.line_no}) has no line end and cannot be read ({self.reason}): the log is still "
+                "being written, or was cut there; read without it")
+
+
+def _line_end_before(text: str) -> int:
+    """Where the last line of ``text`` begins (after its last LF or CR)."""
+    return max(text.rfind("\n"), text.rfind("\r")) + 1
+
+
+def _unreadable(line: str) -> MalformedRecordError | None:
+    """The first malformed line kind in ``line`` (a line without its line end), else ``None``."""
+    errors: list[MalformedRecordError] = []
+    for _ in iter_entries(line, errors):
+        pass
+    return errors[0] if errors else None
+
+
+def split_cut_line(text: str, first_line_no: int = 1) -> "tuple[str, CutLine | None]":
+    """``text`` without its last line when that line has no line end and cannot be read
+    (:class:`CutLine`), and that line; else ``(text, None)``.
+
+    Args:
+        text: log text (the whole log, or its last chunk).
+        first_line_no: the line number of the first line of ``text`` in the whole log.
+    """
+    if not text or text.endswith(("\n", "\r")):
+        return text, None
+    start = _line_end_before(text)
+    error = _unreadable(text[start:])
+    if error is None:
+        return text, None
+    return text[:start], CutLine(first_line_no + text.count("\n", 0, start), error.reason)
+
+
+#: How much of a log :class:`LogFollower` reads at once (bytes): the most text it holds.
+READ_CHUNK_BYTES = 8 * 2**20
+
+
 class LogFollower:
     """A log file read incrementally, while another process may still be appending to it.
 
@@ -259,6 +322,8 @@ class LogFollower:
             :class:`~otel_swa.record.LivenessMatch` found so far, in order.
         duplicates: the exact duplicate adjacent lines skipped (:class:`DuplicateLines`).
         errors: a :class:`~otel_swa.record.MalformedRecordError` per malformed line skipped.
+        cut_line: the unterminated last line at the last poll when it cannot be read (left out:
+            :class:`CutLine`), else ``None``.
         missing: the file did not exist at the last poll.
         error: the ``OSError`` of the last poll when the file exists but cannot be read
             (permission denied, a directory...), else ``None``.
@@ -270,6 +335,7 @@ class LogFollower:
         self.errors: list[MalformedRecordError] = []
         self.missing = False
         self.error: OSError | None = None
+        self.cut_line: CutLine | None = None
         self._pairing = AuditPairing()
         self.duplicates = DuplicateLines()
         self._prefixes = PrefixClaims()
@@ -293,7 +359,9 @@ class LogFollower:
         """Read what was appended since the last poll; return the new records.
 
         Args:
-            final: also parse an unterminated last line (the writer is done or the wait is over).
+            final: also parse an unterminated last line (the writer is done or the wait is over),
+                unless it cannot be read: then it is left out and kept for a later poll. At any
+                poll, :attr:`cut_line` says when the unterminated last line cannot be read.
 
         Never raises for a missing or unreadable file: see :attr:`missing` and :attr:`error`.
         """
@@ -308,8 +376,15 @@ class LogFollower:
                     self._pairing = AuditPairing()
                     self.duplicates = DuplicateLines()
                     self._prefixes = PrefixClaims()
-                handle.seek(self._offset)
-                data = handle.read()
+                if self._offset:  # a pipe (`check <(engine ...)`) cannot seek, and is read from its start once
+                    handle.seek(self._offset)
+                new: list[LoggedRecord] = []
+                while True:  # in chunks: the text held at once is one chunk, whatever the file's size
+                    data = handle.read(READ_CHUNK_BYTES)
+                    if not data:
+                        break
+                    self._offset += len(data)
+                    new += self._parse(data, final=False)
         except FileNotFoundError:
             self.missing = True
             self.error = None
@@ -320,13 +395,25 @@ class LogFollower:
             return []
         self.missing = False
         self.error = None
-        self._offset += len(data)
+        return new + self._parse(b"", final=final)
+
+    def _parse(self, data: bytes, final: bool) -> list[LoggedRecord]:
+        """Parse the complete lines of what is pending plus ``data`` (and, when ``final``, the
+        last line without its line end, unless it cannot be read); return the new records."""
         data = self._pending + data
-        if final:
-            complete, self._pending = data, b""
-        else:
-            cut = data.rfind(b"\n") + 1
-            complete, self._pending = data[:cut], data[cut:]
+        cut = data.rfind(b"\n") + 1
+        complete, self._pending = data[:cut], data[cut:]
+        self.cut_line = None
+        if self._pending:  # a last line without its line end: cut in the middle, or whole?
+            end = max(cut, data.rfind(b"\r") + 1)
+            last = data[end:]
+            error = _unreadable(last.decode("utf-8", errors="replace")) if last else None
+            if error is not None:  # left out (and kept, in case the file grows), and said
+                self.cut_line = CutLine(self._next_line_no + complete.count(b"\n"), error.reason)
+                if final:
+                    complete, self._pending = data[:end], last
+            elif final:  # whole, or lines ended by bare CRs: read at the final poll
+                complete, self._pending = data, b""
         if not complete:
             return []
         if self._after_cr and complete.startswith(b"\n"):

@@ -16,20 +16,35 @@ Or on a replay, with a Prometheus started here (the ``prometheus`` binary on PAT
 
 which runs ``otel-swa replay --exporter prometheus,logline`` (the default 200 requests; more
 ``otel-swa replay`` options after ``--``) scraped every 250 ms, and draws the run.
+
+What cannot work is refused first, in one line on stderr and exit status 2, before anything is
+created or drawn: matplotlib missing, no ``prometheus`` binary for ``--replay``, a
+``--prometheus`` URL that is not http(s) or does not answer, an ``--out`` that is a file, a
+``--minutes`` that is not a positive number.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import re
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 from pathlib import Path
 
-from otel_swa.testing.prometheus import PrometheusAPI, PrometheusServer, dashboard_targets, free_port, grafana_expr
+from otel_swa.testing.prometheus import (
+    PrometheusAPI,
+    PrometheusError,
+    PrometheusServer,
+    dashboard_targets,
+    free_port,
+    grafana_expr,
+    prometheus_binary,
+)
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "grafana" / "otel-swa-dashboard.json"
 
@@ -98,6 +113,37 @@ def render(prometheus, start: float, end: float, out: Path, variables: dict, rat
     return written
 
 
+class Refused(Exception):
+    """What cannot work, in one line (exit status 2)."""
+
+
+def _reachable(url: str) -> None:
+    """Refuse a URL that is not http(s) or whose Prometheus does not answer ``/api/v1/status/buildinfo``."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise Refused(f"--prometheus {url!r} is not an http(s) URL; expected e.g. http://localhost:9090")
+    try:
+        PrometheusAPI(url).api("status/buildinfo", timeout_s=10)
+    except (OSError, ValueError, PrometheusError) as exc:
+        why = getattr(exc, "reason", None) or exc
+        raise Refused(f"no Prometheus answers at --prometheus {url!r}: {why}") from None
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Refuse, in one line, what cannot work (module docstring), before anything is created."""
+    if importlib.util.find_spec("matplotlib") is None:
+        raise Refused("matplotlib is not installed: pip install 'otel-swa[plot]'")
+    if not args.minutes > 0 or args.minutes == float("inf"):
+        raise Refused(f"--minutes {args.minutes:g} is not a positive number of minutes")
+    if args.out.exists() and not args.out.is_dir():
+        raise Refused(f"--out {str(args.out)!r} is a file; expected a directory (created if missing)")
+    if args.replay and prometheus_binary() is None:
+        raise Refused("--replay starts a Prometheus, and there is no prometheus binary on PATH "
+                      "(apt-get install prometheus), or use --prometheus URL")
+    if args.prometheus:
+        _reachable(args.prometheus)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -110,7 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate-interval", default=None, help="$__rate_interval (default 1m; with --replay 1s)")
     parser.add_argument("replay_args", nargs="*", help="with --replay: options for otel-swa replay (after --)")
     args = parser.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        _check(args)
+        args.out.mkdir(parents=True, exist_ok=True)
+        return _draw(args)
+    except (Refused, PrometheusError, OSError) as exc:
+        print(f"render_panels.py: {exc}", file=sys.stderr)
+        return 2
+
+
+def _draw(args: argparse.Namespace) -> int:
     variables = {"service": args.service, "host": args.host}
     if args.prometheus:
         end = time.time()

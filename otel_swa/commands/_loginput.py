@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from otel_swa.commands._args import non_negative_int, positive_seconds, seconds
 from otel_swa.commands._output import stdout_closed
-from otel_swa.logsource import LoggedEntry, LoggedRecord, decode_log, logged_entries, not_a_text_log, read_data
+from otel_swa.logsource import (
+    TEXT_PROBE_BYTES,
+    LogFollower,
+    LoggedEntry,
+    LoggedRecord,
+    decode_log,
+    logged_entries,
+    not_a_text_log,
+    read_data,
+    split_cut_line,
+)
 from otel_swa.record import MalformedRecordError
 
 __all__ = [
@@ -54,9 +65,17 @@ def unusable_text(source: str, data: "bytes | str") -> InputError | None:
 def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]]:
     """The records and run start markers of a complete log, and the malformed lines skipped.
 
+    A regular file is read in chunks (:class:`otel_swa.logsource.LogFollower`: the text held at
+    once is one chunk), standard input and a pipe whole. A last line cut in the middle
+    (:func:`otel_swa.logsource.split_cut_line`: a log still being written) is left out, and one
+    line on stderr says so (``otel-swa: log file 'run.log': the last line (19) has no line end and
+    cannot be read (...); read without it``).
+
     Raises:
         InputError: the file is missing or cannot be read, is empty, or is not a text log.
     """
+    if source != "-" and os.path.isfile(source):  # a pipe (`records <(engine ...)`) is read once, whole
+        return _load_file(source)
     errors: list[MalformedRecordError] = []
     try:
         data = read_data(source)
@@ -67,7 +86,32 @@ def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordEr
     problem = unusable_text(source, data)
     if problem is not None:
         raise problem
-    return logged_entries(decode_log(data), errors=errors), errors
+    text, cut = split_cut_line(decode_log(data))
+    if cut is not None:
+        print(f"otel-swa: {source_name(source)}: {cut.describe()}", file=sys.stderr)
+    return logged_entries(text, errors=errors), errors
+
+
+def _load_file(path: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]]:
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(TEXT_PROBE_BYTES)
+            longer = bool(stream.read(1))
+    except FileNotFoundError:
+        raise InputError(f"log file {path!r} does not exist") from None
+    except OSError as exc:
+        raise InputError(f"{source_name(path)} cannot be read: {exc.strerror or exc}") from None
+    problem = None if longer and not head.strip() else unusable_text(path, head)  # blanks first, text later
+    if problem is not None:
+        raise problem
+    follower = LogFollower(path)
+    follower.poll(final=True)
+    if follower.missing or follower.error is not None:
+        why = "it was removed" if follower.missing else (follower.error.strerror or str(follower.error))
+        raise InputError(f"{source_name(path)} cannot be read: {why}")
+    if follower.cut_line is not None:
+        print(f"otel-swa: {source_name(path)}: {follower.cut_line.describe()}", file=sys.stderr)
+    return follower.entries, follower.errors
 
 
 def load_records(source: str) -> tuple[list[LoggedRecord], int]:

@@ -5,11 +5,13 @@ Python ignores ``SIGPIPE``, so a write to a closed pipe raises :class:`BrokenPip
 ending the process. Following the Python documentation (``signal`` module, "Note on SIGPIPE"), the
 commands then point the standard output file descriptor at ``os.devnull``, so that later writes and
 the flush at interpreter exit succeed silently, and go on to their normal exit status. Any other
-write error (a full disk) is said once, in one line on standard error, and output stops the same way.
+write error (a full disk) is said once, in one line on standard error, and output stops the same way;
+the command then exits 2 (``check`` keeps its verdict).
 
 :class:`GuardedStdout` does this for every writer of a long command (the log-line handler, the
 OpenTelemetry console exporters on their own threads, the summary), so that none of them prints a
-traceback.
+traceback; :class:`GuardedFile` the same for a log file (``replay --log-file``), where any write
+error, a pipe whose reader left included, is said once and ends the writes to that file only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ import os
 import sys
 import threading
 
-__all__ = ["discard_stdout", "stdout_closed", "StdoutLogHandler", "GuardedStdout", "print_result"]
+__all__ = [
+    "discard_stdout", "stdout_closed", "print_result", "GuardedStream", "GuardedStdout", "GuardedFile",
+    "GuardedLogHandler", "StdoutLogHandler", "FileLogHandler",
+]
 
 
 def discard_stdout() -> None:
@@ -47,47 +52,51 @@ def stdout_closed() -> int:
     return 0
 
 
-def print_result(text: str) -> bool:
-    """Print ``text`` on standard output; ``False`` when it could not be written.
+def print_result(text: str) -> OSError | None:
+    """Print ``text`` on standard output; return the write error when it could not be written
+    (``None`` when it was, or when its reader had closed the pipe).
 
     A reader that closed the pipe is not an error (nothing is said); any other write error (a full
     disk, ``> /dev/full``) is named in one line on standard error. Either way standard output is
-    then discarded (:func:`discard_stdout`) so that the exit is clean, and the caller keeps its
-    exit status.
+    then discarded (:func:`discard_stdout`) so that the exit is clean; the caller chooses its exit
+    status.
     """
     try:
         print(text, flush=True)
-        return True
     except BrokenPipeError:
         discard_stdout()
     except OSError as exc:
         discard_stdout()
         print(f"otel-swa: cannot write to standard output: {exc.strerror or exc}", file=sys.stderr)
-    return False
+        return exc
+    return None
 
 
-class GuardedStdout(io.TextIOBase):
-    """A text stream over standard output that never raises for a reader gone or a full disk.
+class GuardedStream(io.TextIOBase):
+    """A text stream that never raises for a reader gone or a full disk: the first write error
+    stops it, said once in one line on standard error, and everything written later is dropped.
 
-    The first :class:`BrokenPipeError` (the reader closed the pipe) sets :attr:`reader_gone`
-    quietly; the first other ``OSError`` (``ENOSPC``...) is said in one line on standard error,
-    ``otel-swa: cannot write to standard output: No space left on device``, and kept in
-    :attr:`failed`. Either way standard output is then discarded (:func:`discard_stdout`) and
-    everything written later is dropped. Thread-safe: the OpenTelemetry console exporters write
-    from their own threads.
+    Thread-safe: the OpenTelemetry console exporters write from their own threads.
 
     Args:
-        stream: the stream to write to (default: ``sys.stdout`` at the time of each write).
+        stream: the stream to write to (``None``: ``sys.stdout`` at the time of each write).
+        name: the destination in words, for the message (``standard output``, ``log file 'run.log'``).
+        quiet_pipe: a :class:`BrokenPipeError` (the reader closed the pipe) stops the stream without
+            a word and is no failure (standard output under ``| head``); ``False``: it is a write
+            error like any other (a log file that is a pipe nobody reads).
 
     Attributes:
-        reader_gone: the reader closed the pipe.
-        failed: the write error other than a closed pipe, or ``None``.
+        reader_gone: the reader closed the pipe (only with ``quiet_pipe``).
+        failed: the write error that stopped the stream (``ENOSPC``, ``EPIPE``...), or ``None``.
     """
 
-    def __init__(self, stream: "io.TextIOBase | None" = None) -> None:
+    def __init__(self, stream: "io.TextIOBase | None" = None, *, name: str = "standard output",
+                 quiet_pipe: bool = True) -> None:
         super().__init__()
         self._stream = stream
         self._lock = threading.Lock()
+        self.name = name
+        self.quiet_pipe = quiet_pipe
         self.reader_gone = False
         self.failed: OSError | None = None
 
@@ -114,42 +123,93 @@ class GuardedStdout(io.TextIOBase):
             except OSError as exc:
                 self._stop(exc)
 
+    def _discard(self) -> None:
+        """Drop what is still buffered for the destination, so that a later flush cannot fail."""
+        discard_stdout()
+
     def _stop(self, exc: OSError) -> None:
         with self._lock:
             if self.stopped:
                 return
-            if isinstance(exc, BrokenPipeError):
+            if isinstance(exc, BrokenPipeError) and self.quiet_pipe:
                 self.reader_gone = True
             else:
                 self.failed = exc
-            discard_stdout()
+            self._discard()
             if self.failed is not None:
                 try:
-                    print(f"otel-swa: cannot write to standard output: {exc.strerror or exc}", file=sys.stderr, flush=True)
+                    print(f"otel-swa: cannot write to {self.name}: {exc.strerror or exc}", file=sys.stderr, flush=True)
                 except OSError:
                     pass
 
 
-class StdoutLogHandler(logging.StreamHandler):
-    """A logging handler on standard output that stops writing, quietly, once its reader is gone,
-    and after one line on stderr when standard output cannot take more (a full disk).
+class GuardedStdout(GuardedStream):
+    """A :class:`GuardedStream` over standard output: a reader that closed the pipe stops it
+    quietly; any other write error (``> /dev/full``) is said in one line on standard error,
+    ``otel-swa: cannot write to standard output: No space left on device``. Either way standard
+    output is then discarded (:func:`discard_stdout`)."""
 
-    A plain :class:`logging.StreamHandler` reports a :class:`BrokenPipeError` or a full disk through
-    ``handleError`` on every record ("--- Logging error ---" with a traceback on stderr). This one
-    writes through a :class:`GuardedStdout` (``stream``, shared with the command's other writers
-    when given) and drops every record once it has stopped.
+    def __init__(self, stream: "io.TextIOBase | None" = None) -> None:
+        super().__init__(stream, name="standard output", quiet_pipe=True)
 
-    Attributes:
-        reader_gone: the reader closed the pipe; nothing more is written.
+
+class GuardedFile(GuardedStream):
+    """A :class:`GuardedStream` over a file opened for appending (``--log-file``): the first write
+    error (a full disk, a pipe whose reader is gone, a file system gone read-only) is said in one
+    line, ``otel-swa: cannot write to log file 'run.log': No space left on device``, the file is
+    closed, and nothing more is written to it.
+
+    Raises:
+        OSError: the file cannot be opened for appending (permission, a missing folder).
     """
 
-    def __init__(self, stream: GuardedStdout | None = None) -> None:
-        self.guard = stream if stream is not None else GuardedStdout()
-        super().__init__(self.guard)
+    def __init__(self, path: str) -> None:
+        super().__init__(open(path, "a", encoding="utf-8"), name=f"log file {path!r}", quiet_pipe=False)  # noqa: SIM115
+
+    def _discard(self) -> None:
+        self.close_quietly()
+
+    def close_quietly(self) -> None:
+        """Close the file; a write error of its last flush is the failure already said (or said now)."""
+        stream = self._stream
+        if stream is None or stream.closed:
+            return
+        try:
+            stream.close()  # a failing flush still closes the descriptor
+        except OSError as exc:
+            if self.failed is None:
+                self.failed = exc
+                try:
+                    print(f"otel-swa: cannot write to {self.name}: {exc.strerror or exc}", file=sys.stderr, flush=True)
+                except OSError:
+                    pass
+
+
+class GuardedLogHandler(logging.StreamHandler):
+    """A logging handler over a :class:`GuardedStream`: it stops writing, quietly, once its reader
+    is gone, and after one line on stderr when its destination cannot take more (a full disk).
+
+    A plain :class:`logging.StreamHandler` reports a :class:`BrokenPipeError` or a full disk through
+    ``handleError`` on every record ("--- Logging error ---" with a traceback on stderr), and a
+    :class:`logging.FileHandler` once more when it is closed. This one drops every record once its
+    stream has stopped.
+
+    Attributes:
+        guard: the stream written to.
+    """
+
+    def __init__(self, guard: GuardedStream) -> None:
+        self.guard = guard
+        super().__init__(guard)
 
     @property
     def reader_gone(self) -> bool:
         return self.guard.reader_gone
+
+    @property
+    def failed(self) -> OSError | None:
+        """The write error that stopped the handler's stream, or ``None``."""
+        return self.guard.failed
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.guard.stopped:
@@ -164,3 +224,28 @@ class StdoutLogHandler(logging.StreamHandler):
 
     def flush(self) -> None:
         self.guard.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if isinstance(self.guard, GuardedFile):
+            self.guard.close_quietly()
+        super().close()
+
+
+class StdoutLogHandler(GuardedLogHandler):
+    """A :class:`GuardedLogHandler` on standard output (``stream``: a :class:`GuardedStdout`
+    shared with the command's other writers, else a new one)."""
+
+    def __init__(self, stream: GuardedStdout | None = None) -> None:
+        super().__init__(stream if stream is not None else GuardedStdout())
+
+
+class FileLogHandler(GuardedLogHandler):
+    """A :class:`GuardedLogHandler` appending to the file at ``path`` (``--log-file``).
+
+    Raises:
+        OSError: the file cannot be opened for appending.
+    """
+
+    def __init__(self, path: str) -> None:
+        super().__init__(GuardedFile(path))

@@ -14,12 +14,15 @@ log at once) fails.
 
 Exit status: 0 observed; 1 not observed (the explanation is printed on stdout); 2 unusable input (a
 missing or unreadable file, an empty one, one that is not a text log such as a binary file; the
-message is on stderr). The exit status is the verdict even when the
+message is on stderr); 130 interrupted (Ctrl-C): during a ``--wait``, what was read by then is
+judged and explained first. The exit status is the verdict even when the
 explanation cannot be written (a reader that closed the pipe, a full disk). With ``--wait SECONDS`` a
 file that is still being written (or does not exist yet) is read again every ``--poll`` seconds
 until the verdict is a pass or the time is up; with ``--until end``, until the run being written
 has ended (the next run's start, or ``--quiet-period`` seconds without anything new), judged
-whole. Standard input (``-``) is read to its end. A run whose otel-swa lines are only its start
+whole; when the first read does not end the wait, one line on stderr says what it waits for (not
+with ``--quiet``).
+Standard input (``-``) is read to its end. A run whose otel-swa lines are only its start
 marker or a liveness warning ("instrumented, 0 samples in N steps") fails.
 """
 
@@ -34,11 +37,19 @@ from otel_swa.commands._loginput import (
     non_negative_int,
     positive_seconds,
     seconds,
+    source_name,
     unusable_text,
 )
 from otel_swa.logsource import TEXT_PROBE_BYTES
 from otel_swa.commands._output import print_result
-from otel_swa.testing.assertions import DEFAULT_POLL_S, DEFAULT_QUIET_S, UNTIL_MODES, wait_for_observation
+from otel_swa.commands._interrupt import INTERRUPTED
+from otel_swa.testing.assertions import (
+    DEFAULT_POLL_S,
+    DEFAULT_QUIET_S,
+    INTERRUPTED_NOTE,
+    UNTIL_MODES,
+    wait_for_observation,
+)
 from otel_swa.testing.judge import LINE_MODES, RANK_MODES, RUN_MODES
 from otel_swa.testing.sources import text_source
 
@@ -117,14 +128,23 @@ def run(args: argparse.Namespace) -> int:
             return error(str(problem))
         observation = wait_for_observation(text_source(data, "standard input"), **rules)
     else:
+        def waiting(first: object) -> None:  # the first read did not end the wait: say what it waits for
+            print(f"otel-swa check: waiting up to {args.wait:g} s for {source_name(args.source)} (Ctrl-C judges what "
+                  "was read by then)", file=sys.stderr, flush=True)
+
         observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, new_only=args.new,
-                                           until=args.until, quiet_s=args.quiet_s, **rules)
+                                           until=args.until, quiet_s=args.quiet_s, judge_on_interrupt=True,
+                                           on_waiting=waiting if args.wait > 0 and not args.quiet else None, **rules)
         if observation.problem is not None:
             return error(observation.problem)
         if observation.records == 0:  # at the end of the wait: empty, or no log at all?
             problem = _file_problem(args.source)
             if problem is not None:
                 return error(problem)
-    if not (observation.ok and args.quiet):
+    interrupted = any(note.startswith(INTERRUPTED_NOTE) for note in observation.notes)
+    if not (observation.ok and args.quiet) or interrupted:
         print_result(observation.explain(verbose=args.verbose))  # the verdict stands even when it cannot be printed
+    if interrupted:
+        print(f"otel-swa check: interrupted (Ctrl-C) while waiting; exit status {INTERRUPTED}", file=sys.stderr)
+        return INTERRUPTED
     return 0 if observation.ok else 1

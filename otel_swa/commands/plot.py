@@ -8,7 +8,7 @@ SGLang's own lines are both in the log, otel-swa's are drawn. The image format f
 ``-o`` (``.png``, ``.svg``, ``.pdf``). Needs matplotlib, the optional extra ``plot`` (``pip install
 'otel-swa[plot]'``). Exit status 2 when the input is missing, unreadable, empty, not a text log or
 holds no record, when
-the rows would be too many to read (more than :data:`MAX_ROWS`), or when matplotlib is not installed.
+the rows would be too many to read (more than :data:`MAX_ROWS`), or when matplotlib is not installed, or when standard output cannot be written (a full disk).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from otel_swa.commands._loginput import InputError, add_source_argument, error, load_entries
+from otel_swa.commands._output import print_result
 from otel_swa.plot import PlotUnavailableError, plot_records
 from otel_swa.testing.runs import OTEL_SWA_LINES, split_runs
 
@@ -69,5 +70,5 @@ def run(args: argparse.Namespace) -> int:
         return error(str(exc))
     except OSError as exc:
         return error(f"cannot write {args.output!r}: {exc.strerror}" if exc.strerror else str(exc))
-    print(f"wrote {path} ({records} records, {len(rows)} panel row(s))")
-    return 0
+    failed = print_result(f"wrote {path} ({records} records, {len(rows)} panel row(s))")
+    return 2 if failed is not None else 0

@@ -15,7 +15,7 @@ Malformed lines are skipped and counted on stderr with the first reason (every o
 Numbers are written exactly, as decimal integers (up to 2**63 - 1). Some readers round integers
 above 2**53 (JavaScript's ``JSON.parse`` and viewers built on it, jq 1.6); pandas, Python's ``json``
 and ``csv`` keep them. Exit status 2 when the file is missing, unreadable, empty or not a text log,
-or when it holds malformed records and no valid one; 1 when standard output cannot be written (a
+or when it holds malformed records and no valid one, or when standard output cannot be written (a
 full disk: one line on stderr); a reader that closes the pipe is not an error. A text log without
 any record is no error: nothing is printed (CSV: the header).
 """
@@ -77,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     except OSError as exc:
         discard_stdout()
         print(f"otel-swa: cannot write to standard output: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return 2
     for line in malformed_summary(errors, args.verbose):
         print(line, file=sys.stderr)
     return 0

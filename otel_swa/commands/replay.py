@@ -21,26 +21,27 @@ the interval); 2 unusable options, input or environment (one line on stderr); 3 
 signal to an exporter that sends failed (nothing of it reached a collector); 130 interrupted
 (Ctrl-C): every sample taken so far is delivered and the summary printed first. The summary's wall
 time is the process's, from its start to the summary (the stop after the replay included). Standard output
-that its reader closes (``| head``) stops quietly; one that cannot take more (``> /dev/full``) is
-said once on stderr; neither changes the exit status.
+that its reader closes (``| head``) stops quietly; standard output or a ``--log-file`` that cannot
+take more (``> /dev/full``, ``--log-file /dev/full``, a pipe nobody reads) is named once on stderr
+with the error, the run goes on without it, and the exit status is 2 (unless 1 or 130).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from typing import Any
 
 from otel_swa import config as otel_swa_config
 from otel_swa import environment_variables as ev
 from otel_swa.commands._args import non_negative_int, positive_float, positive_int
-from otel_swa.commands._output import GuardedStdout, StdoutLogHandler
+from otel_swa.commands._interrupt import INTERRUPTED, CommandInterrupt
+from otel_swa.commands._output import FileLogHandler, GuardedStdout, StdoutLogHandler
 from otel_swa.commands._replay_checks import (
     available_memory as _available_memory,
     check_log_file,
@@ -49,7 +50,15 @@ from otel_swa.commands._replay_checks import (
     is_allocation_error,
     pool_too_large,
 )
-from otel_swa.commands._replay_summary import Progress, WallTime, export_row, print_summary, summary_rows, verdict_of
+from otel_swa.commands._replay_summary import (
+    EXPORTS_FAILED,
+    Progress,
+    WallTime,
+    export_row,
+    print_summary,
+    summary_rows,
+    verdict_of,
+)
 from otel_swa.record import SwaDivergenceRecord
 
 #: The SGLang log format (``[time{rank tokens}] message``), so the output reads like an engine's log.
@@ -165,14 +174,14 @@ def rank_prefix(ranks: dict[str, int]) -> str:
     return "".join(" " + token for token in tokens)
 
 
-def _line_logger(log_file: str | None, prefix: str, out: GuardedStdout) -> logging.Logger:
+def _line_logger(log_file: FileLogHandler | None, prefix: str, out: GuardedStdout) -> logging.Logger:
     logger = logging.getLogger("otel_swa.replay")
     logger.setLevel(logging.INFO)
     logger.propagate = False
     formatter = logging.Formatter(LOG_FORMAT.replace("{prefix}", prefix), LOG_DATEFMT)
     handlers: list[logging.Handler] = [StdoutLogHandler(out)]
-    if log_file:
-        handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+    if log_file is not None:
+        handlers.append(log_file)
     for handler in handlers:
         handler.setFormatter(formatter)
         logger.addHandler(handler)
@@ -187,15 +196,36 @@ def _close_logger(logger: logging.Logger) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from otel_swa.config import ConfigError
-    from otel_swa.logline import LogLineSink
-    from otel_swa.reference.config import EngineConfig
-    from otel_swa.reference.replay import replay
-    from otel_swa.reference.scheduler import RequestTooLargeError
-    from otel_swa.reference.trace import load_trace
-    from otel_swa.reporter import SwaDivergenceReporter
-
     started = getattr(args, "started_at", None) or time.monotonic()
+    interrupt = getattr(args, "interrupt", None)
+    own = None
+    if interrupt is None:  # called without otel_swa.cli.main: Ctrl-C handled here for the command
+        interrupt = own = CommandInterrupt("replay").install()
+    try:
+        with contextlib.ExitStack() as deferred:
+            return _run(args, started, interrupt, deferred)
+    except KeyboardInterrupt:  # Ctrl-C before the run began (imports, the trace): nothing ran
+        return _interrupted_before_run(args, started)
+    finally:
+        if own is not None:
+            own.uninstall()
+
+
+def _interrupted_before_run(args: argparse.Namespace, started: float) -> int:
+    """The summary of a run interrupted while it started (nothing was replayed); exit status 130."""
+    rows = [("trace", f"{args.trace}"),
+            ("interrupted", "before the run began (Ctrl-C while starting up: imports, the trace); nothing was replayed"),
+            ("wall time", f"{time.monotonic() - started:.1f} s")]
+    print_summary(rows, GuardedStdout())
+    print(f"otel-swa replay: interrupted before the run began; exit status {INTERRUPTED}", file=sys.stderr)
+    return INTERRUPTED
+
+
+def _run(args: argparse.Namespace, started: float, interrupt: CommandInterrupt, deferred: contextlib.ExitStack) -> int:
+    from otel_swa.config import ConfigError
+    from otel_swa.reference.config import EngineConfig
+    from otel_swa.reference.trace import load_trace
+
     try:
         otel_swa_config.check_environment()  # every OTEL_SWA_* variable, used by this run or not
         check_pool_options(args)
@@ -225,8 +255,19 @@ def run(args: argparse.Namespace) -> int:
     if not requests:
         print(f"otel-swa replay: the trace {args.trace!r} holds no request", file=sys.stderr)
         return 2
+    # torch is imported here, after every option was checked: a bad one is refused at once
+    from otel_swa.logline import LogLineSink
+    from otel_swa.reference.replay import replay
+    from otel_swa.reference.scheduler import RequestTooLargeError
+    from otel_swa.reporter import SwaDivergenceReporter
 
+    # from here on the first Ctrl-C raises nothing: the run stops at the end of the forward step
+    # under way (every sample taken is delivered), the stop cuts the exporters' waits short, and
+    # the summary is printed; a second Ctrl-C ends the process at once (CommandInterrupt)
+    deferred.enter_context(interrupt.deferred("stopping: the samples taken are delivered, the exporters' waits cut "
+                                              "short, then the summary"))
     out = GuardedStdout()  # every writer of standard output goes through it: no traceback for | head or a full disk
+    log_file = None  # the --log-file handler: a write error there is said once and ends its writes only
     exporters = args.exporter if args.exporter is not None else ["logline"]
     records: list[SwaDivergenceRecord] = []
     reporter = None
@@ -237,7 +278,14 @@ def run(args: argparse.Namespace) -> int:
         )
     logger = None
     if "logline" in exporters and reporter is not None:
-        logger = _line_logger(args.log_file, prefix, out)
+        if args.log_file:
+            try:
+                log_file = FileLogHandler(args.log_file)
+            except OSError as exc:
+                print(f"otel-swa replay: --log-file {args.log_file!r} cannot be opened for appending: "
+                      f"{exc.strerror or exc}", file=sys.stderr)
+                return 2
+        logger = _line_logger(log_file, prefix, out)
     telemetry = None
     otel_exporters = [name for name in exporters if name in ("console", "otlp", "prometheus")]
     # Without --exporter, the standard OTEL_{TRACES,METRICS,LOGS}_EXPORTER variables choose the
@@ -268,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
             _shutdown_quietly(console)
             print(f"otel-swa replay: {exc}", file=sys.stderr)
             return 2
+        interrupt.on_first(telemetry.cut_short)  # a Ctrl-C ends the exporters' waits
         if reporter is not None:
             telemetry.attach(reporter)
         endpoint = telemetry.prometheus_endpoint
@@ -281,8 +330,7 @@ def run(args: argparse.Namespace) -> int:
 
         hooks = request_span_hooks(telemetry.start_request_span, telemetry.end_request_span)
     progress = Progress()
-    stop = _StopAtStep()
-    hooks["on_step"] = _both(_both(hooks.get("on_step"), progress), stop.check)
+    hooks["on_step"] = _both(_both(hooks.get("on_step"), progress), lambda result: interrupt.raise_if_requested())
     bar = not args.no_progress and sys.stderr.isatty()
     if not args.no_progress and not bar:  # a log, not a terminal: a plain line now and then
         from otel_swa.commands._progress import ProgressLines
@@ -290,7 +338,6 @@ def run(args: argparse.Namespace) -> int:
         hooks["on_step"] = _both(hooks["on_step"], ProgressLines(len(requests)))
     summary: Any = progress
     interrupted = False
-    stop.install()
     on_engine = None
     if telemetry is not None:  # the KV pools' usage and what the window saves, as gauges
         pools = telemetry.pools
@@ -303,6 +350,7 @@ def run(args: argparse.Namespace) -> int:
                 reporter.add_sink(pools.savings_sink(engine.kv.swa_bytes_per_token))
 
     try:
+        interrupt.raise_if_requested()  # a Ctrl-C while the pipeline was set up: no run
         summary = replay(
             requests, engine_config, reporter,
             progress=bar, arrivals=args.arrivals, time_scale=args.time_scale,
@@ -322,21 +370,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     finally:
         stopping = time.monotonic()
-        try:
-            if reporter is not None:
-                reporter.close()
-            if telemetry is not None:
-                endpoint = telemetry.prometheus_endpoint
-                if endpoint is not None and endpoint.linger_s > 0:
-                    print(f"otel-swa replay: waiting up to {endpoint.linger_s:g} s for one more scrape of "
-                          f"{endpoint.url} ({ev.OTEL_SWA_PROMETHEUS_LINGER})", file=sys.stderr, flush=True)
-                telemetry.shutdown()
-            if logger is not None:
-                _close_logger(logger)
-        finally:
-            if not interrupted:
-                stop.uninstall()
+        if reporter is not None:
+            reporter.close()
+        if telemetry is not None:
+            endpoint = telemetry.prometheus_endpoint
+            if endpoint is not None and endpoint.linger_s > 0 and not interrupt.requested:
+                print(f"otel-swa replay: waiting up to {endpoint.linger_s:g} s for one more scrape of "
+                      f"{endpoint.url} ({ev.OTEL_SWA_PROMETHEUS_LINGER})", file=sys.stderr, flush=True)
+            telemetry.shutdown()
+        if logger is not None:
+            _close_logger(logger)
     stop_s = time.monotonic() - stopping
+    in_stop = interrupt.requested and not interrupted  # Ctrl-C after the run's end, while it stopped
     stats = reporter.stats if reporter is not None else None
     export_stats = telemetry.export_stats() if telemetry is not None else {}
     verdict = verdict_of(records, stats, interrupted, export_stats)
@@ -346,10 +391,20 @@ def run(args: argparse.Namespace) -> int:
     if exported is not None:  # what reached a collector, beside what the reporter delivered
         at = next((i + 1 for i, (name, _) in enumerate(rows) if name == "samples delivered"), len(rows))
         rows.insert(at, ("exported", exported))
+    cut = telemetry.cut_signals if telemetry is not None else []
+    if in_stop:  # the run was whole; the stop after it was interrupted
+        rows.insert(len(rows) - 1, ("interrupted", "after the run, while it stopped (Ctrl-C)" + _cut_text(cut)))
+        verdict = dataclasses.replace(verdict, interrupted=True)
+    elif interrupted and cut:
+        at = next(i for i, (name, _) in enumerate(rows) if name == "interrupted")
+        rows[at] = (rows[at][0], rows[at][1] + _cut_text(cut))
     print_summary(rows, out)
     for reason in verdict.reasons(interval, summary.forward_steps):
         print(f"otel-swa replay: {reason}", file=sys.stderr)
-    stop.uninstall()  # a Ctrl-C while the run shut down and summed up was held until here
+    if interrupt.requested and not verdict.interrupted:  # a Ctrl-C while it summed up: 130, no plot
+        print(f"otel-swa replay: interrupted (Ctrl-C) after the summary; exit status {INTERRUPTED}", file=sys.stderr)
+        verdict = dataclasses.replace(verdict, interrupted=True)
+    interrupted = verdict.interrupted
     if plot_path is not None and not interrupted:
         from otel_swa.plot import PlotUnavailableError, plot_records
 
@@ -360,38 +415,22 @@ def run(args: argparse.Namespace) -> int:
             return 2
         out.write(f"plot written to {plot_path}\n")
         out.flush()
-    return verdict.exit_status
+    return _with_outputs(verdict.exit_status, out, log_file)
 
 
-class _StopAtStep:
-    """Ctrl-C during the run stops it at the end of the forward step under way (the ``on_step``
-    hook raises ``KeyboardInterrupt`` there, outside the reporter and its sinks), so that every
-    sample taken is delivered and the summary printed; a second Ctrl-C stops at once. Only in the
-    main thread (where Python delivers signals); elsewhere SIGINT keeps its handler."""
+def _with_outputs(status: int, out: GuardedStdout, log_file: FileLogHandler | None) -> int:
+    """The exit status once the outputs are counted: 2 when standard output or the log file could
+    not be written (a full disk; each said once on stderr), unless interrupted (130) or a fault was
+    found (1); a reader that closed standard output is no failure."""
+    lost = out.failed is not None or (log_file is not None and log_file.failed is not None)
+    return 2 if lost and status in (0, EXPORTS_FAILED) else status
 
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-        self._installed = False
 
-    def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
-            self._installed = True
-
-    def uninstall(self) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
-
-    def _on_sigint(self, signum: int, frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def check(self, result: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
+def _cut_text(cut: list) -> str:
+    """What a Ctrl-C cut off, for the ``interrupted`` row."""
+    if not cut:
+        return ""
+    return f"; the exporters' waits were cut short: the last exports of {', '.join(cut)} were not sent"
 
 
 def _console_processors(out: Any) -> dict[str, list]:

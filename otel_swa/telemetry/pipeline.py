@@ -16,6 +16,7 @@ from otel_swa import config
 from otel_swa.telemetry.exporters import ExportCounts
 from otel_swa.telemetry.sink import SwaTelemetrySink
 from otel_swa.telemetry.spans import ForwardSpans, RequestSpans
+from otel_swa.telemetry.stopping import shutdown_providers
 
 _log = logging.getLogger("otel_swa.telemetry.setup")  # the set-up's logger, for every part of it
 
@@ -39,6 +40,8 @@ class SwaTelemetry:
         prometheus_endpoint: the Prometheus endpoint's reader built here
             (:func:`otel_swa.telemetry.prometheus.start_endpoint`: its ``url`` and ``linger_s``), or
             ``None`` without one.
+        cut_signals: the signals whose last exports :meth:`cut_short` cut off in :meth:`shutdown`
+            (what their providers held was not exported).
     """
 
     tracer_provider: Any
@@ -55,7 +58,9 @@ class SwaTelemetry:
     warning_filter: Any = None
     linger_s: float = 0.0
     prometheus_endpoint: Any = None
+    cut_signals: list = field(default_factory=list)
     _closed: bool = False
+    _cut: threading.Event = field(default_factory=threading.Event)
 
     def attach(self, reporter: Any) -> Any:
         """Give ``reporter`` a sink of this pipeline and observe its health; returns ``reporter``.
@@ -141,8 +146,9 @@ class SwaTelemetry:
         (default: the largest OTLP timeout set, ``OTEL_EXPORTER_OTLP[_<SIGNAL>]_TIMEOUT``, else the
         exporters' 10 s, plus :data:`SHUTDOWN_MARGIN_S`): a collector that accepts connections and
         never answers cannot hold the process longer. A provider still exporting then is left to
-        finish in the background (a daemon thread). Then one warning says what failed, if
-        anything did, and how many repeated exporter warnings were not logged, if any were."""
+        finish in the background (a daemon thread); after :meth:`cut_short` the wait is shorter
+        (see there). Then one warning says what failed, if anything did, and how many repeated
+        exporter warnings were not logged, if any were."""
         if self._closed:
             return
         self._closed = True
@@ -159,19 +165,21 @@ class SwaTelemetry:
         if timeout_s is None:
             budget += self.linger_s  # a Prometheus endpoint waits that long for a last scrape
         deadline = time.monotonic() + min(max(budget, 0.0), SHUTDOWN_MAX_S)
-        threads = []
-        for signal in ("logs", "traces", "metrics"):
-            if signal in self.owned:
-                thread = threading.Thread(target=_shutdown_provider, args=(signal, providers[signal]),
-                                          name=f"otel-swa-shutdown-{signal}", daemon=True)
-                thread.start()
-                threads.append(thread)
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        late = [t.name.rsplit("-", 1)[-1] for t in threads if t.is_alive()]
-        if late:
+        owned = {signal: providers[signal] for signal in ("logs", "traces", "metrics") if signal in self.owned}
+        late, self.cut_signals = shutdown_providers(owned, deadline, self._cut, self.accounted)
+        if self.cut_signals:
+            _log.warning("otel-swa: interrupted: the %s provider(s) were still exporting; their exports were cut short "
+                         "and what they held is lost", ", ".join(self.cut_signals))
+        elif late:
             _log.warning("otel-swa: the %s provider(s) did not finish exporting in time; leaving them", ", ".join(late))
         self._report_export_failures()
+
+    def cut_short(self) -> None:
+        """End the exporters' waits: :meth:`shutdown`, under way or later, gives the providers at
+        most :data:`~otel_swa.telemetry.stopping.CUT_GRACE_S` more, then shuts the exporters still
+        busy down (their retries end) and names their signals in :attr:`cut_signals`. Only sets an
+        event: safe inside a signal handler (Ctrl-C)."""
+        self._cut.set()
 
     def _report_export_failures(self) -> None:
         units = {"traces": "spans", "metrics": "data points", "logs": "log records"}
@@ -201,10 +209,3 @@ SHUTDOWN_MAX_S = 600.0
 
 def _shutdown_budget_s() -> float:
     return config.otlp_timeout_s() + SHUTDOWN_MARGIN_S
-
-
-def _shutdown_provider(signal: str, provider: Any) -> None:
-    try:
-        provider.shutdown()
-    except Exception:
-        _log.exception("shutdown of the %s provider failed", signal)

@@ -28,6 +28,7 @@ table of names as scraped.
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import threading
@@ -142,6 +143,12 @@ def start_endpoint(ranks: Mapping[str, int], environ: Mapping[str, str] | None =
     try:
         server = _serve(host, port, scrapes)
     except OSError as exc:
+        # the host, not the port: a name that does not resolve, an address of another machine
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            what = "does not resolve" if isinstance(exc, socket.gaierror) else "is not an address of this host"
+            raise ConfigError(f"the Prometheus endpoint cannot listen on {host}:{port}: OTEL_EXPORTER_PROMETHEUS_HOST="
+                              f"{host!r} {what} ({exc.strerror or exc}); expected an address or a name of this host "
+                              "(localhost, 0.0.0.0 for every interface)") from exc
         raise ConfigError(f"the Prometheus endpoint cannot listen on {host}:{port} (OTEL_EXPORTER_PROMETHEUS_PORT "
                           f"{why}): {exc}; give each process of a host its own port "
                           f"(OTEL_EXPORTER_PROMETHEUS_PORT, OTEL_SWA_PROMETHEUS_PORT_OFFSET)") from exc

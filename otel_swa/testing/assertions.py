@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 from otel_swa.testing.judge import SIGNALS, SwaObservation, check_modes, judge
 from otel_swa.testing.sources import Snapshot, Source, SourceLike, open_source
@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_POLL_S",
     "DEFAULT_QUIET_S",
     "UNTIL_MODES",
+    "INTERRUPTED_NOTE",
     "SIGNALS",
     "SwaDivergenceNotObserved",
     "SwaObservation",
@@ -44,6 +45,8 @@ DEFAULT_POLL_S = 0.25
 DEFAULT_QUIET_S = 5.0
 #: When a wait ends: at the first read that passes, or at the end of the run being written.
 UNTIL_MODES = ("pass", "end")
+#: The note that starts the explanation of a wait ended by Ctrl-C (``judge_on_interrupt``).
+INTERRUPTED_NOTE = "interrupted (Ctrl-C)"
 
 
 class SwaDivergenceNotObserved(AssertionError):
@@ -64,9 +67,12 @@ def _is_seconds(value: object) -> bool:
 
 def judge_snapshot(snapshot: Snapshot, describe: str, waited_s: float = 0.0, **rules) -> SwaObservation:
     """:func:`~otel_swa.testing.judge.judge` on what a source read (``rules``: its keyword arguments)."""
-    return judge(snapshot.records, errors=snapshot.errors, source=describe, waited_s=waited_s,
-                 problem=snapshot.problem, empty=snapshot.empty, duplicates=snapshot.duplicates,
-                 first_duplicate_line_no=snapshot.first_duplicate_line_no, **rules)
+    observation = judge(snapshot.records, errors=snapshot.errors, source=describe, waited_s=waited_s,
+                        problem=snapshot.problem, empty=snapshot.empty, duplicates=snapshot.duplicates,
+                        first_duplicate_line_no=snapshot.first_duplicate_line_no, **rules)
+    if snapshot.notes:  # what reading did (a cut last line left out), before the judge's notes
+        observation = dataclasses.replace(observation, notes=snapshot.notes + observation.notes)
+    return observation
 
 
 def _awaits_audit_line(records: Sequence[RunRecord]) -> bool:
@@ -157,6 +163,8 @@ def wait_for_observation(
     new_only: bool = False,
     until: str = "pass",
     quiet_s: float = DEFAULT_QUIET_S,
+    judge_on_interrupt: bool = False,
+    on_waiting: Callable[[SwaObservation], None] | None = None,
 ) -> SwaObservation:
     """Read ``source`` until the verdict is a pass (``until="pass"``) or the run being written has
     ended (``until="end"``), or ``timeout_s`` has passed; never raises for what the source holds.
@@ -189,6 +197,11 @@ def wait_for_observation(
     Args:
         min_divergence, min_out_of_window, require_verify_lag, require_clean_audit, runs, ranks,
             lines: the rules and what is judged, as :func:`~otel_swa.testing.judge.judge`.
+        judge_on_interrupt: a :class:`KeyboardInterrupt` (Ctrl-C) during a pause between two
+            reads ends the wait: one final read is judged, with the note :data:`INTERRUPTED_NOTE`
+            first (``otel-swa check``); default: it propagates, as anywhere else.
+        on_waiting: called once, with the observation of the read before it, at the first pause
+            that waits for the source to change (not the one poll a pass waits for an audit line).
 
     Raises:
         ValueError: a threshold is not an int >= 0, a mode is not one of its choices,
@@ -223,9 +236,24 @@ def wait_for_observation(
     settled = None  # the record count at which a pass waited one poll for a last audit line
     runs_then = None  # with until="end": the latest runs when the run being judged was first read
     seen, changed = None, start  # with until="end": the last read's findings, and when they last changed
+    interrupted = False
+    first = True
+
+    def pause(seconds: float, settling: bool = False) -> None:
+        nonlocal interrupted, first
+        try:  # a Ctrl-C right after the waiting line is one during the pause
+            if first and not settling and on_waiting is not None:
+                first = False
+                on_waiting(observation)
+            time.sleep(seconds)
+        except KeyboardInterrupt:
+            if not judge_on_interrupt:
+                raise
+            interrupted = True
+
     while True:
         now = time.monotonic()
-        final = now >= deadline
+        final = now >= deadline or interrupted
         waited = round(now - start, 3) if timeout_s else 0.0
         snapshot = src.read(final=final)
         notes: tuple[str, ...] = ()
@@ -243,29 +271,31 @@ def wait_for_observation(
                 snapshot, ended = _up_to(snapshot, runs_then), "a later run began"
             elif time.monotonic() - changed >= quiet_s:
                 ended = f"nothing new for {quiet_s:g} s"
-            elif final:
+            elif final and not interrupted:
                 notes += (f"until end: the run had not ended when the wait did ({timeout_s:g} s): judged as it "
                           "stood (a larger timeout_s / --wait, or a shorter quiet period)",)
             if ended is not None:
                 notes += (f"until end: the run ended ({ended}); judged whole",)
+        if interrupted:
+            notes = (f"{INTERRUPTED_NOTE} after {waited:.1f} s of waiting: judged what was read by then",) + notes
         observation = judge_snapshot(snapshot, src.describe, waited, **rules)
         if notes:
             observation = dataclasses.replace(observation, notes=observation.notes + notes)
         if until == "end" and src.growing:
             if ended is not None or final:
                 return observation
-            time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+            pause(max(0.0, min(poll_s, deadline - time.monotonic())))
             continue
         if observation.ok and not final and src.growing and _awaits_audit_line(snapshot.records):
             # the last record may be followed by its audit line in a moment (a second write):
             # read once more before passing, or a fault on that line would be missed
             if settled != len(snapshot.records):
                 settled = len(snapshot.records)
-                time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+                pause(max(0.0, min(poll_s, deadline - time.monotonic())), settling=True)
                 continue
         if observation.ok or final:
             return observation
-        time.sleep(max(0.0, min(poll_s, deadline - time.monotonic())))
+        pause(max(0.0, min(poll_s, deadline - time.monotonic())))
 
 
 def assert_swa_divergence_observed(

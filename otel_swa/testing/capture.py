@@ -10,7 +10,7 @@ from typing import Callable
 
 from opentelemetry.context import Context
 
-from otel_swa.logsource import LogFollower, logged_entries
+from otel_swa.logsource import LogFollower, logged_entries, split_cut_line
 from otel_swa.record import (
     AuditPairing,
     LivenessMatch,
@@ -22,7 +22,7 @@ from otel_swa.record import (
 from otel_swa.record.prefixes import PREFIX_RE
 from otel_swa.testing.assertions import DEFAULT_POLL_S, DEFAULT_QUIET_S, SwaObservation, assert_swa_divergence_observed
 from otel_swa.testing.runs import RunRecord, RunRecords, split_runs
-from otel_swa.testing.sources import Snapshot, Source, follower_problem, text_of
+from otel_swa.testing.sources import Snapshot, Source, cut_line_note, follower_problem, text_of
 
 __all__ = ["SwaRecordCapture"]
 
@@ -172,8 +172,9 @@ class SwaRecordCapture:
             self._fed = True
 
     # ------------------------------------------------------------------ outputs
-    def _parts(self, final: bool = False) -> tuple[list[tuple[str, list[RunRecord]]], list, list[str]]:
-        """``(label, records)`` per place, the malformed lines and the problems of followed files."""
+    def _parts(self, final: bool = False) -> tuple[list[tuple[str, list[RunRecord]]], list, list[str], list[str]]:
+        """``(label, records)`` per place, the malformed lines, the problems of followed files and the
+        notes on cut last lines left out."""
         with self._lock:
             sunk = list(self._sunk)
             logged = list(self._logged)
@@ -183,6 +184,7 @@ class SwaRecordCapture:
         parts = [("sink", split_runs(sunk, part="sink", line_numbers=False)),
                  ("logging", split_runs(logged, part="logging", line_numbers=False))]
         problems = []
+        notes = []
         for follower in followers:
             label = os.fspath(follower.path)
             follower.poll(final=final)
@@ -191,23 +193,29 @@ class SwaRecordCapture:
             problem = follower_problem(follower)
             if problem is not None:
                 problems.append(problem)
+            if follower.cut_line is not None:
+                notes.append(cut_line_note(follower.cut_line, label))
         for number, get_text in enumerate(outputs, 1):
             label = "captured output" if len(outputs) == 1 else f"captured output {number}"
             found: list[MalformedRecordError] = []
-            entries = logged_entries(text_of(get_text()), errors=found)
+            whole, cut = split_cut_line(text_of(get_text()))
+            entries = logged_entries(whole, errors=found)
             parts.append((label, split_runs(entries, part=label)))
             errors.extend(found)
-        return parts, errors, problems
+            if cut is not None:
+                notes.append(cut_line_note(cut, label))
+        return parts, errors, problems, notes
 
     def _snapshot(self, final: bool = False) -> Snapshot:
-        parts, errors, problems = self._parts(final)
+        parts, errors, problems, notes = self._parts(final)
         nonempty = [records for _, records in parts if records or records.silent]
         merged = RunRecords.merge((records for _, records in parts), [item for part in nonempty for item in part])
         if len(nonempty) == 1:  # one place: no part labels in the explanation
             merged = merged.derive([dataclasses.replace(item, part=None) for item in merged], part=None)
         duplicates = sum(f.duplicates.count for f in self._followers)
         first = min((f.duplicates.first_line_no for f in self._followers if f.duplicates.first_line_no), default=None)
-        return Snapshot(merged, errors, "; ".join(problems) or None, duplicates=duplicates, first_duplicate_line_no=first)
+        return Snapshot(merged, errors, "; ".join(problems) or None, duplicates=duplicates, first_duplicate_line_no=first,
+                        notes=tuple(notes))
 
     def _as_source(self) -> Source:
         capture = self
@@ -236,7 +244,7 @@ class SwaRecordCapture:
         """Every record captured so far (files and output read again now), merged in ``forward_ct``
         order (stable)."""
         self._looked_at = True
-        parts, _, _ = self._parts()
+        parts, _, _, _ = self._parts()
         return sorted((item.record for _, part in parts for item in part), key=lambda r: r.forward_ct)
 
     @property

@@ -112,6 +112,11 @@ class PrometheusAPI:
         """``/api/v1/label/<label>/values`` (what Grafana's ``label_values(metric, label)`` asks)."""
         return self.api(f"label/{label}/values", [("match[]", match)] if match else [])
 
+    def alerts(self) -> list[dict]:
+        """``/api/v1/alerts``: the alerts pending or firing now, ``[{"labels", "annotations",
+        "state", "activeAt", "value"}, ...]``."""
+        return self.api("alerts")["alerts"]
+
     def wait_for(self, expr: str, predicate: Any = bool, timeout_s: float = 30.0, poll_s: float = 0.05) -> list[dict]:
         """Query ``expr`` until ``predicate(result)`` holds; return that result.
 
@@ -141,6 +146,8 @@ class PrometheusServer(PrometheusAPI):
         binary: the executable (default :func:`prometheus_binary`).
         port: where its HTTP API listens (default: a free port).
         extra_args: more command-line flags (``--enable-feature=extra-scrape-metrics``...).
+        rule_files: alerting and recording rule files to load (paths).
+        evaluation_interval: Prometheus duration between two evaluations of the rules.
 
     Raises (on entering):
         PrometheusError: no binary, or it did not become ready within ``ready_timeout_s`` (the
@@ -149,7 +156,8 @@ class PrometheusServer(PrometheusAPI):
 
     def __init__(self, directory: "str | os.PathLike", jobs: Sequence[Mapping[str, Any]], *,
                  scrape_interval: str = "250ms", binary: str | None = None, port: int | None = None,
-                 extra_args: Sequence[str] = (), ready_timeout_s: float = 30.0) -> None:
+                 extra_args: Sequence[str] = (), ready_timeout_s: float = 30.0,
+                 rule_files: Sequence["str | os.PathLike"] = (), evaluation_interval: str = "1m") -> None:
         self.directory = Path(directory)
         self.binary = binary or prometheus_binary()
         self.port = port or free_port()
@@ -158,6 +166,8 @@ class PrometheusServer(PrometheusAPI):
         self.jobs = [dict(job) for job in jobs]
         self.extra_args = list(extra_args)
         self.ready_timeout_s = ready_timeout_s
+        self.rule_files = [os.fspath(path) for path in rule_files]
+        self.evaluation_interval = evaluation_interval
         self.config_path = self.directory / "prometheus.yml"
         self.out_path = self.directory / "prometheus.out"
         self.pid: int | None = None
@@ -167,7 +177,9 @@ class PrometheusServer(PrometheusAPI):
         """The configuration written (JSON is YAML, so Prometheus reads it as is)."""
         interval = self.scrape_interval
         return {
-            "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": "1m"},
+            "global": {"scrape_interval": interval, "scrape_timeout": interval,
+                       "evaluation_interval": self.evaluation_interval},
+            "rule_files": list(self.rule_files),
             "scrape_configs": [
                 {"job_name": job["job_name"], "static_configs": [{"targets": list(job["targets"]),
                                                                   "labels": dict(job.get("labels", {}))}]}

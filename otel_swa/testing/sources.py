@@ -12,11 +12,20 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence, Union
 
-from otel_swa.logsource import DuplicateLines, LogFollower, logged_entries
+from otel_swa.logsource import CutLine, DuplicateLines, LogFollower, logged_entries, split_cut_line
 from otel_swa.record import LINE_PREFIX, MalformedRecordError, SwaDivergenceRecord
 from otel_swa.testing.runs import RunRecord, split_runs
 
-__all__ = ["Snapshot", "Source", "SourceLike", "open_source", "text_source", "text_of", "follower_problem"]
+__all__ = ["Snapshot", "Source", "SourceLike", "open_source", "text_source", "text_of", "follower_problem",
+           "cut_line_note", "CUT_LINE_NOTE"]
+
+#: How the note about a cut last line begins in an explanation.
+CUT_LINE_NOTE = "cut line:"
+
+
+def cut_line_note(cut: CutLine, where: str | None = None) -> str:
+    """The explanation's note for a last line left out (:class:`otel_swa.logsource.CutLine`)."""
+    return f"{CUT_LINE_NOTE} {'' if where is None else where + ': '}{cut.describe()}"
 
 
 @dataclass
@@ -30,6 +39,7 @@ class Snapshot:
         empty: the source holds no text at all.
         duplicates, first_duplicate_line_no: exact duplicate adjacent lines read once
             (:class:`otel_swa.logsource.DuplicateLines`).
+        notes: what the reading did that the explanation should say (a cut last line left out).
     """
 
     records: list[RunRecord]
@@ -38,6 +48,7 @@ class Snapshot:
     empty: bool = False
     duplicates: int = 0
     first_duplicate_line_no: int | None = None
+    notes: tuple[str, ...] = ()
 
 
 class Source:
@@ -88,9 +99,10 @@ class _FileSource(Source):
     def read(self, final: bool = False) -> Snapshot:
         follower = self.follower
         follower.poll(final=final)
+        cut = () if follower.cut_line is None else (cut_line_note(follower.cut_line),)
         return Snapshot(split_runs(follower.entries), list(follower.errors), follower_problem(follower),
                         duplicates=follower.duplicates.count,
-                        first_duplicate_line_no=follower.duplicates.first_line_no)
+                        first_duplicate_line_no=follower.duplicates.first_line_no, notes=cut)
 
 
 class _TextSource(Source):
@@ -103,9 +115,11 @@ class _TextSource(Source):
         text = text_of(self.get_text())
         errors: list[MalformedRecordError] = []
         duplicates = DuplicateLines()
-        entries = logged_entries(text, errors=errors, duplicates=duplicates)
+        whole, cut = split_cut_line(text)
+        entries = logged_entries(whole, errors=errors, duplicates=duplicates)
         return Snapshot(split_runs(entries), errors, empty=not text.strip(), duplicates=duplicates.count,
-                        first_duplicate_line_no=duplicates.first_line_no)
+                        first_duplicate_line_no=duplicates.first_line_no,
+                        notes=() if cut is None else (cut_line_note(cut),))
 
 
 def text_source(text: str | bytes, describe: str) -> Source:

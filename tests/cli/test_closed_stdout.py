@@ -82,22 +82,103 @@ def test_replay_with_the_console_exporters_into_a_closed_pipe_is_quiet(tmp_path)
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_replay_into_dev_full_says_so_in_one_line(tmp_path):
+def test_replay_into_dev_full_says_so_in_one_line_and_exits_2(tmp_path):
     # the lines, then the summary: one line on stderr for all of them (the console exporters write
-    # through the same guard, as the closed-pipe test above shows)
+    # through the same guard, as the closed-pipe test above shows); the lines are lost, so the
+    # run's status is 2, not the 0 of a run whose output was read; the log file still gets them all
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    log_file = tmp_path / "run.log"
     with open("/dev/full", "w") as full:
-        proc = subprocess.run(CLI + ["replay", "--requests", "10", "--no-model", "--no-progress", "--interval", "20"],
+        proc = subprocess.run(CLI + ["replay", "--requests", "10", "--no-model", "--no-progress", "--interval", "20",
+                                     "--log-file", str(log_file)],
                               stdout=full, stderr=subprocess.PIPE, text=True, timeout=120, env=env)
-    assert proc.returncode == 0
+    assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["otel-swa: cannot write to standard output: No space left on device"]
+    lines = log_file.read_text().splitlines()
+    records = [line for line in lines if "kv_canary_swa_divergence=" in line]
+    assert len(records) >= 1 and len(lines) == 1 + 2 * len(records)
+
+
+REPLAY_10 = ["replay", "--requests", "10", "--no-model", "--no-progress", "--interval", "20"]
+
+
+def _replay_lines(stdout):
+    """The log lines of a replay's standard output (the summary left out)."""
+    return [line for line in stdout.splitlines() if line.startswith("[")]
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
-def test_records_into_dev_full_exits_1_in_one_line(tmp_path):
+def test_replay_log_file_on_a_full_disk_says_so_in_one_line_and_exits_2():
+    # `--log-file /dev/full`: every write to it fails with ENOSPC. One line names the file and the
+    # error (no "--- Logging error ---" traceback per line, none at the logger's close), standard
+    # output keeps every line and the summary, and the status is 2 (documented: an output that
+    # could not be written), not 1 (a fault found)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    proc = subprocess.run(CLI + REPLAY_10 + ["--log-file", "/dev/full"], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.stderr.splitlines() == ["otel-swa: cannot write to log file '/dev/full': No space left on device"]
+    assert proc.returncode == 2
+    lines = _replay_lines(proc.stdout)
+    records = [line for line in lines if "kv_canary_swa_divergence=" in line]
+    assert len(records) >= 1 and len(lines) == 1 + 2 * len(records)
+    assert "otel-swa replay summary" in proc.stdout
+
+
+def test_replay_log_file_on_a_pipe_without_reader_says_so_and_exits_2():
+    # --log-file /dev/fd/N where N is a pipe whose read end is closed: every write fails with EPIPE.
+    # For standard output that is `| head` (quiet); for a log file it is a lost log: one line, 2
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run(CLI + REPLAY_10 + ["--log-file", f"/dev/fd/{write_end}"], capture_output=True, text=True,
+                              timeout=120, env=env, pass_fds=(write_end,))
+    finally:
+        os.close(write_end)
+    assert proc.stderr.splitlines() == [f"otel-swa: cannot write to log file '/dev/fd/{write_end}': Broken pipe"]
+    assert proc.returncode == 2
+    assert len(_replay_lines(proc.stdout)) >= 3
+
+
+def test_replay_with_a_fault_and_an_unwritable_log_file_keeps_exit_1(monkeypatch, capsys):
+    # precedence: 130, then 1, then 2: the fault the run found is the verdict; the lost file is said
+    import leaky_swa_pool
+    from otel_swa.cli import main
+
+    counts = leaky_swa_pool.install(monkeypatch, every=1000)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        status = main(REPLAY_10[:1] + ["--requests", "100", "--no-model", "--no-progress",
+                                       "--log-file", f"/dev/fd/{write_end}"])
+    finally:
+        os.close(write_end)
+    err = capsys.readouterr().err.splitlines()
+    assert counts["leaked"] >= 1
+    assert status == 1
+    assert err[0] == f"otel-swa: cannot write to log file '/dev/fd/{write_end}': Broken pipe"
+    assert err[1:] == [f"otel-swa replay: the SWA slot audit found faults (peak swa_leaked_slots={counts['leaked']}); "
+                       "exit status 1"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_records_into_dev_full_exits_2_in_one_line(tmp_path):
     log = tmp_path / "run.log"
     log.write_text(OBSERVED * 3)
     with open("/dev/full", "w") as full:
         proc = subprocess.run(CLI + ["records", str(log)], stdout=full, stderr=subprocess.PIPE, text=True, timeout=60)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.splitlines() == ["otel-swa: cannot write to standard output: No space left on device"]
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_plot_into_dev_full_exits_2_in_one_line(tmp_path):
+    pytest.importorskip("matplotlib")
+    log = tmp_path / "run.log"
+    log.write_text(OBSERVED * 3)
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run(CLI + ["plot", str(log), "-o", str(tmp_path / "run.png")], stdout=full,
+                              stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.stderr.splitlines() == ["otel-swa: cannot write to standard output: No space left on device"]
+    assert proc.returncode == 2
+    assert (tmp_path / "run.png").stat().st_size > 0

@@ -1,0 +1,111 @@
+"""``otel-swa check`` on a long log beside a plain parse of the same log: time and peak memory.
+
+Writes a log of one run (``--records``, default 200,000 records) as otel-swa's line sink writes it:
+a run start marker, then for every record SGLang's line, its audit line and its provenance line,
+each after an SGLang log prefix (``[time TP0] otel_swa[verify=attention] ...``), values that grow
+and change as a replay's do and pass every rule. Then, each in a child process of its own:
+
+* ``plain parse``: a Python loop that reads the file line by line and ``json.loads`` the object
+  after each line's ``={`` once: the least any reader of these lines does;
+* ``otel-swa check``: the command, judging the log (the exit status must be 0);
+* ``otel-swa records``: the command, its output discarded.
+
+Prints, for each, the wall time, the peak resident memory of the child (``ru_maxrss``) and the
+ratio to the plain parse. Run: ``python benchmarks/bench_check_long_log.py [--records 200000]
+[--keep run.log]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import load_line, print_table  # noqa: E402
+
+PREFIX = "[2026-12-07 04:32:52 TP0] otel_swa[verify=attention] "
+PLAIN = (
+    "import json, sys\n"
+    "n = 0\n"
+    "with open(sys.argv[1], encoding='utf-8') as log:\n"
+    "    for line in log:\n"
+    "        at = line.find('={')\n"
+    "        if at >= 0:\n"
+    "            json.loads(line[at + 1:])\n"
+    "            n += 1\n"
+    "print(n)\n"
+)
+
+
+def write_log(path: Path, records: int) -> int:
+    """Write the log; return its size in bytes."""
+    full = swa = 0
+    with open(path, "w", encoding="utf-8") as out:
+        out.write(PREFIX + 'otel_swa_run_start={"pid":4242}\n')
+        for i in range(records):
+            ct = 20 * (i + 1)
+            live = 2000 + (i * 37) % 5000
+            full += live * 4
+            swa += min(live, 1024) * 4
+            divergent, out_of_window = 1 + (i * 13) % 700, 1 + (i * 29) % 9000
+            out.write(PREFIX + "kv_canary_swa_divergence=" + json.dumps(
+                {"forward_ct": ct, "verify_full": full, "verify_swa": swa, "swa_full_idx_divergence": divergent,
+                 "swa_out_of_window_tokens": out_of_window}, separators=(",", ":")) + "\n")
+            out.write(PREFIX + "otel_swa_audit=" + json.dumps(
+                {"forward_ct": ct, "swa_leaked_slots": 0, "swa_stale_tokens": 0, "swa_shared_slots": 0,
+                 "swa_pages_in_use": live, "swa_pages_referenced": live, "swa_premature_evictions": 0,
+                 "swa_late_held_slots": 0, "swa_read_checks": 8, "swa_read_mismatches": 0, "swa_read_unchecked": 0},
+                separators=(",", ":")) + "\n")
+            out.write(PREFIX + "otel_swa_provenance=" + json.dumps(
+                {"forward_ct": ct, "kv_write_checks": 16, "kv_write_mismatches": 0, "kv_write_unchecked": 0,
+                 "kv_stamp_checks": live, "kv_foreign_tokens": 0, "kv_stamp_unchecked": 0,
+                 "kv_checksum_checks": live, "kv_corrupt_tokens": 0}, separators=(",", ":")) + "\n")
+    return path.stat().st_size
+
+
+def measure(argv: list[str]) -> tuple[float, float, int]:
+    """Run ``argv`` in a child; its wall time (s), its peak resident memory (MiB) and exit status."""
+    script = ("import resource, subprocess, sys, time\n"
+              "t = time.perf_counter()\n"
+              "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode\n"
+              "print(time.perf_counter() - t, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, rc)\n")
+    out = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, check=True).stdout
+    wall, rss_kib, rc = out.split()
+    return float(wall), int(rss_kib) / 1024, int(rc)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=200_000, help="records in the log (default 200000)")
+    parser.add_argument("--keep", type=Path, default=None, help="write the log here and keep it")
+    args = parser.parse_args()
+    print(load_line())
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.keep or Path(tmp) / "run.log"
+        started = time.perf_counter()
+        size = write_log(path, args.records)
+        print(f"log: {args.records} records, {3 * args.records + 1} lines, {size / 2**20:.0f} MiB "
+              f"(written in {time.perf_counter() - started:.1f} s)\n")
+        cli = [sys.executable, "-m", "otel_swa.cli"]
+        runs = {"plain parse": [sys.executable, "-c", PLAIN, str(path)],
+                "otel-swa check": cli + ["check", str(path)],
+                "otel-swa records": cli + ["records", str(path)]}
+        rows, base = [], None
+        for name, argv in runs.items():
+            wall, rss, rc = measure(argv)
+            base = base or (wall, rss)
+            rows.append((name, f"{wall:.1f}", f"{wall / base[0]:.1f}x", f"{rss:.0f}", f"{rss / base[1]:.1f}x", str(rc)))
+        print_table("time and peak memory (one child process each)",
+                    ("reader", "wall s", "vs plain", "peak RSS MiB", "vs plain", "exit"), rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
