@@ -31,6 +31,7 @@ read by :mod:`otel_swa.record` (:func:`~otel_swa.record.iter_entries`,
 from __future__ import annotations
 
 import os
+import select
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -442,8 +443,28 @@ def read_data(source: str | os.PathLike[str] | BinaryIO | None) -> "bytes | str"
     if source is None or (isinstance(source, str) and source == "-"):
         return sys.stdin.buffer.read()
     if isinstance(source, (str, os.PathLike)):
-        return Path(source).read_bytes()
+        if os.path.isfile(source):
+            return Path(source).read_bytes()
+        with open(source, "rb", buffering=0) as stream:  # a FIFO, a pipe's path, a character device
+            return _read_to_end(stream)
     return source.read()
+
+
+def _read_to_end(stream: BinaryIO) -> bytes:
+    """``stream`` (unbuffered) read to its end, a chunk at a time, waiting in ``select`` for at most
+    0.25 s at once: a Ctrl-C that comes between two reads (the C read loop of ``stream.read()``
+    would not see it until more data came: the command then hung on a FIFO whose writer stayed
+    open) is handled within that time."""
+    fd = stream.fileno()
+    chunks = []
+    while True:
+        ready, _, _ = select.select([fd], [], [], 0.25)
+        if not ready:
+            continue  # the interpreter runs a pending signal handler here
+        chunk = os.read(fd, 1 << 20)
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
 
 
 def decode_log(data: "bytes | str") -> str:
