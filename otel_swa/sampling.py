@@ -16,6 +16,7 @@ A row of the ring: ``[core cells (STAGE_WIDTH, the fused checks' inside) | each 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, NamedTuple, Sequence
 
 from otel_swa.checks import CHECKS, SampleBatch, Staging
@@ -24,6 +25,20 @@ from otel_swa.device.sample import FUSED_CELLS, STAGE_WIDTH, SampleMeta, SampleR
 from otel_swa.record import Offender, SwaDivergenceRecord
 
 __all__ = ["PendingSample", "SampleLayout"]
+
+_log = logging.getLogger("otel_swa.reporter")
+#: (check, part) pairs whose failure was logged (each is logged once per process, then left out quietly).
+_failed: "set[tuple[str, str]]" = set()
+
+
+def _check_failed(check: Check, part: str, exc: BaseException) -> None:
+    """A check's own code raised: its fields are left out of this sample (the others' are not, and
+    the engine's step goes on); logged the first time for this check and part."""
+    if (check.name, part) not in _failed:
+        _failed.add((check.name, part))
+        _log.error("otel-swa check %r failed in %s(): %s: %s; its fields are left out of the samples where it "
+                   "fails (logged once)", check.name, part, type(exc).__name__, exc,
+                   exc_info=(type(exc), exc, exc.__traceback__))
 
 
 class PendingSample(NamedTuple):
@@ -81,7 +96,11 @@ class SampleLayout:
         staged = {}
         for check, cells in self.cells:
             if not check.fused:
-                value = check.stage(staging, row[cells])
+                try:
+                    value = check.stage(staging, row[cells])
+                except Exception as exc:  # a check's bug never stops the engine's step
+                    _check_failed(check, "stage", exc)
+                    continue
                 if value is not None:
                     staged[check.name] = value
         staging.core = stage_sample(
@@ -94,11 +113,12 @@ class SampleLayout:
         )
         kept = {}
         for check, _ in self.cells:
-            if check.fused:
-                value = check.keep(staging, None)
-            elif check.name in staged:
-                value = check.keep(staging, staged[check.name])
-            else:
+            if not check.fused and check.name not in staged:
+                continue
+            try:
+                value = check.keep(staging, staged.get(check.name))
+            except Exception as exc:
+                _check_failed(check, "keep", exc)
                 continue
             if value is not None or not check.fused:
                 kept[check.name] = value
@@ -111,7 +131,10 @@ class SampleLayout:
 
     def record(self, values: Sequence[int], pending: PendingSample, reading: SampleReading,
                verify_source: str) -> SwaDivergenceRecord:
-        """The record of a sample: the core's five fields, each check's fields and offenders.
+        """The record of a sample: the core's five fields, each check's fields and offenders. A check
+        whose reading raises, or gives a field it does not declare or a value that is no int >= 0,
+        or an offender :class:`~otel_swa.record.Offender` refuses, is left out of this record
+        (logged once for that check): the other checks' fields are kept.
 
         Raises:
             TypeError, ValueError: a value the record refuses (a negative total).
@@ -122,9 +145,19 @@ class SampleLayout:
         for check, cells in self.cells:
             if check.name not in kept:
                 continue
-            found, where = check.read(values[cells], kept[check.name], pending.batch)
+            try:
+                found, where = check.read(values[cells], kept[check.name], pending.batch)
+                names = check.names
+                bad = [(k, v) for k, v in found.items()
+                       if k not in names or not (v is None or (type(v) is int and v >= 0))]  # noqa: E721
+                if bad:
+                    raise ValueError(f"field {bad[0][0]}={bad[0][1]!r}: expected one of its own fields, an int >= 0")
+                made = [Offender(**o) for o in where]
+            except Exception as exc:  # a check's bug never stops the engine's step nor loses the others
+                _check_failed(check, "read", exc)
+                continue
             fields.update(found)
-            offenders.extend(Offender(**o) for o in where)
+            offenders.extend(made)
         return SwaDivergenceRecord(
             forward_ct=pending.forward_ct,
             verify_full=reading.verify_full + pending.host_totals[0],

@@ -15,6 +15,7 @@ Importing this package imports neither torch nor OpenTelemetry.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from otel_swa.checks import block_audit, block_hashes, provenance, read, slot_audit, window, write
@@ -34,6 +35,12 @@ CHECKS: "tuple[Check, ...]" = (
     block_hashes.CHECK,
 )
 
+#: The record's own fields and attributes, which no check field may take (SGLang's five and the rest).
+RECORD_OWN = frozenset(("forward_ct", "verify_full", "verify_swa", "swa_full_idx_divergence",
+                        "swa_out_of_window_tokens", "divergence_applicable", "verify_source", "micro_batch",
+                        "offenders"))
+_FIELD_NAME = re.compile(r"(swa|kv)_[a-z0-9_]+")
+
 #: The checks by :attr:`~otel_swa.checks.protocol.Check.name`.
 CHECKS_BY_NAME: "dict[str, Check]" = {}
 _SPECS: "dict[str, CheckField]" = {}
@@ -49,17 +56,39 @@ def use_table(table: "tuple[Check, ...]") -> None:
     """
     global CHECKS
     specs: "dict[str, CheckField]" = {}
+    owner: "dict[str, str]" = {}
     names = set()
+    metrics: "dict[str, str]" = {}
     for check in table:
         if check.name in names:
             raise ValueError(f"two checks are named {check.name!r}")
         names.add(check.name)
         if check.line not in LINE_KINDS:
             raise ValueError(f"check {check.name!r}: line must be one of {', '.join(LINE_KINDS)}, got {check.line!r}")
+        if not check.fields:
+            raise ValueError(f"check {check.name!r} declares no field; expected at least one CheckField")
         for spec in check.fields:
             if spec.name in specs:
-                raise ValueError(f"record field {spec.name!r} is declared by two checks")
+                raise ValueError(f"record field {spec.name!r} is declared by checks {owner[spec.name]!r} and "
+                                 f"{check.name!r}")
+            if spec.name in RECORD_OWN or not _FIELD_NAME.fullmatch(spec.name):
+                raise ValueError(f"check {check.name!r}: field name {spec.name!r} is the record's own or not of the "
+                                 "form swa_<words> / kv_<words> (lowercase letters, digits, underscores)")
             specs[spec.name] = spec
+            owner[spec.name] = check.name
+        for row in check.metrics:
+            used = [row.field] if row.field is not None else [n for n in row.outcomes[1:] if n is not None]
+            if any(n not in check.names for n in used):
+                raise ValueError(f"check {check.name!r}: metric {row.name!r} reads {used}, expected its own fields "
+                                 f"{list(check.names)}")
+            if row.name in metrics:
+                raise ValueError(f"metric {row.name!r} is declared by checks {metrics[row.name]!r} and {check.name!r}")
+            metrics[row.name] = check.name
+        try:
+            check.reason.format(found="x")
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ValueError(f"check {check.name!r}: reason {check.reason!r} must format with {{found}} only: "
+                             f"{exc!r}") from None
     CHECKS = tuple(table)
     CHECKS_BY_NAME.clear()
     CHECKS_BY_NAME.update((check.name, check) for check in CHECKS)

@@ -69,18 +69,21 @@ class ReplayVerdict:
         interrupted: the run was interrupted (SIGINT).
         exports_failed: the signals whose every export failed (none of their items was sent), in
             the order traces, metrics, logs.
+        none_delivered: the reporter took samples and delivered none of them (each was invalid:
+            the log says why), so nothing was checked.
     """
 
     audit_faults: dict
     no_sample: bool
     interrupted: bool
     exports_failed: tuple = ()
+    none_delivered: int = 0
 
     @property
     def exit_status(self) -> int:
         if self.interrupted:
             return INTERRUPTED
-        if self.audit_faults or self.no_sample:
+        if self.audit_faults or self.no_sample or self.none_delivered:
             return 1
         return EXPORTS_FAILED if self.exports_failed else 0
 
@@ -96,8 +99,12 @@ class ReplayVerdict:
         if self.no_sample:
             out.append(f"the reporter took no sample in {forward_steps} forward step(s) (interval {interval}); "
                        "exit status 1")
+        if self.none_delivered:
+            out.append(f"the reporter took {self.none_delivered} sample(s) and delivered none: each was invalid (the "
+                       "errors above say why), so nothing was checked; exit status 1")
         if self.exports_failed:
-            status = "" if self.audit_faults or self.no_sample or self.interrupted else f"; exit status {EXPORTS_FAILED}"
+            status = ("" if self.audit_faults or self.no_sample or self.none_delivered or self.interrupted
+                      else f"; exit status {EXPORTS_FAILED}")
             out.append(f"every export of {', '.join(self.exports_failed)} failed: nothing of it reached its "
                        f"destination{status}")
         if self.interrupted:
@@ -117,10 +124,12 @@ def verdict_of(records: Sequence[SwaDivergenceRecord], stats: Any, interrupted: 
         if values and max(values) > 0:
             faults[name] = max(values)
     no_sample = stats is not None and stats.samples_taken == 0 and not interrupted
+    none_delivered = (stats.samples_taken if stats is not None and stats.samples_taken and not stats.samples_delivered
+                      and not interrupted else 0)
     failed = tuple(signal for signal in ("traces", "metrics", "logs")
                    if signal in (export_stats or {}) and export_stats[signal].failed_exports
                    and not export_stats[signal].exported)
-    return ReplayVerdict(faults, no_sample, interrupted, failed)
+    return ReplayVerdict(faults, no_sample, interrupted, failed, none_delivered)
 
 
 def summary_rows(

@@ -116,7 +116,7 @@ class GroupVerdict:
         peak_out_of_window, peak_out_of_window_at: the same for ``swa_out_of_window_tokens``.
         last: the last record, or ``None``.
         last_line_no: its line, or ``None``.
-        audited: how many of its records carry the SWA slot audit or the window check.
+        audited: how many of its records carry a field of an audit-line check (:data:`otel_swa.checks.CHECKS`).
         audit_peaks: one :class:`AuditPeak` per :data:`AUDIT_RULES` field present.
         reported_peaks: one :class:`AuditPeak` per :data:`REPORTED_RULES` field present.
         provenance_checked: how many of its records carry provenance fields (a provenance line).

@@ -100,7 +100,7 @@ def test_the_table_gives_each_line_its_fields_in_order():
 def test_a_table_that_declares_a_field_twice_or_a_line_that_does_not_exist_is_refused():
     read = checks.CHECKS_BY_NAME["read"]
     twin = type("Twin", (type(read),), {"name": "twin"})()
-    with pytest.raises(ValueError, match="declared by two checks"):
+    with pytest.raises(ValueError, match="declared by checks .read. and .twin."):
         checks.use_table(checks.CHECKS + (twin,))
     odd = type("Odd", (type(read),), {"name": "odd", "line": "fault", "fields": (CheckField("x_y", "{x}", "x"),)})()
     with pytest.raises(ValueError, match="line must be one of audit, provenance"):
@@ -131,3 +131,81 @@ def test_a_check_added_by_one_module_and_one_line_reaches_every_end(tmp_path):
     peak = max(bad for _, bad in faulty["fields"])
     assert f"the page range check found SWA pages beyond the pool (peak swa_pages_out_of_range={peak})" in out
     assert "SWA pages out of range: peak swa_pages_out_of_range=" in out
+
+
+# ---------------------------------------------------------------------- a check's own bugs
+def _reporter_with(monkeypatch, check, part, behaviour):
+    """A reporter sampling every step of a small view whose window check (``check``) is made to
+    misbehave in ``part`` (``stage`` is not called for a fused check: ``keep`` or ``read``)."""
+    import torch
+
+    from otel_swa import sampling
+    from otel_swa.reporter import SwaDivergenceReporter
+    from otel_swa.views import SwaBatch
+
+    monkeypatch.setattr(sampling, "_failed", set())
+    monkeypatch.setattr(type(check), part, behaviour)
+    records = []
+    reporter = SwaDivergenceReporter(1, sinks=[lambda r, c: records.append(r)])
+    r2t = torch.arange(1, 65, dtype=torch.int32).reshape(2, 32)
+    view = SwaBatch(r2t, torch.arange(70, dtype=torch.int64), torch.tensor([0, 1]), torch.tensor([20, 30]),
+                    seq_lens_cpu=[20, 30], sliding_window=8, request_ids=["a", "b"])
+    return reporter, view, records
+
+
+@pytest.mark.parametrize("part, behaviour", [
+    ("read", lambda self, cells, kept, batch: 1 // 0),
+    ("read", lambda self, cells, kept, batch: ({"swa_premature_evictions": -1, "swa_late_held_slots": 0}, [])),
+    ("read", lambda self, cells, kept, batch: ({"swa_not_mine": 1}, [])),
+    ("read", lambda self, cells, kept, batch: ({"swa_premature_evictions": 0, "swa_late_held_slots": 0},
+                                               [{"fault": "swa_premature_evictions", "token": 3}])),
+    ("keep", lambda self, staging, staged: [][0]),
+], ids=["raises", "negative", "not its field", "bad offender", "keep raises"])
+def test_a_check_that_fails_loses_its_own_fields_only_and_never_stops_the_step(monkeypatch, caplog, part, behaviour):
+    window = checks.CHECKS_BY_NAME["window"]
+    reporter, view, records = _reporter_with(monkeypatch, window, part, behaviour)
+    with caplog.at_level("ERROR", logger="otel_swa.reporter"):
+        for _ in range(3):
+            reporter.step(view)  # never raises
+    reporter.close()
+    assert [r.forward_ct for r in records] == [1, 2, 3]  # every sample delivered
+    assert all(r.swa_premature_evictions is None and r.swa_late_held_slots is None for r in records)
+    assert all(r.verify_full == 0 and r.swa_out_of_window_tokens == 0 for r in records)  # the core is kept
+    failures = [m for m in caplog.messages if "check 'window' failed" in m]
+    assert len(failures) == 1 and f"in {part}()" in failures[0]  # logged once, naming the check
+
+
+def test_a_table_whose_check_takes_a_record_field_or_misdeclares_is_refused():
+    read = checks.CHECKS_BY_NAME["read"]
+    core = type("Core", (type(read),), {"name": "core", "fields": (CheckField("swa_full_idx_divergence", "{t}", "x"),)})()
+    with pytest.raises(ValueError, match="'swa_full_idx_divergence' is the record's own"):
+        checks.use_table(checks.CHECKS + (core,))
+    empty = type("Empty", (type(read),), {"name": "empty", "fields": ()})()
+    with pytest.raises(ValueError, match="declares no field"):
+        checks.use_table(checks.CHECKS + (empty,))
+    foreign = type("Foreign", (type(read),), {"name": "foreign", "fields": (CheckField("swa_mine", "{t}", "x"),),
+                                               "counters": (MetricRow("mine", "gauge", "{t}", "x", "x",
+                                                                      field="swa_other"),)})()
+    with pytest.raises(ValueError, match="metric 'mine' reads"):
+        checks.use_table(checks.CHECKS + (foreign,))
+    peak = type("Peak", (type(read),), {"name": "peak", "fields": (CheckField("swa_mine", "{t}", "x"),),
+                                         "counters": (), "reason": "found {peak}"})()
+    with pytest.raises(ValueError, match="must format with"):
+        checks.use_table(checks.CHECKS + (peak,))
+    with pytest.raises(ValueError, match="declared by checks 'read' and 'twin'"):
+        checks.use_table(checks.CHECKS + (type("Twin", (type(read),), {"name": "twin"})(),))
+    assert [c.name for c in checks.CHECKS][-1] == "block_hashes"  # a refused table changes nothing
+
+
+def test_a_replay_whose_samples_all_failed_exits_1_and_says_why():
+    from types import SimpleNamespace
+
+    from otel_swa.commands._replay_summary import verdict_of
+
+    stats = SimpleNamespace(samples_taken=36, samples_delivered=0)
+    verdict = verdict_of([], stats, interrupted=False)
+    assert verdict.exit_status == 1
+    assert verdict.reasons(5, 180) == [
+        "the reporter took 36 sample(s) and delivered none: each was invalid (the errors above say why), so nothing "
+        "was checked; exit status 1"]
+    assert verdict_of([], SimpleNamespace(samples_taken=36, samples_delivered=1), interrupted=False).exit_status == 0
