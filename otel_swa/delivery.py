@@ -79,9 +79,7 @@ class SampleQueue:
         ids = tuple(str(r) for r in request_ids) if request_ids is not None else None
         staging = Staging(device_kernels, view, self.workspace, self.parts,
                           lambda host, name="sample": ring.upload(slot, host, name), ids)
-        audit = self.parts.get("slot_audit")
-        kept = self.layout.stage(ring.stage[slot], totals, view, staging,
-                                 audit.sweep if audit is not None else None, staging.upload)
+        kept = self.layout.stage(ring.stage[slot], totals, view, staging)
         ring.start_copy(slot)
         meta = staging.core
         self.pending.append(PendingSample(

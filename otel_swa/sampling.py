@@ -17,7 +17,7 @@ A row of the ring: ``[core cells (STAGE_WIDTH, the fused checks' inside) | each 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, NamedTuple, Sequence
 
 from otel_swa.checks import CHECKS, SampleBatch, Staging
 from otel_swa.checks.protocol import Check
@@ -89,10 +89,10 @@ class SampleLayout:
         self.cells: "tuple[tuple[Check, slice], ...]" = tuple(cells)
 
     # ------------------------------------------------------------------ device side
-    def stage(self, row: Any, totals: Any, view: Any, staging: Staging, audit_sweep: Any,
-              upload: "Callable[[Any], Any]") -> "dict[str, Any]":
+    def stage(self, row: Any, totals: Any, view: Any, staging: Staging) -> "dict[str, Any]":
         """Stage one sample of ``view`` into ``row`` (``int64 [width]`` on the device); return what
-        each check that ran keeps (by name). ``staging.core`` is set to the core pass's meta."""
+        each check that ran keeps (by name). ``staging.core`` is set to the core pass's meta; the
+        core pass takes the slot audit's sweep (fused into it) from ``staging.parts``."""
         staged = {}
         for check, cells in self.cells:
             if not check.fused:
@@ -103,13 +103,15 @@ class SampleLayout:
                     continue
                 if value is not None:
                     staged[check.name] = value
+        audit = staging.parts.get("slot_audit")
         staging.core = stage_sample(
             row[:STAGE_WIDTH], totals, view.req_to_token, view.full_to_swa_index_mapping, view.req_pool_indices,
-            view.seq_lens, getattr(view, "seq_lens_cpu", None), getattr(view, "swa_audit", None), upload,
+            view.seq_lens, getattr(view, "seq_lens_cpu", None), getattr(view, "swa_audit", None), staging.upload,
             req_pool_indices_cpu=getattr(view, "req_pool_indices_cpu", None), workspace=staging.workspace,
             sliding_window=getattr(view, "sliding_window", None),
             swa_eviction_allowance=getattr(view, "swa_eviction_allowance", None),
-            extend_lens_cpu=getattr(view, "extend_lens_cpu", None), audit_sweep=audit_sweep,
+            extend_lens_cpu=getattr(view, "extend_lens_cpu", None),
+            audit_sweep=audit.sweep if audit is not None else None,
         )
         kept = {}
         for check, _ in self.cells:

@@ -26,6 +26,7 @@ and a check reaches its device kernel through what the sample hands it (:attr:`S
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -206,7 +207,7 @@ class Check:
     always_summarised: bool = False
 
     # ------------------------------------------------------------------ declarations
-    @property
+    @functools.cached_property
     def names(self) -> "tuple[str, ...]":
         """Its field names, in line order."""
         return tuple(f.name for f in self.fields)
@@ -218,7 +219,7 @@ class Check:
             MetricRow(f.gauge[0], "gauge", f.unit, f.gauge[1], f"{f.name} ({self.ran_when})", field=f.name)
             for f in self.fields if f.gauge is not None)
 
-    @property
+    @functools.cached_property
     def faults(self) -> "tuple[str, ...]":
         """Its fault fields, in line order."""
         return tuple(f.name for f in self.fields if f.role == "fault")
