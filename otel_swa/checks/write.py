@@ -10,6 +10,7 @@ into another token's slot or the wrong pool, is a mismatch.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 from otel_swa.checks.protocol import CheckField, InForwardCheck, SampleBatch, Staging, outcome_counter, outcome_summary
@@ -78,8 +79,6 @@ class AttachedWriteCheck:
             ids = self.batch()
             return None if ids is None else tuple(str(r) for r in ids)
         except Exception:
-            import logging
-
             logging.getLogger("otel_swa.reporter").exception(
                 "otel-swa: the write check's batch was not read; its offender names no request")
             return None
