@@ -23,6 +23,10 @@ One module owns these hooks so that their order is right everywhere:
   flushed, then the tracked providers' ``force_flush`` export their buffers side by side, the
   whole within the OTLP timeout (:func:`otel_swa.config.otlp_timeout_s`).
 
+* **a teardown after the signals' default action is back** (:func:`flush_holding_signals`, called by
+  the vLLM instrumentor before the engine core's teardown): the same flush with SIGTERM and SIGINT
+  held until it returns;
+
 * **fork** (``os.register_at_fork``): a forked child inherits the parent's reporters and SDK
   providers, their counts and buffers. In the child every tracked reporter is reset (its totals,
   forward count and pending samples are the parent's: see ``SwaDivergenceReporter.reset_after_fork``)
@@ -66,7 +70,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 __all__ = ["track", "flush_all", "FlushResult", "expect_forward_steps", "check_liveness",
-           "reset_in_child", "sigterm_flush_timeout_s", "after_exit_flush"]
+           "reset_in_child", "sigterm_flush_timeout_s", "after_exit_flush", "flush_holding_signals"]
 
 _log = logging.getLogger(__name__)
 
@@ -266,6 +270,40 @@ def _otlp_timeout_s() -> float:
 
 #: What a SIGTERM flush leaves of the OTLP timeout for the process to end (seconds).
 SIGTERM_EXIT_MARGIN_S = 0.5
+
+
+def flush_holding_signals(timeout_s: "float | None" = None) -> FlushResult:
+    """:func:`flush_all` (default timeout :func:`sigterm_flush_timeout_s`) with SIGTERM and SIGINT
+    held until it returns, then each signal that arrived meanwhile delivered again, once, to the
+    action that was in place before (the process ends as it would have, after its samples are out).
+
+    For a process that tears down after it has given those signals their default action back:
+    vLLM's engine core restores ``SIG_DFL`` when it leaves its busy loop, then tears its executor
+    down while the API server, stopped by the same Ctrl-C, sends it SIGTERM
+    (``vllm.v1.utils.shutdown``); a SIGTERM in that teardown ended the process before the exit
+    hooks, and the last samples were lost. Outside the main thread (no signal handler can be set
+    there) it is :func:`flush_all`. Never raises."""
+    if timeout_s is None:
+        timeout_s = sigterm_flush_timeout_s()
+    if threading.current_thread() is not threading.main_thread():
+        return flush_all(timeout_s)
+    arrived: list = []
+    previous: dict = {}
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        try:
+            previous[signum] = signal.signal(signum, lambda number, frame: arrived.append(number))
+        except (ValueError, OSError):  # no signals in this interpreter
+            pass
+    try:
+        return flush_all(timeout_s)
+    finally:
+        for signum, action in previous.items():
+            try:  # an action set outside Python reads as None: the default one stands for it
+                signal.signal(signum, signal.SIG_DFL if action is None else action)
+            except (ValueError, OSError):
+                pass
+        for signum in dict.fromkeys(arrived):
+            os.kill(os.getpid(), signum)
 
 
 def sigterm_flush_timeout_s() -> float:

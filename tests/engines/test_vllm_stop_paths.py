@@ -91,5 +91,88 @@ def test_the_instrumentor_installs_it_only_when_it_instruments(monkeypatch, tmp_
     try:
         instrumentor.instrument(skip_dep_check=True)
         assert stop_paths.MODULE not in import_hooks._hooks
+        assert stop_paths.CORE_MODULE not in import_hooks._hooks
     finally:
         instrumentor.uninstrument()
+
+
+# A process whose SIGTERM is back at its default action (vLLM's engine core after its busy loop) is
+# sent SIGTERM while otel-swa flushes (the API server's shutdown after the same Ctrl-C): the
+# reporter's flush here sends it to its own process, then writes what it delivered.
+_FLUSH_UNDER_SIGTERM = r"""
+import os, signal, sys, time
+from otel_swa import lifecycle
+
+class Reporter:
+    def flush(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.2)
+        sys.stdout.write("delivered\n"); sys.stdout.flush()
+
+reporter = Reporter()
+lifecycle.track(reporter)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
+getattr(lifecycle, sys.argv[1])(2.0)
+sys.stdout.write("went on after the signal\n"); sys.stdout.flush()
+"""
+
+
+@pytest.mark.parametrize("flush, delivered", [("flush_holding_signals", True), ("flush_all", False)])
+def test_a_sigterm_during_the_flush_waits_for_it_then_ends_the_process(tmp_path, flush, delivered):
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OTEL_SWA_SIGTERM_FLUSH="0")
+    run = subprocess.run([sys.executable, "-c", _FLUSH_UNDER_SIGTERM, flush], capture_output=True, text=True,
+                         env=env, timeout=60)
+    assert run.returncode == -signal.SIGTERM, run.stderr
+    assert run.stdout == ("delivered\n" if delivered else "")
+
+
+def test_the_engine_core_flushes_before_its_teardown(monkeypatch):
+    """``EngineCore.shutdown``'s wrapper runs otel-swa's flush first, then vLLM's teardown, and
+    returns what it returns; a flush that fails still tears down."""
+    order = []
+
+    class EngineCore:  # vllm/v1/engine/core.py: EngineCore.shutdown(self)
+        def shutdown(self):
+            order.append("teardown")
+            return "torn down"
+
+    monkeypatch.setattr("otel_swa.lifecycle.flush_holding_signals", lambda: order.append("flush"))
+    wrapped = stop_paths.wrap_engine_core_shutdown(EngineCore.shutdown)
+    assert wrapped(EngineCore()) == "torn down" and order == ["flush", "teardown"]
+
+    def broken():
+        raise RuntimeError("flush failed")
+
+    monkeypatch.setattr("otel_swa.lifecycle.flush_holding_signals", broken)
+    order.clear()
+    assert wrapped(EngineCore()) == "torn down" and order == ["teardown"]
+
+
+def test_engine_core_wrapper_installed_on_import_and_restored(monkeypatch):
+    import sys
+    import types
+
+    from otel_swa import import_hooks
+
+    class EngineCore:
+        def shutdown(self):
+            return None
+
+    original = EngineCore.__dict__["shutdown"]
+    module = types.ModuleType(stop_paths.CORE_MODULE)
+    module.EngineCore = EngineCore
+    monkeypatch.setitem(sys.modules, stop_paths.CORE_MODULE, module)
+    originals: dict = {}
+    handle = stop_paths.install_engine_core_flush(originals)
+    try:
+        assert EngineCore.shutdown.__wrapped__ is original
+        assert originals == {(EngineCore, "shutdown"): original}
+        stop_paths.install_engine_core_flush(originals)  # a second install keeps one wrapper
+        assert EngineCore.shutdown.__wrapped__ is original
+    finally:
+        import_hooks.cancel(handle)

@@ -198,6 +198,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
         super()._instrument(**kwargs)
         if self._hooks or self._originals:  # switched on, vLLM here: its shutdown gives time to flush
             self._hooks.append(_stop_paths.install(self._originals))
+            self._hooks.append(_stop_paths.install_engine_core_flush(self._originals))
 
     def _uninstrument(self, **kwargs: Any) -> None:
         _write_check.REGISTRY.clear()
