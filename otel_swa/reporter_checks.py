@@ -187,12 +187,34 @@ class InForwardChecks:
 
             check = self._parts["read"] = ReadCheck(self.device, max_queries=max_queries, layers=layers,
                                                     gate=self._gate)
-        return check
+        return getattr(check, "check", check)  # an attached one: its device check
+
+    def attach_read_check(self, check: "ReadCheck", *, batch: "Callable[[], Any] | None" = None,
+                          layers: "Mapping[int, tuple[str | None, int | None, bool]] | None" = None) -> None:
+        """Take the cells of a read check the engine's model runner runs itself (vLLM's: made
+        before this reporter, on the KV cache's device, its queries the runner's batch rows) into
+        every sample, as :meth:`attach_write_check` does for the write check: its fields
+        (:mod:`otel_swa.checks.read`) and its first disagreeing query as an offender, named by
+        ``batch()`` (the request ids of the checked step, in the runner's batch order) and
+        ``layers`` (``layer_id -> (layer name, KV cache group, rows)``). The engine calls the
+        check's ``check_layer`` at the steps :meth:`read_check_due` names (the check's gate is
+        its own: the engine decides on the host).
+
+        Raises:
+            TypeError: ``check`` is not a ``ReadCheck``.
+        """
+        from otel_swa.checks.read import AttachedReadCheck
+        from otel_swa.device.read_check import ReadCheck
+
+        if not isinstance(check, ReadCheck):
+            raise TypeError(f"check must be a ReadCheck, got {type(check).__name__}")
+        self._parts["read"] = AttachedReadCheck(check, batch, dict(layers) if layers is not None else None)
 
     @property
     def read_check(self) -> "ReadCheck | None":
-        """The read check, or ``None`` while it is off."""
-        return self._parts.get("read")
+        """The read check, or ``None`` while it is off (the attached one's device check)."""
+        part = self._parts.get("read")
+        return getattr(part, "check", part)
 
     def read_check_due(self) -> bool:
         """Whether the forward step now running (the next :meth:`step`) is a sampling step whose

@@ -27,11 +27,12 @@ and a check reaches its device kernel through what the sample hands it (:attr:`S
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 __all__ = ["LINE_KINDS", "ROLES", "CheckField", "MetricRow", "Check", "InForwardCheck", "Staging", "SampleBatch",
-           "outcome_summary", "outcome_counter", "first_fault_text"]
+           "AttachedCheck", "outcome_summary", "outcome_counter", "first_fault_text"]
 
 #: The lines a check's fields are written on: ``audit`` (``otel_swa_audit=``: the slot and block
 #: bookkeeping, the window and read checks) and ``provenance`` (``otel_swa_provenance=``: the checks
@@ -297,3 +298,38 @@ def first_fault_text(checked: Sequence[Any], fault: str) -> str:
         return ""
     offender = first.offender(fault)
     return f"; first at forward_ct={first.forward_ct}" + (f": {offender.describe()}" if offender else "")
+
+
+class AttachedCheck:
+    """An in-forward check the engine runs itself, in its model runner, with what its offender
+    names (the reporter's part for :meth:`~otel_swa.reporter.SwaDivergenceReporter.attach_write_check`
+    and ``attach_read_check``: vLLM's runner makes its checks before the scheduler's reporter
+    exists, and runs its batch in an order of its own).
+
+    Attributes:
+        check: the device check (``take(cells)`` copies and clears its cells).
+        batch: returns the request ids of the step whose checks the cells hold, in the runner's
+            batch order (or ``None``).
+        layers: ``layer_id -> (layer name, KV cache group, rows)``.
+    """
+
+    __slots__ = ("check", "batch", "layers")
+    #: what the log line of a failed ``batch()`` names
+    what = "the check"
+
+    def __init__(self, check: Any, batch: Any, layers: Any) -> None:
+        self.check, self.batch, self.layers = check, batch, layers
+
+    def take(self, cells: Any) -> None:
+        self.check.take(cells)
+
+    def request_ids(self) -> "tuple[str, ...] | None":
+        if self.batch is None:
+            return None
+        try:
+            ids = self.batch()
+            return None if ids is None else tuple(str(r) for r in ids)
+        except Exception:
+            logging.getLogger("otel_swa.reporter").exception(
+                "otel-swa: %s's batch was not read; its offender names no request", self.what)
+            return None

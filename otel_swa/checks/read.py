@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import CheckField, InForwardCheck, SampleBatch, outcome_counter, outcome_summary
+from otel_swa.checks.protocol import (AttachedCheck, CheckField, InForwardCheck, SampleBatch, Staging, outcome_counter,
+                                     outcome_summary)
 
-__all__ = ["READ_CELLS", "READ_WIDTH", "read_counts", "read_offender_fields", "ReadCheckSpec", "CHECK"]
+__all__ = ["READ_CELLS", "READ_WIDTH", "read_counts", "read_offender_fields", "ReadCheckSpec", "AttachedReadCheck",
+           "CHECK"]
 
 #: The cells of :attr:`otel_swa.device.read_check.ReadCheck.cells`, in order.
 READ_CELLS = (
@@ -50,6 +52,16 @@ def read_counts(values: Sequence[int]) -> "tuple[int, int, int]":
     return int(values[_C["checked"]]), int(values[_C["mismatched"]]), int(values[_C["unchecked"]])
 
 
+class AttachedReadCheck(AttachedCheck):
+    """A read check the engine's model runner runs itself (vLLM's:
+    :class:`~otel_swa.checks.protocol.AttachedCheck`; ``check``: the
+    :class:`~otel_swa.device.read_check.ReadCheck`): its entry is the batch row of the runner's
+    step, named through ``batch()``, and its ``row`` is that row too (no ``req_to_token`` row)."""
+
+    __slots__ = ()
+    what = "the read check"
+
+
 class ReadCheckSpec(InForwardCheck):
     name = "read"
     title = "read check"
@@ -81,12 +93,25 @@ class ReadCheckSpec(InForwardCheck):
 
     width = READ_WIDTH
 
+    def keep(self, staging: Staging, staged: Any) -> Any:
+        if isinstance(staged, AttachedReadCheck):
+            return (staged.request_ids(), staged.layers or {})
+        return None  # the engine's own read check: its entry is the sample's batch entry
+
     def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
         checked, mismatched, unchecked = read_counts(cells)
         fields = {"swa_read_checks": checked, "swa_read_mismatches": mismatched, "swa_read_unchecked": unchecked}
         where = read_offender_fields(cells)
         if where is None or not mismatched:
             return fields, []
+        if kept is not None:  # a model runner's check: the entry is its batch row; the slot its group's
+            ids, layers = kept
+            entry = where["entry"]
+            name, group, _ = layers.get(where["layer"], (None, None, True))
+            return fields, [dict(fault="swa_read_mismatches",
+                                 request=ids[entry] if ids is not None and 0 <= entry < len(ids) else None,
+                                 row=entry, position=where["position"], swa_slot=where["swa_slot"],
+                                 layer=where["layer"], layer_name=name, kv_cache_group=group)]
         return fields, [dict(fault="swa_read_mismatches", request=batch.request(where["entry"]), row=where["row"],
                              position=where["position"], full_slot=where["full_slot"], swa_slot=where["swa_slot"],
                              swa_page=batch.swa_page(where["swa_slot"]), layer=where["layer"])]

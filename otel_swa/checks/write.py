@@ -10,10 +10,9 @@ into another token's slot or the wrong pool, is a mismatch.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import CheckField, InForwardCheck, SampleBatch, Staging, outcome_counter, outcome_summary
+from otel_swa.checks.protocol import AttachedCheck, CheckField, InForwardCheck, SampleBatch, Staging, outcome_counter, outcome_summary
 
 __all__ = ["WRITE_CELLS", "WRITE_WIDTH", "write_counts", "write_offender_fields", "WriteCheckSpec",
            "AttachedWriteCheck", "CHECK"]
@@ -54,34 +53,12 @@ def write_offender_fields(values: Sequence[int]) -> "dict[str, int | str | None]
     return fields
 
 
-class AttachedWriteCheck:
-    """A write check the engine runs itself, with what its offender names (the reporter's part for
-    :meth:`~otel_swa.reporter.SwaDivergenceReporter.attach_write_check`).
+class AttachedWriteCheck(AttachedCheck):
+    """A write check the engine runs itself (:class:`~otel_swa.checks.protocol.AttachedCheck`;
+    ``check``: the :class:`~otel_swa.device.write_check.WriteCheck`)."""
 
-    Attributes:
-        check: the :class:`~otel_swa.device.write_check.WriteCheck`.
-        batch: returns the request ids of the step whose checks the cells hold (or ``None``).
-        layers: ``layer_id -> (layer name, KV cache group, rows)``.
-    """
-
-    __slots__ = ("check", "batch", "layers")
-
-    def __init__(self, check: Any, batch: Any, layers: Any) -> None:
-        self.check, self.batch, self.layers = check, batch, layers
-
-    def take(self, cells: Any) -> None:
-        self.check.take(cells)
-
-    def request_ids(self) -> "tuple[str, ...] | None":
-        if self.batch is None:
-            return None
-        try:
-            ids = self.batch()
-            return None if ids is None else tuple(str(r) for r in ids)
-        except Exception:
-            logging.getLogger("otel_swa.reporter").exception(
-                "otel-swa: the write check's batch was not read; its offender names no request")
-            return None
+    __slots__ = ()
+    what = "the write check"
 
 
 class WriteCheckSpec(InForwardCheck):

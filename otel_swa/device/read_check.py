@@ -209,6 +209,7 @@ class ReadCheck:
         num_q_heads: int,
         logit_cap: float = 0.0,
         sinks: "torch.Tensor | None" = None,
+        block_size: int = 1,
     ) -> int:
         """Check one layer's output for up to ``max_queries`` requests of the batch; return how
         many queries were checked (a host int, known without a sync).
@@ -220,8 +221,14 @@ class ReadCheck:
             out: the engine's attention output for them, ``[tokens, num_q_heads * v_head_dim]``
                 (or 3-D), float.
             k_buffer, v_buffer: the layer's KV buffers, ``[slots, kv_heads, head_dim]`` and
-                ``[slots, kv_heads, v_head_dim]``, indexed by the slot the mapping gives.
-            req_to_token: ``int32``/``int64 [rows, max_context_len]``, FULL slot per position.
+                ``[slots, kv_heads, v_head_dim]``, indexed by the slot the mapping gives; or paged,
+                ``[blocks, block_size, kv_heads, head_dim]`` and ``[blocks, block_size, kv_heads,
+                v_head_dim]`` (views of any strides: vLLM's, :mod:`otel_swa.device.paged_write`),
+                slot ``s`` at ``[s // block_size, s % block_size]``.
+            req_to_token: ``int32``/``int64 [rows, max_context_len]``, FULL slot per position; with
+                ``block_size`` > 1 a block table, ``[rows, max_blocks]``: position ``p``'s slot is
+                ``req_to_token[row, p // block_size] * block_size + p % block_size`` (vLLM's
+                ``block_table``, the layer's KV cache group's).
             full_to_swa_index_mapping: ``int [num_full_slots]``, FULL slot -> slot of these
                 buffers; ``None`` for a layer whose buffers are indexed by FULL slot.
             req_pool_indices, seq_lens: ``int [batch]`` on the device: each request's row and
@@ -235,11 +242,14 @@ class ReadCheck:
             num_q_heads: query heads of this rank (a multiple of the KV heads).
             logit_cap: tanh soft-capping of the scores when > 0.
             sinks: ``float [num_q_heads]`` attention sink logits, or ``None``.
+            block_size: positions per entry of ``req_to_token`` (int >= 1; 1: SGLang's
+                ``req_to_token``, a slot per position).
 
         Unsupported inputs (a KV or output dtype outside float32/64/16/bfloat16, heads that do not
         divide or are not a positive int, a window that is not an int >= 1, ``seq_lens`` or
         ``query_rows`` not one per request, a ``q``/``out`` with fewer rows than the batch's
-        requests, sinks that are not one per query head) are counted as unchecked, never raised: the engine's forward goes on.
+        requests, sinks that are not one per query head, paged buffers whose block size is not
+        ``block_size``) are counted as unchecked, never raised: the engine's forward goes on.
         ``req_to_token`` may have any strides (a column slice of a wider table).
         """
         self.layer_calls += 1
@@ -252,18 +262,22 @@ class ReadCheck:
         with self.gate.region() as mask:
             return self._check(mask, recording, batch, layer_id, q, out, k_buffer, v_buffer, req_to_token,
                                full_to_swa_index_mapping, req_pool_indices, seq_lens, query_rows, window,
-                               scaling, num_q_heads, logit_cap, sinks)
+                               scaling, num_q_heads, logit_cap, sinks, block_size)
 
     def _check(self, mask, recording, batch, layer_id, q, out, k_buffer, v_buffer, req_to_token,
                full_to_swa_index_mapping, req_pool_indices, seq_lens, query_rows, window, scaling,
-               num_q_heads, logit_cap, sinks) -> int:
+               num_q_heads, logit_cap, sinks, block_size) -> int:
         checked = min(self.max_queries, batch)
-        kv_heads = int(k_buffer.shape[1]) if k_buffer.dim() == 3 else 0
-        head_dim = int(k_buffer.shape[2]) if k_buffer.dim() == 3 else 0
-        v_dim = int(v_buffer.shape[2]) if v_buffer.dim() == 3 else 0
+        paged = type(block_size) is int and block_size > 1  # noqa: E721
+        dims = 4 if paged else 3
+        shaped = (k_buffer.dim() == dims and v_buffer.dim() == dims
+                  and (not paged or (k_buffer.shape[:2] == v_buffer.shape[:2] and k_buffer.shape[1] == block_size)))
+        kv_heads = int(k_buffer.shape[-2]) if shaped else 0
+        head_dim = int(k_buffer.shape[-1]) if shaped else 0
+        v_dim = int(v_buffer.shape[-1]) if shaped else 0
         rows_needed = batch * num_q_heads  # every request has a query row (its last token) at least
         supported = (
-            kv_heads > 0 and type(num_q_heads) is int and num_q_heads > 0 and num_q_heads % kv_heads == 0  # noqa: E721
+            kv_heads > 0 and (block_size == 1 or paged) and type(num_q_heads) is int and num_q_heads > 0 and num_q_heads % kv_heads == 0  # noqa: E721
             and type(window) is int and window >= 1 and req_to_token.dim() == 2  # noqa: E721
             and tuple(seq_lens.shape) == (batch,) and (query_rows is None or tuple(query_rows.shape) == (batch,))
             and all(t.dtype in _CHECKED_DTYPES for t in (q, out, k_buffer, v_buffer))
@@ -285,6 +299,22 @@ class ReadCheck:
         group = num_q_heads // kv_heads
         width = req_to_token.shape[1]
         mapping = full_to_swa_index_mapping
+        bs = block_size if paged else 1
+        slots_in_buffer = int(k_buffer.shape[0]) * bs
+
+        def table(keys: torch.Tensor) -> torch.Tensor:
+            """The FULL slot (the group's slot, paged) of positions ``keys`` ``[Q, C]`` of ``rows``."""
+            if not paged:
+                return req_to_token[rows.unsqueeze(1) if keys.dim() == 2 else rows, keys.clamp(0, width - 1)].long()
+            keys = keys.clamp(0, width * bs - 1)
+            page = req_to_token[rows.unsqueeze(1) if keys.dim() == 2 else rows, torch.div(keys, bs, rounding_mode="floor")]
+            return page.long() * bs + torch.remainder(keys, bs)
+
+        def rows_of(buffer: torch.Tensor, slots_c: torch.Tensor) -> torch.Tensor:
+            """``buffer``'s rows at ``slots_c`` (clamped), ``[n, kv_heads, dim]``."""
+            if not paged:
+                return buffer.index_select(0, slots_c)
+            return buffer[torch.div(slots_c, bs, rounding_mode="floor"), torch.remainder(slots_c, bs)]
         qq = q3.index_select(0, qrow.clamp(0, q3.shape[0] - 1)).float().view(checked, kv_heads, group, head_dim)
         # the window in chunks that keep the gathered K and V within the budget (one chunk normally)
         chunk = max(1, min(window, self.kv_budget_bytes // (checked * kv_heads * (head_dim + v_dim) * 4)))
@@ -294,12 +324,12 @@ class ReadCheck:
         def gather(begin: int, span: int):
             """Scores ``[Q, Hkv, g, C]`` and values ``[Q, Hkv, C, Dv]`` of keys ``begin ..``."""
             keys = position.unsqueeze(1) + offsets[:, begin:begin + span]  # [Q, C]
-            full = req_to_token[rows.unsqueeze(1), keys.clamp(0, width - 1)].long()  # any strides
+            full = table(keys)  # any strides
             slots = full if mapping is None else mapping.index_select(
                 0, full.clamp(0, mapping.shape[0] - 1).reshape(-1)).long().view(checked, span)
-            slots_c = slots.clamp(0, k_buffer.shape[0] - 1).reshape(-1)
-            k = k_buffer.index_select(0, slots_c).float().view(checked, span, kv_heads, head_dim).transpose(1, 2)
-            v = v_buffer.index_select(0, slots_c).float().view(checked, span, kv_heads, v_dim).transpose(1, 2)
+            slots_c = slots.clamp(0, slots_in_buffer - 1).reshape(-1)
+            k = rows_of(k_buffer, slots_c).float().view(checked, span, kv_heads, head_dim).transpose(1, 2)
+            v = rows_of(v_buffer, slots_c).float().view(checked, span, kv_heads, v_dim).transpose(1, 2)
             scores = torch.matmul(qq, k.transpose(2, 3)).mul_(float(scaling))
             if logit_cap and logit_cap > 0:
                 scores = torch.tanh(scores.div_(float(logit_cap))).mul_(float(logit_cap))
@@ -355,7 +385,7 @@ class ReadCheck:
             cells[_C["checked"]] += checked
             return checked
         first = torch.max(disagree, 0).indices.reshape(1)  # the first disagreeing query (0 when none)
-        own = req_to_token[rows, position.clamp(0, width - 1)].long()  # the query's own FULL slot
+        own = table(position)  # the query's own FULL slot (the group's slot, paged)
         own_slot = own if mapping is None else mapping.index_select(0, own.clamp(0, mapping.shape[0] - 1)).long()
         where = torch.stack([entries, rows, position, own, own_slot,
                              entries.new_full((checked,), int(layer_id))]).index_select(1, first).reshape(-1)

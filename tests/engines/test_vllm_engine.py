@@ -16,10 +16,13 @@ process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), 20 requests then 6 of them again
 * ``instrument``: ``opentelemetry-instrument python`` with the same variables, prefix caching on,
   vLLM's default step budget (no chunking of these prompts);
 * ``write_slot_off``: ``plugin`` with a fault of ``vllm_engine/faults.py`` from the 10th forward step
-  on: the first sliding-window layer stores its new K/V one slot off.
+  on: the first sliding-window layer stores its new K/V one slot off;
+* ``read_stale_block``: ``plugin`` with the first sliding-window layer's attention reading through
+  a stale block table from the 10th forward step on.
 
 Every run checks vLLM's KV writes (the write check on CPU_ATTN's layout, wrapped around
-``CPUAttentionBackendImpl.do_kv_cache_update``).
+``CPUAttentionBackendImpl.do_kv_cache_update``) and its sliding-window layers' reads (the read
+check, wrapped around ``CPUAttentionBackendImpl.forward``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ RUNS = {
     "plugin_no_prefix_cache": dict(llm={**SMALL_CHUNKED, "enable_prefix_caching": False}),
     "instrument": dict(llm={"enable_prefix_caching": True, "kv_cache_memory_bytes": 2 << 20}, launcher=True),
     "write_slot_off": dict(llm=SMALL_CHUNKED, fault="write_slot_off", fault_at=10),
+    "read_stale_block": dict(llm=SMALL_CHUNKED, fault="read_stale_block", fault_at=10),
 }
 CLEAN = ("plugin", "plugin_no_prefix_cache", "instrument")
 
@@ -92,11 +96,14 @@ def test_a_clean_run_passes_check_with_zero_faults(runs, name, capsys):
     writes = [r.kv_write_checks for r in run.records if r.kv_write_checks is not None]
     unchecked = sum(r.kv_write_unchecked or 0 for r in run.records)
     assert len(writes) == len(steps) and sum(writes) > 0 and unchecked == 0  # CPU_ATTN's vec layout, float32
+    reads = [r.swa_read_checks for r in run.records if r.swa_read_checks is not None]
+    assert len(reads) == len(steps) and sum(reads) > 0 and sum(r.swa_read_unchecked or 0 for r in run.records) == 0
     with capsys.disabled():
         print(f"\n  vllm engine {name}: {run.seconds:.1f} s, {len(steps)} sampled steps, "
               f"{run.results['preemptions']} preemptions, {run.results['evictions']} evictions, "
               f"{sum(r['cached_tokens'] for r in run.results['requests'])} cached tokens, {sum(writes)} KV writes "
-              f"checked; faults: {sum(faults.values())} ({len(faults)} kinds, all 0)")
+              f"and {sum(reads)} sliding-window reads checked; faults: {sum(faults.values())} ({len(faults)} kinds, "
+              f"all 0)")
 
 
 @pytest.mark.parametrize("name", CLEAN)
@@ -149,6 +156,32 @@ def test_a_store_one_slot_off_fails_check_naming_its_first_offender(runs, capsys
     assert changed > 0
     with capsys.disabled():
         print(f"\n  vllm engine write_slot_off: made at forward step {made['step']}, first flagged at forward_ct "
+              f"{first.forward_ct}, first offender request {offender.request} position {offender.position} "
+              f"slot {offender.swa_slot} layer {offender.layer_name}; check exit {status}; "
+              f"{changed} of {len(run.outputs())} outputs changed")
+
+
+def test_attention_through_a_stale_block_table_fails_check_naming_its_first_offender(runs, capsys):
+    run = runs("read_stale_block")
+    made = run.results["fault"]
+    assert made["step"] == 10 and made["reads"] > 0
+    status, output = run.check()
+    assert status == 1 and "read other KV than the mapping gives" in output, output
+    flagged = [r for r in run.records if r.swa_read_mismatches]
+    first = flagged[0]
+    # the record of forward step N carries the read check of step N - 1; the sliding-window layers
+    # take turns (layer 0 at once or the step after)
+    assert first.forward_ct in (made["step"] + 1, made["step"] + 2)
+    assert all(r.swa_read_mismatches == 0 for r in run.records if r.forward_ct <= made["step"])
+    assert all(not r.kv_write_mismatches for r in run.records)  # the stores are right: only the read is not
+    offender = next(o for o in first.offenders if o.fault == "swa_read_mismatches")
+    assert (offender.layer, offender.layer_name) == (0, "model.layers.0.self_attn.attn")
+    assert offender.request is not None and offender.position is not None and offender.swa_slot is not None
+    assert f"first non-zero at forward_ct={first.forward_ct}" in output and f"request {offender.request}" in output
+    changed = sum(a != b for a, b in zip(run.outputs(), runs("off").outputs()))
+    assert changed > 0
+    with capsys.disabled():
+        print(f"\n  vllm engine read_stale_block: made at forward step {made['step']}, first flagged at forward_ct "
               f"{first.forward_ct}, first offender request {offender.request} position {offender.position} "
               f"slot {offender.swa_slot} layer {offender.layer_name}; check exit {status}; "
               f"{changed} of {len(run.outputs())} outputs changed")

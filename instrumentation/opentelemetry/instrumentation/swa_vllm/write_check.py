@@ -111,6 +111,8 @@ class RunnerWriteCheck:
         self.runner: "weakref.ref | None" = None  # set by the registry
         self.request_ids: "list[str] | None" = None  # of the last sampled forward
         self.failures = 0
+        #: the read check of the sliding-window layers (:mod:`.read_check`), or ``None``
+        self.read: Any = None
 
     def before_forward(self) -> None:
         """Before each forward (the ``execute_model`` wrapper): the paired reporter's sampling
@@ -193,8 +195,11 @@ class _Registry:
             wired, reporter = checks[0], reporters[0]
             if wired.reporter is not reporter:
                 reporter.attach_write_check(wired.check, batch=lambda: wired.request_ids, layers=wired.layer_names)
+                if wired.read is not None:
+                    reporter.attach_read_check(wired.read, batch=lambda: wired.request_ids, layers=wired.layer_names)
                 wired.reporter = reporter
-                _log.info("otel-swa: vLLM's KV cache write check is wired (%d layers)", len(wired.layers))
+                _log.info("otel-swa: vLLM's KV cache write check is wired (%d layers)%s", len(wired.layers),
+                          "" if wired.read is None else ", and the read check of its sliding-window layers")
             return
         for wired in checks:
             wired.reporter = None
@@ -267,6 +272,13 @@ def wire_runner(runner: Any, kv_cache_config: Any, originals: dict) -> "RunnerWr
             if getattr(function, "_otel_swa_store", False):  # inherited from a class wrapped already
                 function = function.__wrapped__
             setattr(cls, "do_kv_cache_update", _wrap_store(function))
+    try:
+        from .read_check import wire_read_check
+
+        wire_read_check(wired, originals)
+    except Exception:
+        wired.read = None
+        _log.exception("otel-swa: vLLM's read check was not wired")
     runner.__dict__[RUNNER_ATTRIBUTE] = wired
     REGISTRY.add_check(wired, runner)
     return wired
