@@ -159,9 +159,13 @@ class InForwardChecks:
         if not isinstance(check, WriteCheck):
             raise TypeError(f"check must be a WriteCheck, got {type(check).__name__}")
         self._parts["write"] = AttachedWriteCheck(check, batch, dict(layers) if layers is not None else None)
-        if check.gate is not self._gate and all(g is not check.gate for g in self._other_gates):
-            self._other_gates.append(check.gate)
-            check.gate.due = self._gate.due
+        self._follow(check.gate)
+
+    def _follow(self, gate: SamplingGate) -> None:
+        """Set ``gate`` from :meth:`before_forward` too (a check's own gate on another device)."""
+        if gate is not self._gate and all(g is not gate for g in self._other_gates):
+            self._other_gates.append(gate)
+            gate.due = self._gate.due
 
     @property
     def write_check(self) -> "WriteCheck | None":
@@ -196,9 +200,9 @@ class InForwardChecks:
         every sample, as :meth:`attach_write_check` does for the write check: its fields
         (:mod:`otel_swa.checks.read`) and its first disagreeing query as an offender, named by
         ``batch()`` (the request ids of the checked step, in the runner's batch order) and
-        ``layers`` (``layer_id -> (layer name, KV cache group, rows)``). The engine calls the
-        check's ``check_layer`` at the steps :meth:`read_check_due` names (the check's gate is
-        its own: the engine decides on the host).
+        ``layers`` (``layer_id -> (layer name, KV cache group, rows)``). :meth:`before_forward`
+        then also sets the check's gate, as for an attached write check (the two may share one):
+        the engine calls ``check_layer`` after each sliding-window layer while ``gate.wanted()``.
 
         Raises:
             TypeError: ``check`` is not a ``ReadCheck``.
@@ -209,6 +213,7 @@ class InForwardChecks:
         if not isinstance(check, ReadCheck):
             raise TypeError(f"check must be a ReadCheck, got {type(check).__name__}")
         self._parts["read"] = AttachedReadCheck(check, batch, dict(layers) if layers is not None else None)
+        self._follow(check.gate)
 
     @property
     def read_check(self) -> "ReadCheck | None":
