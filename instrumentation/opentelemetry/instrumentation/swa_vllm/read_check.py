@@ -90,7 +90,8 @@ def wire_read_check(wired: Any, originals: dict) -> int:
     setting = config.read_check()
     if setting is None:
         return 0
-    layers = [w for w in wired.layers if w.swa and type(w.layer.impl).__name__ in READ_IMPLS]
+    layers = [w for w in wired.layers if w.swa and type(w.layer.impl).__name__ in READ_IMPLS
+              and callable(getattr(type(w.layer.impl), "forward", None))]
     if not layers:
         return 0
     mode, queries = setting
@@ -100,9 +101,9 @@ def wire_read_check(wired: Any, originals: dict) -> int:
         cls = type(write_layer.layer.impl)
         if (cls, "forward") not in originals:
             own = cls.__dict__.get("forward")
-            originals[(cls, "forward")] = _ABSENT if own is None else own  # inherited: removed again
             function = own if own is not None else cls.forward
             if getattr(function, "_otel_swa_read", False):  # inherited from a class wrapped already
                 function = function.__wrapped__
             setattr(cls, "forward", _wrap_forward(function))
+            originals[(cls, "forward")] = _ABSENT if own is None else own  # inherited: removed again
     return len(layers)
