@@ -156,13 +156,15 @@ class InForwardChecks:
         """
         from otel_swa.device.write_check import WriteCheck
 
-        if not isinstance(check, WriteCheck):
-            raise TypeError(f"check must be a WriteCheck, got {type(check).__name__}")
-        self._parts["write"] = AttachedWriteCheck(check, batch, dict(layers) if layers is not None else None)
-        self._follow(check.gate)
+        self._attach("write", AttachedWriteCheck, WriteCheck, check, batch, layers)
 
-    def _follow(self, gate: SamplingGate) -> None:
-        """Set ``gate`` from :meth:`before_forward` too (a check's own gate on another device)."""
+    def _attach(self, name: str, attached: type, expected: type, check: Any, batch: Any, layers: Any) -> None:
+        """Hold ``check`` (an ``expected``) as part ``name``, wrapped in ``attached`` with what its
+        offender names, and set its gate from :meth:`before_forward` too."""
+        if not isinstance(check, expected):
+            raise TypeError(f"check must be a {expected.__name__}, got {type(check).__name__}")
+        self._parts[name] = attached(check, batch, dict(layers) if layers is not None else None)
+        gate = check.gate
         if gate is not self._gate and all(g is not gate for g in self._other_gates):
             self._other_gates.append(gate)
             gate.due = self._gate.due
@@ -210,10 +212,7 @@ class InForwardChecks:
         from otel_swa.checks.read import AttachedReadCheck
         from otel_swa.device.read_check import ReadCheck
 
-        if not isinstance(check, ReadCheck):
-            raise TypeError(f"check must be a ReadCheck, got {type(check).__name__}")
-        self._parts["read"] = AttachedReadCheck(check, batch, dict(layers) if layers is not None else None)
-        self._follow(check.gate)
+        self._attach("read", AttachedReadCheck, ReadCheck, check, batch, layers)
 
     @property
     def read_check(self) -> "ReadCheck | None":

@@ -323,6 +323,23 @@ class AttachedCheck:
     def take(self, cells: Any) -> None:
         self.check.take(cells)
 
+    @staticmethod
+    def kept(staged: Any) -> Any:
+        """What an in-forward check keeps with a sample for an attached ``staged`` part: its
+        request ids and layers (``None`` for a part the reporter runs itself)."""
+        return (staged.request_ids(), staged.layers or {}) if isinstance(staged, AttachedCheck) else None
+
+    @staticmethod
+    def names(kept: Any, entry: int, layer: int) -> dict:
+        """The ``request``, ``row``, ``layer_name`` and ``kv_cache_group`` of an attached check's
+        offender at batch ``entry`` of ``layer`` (``kept``: :meth:`kept`'s value); the request and
+        row only where the layer's entries are batch rows."""
+        ids, layers = kept
+        name, group, rows = layers.get(layer, (None, None, False))
+        known = rows and 0 <= entry
+        return dict(request=ids[entry] if known and ids is not None and entry < len(ids) else None,
+                    row=entry if known else None, layer_name=name, kv_cache_group=group)
+
     def request_ids(self) -> "tuple[str, ...] | None":
         if self.batch is None:
             return None

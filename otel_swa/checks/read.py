@@ -94,9 +94,7 @@ class ReadCheckSpec(InForwardCheck):
     width = READ_WIDTH
 
     def keep(self, staging: Staging, staged: Any) -> Any:
-        if isinstance(staged, AttachedReadCheck):
-            return (staged.request_ids(), staged.layers or {})
-        return None  # the engine's own read check: its entry is the sample's batch entry
+        return AttachedCheck.kept(staged)  # None: the engine's own read check, its entry the batch entry
 
     def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
         checked, mismatched, unchecked = read_counts(cells)
@@ -105,13 +103,8 @@ class ReadCheckSpec(InForwardCheck):
         if where is None or not mismatched:
             return fields, []
         if kept is not None:  # a model runner's check: the entry is its batch row; the slot its group's
-            ids, layers = kept
-            entry = where["entry"]
-            name, group, _ = layers.get(where["layer"], (None, None, True))
-            return fields, [dict(fault="swa_read_mismatches",
-                                 request=ids[entry] if ids is not None and 0 <= entry < len(ids) else None,
-                                 row=entry, position=where["position"], swa_slot=where["swa_slot"],
-                                 layer=where["layer"], layer_name=name, kv_cache_group=group)]
+            return fields, [dict(fault="swa_read_mismatches", **AttachedCheck.names(kept, where["entry"], where["layer"]),
+                                 position=where["position"], swa_slot=where["swa_slot"], layer=where["layer"])]
         return fields, [dict(fault="swa_read_mismatches", request=batch.request(where["entry"]), row=where["row"],
                              position=where["position"], full_slot=where["full_slot"], swa_slot=where["swa_slot"],
                              swa_page=batch.swa_page(where["swa_slot"]), layer=where["layer"])]

@@ -92,9 +92,7 @@ class WriteCheckSpec(InForwardCheck):
     width = WRITE_WIDTH
 
     def keep(self, staging: Staging, staged: Any) -> Any:
-        if isinstance(staged, AttachedWriteCheck):
-            return (staged.request_ids(), staged.layers or {})
-        return None  # provenance's own write check: its entry is the batch entry
+        return AttachedCheck.kept(staged)  # None: provenance's own write check, its entry the batch entry
 
     def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
         checked, mismatched, unchecked = write_counts(cells)
@@ -107,15 +105,9 @@ class WriteCheckSpec(InForwardCheck):
             return fields, [dict(fault="kv_write_mismatches", request=batch.request(where["entry"]),
                                  position=where["position"], full_slot=where["full_slot"], swa_slot=swa,
                                  swa_page=batch.swa_page(swa), layer=where["layer"], pool=where["pool"])]
-        ids, layers = kept
-        entry = where["entry"]
-        name, group, rows = layers.get(where["layer"], (None, None, False))
-        known = rows and 0 <= entry
-        return fields, [dict(fault="kv_write_mismatches",
-                             request=ids[entry] if known and ids is not None and entry < len(ids) else None,
-                             row=entry if known else None, position=where["position"], full_slot=where["full_slot"],
-                             swa_slot=swa, layer=where["layer"], layer_name=name, kv_cache_group=group,
-                             pool=where["pool"])]
+        return fields, [dict(fault="kv_write_mismatches", **AttachedCheck.names(kept, where["entry"], where["layer"]),
+                             position=where["position"], full_slot=where["full_slot"], swa_slot=swa,
+                             layer=where["layer"], pool=where["pool"])]
 
     def summary(self, records: Sequence[Any]) -> str:
         return outcome_summary(self, records, "(token, layer) stores mismatched", "WRONG WRITES")

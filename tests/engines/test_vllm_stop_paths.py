@@ -43,25 +43,42 @@ def test_a_failure_of_its_own_leaves_vllms_timeout(monkeypatch):
     assert given == [(["EngineCore_DP0"], 0)]
 
 
-def test_installed_when_vllms_engine_utils_is_imported_and_restored(monkeypatch):
-    """``install`` replaces the name in ``vllm.v1.engine.utils`` once that module is imported (a
-    stand-in module here), and the original it records is what the instrumentor restores."""
+def _standin(monkeypatch, name: str):
+    """A stand-in of vLLM's module ``name`` in ``sys.modules`` with the ``shutdown`` otel-swa wraps
+    there: ``vllm.v1.engine.utils``'s function or ``vllm.v1.engine.core``'s ``EngineCore.shutdown``;
+    returns ``(owner, original)``."""
     import sys
     import types
 
+    module = types.ModuleType(name)
+    if name == stop_paths.MODULE:
+        module.shutdown = _recording()[0]
+        owner = module
+    else:
+        class EngineCore:
+            def shutdown(self):
+                return None
+
+        module.EngineCore = owner = EngineCore
+    monkeypatch.setitem(sys.modules, name, module)
+    return owner, vars(owner)["shutdown"]
+
+
+@pytest.mark.parametrize("install, name", [("install", stop_paths.MODULE),
+                                           ("install_engine_core_flush", stop_paths.CORE_MODULE)])
+def test_installed_when_its_module_is_imported_and_restored(monkeypatch, install, name):
+    """``install`` replaces vLLM's ``shutdown`` (a stand-in module here) once the module is imported,
+    once however often it is called, and the original it records is what the instrumentor restores."""
     from otel_swa import import_hooks
 
-    original, given = _recording()
-    module = types.ModuleType(stop_paths.MODULE)
-    module.shutdown = original
-    monkeypatch.setitem(sys.modules, stop_paths.MODULE, module)
+    owner, original = _standin(monkeypatch, name)
     originals: dict = {}
-    handle = stop_paths.install(originals)
+    handle = getattr(stop_paths, install)(originals)
     try:
-        assert module.shutdown is not original and module.shutdown.__wrapped__ is original
-        assert originals == {(module, "shutdown"): original}
-        stop_paths.install(originals)  # a second install leaves the wrapper as it is
-        assert module.shutdown.__wrapped__ is original
+        assert owner.shutdown is not original and owner.shutdown.__wrapped__ is original
+        assert originals == {(owner, "shutdown"): original}
+        getattr(stop_paths, install)(originals)  # a second install leaves the wrapper as it is
+        assert owner.shutdown.__wrapped__ is original
     finally:
         import_hooks.cancel(handle)
 
@@ -151,28 +168,3 @@ def test_the_engine_core_flushes_before_its_teardown(monkeypatch):
     monkeypatch.setattr("otel_swa.lifecycle.flush_holding_signals", broken)
     order.clear()
     assert wrapped(EngineCore()) == "torn down" and order == ["teardown"]
-
-
-def test_engine_core_wrapper_installed_on_import_and_restored(monkeypatch):
-    import sys
-    import types
-
-    from otel_swa import import_hooks
-
-    class EngineCore:
-        def shutdown(self):
-            return None
-
-    original = EngineCore.__dict__["shutdown"]
-    module = types.ModuleType(stop_paths.CORE_MODULE)
-    module.EngineCore = EngineCore
-    monkeypatch.setitem(sys.modules, stop_paths.CORE_MODULE, module)
-    originals: dict = {}
-    handle = stop_paths.install_engine_core_flush(originals)
-    try:
-        assert EngineCore.shutdown.__wrapped__ is original
-        assert originals == {(EngineCore, "shutdown"): original}
-        stop_paths.install_engine_core_flush(originals)  # a second install keeps one wrapper
-        assert EngineCore.shutdown.__wrapped__ is original
-    finally:
-        import_hooks.cancel(handle)
