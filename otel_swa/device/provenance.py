@@ -93,6 +93,7 @@ import torch
 
 from otel_swa.device.checksum import CHECKSUM_MODES
 from otel_swa.device.gate import SamplingGate
+from otel_swa.device.kernel_select import write_kernels
 from otel_swa.device.kv_folds import PoolFolds, layer_of
 from otel_swa.device.live_tokens import host_lengths
 from otel_swa.device.provenance_reading import (
@@ -217,6 +218,8 @@ class KvProvenance:
         self.chains = ChainCache()
         self._sweep: "torch.Tensor | None" = None  # the FULL slots of the sweep pass under way
         self._sweep_at = 0
+        #: the Triton kernels of the write path (a CUDA cache), or ``None``: the torch path
+        self.kernels = write_kernels(self.device)
 
     @property
     def bytes_per_slot(self) -> "tuple[int, int]":
@@ -253,6 +256,11 @@ class KvProvenance:
                 batches), or ``None`` when ``T == B`` and token ``i`` is request ``i``'s (decode).
         """
         full, swa = self.stamps
+        if self.kernels is not None:
+            self.kernels.stamp_and_reset(full, input_ids, positions, out_cache_loc, req_pool_indices, req_to_token,
+                                         extend_start_loc, swa, full_to_swa_index_mapping,
+                                         *(f.table if f is not None else None for f in self.folds))
+            return
         extra = ()
         swa_slots = None
         if swa is not None and full_to_swa_index_mapping is not None:
@@ -316,6 +324,9 @@ class KvProvenance:
         if (entry is None or k is None or v is None or tokens == 0 or not entry.hasher.given_shape_ok(k, v, tokens)
                 or (pool == 1 and mapping is None)):
             return  # nothing hashed: the pool's slots are counted unchecked (or their folds differ: a fault)
+        if self.kernels is not None:
+            self.kernels.fold_layer(folds.table, entry.hasher, k, v, entry.layer_id, loc, mapping if pool else None)
+            return
         written = self._written
         if written is not None and written[0] is loc and (pool == 0 or written[3] is mapping):
             slots = written[1 + pool]

@@ -1,0 +1,222 @@
+"""Triton kernels of the every-step KV write path: the stamps and the content folds, one kernel each.
+
+Imported only where triton is installed (:func:`otel_swa.device.kernel_select.write_kernels` picks
+them for a CUDA KV cache); the torch functions they replace stay the reference and the CPU path, and
+these kernels give the same bits (``tests/kernels`` runs both, on CPU under Triton's interpreter,
+``TRITON_INTERPRET=1``, and on a CUDA device).
+
+* :func:`stamp_and_reset`: :func:`otel_swa.device.stamps.write_stamps` for the FULL pool and the
+  SWA pool at its mapping, and the reset of both pools' folds at the written slots
+  (:meth:`otel_swa.device.kv_folds.PoolFolds.reset`): one kernel instead of about 36 operations.
+* :func:`fold_layer`: one layer's hash of the K and V it was given to store
+  (:meth:`otel_swa.device.checksum.RowHasher.of_given`) added to its pool's folds at the slots the
+  step writes (:meth:`otel_swa.device.kv_folds.PoolFolds.add`): one kernel per layer, the slots
+  (``out_cache_loc``, through the SWA mapping for an SWA layer, clamped as the torch path clamps
+  them) computed inside it, the folds added with integer atomics (exact sums: the order the
+  programs add in changes no bit). A step costs ``1 + layers`` kernels, and one cast per layer only
+  where the given K/V are not in the cache dtype.
+
+Fixed shapes, no host read, no allocation: a CUDA graph capture records them. Every intermediate is
+an ``int64`` below 2**63, the same arithmetic as the torch code.
+
+One difference, outside what any engine gives: the torch path reads every previous stamp before it
+writes any, a kernel's programs interleave; a step that writes a slot whose stamp another of its
+tokens reads as its previous position's would differ (no engine writes the slot of a position
+before the one it is stamping in the same step). Slots are clamped into the tables before every
+write (the torch ``index_copy_`` raises on an index outside them).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from otel_swa.device.checksum import HASH_PRIME, RowHasher
+from otel_swa.device.kv_folds import FOLD_MARK
+from otel_swa.device import stamps as _s
+
+__all__ = ["stamp_and_reset", "fold_layer"]
+
+_M32 = 0xFFFFFFFF
+
+
+@triton.jit
+def _hash_chunk(ptr, row_stride, t, start, words, base, BLOCK: tl.constexpr):
+    """Sum over the words ``start .. start + BLOCK - 1`` (below ``words``) of row ``t`` of
+    ``g_j(w_j)``, ``j = base + word index`` (:mod:`otel_swa.device.checksum`)."""
+    i = start + tl.arange(0, BLOCK)
+    mask = i < words
+    w = tl.load(ptr + t * row_stride + i, mask=mask, other=0).to(tl.int64)
+    j = (base + i).to(tl.int64)
+    # hash_constants(j): key and odd mult from a fixed integer mix of j
+    x = (j * 0x9E3779B1 + 0x7F4A7C15) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x2C1B3C6D) & 0xFFFFFFFF
+    x ^= x >> 12
+    mult = ((x * 0x297A2D39) & 0x7FFFFFFF) | 1
+    keymult = (x * mult) & 0xFFFFFFFF
+    y = (keymult + w * mult) & 0xFFFFFFFF
+    y ^= y >> 16
+    return tl.sum(tl.where(mask, y, 0), axis=0)
+
+
+@triton.jit
+def _fold_kernel(k_ptr, k_stride, k_words, v_ptr, v_stride, v_words, loc_ptr, map_ptr, map_size,
+                 table_ptr, table_size, weight, SWA: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([], dtype=tl.int64)
+    for start in range(0, k_words, BLOCK):
+        acc += _hash_chunk(k_ptr, k_stride, t, start, k_words, 0, BLOCK)
+    for start in range(0, v_words, BLOCK):
+        acc += _hash_chunk(v_ptr, v_stride, t, start, v_words, k_words, BLOCK)
+    h = acc % 1099511627689  # HASH_PRIME
+    slot = tl.load(loc_ptr + t).to(tl.int64)
+    if SWA:
+        slot = tl.load(map_ptr + tl.minimum(tl.maximum(slot, 0), map_size - 1)).to(tl.int64)
+    slot = tl.minimum(tl.maximum(slot, 0), table_size - 1)
+    tl.atomic_add(table_ptr + slot * 2, h, sem="relaxed")
+    tl.atomic_add(table_ptr + slot * 2 + 1, h * weight, sem="relaxed")
+
+
+def fold_layer(table: torch.Tensor, hasher: RowHasher, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+               out_cache_loc: torch.Tensor, mapping: "torch.Tensor | None" = None) -> None:
+    """Add layer ``layer_id``'s hashes of the given ``k``, ``v`` to the folds ``table`` at the slots
+    the step writes: what ``PoolFolds.add`` does with the slots ``KvProvenance`` computes. One kernel
+    (and the cast of ``k``/``v`` to the cache dtype where they are not in it).
+
+    Args:
+        table: a pool's folds, ``int64 [slots, 2]``, contiguous.
+        hasher: the layer's :class:`~otel_swa.device.checksum.RowHasher` (supported).
+        k, v: ``[T, ...]`` the layer was given to store (``hasher.given_shape_ok(k, v, T)``).
+        layer_id: the layer's id (``f2`` adds ``(layer_id + 1) * h``).
+        out_cache_loc: ``int32``/``int64 [T]``, each token's FULL slot.
+        mapping: ``full_to_swa_index_mapping`` (``int [num_full_slots]``) for a layer of the SWA pool
+            (its slot is ``mapping[out_cache_loc]``), ``None`` for the FULL pool.
+    """
+    tokens = int(out_cache_loc.shape[0])
+    kw, vw = hasher.given_words(k, v, tokens)
+    block = min(1024, triton.next_power_of_2(max(int(kw.shape[1]), int(vw.shape[1]), 1)))
+    swa = mapping is not None
+    _fold_kernel[(tokens,)](
+        kw, kw.stride(0), int(kw.shape[1]), vw, vw.stride(0), int(vw.shape[1]), out_cache_loc,
+        mapping if swa else out_cache_loc, int(mapping.shape[0]) if swa else 1,
+        table, int(table.shape[0]), layer_id + 1, SWA=swa, BLOCK=block)
+
+
+@triton.jit
+def _mix(tok, posm):
+    """:func:`otel_swa.device.stamps.mix`."""
+    x = tok * 0x9E37F + posm * 0x7F4A7
+    x ^= x >> 17
+    x &= 0x7FFFFFFF
+    x *= 0x5BD1E995
+    x ^= x >> 31
+    x >>= 11
+    return x & 0xFFFFF
+
+
+@triton.jit
+def _stamp_kernel(ids_ptr, pos_ptr, loc_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_col, width, starts_ptr, tokens, batch,
+                  full_ptr, full_size, swa_ptr, swa_size, map_ptr, map_size, ffold_ptr, sfold_ptr,
+                  EXTEND: tl.constexpr, HAS_SWA: tl.constexpr, FOLDS: tl.constexpr, SWA_FOLDS: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    if EXTEND:  # program b: request b's tokens, starts[b] .. starts[b + 1] - 1 (the last: .. tokens - 1)
+        lo = tl.load(starts_ptr + pid).to(tl.int64)
+        hi = tl.load(starts_ptr + tl.minimum(pid + 1, batch - 1)).to(tl.int64)
+        hi = tl.where(pid + 1 < batch, hi, tokens)
+        row = tl.load(rpi_ptr + pid).to(tl.int64)
+        first_pos = tl.load(pos_ptr + tl.minimum(tl.maximum(lo, 0), tokens - 1)).to(tl.int64)
+        prev_full = tl.load(r2t_ptr + row * r2t_stride + tl.minimum(tl.maximum(first_pos - 1, 0), width - 1) * r2t_col)
+        prev = tl.load(full_ptr + tl.minimum(tl.maximum(prev_full.to(tl.int64), 0), full_size - 1))
+        prev = tl.where(first_pos == 0, -2 * 4611686018427387904, prev)  # the anchor: a known chain 0
+        carry = tl.zeros([], dtype=tl.int64)
+        n_iter = hi - lo
+    else:  # a decode batch: token t is request t's only one
+        lo = pid * BLOCK
+        carry = tl.zeros([], dtype=tl.int64)
+        n_iter = BLOCK
+    for start in range(0, n_iter, BLOCK):
+        t = lo + start + tl.arange(0, BLOCK)
+        if EXTEND:
+            mask = t < hi
+        else:
+            mask = t < tokens
+        tok = tl.load(ids_ptr + t, mask=mask, other=0).to(tl.int64) & 0xFFFFF
+        pos = tl.load(pos_ptr + t, mask=mask, other=0).to(tl.int64)
+        posm = pos & 0x3FFFFF
+        f = _mix(tok, posm)
+        if EXTEND:
+            sums = tl.cumsum(tl.where(mask, f, 0), axis=0) + carry
+            carry += tl.sum(tl.where(mask, f, 0), axis=0)
+            p = prev
+        else:
+            sums = f
+            row = tl.load(rpi_ptr + t, mask=mask, other=0).to(tl.int64)
+            prev_full = tl.load(r2t_ptr + row * r2t_stride + tl.minimum(tl.maximum(pos - 1, 0), width - 1) * r2t_col,
+                                mask=mask, other=0)
+            p = tl.load(full_ptr + tl.minimum(tl.maximum(prev_full.to(tl.int64), 0), full_size - 1),
+                        mask=mask, other=0)
+            p = tl.where(pos == 0, -2 * 4611686018427387904, p)
+        chain = ((p >> 42) + sums) & 0xFFFFF
+        code = tl.minimum(p >> 62, -1)
+        stamp = posm + tok * 4194304 + chain * 4398046511104 + code * 4611686018427387904
+        loc = tl.load(loc_ptr + t, mask=mask, other=0).to(tl.int64)
+        full_slot = tl.minimum(tl.maximum(loc, 0), full_size - 1)
+        tl.store(full_ptr + full_slot, stamp, mask=mask)
+        if FOLDS:
+            tl.store(ffold_ptr + full_slot * 2, tl.full([BLOCK], 4611686018427387904, tl.int64), mask=mask)
+            tl.store(ffold_ptr + full_slot * 2 + 1, tl.zeros([BLOCK], dtype=tl.int64), mask=mask)
+        if HAS_SWA:
+            swa_slot = tl.load(map_ptr + tl.minimum(tl.maximum(loc, 0), map_size - 1), mask=mask, other=0)
+            swa_slot = tl.minimum(tl.maximum(swa_slot.to(tl.int64), 0), swa_size - 1)
+            tl.store(swa_ptr + swa_slot, stamp, mask=mask)
+            if SWA_FOLDS:
+                tl.store(sfold_ptr + swa_slot * 2, tl.full([BLOCK], 4611686018427387904, tl.int64), mask=mask)
+                tl.store(sfold_ptr + swa_slot * 2 + 1, tl.zeros([BLOCK], dtype=tl.int64), mask=mask)
+
+
+def stamp_and_reset(
+    full: torch.Tensor,
+    token_ids: torch.Tensor,
+    positions: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    extend_start_loc: "torch.Tensor | None" = None,
+    swa: "torch.Tensor | None" = None,
+    mapping: "torch.Tensor | None" = None,
+    full_folds: "torch.Tensor | None" = None,
+    swa_folds: "torch.Tensor | None" = None,
+) -> None:
+    """``write_stamps`` of the step into ``full`` (and into ``swa`` at ``mapping[out_cache_loc]``
+    when both are given), and the folds ``full_folds`` / ``swa_folds`` (``int64 [slots, 2]``, or
+    ``None``) of the written slots reset to ``(FOLD_MARK, 0)``: one kernel.
+
+    Args: as :func:`otel_swa.device.stamps.write_stamps` (``extend_start_loc`` sorted, its first
+    entry 0: SGLang's), the stamp tables and the folds contiguous.
+    """
+    tokens = int(out_cache_loc.shape[0])
+    batch = int(req_pool_indices.shape[0])
+    if tokens == 0 or batch == 0:
+        return
+    extend = extend_start_loc is not None
+    has_swa = swa is not None and mapping is not None
+    block = 128 if not extend else 256
+    grid = (batch,) if extend else (triton.cdiv(tokens, block),)
+    _stamp_kernel[grid](
+        token_ids, positions, out_cache_loc, req_pool_indices, req_to_token, req_to_token.stride(0), req_to_token.stride(1),
+        int(req_to_token.shape[1]), extend_start_loc if extend else out_cache_loc, tokens, batch,
+        full, int(full.shape[0]), swa if has_swa else full, int(swa.shape[0]) if has_swa else 1,
+        mapping if has_swa else out_cache_loc, int(mapping.shape[0]) if has_swa else 1,
+        full_folds if full_folds is not None else full, swa_folds if swa_folds is not None else full,
+        EXTEND=extend, HAS_SWA=has_swa, FOLDS=full_folds is not None,
+        SWA_FOLDS=has_swa and swa_folds is not None, BLOCK=block)
+
+
+# the constants spelled out in the kernels, checked against the torch code they copy at import
+assert HASH_PRIME == 1099511627689 and FOLD_MARK == 4611686018427387904 == 1 << 62
+assert (_s._A, _s._B, _s._C, _s.CHAIN_MASK, _s.POSITION_MASK, _s.TOKEN_MASK) == (
+    0x9E37F, 0x7F4A7, 0x5BD1E995, 0xFFFFF, 0x3FFFFF, 0xFFFFF)
+assert (_s._TOKEN_SHIFT, _s._CHAIN_SHIFT, _s._CODE_SHIFT, _s._ANCHOR) == (22, 42, 62, -2 * (1 << 62))

@@ -1,0 +1,174 @@
+"""The write path's Triton kernels (otel_swa.device.triton_kv) against the torch path they replace,
+bit for bit: the folds of each layer's hash (``PoolFolds.add``) and the stamps with the folds' reset
+(``write_stamps`` and ``PoolFolds.reset`` as ``KvProvenance.stamp`` runs them), for fp32, bf16 and
+fp16 caches, K and V rows of different sizes, several layers, the FULL and the SWA pool, page sizes 1
+and 4, slots out of order, padding slots (0, and -1 clamped to 0 as the torch path clamps it),
+decode and extend batches. The cases run on CPU under Triton's interpreter and, marked ``gpu``, on
+a CUDA device (conftest.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from otel_swa.device.checksum import RowHasher
+from otel_swa.device.gate import SamplingGate
+from otel_swa.device.kv_folds import FOLD_MARK, PoolFolds, layer_of
+from otel_swa.device.provenance import KvProvenance
+
+FULL_SLOTS, SWA_SLOTS = 64, 40
+IDS = (0, 3, 6)
+
+
+def buffers(dtype, device, slots, seed):
+    """``{layer_id: (k_buffer, v_buffer)}``: K rows of 2 x 8 elements, V rows of 2 x 4."""
+    gen = torch.Generator().manual_seed(seed)
+    return {i: (torch.randn((slots, 2, 8), generator=gen).to(dtype).to(device),
+                torch.randn((slots, 2, 4), generator=gen).to(dtype).to(device)) for i in IDS}
+
+
+def write_locs(page_size: int, loc_dtype) -> torch.Tensor:
+    """A step's FULL slots: out of order, with padding (0, -1, repeated)."""
+    if page_size == 1:
+        loc = [17, 3, 0, 25, 9, 0, -1, 60, 33]
+    else:  # two pages of 4 and a part of a third, pages and offsets out of order, then padding
+        loc = [p * page_size + o for p in (9, 2) for o in (2, 0, 3, 1)] + [5 * page_size + 1, 5 * page_size, 0, 0]
+    return torch.tensor(loc, dtype=loc_dtype)
+
+
+def swa_mapping(seed: int) -> torch.Tensor:
+    """``full_to_swa_index_mapping``: a random SWA slot per FULL slot, 0 (not in the window) for some."""
+    gen = torch.Generator().manual_seed(seed)
+    mapping = torch.randint(1, SWA_SLOTS, (FULL_SLOTS,), generator=gen)
+    mapping[torch.randperm(FULL_SLOTS, generator=gen)[:10]] = 0
+    return mapping
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("swa", [False, True], ids=["full", "swa"])
+@pytest.mark.parametrize("page_size,loc_dtype", [(1, torch.int64), (4, torch.int32)], ids=["page1", "page4"])
+@pytest.mark.parametrize("given", ["cache_dtype", "float32", "prefix"])
+def test_fold_layer_adds_what_pool_folds_add_adds(kernels, device, dtype, swa, page_size, loc_dtype, given):
+    slots = SWA_SLOTS if swa else FULL_SLOTS
+    prefix = 12 if given == "prefix" else None
+    layers = buffers(dtype, "cpu", slots, seed=1)
+    loc = write_locs(page_size, loc_dtype)
+    mapping = swa_mapping(2)
+    # the slots KvProvenance gives PoolFolds.add: clamped, through the mapping for the SWA pool
+    written = loc.long().clamp(0, FULL_SLOTS - 1)
+    written = mapping.index_select(0, written).clamp(0, slots - 1) if swa else written.clamp(0, slots - 1)
+    reference = PoolFolds(slots, torch.device("cpu"), prefix, IDS)
+    gen = torch.Generator().manual_seed(3)
+    reference.table.copy_(torch.randint(0, 1 << 50, (slots, 2), generator=gen))  # earlier steps' folds
+    table = reference.table.to(device)
+    reference.reset(written)
+    table.copy_(reference.table)
+    for layer_id, (kb, vb) in layers.items():
+        k = torch.randn((loc.shape[0], *kb.shape[1:]), generator=gen)
+        v = torch.randn((loc.shape[0], *vb.shape[1:]), generator=gen)
+        if given != "float32":  # else cast by the store (and by the hash) to the cache dtype
+            k, v = k.to(dtype), v.to(dtype)
+        reference.add(reference.layer(layer_id, kb, vb), k, v, written, capturing=False)
+        hasher = RowHasher(kb.to(device), vb.to(device), prefix)
+        kernels.fold_layer(table, hasher, k.to(device), v.to(device), layer_id, loc.to(device),
+                           mapping.to(device) if swa else None)
+    assert torch.equal(table.cpu(), reference.table)
+    touched = torch.zeros(slots, dtype=torch.bool)
+    touched[written] = True
+    assert reference.table[touched, 0].gt(FOLD_MARK).all()  # every written slot folded a hash
+    assert torch.equal(table.cpu()[~touched], reference.table[~touched])
+
+
+def make_provenance(device, kernels=None) -> KvProvenance:
+    prov = KvProvenance(device, SamplingGate(device), full_slots=FULL_SLOTS, swa_slots=SWA_SLOTS,
+                        write_check=False, checksum_order={"full": IDS, "swa": IDS})
+    prov.kernels = kernels
+    return prov
+
+
+class Requests:
+    """Three requests' ``req_to_token`` rows over FULL slots drawn out of order (row 0: padding)."""
+
+    def __init__(self, width: int, r2t_dtype, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        self.req_to_token = torch.zeros((4, width), dtype=r2t_dtype)
+        free = torch.randperm(FULL_SLOTS - 1, generator=gen) + 1
+        for row, take in ((1, slice(0, 20)), (2, slice(20, 24)), (3, slice(24, 63))):
+            part = free[take]
+            self.req_to_token[row, :part.shape[0]] = part.to(r2t_dtype)
+        self.gen = gen
+
+
+def step(prov: KvProvenance, layers, batch: dict, device, seed: int) -> None:
+    """One forward step: the stamp call, then every layer's store and its ``after_layer`` call."""
+    on = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+    prov.stamp(**on)
+    gen = torch.Generator().manual_seed(seed)
+    loc = on["out_cache_loc"].long()
+    mapping = on["full_to_swa_index_mapping"]
+    for swa in (False, True):
+        for layer_id, (kb, vb) in layers[swa].items():
+            k = torch.randn((loc.shape[0], *kb.shape[1:]), generator=gen).to(device)
+            v = torch.randn((loc.shape[0], *vb.shape[1:]), generator=gen).to(device)
+            at = mapping.index_select(0, loc) if swa else loc
+            kb[at], vb[at] = k.to(kb.dtype), v.to(vb.dtype)
+            prov.after_layer(layer_id=layer_id, swa=swa, k=k, v=v, k_buffer=kb, v_buffer=vb, out_cache_loc=on["out_cache_loc"],
+                             full_to_swa_index_mapping=mapping)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("r2t_dtype", [torch.int32, torch.int64], ids=["r2t_int32", "r2t_int64"])
+def test_provenance_steps_with_the_kernels_write_the_torch_paths_bits(kernels, device, dtype, r2t_dtype):
+    reqs = Requests(320, r2t_dtype, seed=4)
+    mapping = swa_mapping(5)
+    r2t = reqs.req_to_token
+    torch_prov, kernel_prov = make_provenance("cpu"), make_provenance(device, kernels)
+    torch_layers = {swa: buffers(dtype, "cpu", SWA_SLOTS if swa else FULL_SLOTS, seed=6 + swa) for swa in (False, True)}
+    kernel_layers = {swa: {i: (k.to(device), v.to(device)) for i, (k, v) in pool.items()} for swa, pool in torch_layers.items()}
+
+    def both(batch, seed):
+        step(torch_prov, torch_layers, batch, "cpu", seed)
+        step(kernel_prov, kernel_layers, batch, device, seed)
+        for mine, ref in zip(kernel_prov.stamps + tuple(f.table for f in kernel_prov.folds),
+                             torch_prov.stamps + tuple(f.table for f in torch_prov.folds)):
+            assert torch.equal(mine.cpu(), ref)
+
+    gen = torch.Generator().manual_seed(7)
+
+    def ids(n):
+        return torch.randint(0, 1 << 21, (n,), generator=gen)  # ids past 2**20 too (reduced)
+
+    # an extend batch: request 1 positions 0-14, request 2 none (an empty segment), request 3
+    # positions 0-299 (two of the kernel's blocks of 256)
+    positions = torch.cat([torch.arange(15), torch.arange(300)])
+    rows = torch.tensor([1, 2, 3])
+    loc = torch.cat([r2t[1, :15], r2t[3, :300].clamp(max=FULL_SLOTS - 1)]).long()
+    loc[15 + 39:] = 0  # request 3 is longer than its slots: the rest padding into slot 0
+    positions[15 + 39:] = 0
+    both(dict(input_ids=ids(315), positions=positions, out_cache_loc=loc, req_pool_indices=rows,
+              req_to_token=r2t, full_to_swa_index_mapping=mapping,
+              extend_start_loc=torch.tensor([0, 15, 15])), seed=8)
+    # a chunked extend: request 1 positions 15-19 (its chain goes on from position 14's stamp),
+    # request 2 positions 2-3 (position 1 never stamped: chain unknown)
+    positions = torch.tensor([15, 16, 17, 18, 19, 2, 3])
+    loc = torch.cat([r2t[1, 15:20], r2t[2, 2:4]]).long()
+    both(dict(input_ids=ids(7), positions=positions, out_cache_loc=loc, req_pool_indices=torch.tensor([1, 2]),
+              req_to_token=r2t, full_to_swa_index_mapping=mapping,
+              extend_start_loc=torch.tensor([0, 5])), seed=9)
+    # decode steps: slots out of order, a padding token (row 0, position 0, slot 0)
+    for n, seed in ((0, 10), (1, 11)):
+        positions = torch.tensor([2 + n, 0, 20 + n, 4 + n])
+        rows = torch.tensor([2, 0, 1, 2])
+        loc = r2t[rows, positions].long()
+        both(dict(input_ids=ids(4), positions=positions, out_cache_loc=loc, req_pool_indices=rows,
+                  req_to_token=r2t, full_to_swa_index_mapping=mapping), seed=seed)
+
+    # what the kernels folded verifies against the bytes the buffers hold; one flipped bit names its layer
+    written = torch.unique(r2t[1, :20]).long().to(device)
+    ok, delta = kernel_prov.folds[0].verify(written)
+    assert ok.all() and delta.eq(0).all()
+    kb, vb = kernel_layers[False][6]
+    vb.view(FULL_SLOTS, -1)[int(written[3]), -1:].view(torch.int8 if dtype != torch.float32 else torch.int32).bitwise_xor_(1)
+    ok, delta = kernel_prov.folds[0].verify(written)
+    d1, d2 = delta[3].tolist()
+    assert delta[[0, 1, 2, 4]].eq(0).all() and layer_of(d1, d2, set(IDS)) == 6
