@@ -60,9 +60,8 @@ def test_fold_layer_adds_what_pool_folds_add_adds(kernels, device, dtype, swa, p
     reference = PoolFolds(slots, torch.device("cpu"), prefix, IDS)
     gen = torch.Generator().manual_seed(3)
     reference.table.copy_(torch.randint(0, 1 << 50, (slots, 2), generator=gen))  # earlier steps' folds
-    table = reference.table.to(device)
     reference.reset(written)
-    table.copy_(reference.table)
+    table = reference.table.clone().to(device)  # a copy on CPU too
     for layer_id, (kb, vb) in layers.items():
         k = torch.randn((loc.shape[0], *kb.shape[1:]), generator=gen)
         v = torch.randn((loc.shape[0], *vb.shape[1:]), generator=gen)
@@ -77,6 +76,16 @@ def test_fold_layer_adds_what_pool_folds_add_adds(kernels, device, dtype, swa, p
     touched[written] = True
     assert reference.table[touched, 0].gt(FOLD_MARK).all()  # every written slot folded a hash
     assert torch.equal(table.cpu()[~touched], reference.table[~touched])
+
+
+def assert_same_tables(mine: KvProvenance, reference: KvProvenance) -> None:
+    """Every stamp and fold equal, but the stamps of slot 0: the padding slot, never live, which
+    several tokens of a step may write (which one's stamp stays is the device's choice, as with
+    torch's ``index_copy_`` on CUDA; their folds are sums, equal whatever the order)."""
+    for ours, theirs in zip(mine.stamps, reference.stamps):
+        assert torch.equal(ours.cpu()[1:], theirs[1:])
+    for ours, theirs in zip(mine.folds, reference.folds):
+        assert torch.equal(ours.table.cpu(), theirs.table)
 
 
 def make_provenance(device, kernels=None) -> KvProvenance:
@@ -116,8 +125,8 @@ def step(prov: KvProvenance, layers, batch: dict, device, seed: int) -> None:
                              full_to_swa_index_mapping=mapping)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("r2t_dtype", [torch.int32, torch.int64], ids=["r2t_int32", "r2t_int64"])
+@pytest.mark.parametrize("dtype,r2t_dtype", [(torch.float32, torch.int32), (torch.bfloat16, torch.int64),
+                                             (torch.float16, torch.int32)], ids=["fp32", "bf16", "fp16"])
 def test_provenance_steps_with_the_kernels_write_the_torch_paths_bits(kernels, device, dtype, r2t_dtype):
     reqs = Requests(320, r2t_dtype, seed=4)
     mapping = swa_mapping(5)
@@ -129,9 +138,7 @@ def test_provenance_steps_with_the_kernels_write_the_torch_paths_bits(kernels, d
     def both(batch, seed):
         step(torch_prov, torch_layers, batch, "cpu", seed)
         step(kernel_prov, kernel_layers, batch, device, seed)
-        for mine, ref in zip(kernel_prov.stamps + tuple(f.table for f in kernel_prov.folds),
-                             torch_prov.stamps + tuple(f.table for f in torch_prov.folds)):
-            assert torch.equal(mine.cpu(), ref)
+        assert_same_tables(kernel_prov, torch_prov)
 
     gen = torch.Generator().manual_seed(7)
 
@@ -139,13 +146,13 @@ def test_provenance_steps_with_the_kernels_write_the_torch_paths_bits(kernels, d
         return torch.randint(0, 1 << 21, (n,), generator=gen)  # ids past 2**20 too (reduced)
 
     # an extend batch: request 1 positions 0-14, request 2 none (an empty segment), request 3
-    # positions 0-299 (two of the kernel's blocks of 256)
-    positions = torch.cat([torch.arange(15), torch.arange(300)])
+    # positions 0-259 (two of the kernel's blocks of 256)
+    positions = torch.cat([torch.arange(15), torch.arange(260)])
     rows = torch.tensor([1, 2, 3])
-    loc = torch.cat([r2t[1, :15], r2t[3, :300].clamp(max=FULL_SLOTS - 1)]).long()
+    loc = torch.cat([r2t[1, :15], r2t[3, :260].clamp(max=FULL_SLOTS - 1)]).long()
     loc[15 + 39:] = 0  # request 3 is longer than its slots: the rest padding into slot 0
     positions[15 + 39:] = 0
-    both(dict(input_ids=ids(315), positions=positions, out_cache_loc=loc, req_pool_indices=rows,
+    both(dict(input_ids=ids(275), positions=positions, out_cache_loc=loc, req_pool_indices=rows,
               req_to_token=r2t, full_to_swa_index_mapping=mapping,
               extend_start_loc=torch.tensor([0, 15, 15])), seed=8)
     # a chunked extend: request 1 positions 15-19 (its chain goes on from position 14's stamp),
@@ -172,3 +179,87 @@ def test_provenance_steps_with_the_kernels_write_the_torch_paths_bits(kernels, d
     ok, delta = kernel_prov.folds[0].verify(written)
     d1, d2 = delta[3].tolist()
     assert delta[[0, 1, 2, 4]].eq(0).all() and layer_of(d1, d2, set(IDS)) == 6
+
+
+@pytest.mark.gpu
+def test_the_selected_kernels_replayed_in_a_cuda_graph_write_the_torch_paths_bits():
+    """On a CUDA cache ``KvProvenance`` picks the kernels (``write_kernels``); a decode step's stamp
+    call and layer calls captured once and replayed with three new inputs leave the tables the
+    torch path leaves on CPU after the same steps."""
+    from otel_swa.device import triton_kv
+
+    device = torch.device("cuda")
+    graph_prov, torch_prov = make_provenance(device), make_provenance("cpu")
+    assert graph_prov.kernels is triton_kv
+    reqs = Requests(64, torch.int32, seed=12)
+    mapping = swa_mapping(13)
+    torch_layers = {swa: buffers(torch.bfloat16, "cpu", SWA_SLOTS if swa else FULL_SLOTS, seed=14 + swa)
+                    for swa in (False, True)}
+    graph_layers = {swa: {i: (k.to(device), v.to(device)) for i, (k, v) in pool.items()}
+                    for swa, pool in torch_layers.items()}
+    rows = torch.tensor([1, 3, 2, 0])  # row 0: a padding entry (position 0, slot 0)
+    static = dict(input_ids=torch.zeros(4, dtype=torch.int64, device=device),
+                  positions=torch.zeros(4, dtype=torch.int64, device=device),
+                  out_cache_loc=torch.zeros(4, dtype=torch.int64, device=device),
+                  req_pool_indices=rows.to(device), req_to_token=reqs.req_to_token.to(device),
+                  full_to_swa_index_mapping=mapping.to(device))
+    kv = {(swa, i): (torch.zeros((4, *k.shape[1:]), device=device), torch.zeros((4, *v.shape[1:]), device=device))
+          for swa, pool in graph_layers.items() for i, (k, v) in pool.items()}
+
+    def forward():
+        graph_prov.stamp(**static)
+        loc = static["out_cache_loc"]
+        for (swa, layer_id), (k, v) in kv.items():
+            kb, vb = graph_layers[swa][layer_id]
+            at = static["full_to_swa_index_mapping"].index_select(0, loc) if swa else loc
+            kb.index_copy_(0, at, k.to(kb.dtype))
+            vb.index_copy_(0, at, v.to(vb.dtype))
+            graph_prov.after_layer(layer_id=layer_id, swa=swa, k=k, v=v, k_buffer=kb, v_buffer=vb,
+                                   out_cache_loc=loc, full_to_swa_index_mapping=static["full_to_swa_index_mapping"])
+
+    def inputs(n):
+        gen = torch.Generator().manual_seed(100 + n)
+        positions = torch.tensor([n, n, n, 0])
+        batch = dict(input_ids=torch.randint(0, 1 << 20, (4,), generator=gen), positions=positions,
+                     out_cache_loc=reqs.req_to_token[rows, positions].long(), req_pool_indices=rows,
+                     req_to_token=reqs.req_to_token, full_to_swa_index_mapping=mapping)
+        batch["out_cache_loc"][3] = 0
+        given = {key: (torch.randn(k.shape, generator=gen), torch.randn(v.shape, generator=gen))
+                 for key, (k, v) in kv.items()}
+        return batch, given
+
+    def load(n):
+        batch, given = inputs(n)
+        for key in ("input_ids", "positions", "out_cache_loc"):
+            static[key].copy_(batch[key])
+        for key, (k, v) in given.items():
+            kv[key][0].copy_(k)
+            kv[key][1].copy_(v)
+        return batch, given
+
+    def torch_step(batch, given):
+        torch_prov.stamp(**batch)
+        loc = batch["out_cache_loc"]
+        for (swa, layer_id), (k, v) in given.items():
+            kb, vb = torch_layers[swa][layer_id]
+            at = mapping.index_select(0, loc) if swa else loc
+            kb[at], vb[at] = k.to(kb.dtype), v.to(vb.dtype)
+            torch_prov.after_layer(layer_id=layer_id, swa=swa, k=k, v=v, k_buffer=kb, v_buffer=vb,
+                                   out_cache_loc=loc, full_to_swa_index_mapping=mapping)
+
+    torch_step(*load(0))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()  # warm-up (compiles the kernels): step 0, as the torch path's
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    graph.replay()  # step 0 again: stamps and folds unchanged by a repeat
+    for n in range(1, 4):  # request 2 (row 2) has the slots of positions 0-3
+        torch_step(*load(n))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert_same_tables(graph_prov, torch_prov)
+    assert torch_prov.folds[0].table[:, 0].gt(0).sum() >= 7  # the steps wrote something
