@@ -443,7 +443,7 @@ class KvProvenance:
             swa = torch.full_like(full, -1)
             slot = full.clamp(0, size - 1)
             checked = full.lt(size)
-        verified = folds.verify(slot)
+        verified = self._verify_folds(folds, slot)
         if verified is None:
             return
         written, delta = verified
@@ -454,6 +454,11 @@ class KvProvenance:
         base = _C["sweep_checks"]
         out[base:base + 4].copy_(torch.stack([checked.sum(), corrupt.sum(), at[0], at[1]]))
         out[_C["sweep_d1"]:_C["sweep_d1"] + 2].copy_(at[2:])
+
+    def _verify_folds(self, folds: PoolFolds, slots: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor] | None":
+        """``folds.verify(slots)``, by the Triton kernel where one is chosen and applies."""
+        verified = self.kernels.verify_folds(folds, slots) if self.kernels is not None else None
+        return verified if verified is not None else folds.verify(slots)
 
     def _take(self, pool: int, low: np.ndarray, lens: np.ndarray) -> "tuple[list[tuple[int, int, int]], int]":
         """The ranges ``(entry, lo, hi)`` this sample verifies in ``pool`` (at most ``budget``
@@ -540,7 +545,7 @@ class KvProvenance:
         values = [live.sum() if live is not None else judged.new_zeros((), dtype=torch.int64), judged.sum(),
                   foreign.sum(), first.reshape(()), *where.unbind()]
         folds = self.folds[pool]
-        verified = folds.verify(slot) if folds is not None else None
+        verified = self._verify_folds(folds, slot) if folds is not None else None
         if verified is not None:
             checked, delta = verified
             if live is not None:

@@ -15,8 +15,12 @@ these kernels give the same bits (``tests/kernels`` runs both, on CPU under Trit
   them) computed inside it, the folds added with integer atomics (exact sums: the order the
   programs add in changes no bit). A step costs ``1 + layers`` kernels, and one cast per layer only
   where the given K/V are not in the cache dtype.
+* :func:`verify_folds`: a sample's recomputed folds of a pool
+  (:meth:`otel_swa.device.kv_folds.PoolFolds.verify`): every layer's rows read through a table of
+  the layers' buffer addresses, hashed, folded and compared, one kernel instead of ``2 x layers + 13``
+  operations.
 
-Fixed shapes, no host read, no allocation: a CUDA graph capture records them. Every intermediate is
+The write side has fixed shapes, no host read and no allocation: a CUDA graph capture records it. Every intermediate is
 an ``int64`` below 2**63, the same arithmetic as the torch code.
 
 One difference, outside what any engine gives: the torch path reads every previous stamp before it
@@ -28,15 +32,18 @@ write (the torch ``index_copy_`` raises on an index outside them).
 
 from __future__ import annotations
 
+import weakref
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from otel_swa.device.checksum import HASH_PRIME, RowHasher
-from otel_swa.device.kv_folds import FOLD_MARK
+from otel_swa.device.kv_folds import FOLD_MARK, PoolFolds
 from otel_swa.device import stamps as _s
 
-__all__ = ["stamp_and_reset", "fold_layer"]
+__all__ = ["stamp_and_reset", "fold_layer", "verify_folds"]
 
 _M32 = 0xFFFFFFFF
 
@@ -213,6 +220,101 @@ def stamp_and_reset(
         full_folds if full_folds is not None else full, swa_folds if swa_folds is not None else full,
         EXTEND=extend, HAS_SWA=has_swa, FOLDS=full_folds is not None,
         SWA_FOLDS=has_swa and swa_folds is not None, BLOCK=block)
+
+
+@triton.jit
+def _verify_kernel(slots_ptr, table_ptr, addr_ptr, stride_ptr, weight_ptr, layers, k_words, v_words,
+                   written_ptr, delta_ptr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    f1 = tl.zeros([], dtype=tl.int64)
+    f2 = tl.zeros([], dtype=tl.int64)
+    for layer in range(0, layers):
+        k_addr = tl.load(addr_ptr + 2 * layer)
+        v_addr = tl.load(addr_ptr + 2 * layer + 1)
+        if WORD == 4:
+            k_ptr = k_addr.to(tl.pointer_type(tl.int32))
+            v_ptr = v_addr.to(tl.pointer_type(tl.int32))
+        elif WORD == 2:
+            k_ptr = k_addr.to(tl.pointer_type(tl.int16))
+            v_ptr = v_addr.to(tl.pointer_type(tl.int16))
+        else:
+            k_ptr = k_addr.to(tl.pointer_type(tl.uint8))
+            v_ptr = v_addr.to(tl.pointer_type(tl.uint8))
+        k_stride = tl.load(stride_ptr + 2 * layer)
+        v_stride = tl.load(stride_ptr + 2 * layer + 1)
+        acc = tl.zeros([], dtype=tl.int64)
+        for start in range(0, k_words, BLOCK):
+            acc += _hash_chunk(k_ptr, k_stride, slot, start, k_words, 0, BLOCK)
+        for start in range(0, v_words, BLOCK):
+            acc += _hash_chunk(v_ptr, v_stride, slot, start, v_words, k_words, BLOCK)
+        h = acc % 1099511627689  # HASH_PRIME
+        f1 += h
+        f2 += h * tl.load(weight_ptr + layer)
+    stored1 = tl.load(table_ptr + slot * 2)
+    stored2 = tl.load(table_ptr + slot * 2 + 1)
+    tl.store(written_ptr + n, stored1 != 0)
+    tl.store(delta_ptr + n * 2, f1 - stored1 + 4611686018427387904)  # FOLD_MARK
+    tl.store(delta_ptr + n * 2 + 1, f2 - stored2)
+
+
+class _LayerTable(NamedTuple):
+    key: tuple  # what the table was made from: each layer's id and buffers
+    hasher: RowHasher
+    addresses: torch.Tensor  # int64 [2 x layers]: the word rows' addresses, K then V per layer
+    strides: torch.Tensor  # int64 [2 x layers]: their row strides in words
+    weights: torch.Tensor  # int64 [layers]: layer id + 1
+
+
+_TABLES: "weakref.WeakKeyDictionary[PoolFolds, _LayerTable]" = weakref.WeakKeyDictionary()
+
+
+def _layer_table(folds: PoolFolds) -> "_LayerTable | None":
+    """The table of the pool's layer buffers the verify kernel reads (made again when a layer or its
+    buffers change), or ``None`` when the layers have several layouts or rows no word view reads."""
+    entries = sorted(folds.layers.values())
+    key = tuple((e.layer_id, e.k_buffer.data_ptr(), e.v_buffer.data_ptr(), e.k_buffer.shape, e.v_buffer.shape)
+                for e in entries)
+    known = _TABLES.get(folds)
+    if known is not None and known.key == key:
+        return known
+    if not entries or len({e.hasher.layout for e in entries}) != 1:
+        return None
+    hasher = entries[0].hasher
+    words = [hasher.word_rows(buffer, k) for e in entries for k, buffer in ((True, e.k_buffer), (False, e.v_buffer))]
+    if not all(w.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+               for w, b in zip(words, (b for e in entries for b in (e.k_buffer, e.v_buffer)))):
+        return None  # a copy would go stale: the torch path gathers from the buffers themselves
+    device = folds.table.device
+    table = _LayerTable(key, hasher, torch.tensor([w.data_ptr() for w in words], dtype=torch.int64, device=device),
+                        torch.tensor([w.stride(0) for w in words], dtype=torch.int64, device=device),
+                        torch.tensor([e.layer_id + 1 for e in entries], dtype=torch.int64, device=device))
+    _TABLES[folds] = table
+    return table
+
+
+def verify_folds(folds: PoolFolds, slots: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor] | None":
+    """:meth:`PoolFolds.verify <otel_swa.device.kv_folds.PoolFolds.verify>` in one kernel: every
+    layer's K and V rows at ``slots`` (``int64 [n]``, inside the table) read through a table of the
+    layers' buffer addresses, hashed, folded and compared with the written folds. Returns the same
+    ``(written bool [n], delta int64 [n, 2])``, or ``None`` where the kernel does not apply (no
+    layer folded, layers of several layouts, buffers whose rows no word view reads): the caller then
+    runs ``folds.verify``. Host work: the address table, made once per set of layer buffers."""
+    table = _layer_table(folds)
+    if table is None:
+        return None
+    n = int(slots.shape[0])
+    written = torch.empty(n, dtype=torch.bool, device=folds.table.device)
+    delta = torch.empty((n, 2), dtype=torch.int64, device=folds.table.device)
+    if n:
+        hasher = table.hasher
+        k_words = hasher.k_take * hasher.dtype.itemsize // hasher.word
+        v_words = hasher.v_take * hasher.dtype.itemsize // hasher.word
+        block = min(1024, triton.next_power_of_2(max(k_words, v_words, 1)))
+        _verify_kernel[(n,)](slots, folds.table, table.addresses, table.strides, table.weights,
+                             int(table.weights.shape[0]), k_words, v_words, written, delta,
+                             WORD=hasher.word, BLOCK=block)
+    return written, delta
 
 
 # the constants spelled out in the kernels, checked against the torch code they copy at import

@@ -1,6 +1,7 @@
 """The write path's Triton kernels (otel_swa.device.triton_kv) against the torch path they replace,
 bit for bit: the folds of each layer's hash (``PoolFolds.add``) and the stamps with the folds' reset
-(``write_stamps`` and ``PoolFolds.reset`` as ``KvProvenance.stamp`` runs them), for fp32, bf16 and
+(``write_stamps`` and ``PoolFolds.reset`` as ``KvProvenance.stamp`` runs them) and a sample's
+recomputed folds (``PoolFolds.verify``), for fp32, bf16 and
 fp16 caches, K and V rows of different sizes, several layers, the FULL and the SWA pool, page sizes 1
 and 4, slots out of order, padding slots (0, and -1 clamped to 0 as the torch path clamps it),
 decode and extend batches. The cases run on CPU under Triton's interpreter and, marked ``gpu``, on
@@ -76,6 +77,41 @@ def test_fold_layer_adds_what_pool_folds_add_adds(kernels, device, dtype, swa, p
     touched[written] = True
     assert reference.table[touched, 0].gt(FOLD_MARK).all()  # every written slot folded a hash
     assert torch.equal(table.cpu()[~touched], reference.table[~touched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("prefix", [None, 6], ids=["all", "prefix6"])
+def test_verify_folds_gives_what_pool_folds_verify_gives(kernels, device, dtype, prefix):
+    """The sample's recomputed folds through the table of buffer addresses: the same ``(written,
+    delta)`` as ``PoolFolds.verify`` for clean slots, slots never written, a slot changed in one
+    layer's V (its layer named), one changed in two layers' K, slots out of order and repeated."""
+    layers = buffers(dtype, device, FULL_SLOTS, seed=20)
+    folds = PoolFolds(FULL_SLOTS, device, prefix, IDS)
+    written = torch.tensor([40, 7, 22, 5, 13, 31], device=device)
+    folds.reset(written)
+    for layer_id, (kb, vb) in layers.items():
+        folds.add(folds.layer(layer_id, kb, vb), kb[written], vb[written], written, capturing=False)
+    vb = layers[3][1]
+    vb.view(FULL_SLOTS, -1)[22, :1].view(torch.int8 if dtype != torch.float32 else torch.int32).bitwise_xor_(4)
+    for layer_id in (0, 6):
+        layers[layer_id][0].view(FULL_SLOTS, -1)[5, :1].view(torch.int8 if dtype != torch.float32 else torch.int32).bitwise_xor_(1)
+    slots = torch.tensor([22, 40, 9, 5, 7, 7, 0, 31, 13], device=device)
+    got = kernels.verify_folds(folds, slots)
+    ref = folds.verify(slots)
+    assert got is not None
+    assert torch.equal(got[0].cpu(), ref[0].cpu()) and torch.equal(got[1].cpu(), ref[1].cpu())
+    assert got[0].tolist() == [True, True, False, True, True, True, False, True, True]
+    d1, d2 = got[1][0].tolist()
+    assert layer_of(d1, d2, set(IDS)) == 3
+    assert got[1][3, 0] != 0 and got[1][[1, 4, 5, 7, 8]].eq(0).all()
+    # new buffers for a layer: the table of addresses is made again
+    kb, vb = layers[6]
+    folds.layer(6, kb.clone(), vb.clone())
+    again = kernels.verify_folds(folds, slots)
+    assert torch.equal(again[1].cpu(), folds.verify(slots)[1].cpu())
+    # a layer of another layout: the kernel does not apply (the caller runs the torch path)
+    folds.layer(9, torch.zeros((FULL_SLOTS, 4), dtype=dtype, device=device), torch.zeros((FULL_SLOTS, 4), dtype=dtype, device=device))
+    assert kernels.verify_folds(folds, slots) is None
 
 
 def assert_same_tables(mine: KvProvenance, reference: KvProvenance) -> None:
@@ -170,13 +206,16 @@ def test_provenance_steps_with_the_kernels_write_the_torch_paths_bits(kernels, d
         both(dict(input_ids=ids(4), positions=positions, out_cache_loc=loc, req_pool_indices=rows,
                   req_to_token=r2t, full_to_swa_index_mapping=mapping), seed=seed)
 
-    # what the kernels folded verifies against the bytes the buffers hold; one flipped bit names its layer
+    # what the kernels folded verifies against the bytes the buffers hold, by the verify kernel (the
+    # provenance's choice) and by the torch path; one flipped bit names its layer
     written = torch.unique(r2t[1, :20]).long().to(device)
-    ok, delta = kernel_prov.folds[0].verify(written)
+    ok, delta = kernel_prov._verify_folds(kernel_prov.folds[0], written)
     assert ok.all() and delta.eq(0).all()
+    assert torch.equal(delta, kernel_prov.folds[0].verify(written)[1])
     kb, vb = kernel_layers[False][6]
     vb.view(FULL_SLOTS, -1)[int(written[3]), -1:].view(torch.int8 if dtype != torch.float32 else torch.int32).bitwise_xor_(1)
-    ok, delta = kernel_prov.folds[0].verify(written)
+    ok, delta = kernel_prov._verify_folds(kernel_prov.folds[0], written)
+    assert torch.equal(delta, kernel_prov.folds[0].verify(written)[1])
     d1, d2 = delta[3].tolist()
     assert delta[[0, 1, 2, 4]].eq(0).all() and layer_of(d1, d2, set(IDS)) == 6
 
