@@ -8,7 +8,12 @@ rounds, spread min - max); on CPU (``--quick``, a dry run) the kernels run under
 eagerly, and the times say nothing. Device operations: the torch operations dispatched per step
 (views not counted) and, on the kernel path, the Triton launches (1 + layers, by design).
 
-Also checks, at each shape, that the two paths leave the same stamps and folds (else it exits 1).
+A second row per shape: a sample's recomputed folds of the FULL pool (the SWA pool where the shape
+has no full layer; ``PoolFolds.verify`` and the verify kernel, eager as a sample runs them) for up to
+4,096 slots (64 on CPU).
+
+Also checks, at each shape, that the two paths leave the same stamps and folds and verify alike
+(else it exits 1).
 
 Run: ``python benchmarks/bench_write_kernels.py [--device cuda] [--rounds 7] [--quick]``
 """
@@ -109,6 +114,14 @@ def main() -> None:
             variants, sync = {"torch": torch_step, "triton": kernel_step}, (lambda: None)
         got = interleaved({name: timed(fn, 20 if cuda else 1, sync) for name, fn in variants.items()},
                           args.rounds if cuda else 1)
+        # a sample's recomputed folds of a pool (eager, as a sample runs): the torch path and the kernel
+        pool = 0 if kernel_prov.folds[0].layers else 1
+        folds = kernel_prov.folds[pool]
+        taken = torch.arange(1, min(4096 if cuda else 64, folds.table.shape[0]), device=device)
+        checks = {"torch": lambda: folds.verify(taken), "triton": lambda: triton_kv.verify_folds(folds, taken)}
+        sampled = interleaved({name: timed(fn, 5 if cuda else 1, sync if cuda else (lambda: None))
+                               for name, fn in checks.items()}, args.rounds if cuda else 1)
+        same = same and all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(checks["torch"](), checks["triton"]()))
         for a, b in zip(kernel_prov.stamps + tuple(f.table for f in kernel_prov.folds),
                         torch_prov.stamps + tuple(f.table for f in torch_prov.folds)):
             same = same and torch.equal(a.cpu(), b.cpu())
@@ -117,10 +130,13 @@ def main() -> None:
         rows.append((label, f"{layers} layers, batch {shape.batch}", fmt(got["torch"], 1e6, 1, " us"),
                      fmt(got["triton"], 1e6, 1, " us"), fmt(ratios(got["triton"], got["torch"]), 1, 3, "x"),
                      f"{ops['torch']} / {ops['triton']}"))
+        rows.append((label, f"verify {taken.shape[0]} {('FULL', 'SWA')[pool]} slots", fmt(sampled["torch"], 1e6, 1, " us"),
+                     fmt(sampled["triton"], 1e6, 1, " us"), fmt(ratios(sampled["triton"], sampled["torch"]), 1, 3, "x"),
+                     f"{kernel_ops(checks['torch'])} / 1"))
     step = "graph replay" if cuda else "eager step under the interpreter (not a timing)"
     print_table(f"write path per decode step, {device.type} ({step})",
                 ("shape", "step", "torch path", "triton kernels", "triton / torch", "device ops torch / triton"), rows)
-    print(f"same stamps and folds on both paths: {same}")
+    print(f"same stamps, folds and verification on both paths: {same}")
     sys.exit(0 if same else 1)
 
 
