@@ -302,3 +302,26 @@ def test_the_selected_kernels_replayed_in_a_cuda_graph_write_the_torch_paths_bit
     torch.cuda.synchronize()
     assert_same_tables(graph_prov, torch_prov)
     assert torch_prov.folds[0].table[:, 0].gt(0).sum() >= 7  # the steps wrote something
+
+
+@pytest.mark.parametrize("fault_at", [None, 4], ids=["clean", "fault_at_4"])
+def test_the_decode_loop_reads_the_same_on_the_kernels(kernels, device, monkeypatch, fault_at):
+    """tests/core/decode_loop.py (an extend step, then decode steps with every in-forward check and
+    a sample every second step; from step 4 a store at the raw FULL slots) with the kernels chosen
+    as KvProvenance chooses them on CUDA: every sample reads as on the torch path, and the fault is a
+    corrupt SWA slot from step 4 on."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "core"))
+    import decode_loop
+
+    monkeypatch.setattr("otel_swa.device.provenance.write_kernels", lambda _device: kernels)
+    with_kernels = decode_loop.run(device.type, mode="eager", fault_at=fault_at)
+    monkeypatch.setattr("otel_swa.device.provenance.write_kernels", lambda _device: None)
+    torch_path = decode_loop.run(device.type, mode="eager", fault_at=fault_at)
+    assert [step for step, _ in with_kernels] == [step for step, _ in torch_path] == [2, 4, 6, 8]
+    assert [decode_loop.summary(r) for _, r in with_kernels] == [decode_loop.summary(r) for _, r in torch_path]
+    for step, reading in with_kernels:
+        assert (reading.provenance.corrupt_tokens > 0) == (fault_at is not None and step >= fault_at)
+        assert reading.provenance.foreign_tokens == 0 and reading.provenance.stamp_checks > 0
