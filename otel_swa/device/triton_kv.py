@@ -68,7 +68,11 @@ def _hash_chunk(ptr, row_stride, t, start, words, base, BLOCK: tl.constexpr):
     return tl.sum(tl.where(mask, y, 0), axis=0)
 
 
-@triton.jit
+# Integers that follow the batch or the cache are not specialized on (a value of 1 or a multiple of
+# 16 would compile another variant), nor the given rows' alignment: one compiled kernel serves every
+# batch size, so the warm-up before an engine's first capture compiles all there is.
+@triton.jit(do_not_specialize=["k_stride", "v_stride", "map_size", "table_size", "weight"],
+            do_not_specialize_on_alignment=["k_ptr", "v_ptr", "loc_ptr"])
 def _fold_kernel(k_ptr, k_stride, k_words, v_ptr, v_stride, v_words, loc_ptr, map_ptr, map_size,
                  table_ptr, table_size, weight, SWA: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
@@ -123,7 +127,9 @@ def _mix(tok, posm):
     return x & 0xFFFFF
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["r2t_stride", "r2t_col", "width", "tokens", "batch", "full_size", "swa_size",
+                               "map_size"],
+            do_not_specialize_on_alignment=["ids_ptr", "pos_ptr", "loc_ptr", "rpi_ptr", "starts_ptr"])
 def _stamp_kernel(ids_ptr, pos_ptr, loc_ptr, rpi_ptr, r2t_ptr, r2t_stride, r2t_col, width, starts_ptr, tokens, batch,
                   full_ptr, full_size, swa_ptr, swa_size, map_ptr, map_size, ffold_ptr, sfold_ptr,
                   EXTEND: tl.constexpr, HAS_SWA: tl.constexpr, FOLDS: tl.constexpr, SWA_FOLDS: tl.constexpr,
@@ -222,7 +228,7 @@ def stamp_and_reset(
         SWA_FOLDS=has_swa and swa_folds is not None, BLOCK=block)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["layers"], do_not_specialize_on_alignment=["slots_ptr"])
 def _verify_kernel(slots_ptr, table_ptr, addr_ptr, stride_ptr, weight_ptr, layers, k_words, v_words,
                    written_ptr, delta_ptr, WORD: tl.constexpr, BLOCK: tl.constexpr):
     n = tl.program_id(0).to(tl.int64)
