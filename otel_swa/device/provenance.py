@@ -519,6 +519,8 @@ class KvProvenance:
     def _verify(self, out: torch.Tensor, up: torch.Tensor, pool: int, view: Any, mapping: torch.Tensor) -> None:
         """One pool's verification of the taken slots ``up`` (``int64 [3, n]``: entry, position,
         expected) into ``out`` (:data:`PROVENANCE_CELLS`)."""
+        if self.kernels is not None and self.kernels.stage_pool(self, out, up, pool, view, mapping):
+            return
         entries, positions, expected = up[0], up[1], up[2]
         req_to_token = view.req_to_token
         rows = view.req_pool_indices.index_select(0, entries).long().clamp_(0, req_to_token.shape[0] - 1)

@@ -19,6 +19,12 @@ these kernels give the same bits (``tests/kernels`` runs both, on CPU under Trit
   (:meth:`otel_swa.device.kv_folds.PoolFolds.verify`): every layer's rows read through a table of
   the layers' buffer addresses, hashed, folded and compared, one kernel instead of ``2 x layers + 13``
   operations.
+* :func:`stage_pool`: a sample's whole verification of one pool
+  (``KvProvenance._verify``: the stamps compared, the folds recomputed and compared, the counts and
+  the first offenders into the pool's cells) in two kernels instead of about 40 operations and the
+  recomputed folds: ``_slots_kernel``, one program per taken slot, into a scratch ``int64 [11, n]``;
+  ``_reduce_kernel``, one program, the counts and the first foreign and corrupt slot (the first
+  index, 0 when none, as ``torch.max(mask, 0).indices`` gives it).
 
 The write side has fixed shapes, no host read and no allocation: a CUDA graph capture records it. Every intermediate is
 an ``int64`` below 2**63, the same arithmetic as the torch code.
@@ -33,7 +39,7 @@ write (the torch ``index_copy_`` raises on an index outside them).
 from __future__ import annotations
 
 import weakref
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -41,9 +47,10 @@ import triton.language as tl
 
 from otel_swa.device.checksum import HASH_PRIME, RowHasher
 from otel_swa.device.kv_folds import FOLD_MARK, PoolFolds
+from otel_swa.device.provenance_reading import _C, PROVENANCE_CELLS
 from otel_swa.device import stamps as _s
 
-__all__ = ["stamp_and_reset", "fold_layer", "verify_folds"]
+__all__ = ["stamp_and_reset", "fold_layer", "verify_folds", "stage_pool"]
 
 _M32 = 0xFFFFFFFF
 
@@ -228,11 +235,10 @@ def stamp_and_reset(
         SWA_FOLDS=has_swa and swa_folds is not None, BLOCK=block)
 
 
-@triton.jit(do_not_specialize=["layers"], do_not_specialize_on_alignment=["slots_ptr"])
-def _verify_kernel(slots_ptr, table_ptr, addr_ptr, stride_ptr, weight_ptr, layers, k_words, v_words,
-                   written_ptr, delta_ptr, WORD: tl.constexpr, BLOCK: tl.constexpr):
-    n = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + n).to(tl.int64)
+@triton.jit
+def _slot_folds(slot, addr_ptr, stride_ptr, weight_ptr, layers, k_words, v_words, WORD: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """``(f1 - MARK, f2)`` of ``slot`` recomputed from every layer's rows (the address table)."""
     f1 = tl.zeros([], dtype=tl.int64)
     f2 = tl.zeros([], dtype=tl.int64)
     for layer in range(0, layers):
@@ -257,6 +263,15 @@ def _verify_kernel(slots_ptr, table_ptr, addr_ptr, stride_ptr, weight_ptr, layer
         h = acc % 1099511627689  # HASH_PRIME
         f1 += h
         f2 += h * tl.load(weight_ptr + layer)
+    return f1, f2
+
+
+@triton.jit(do_not_specialize=["layers"], do_not_specialize_on_alignment=["slots_ptr"])
+def _verify_kernel(slots_ptr, table_ptr, addr_ptr, stride_ptr, weight_ptr, layers, k_words, v_words,
+                   written_ptr, delta_ptr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    f1, f2 = _slot_folds(slot, addr_ptr, stride_ptr, weight_ptr, layers, k_words, v_words, WORD, BLOCK)
     stored1 = tl.load(table_ptr + slot * 2)
     stored2 = tl.load(table_ptr + slot * 2 + 1)
     tl.store(written_ptr + n, stored1 != 0)
@@ -323,8 +338,153 @@ def verify_folds(folds: PoolFolds, slots: torch.Tensor) -> "tuple[torch.Tensor, 
     return written, delta
 
 
+# the scratch's rows
+_LIVE, _JUDGED, _FOREIGN, _CHECKED, _CORRUPT, _ROW, _FOUND, _FULL, _SWA, _D1, _D2 = range(11)
+
+
+@triton.jit(do_not_specialize=["n", "up_stride", "rows_size", "r2t_stride", "r2t_col", "width", "map_size",
+                               "stamps_size", "layers"])
+def _slots_kernel(up_ptr, up_stride, n, rpi_ptr, rows_size, r2t_ptr, r2t_stride, r2t_col, width, map_ptr, map_size,
+                  stamps_ptr, stamps_size, table_ptr, addr_ptr, stride_ptr, weight_ptr, layers, k_words, v_words,
+                  scratch_ptr, SWA_POOL: tl.constexpr, SWA_NAMED: tl.constexpr, JUDGE_UNSTAMPED: tl.constexpr,
+                  FOLDS: tl.constexpr, WORD: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    entry = tl.load(up_ptr + i)
+    position = tl.load(up_ptr + up_stride + i)
+    expected = tl.load(up_ptr + 2 * up_stride + i)
+    row = tl.load(rpi_ptr + entry).to(tl.int64)
+    row = tl.minimum(tl.maximum(row, 0), rows_size - 1)
+    full = tl.load(r2t_ptr + row * r2t_stride + tl.minimum(tl.maximum(position, 0), width - 1) * r2t_col)
+    full = full.to(tl.int64)
+    swa_slot = tl.load(map_ptr + tl.minimum(tl.maximum(full, 0), map_size - 1)).to(tl.int64)
+    if SWA_POOL:
+        live = swa_slot != 0
+        slot = tl.minimum(tl.maximum(swa_slot, 0), stamps_size - 1)
+    else:
+        live = full == full
+        slot = tl.minimum(tl.maximum(full, 0), stamps_size - 1)
+    found = tl.load(stamps_ptr + slot)
+    judged = (expected != 0) & live
+    if JUDGE_UNSTAMPED == 0:
+        judged = judged & (found != 0)
+    compare = tl.where((found >> 62) == -1, 4398046511103, -1)  # TOKEN_POSITION_MASK where the chain is unknown
+    foreign = (((found ^ expected) & compare) != 0) & judged
+    if SWA_NAMED:
+        named = swa_slot
+    else:
+        named = swa_slot * 0 - 1
+    base = scratch_ptr + i
+    tl.store(base + 0 * n, live.to(tl.int64))
+    tl.store(base + 1 * n, judged.to(tl.int64))
+    tl.store(base + 2 * n, foreign.to(tl.int64))
+    tl.store(base + 5 * n, row)
+    tl.store(base + 6 * n, found)
+    tl.store(base + 7 * n, full)
+    tl.store(base + 8 * n, named)
+    if FOLDS:
+        f1, f2 = _slot_folds(slot, addr_ptr, stride_ptr, weight_ptr, layers, k_words, v_words, WORD, BLOCK)
+        stored1 = tl.load(table_ptr + slot * 2)
+        stored2 = tl.load(table_ptr + slot * 2 + 1)
+        d1 = f1 - stored1 + 4611686018427387904  # FOLD_MARK
+        d2 = f2 - stored2
+        checked = (stored1 != 0) & live
+        tl.store(base + 3 * n, checked.to(tl.int64))
+        tl.store(base + 4 * n, (((d1 != 0) | (d2 != 0)) & checked).to(tl.int64))
+        tl.store(base + 9 * n, d1)
+        tl.store(base + 10 * n, d2)
+
+
+@triton.jit
+def _first(scratch_ptr, n, flag_row, BLOCK: tl.constexpr):
+    """The count of the flags in scratch row ``flag_row`` and the first index holding one (0: none)."""
+    count = tl.zeros([], dtype=tl.int64)
+    first = tl.full([], 9223372036854775807, tl.int64)
+    for start in range(0, n, BLOCK):
+        i = start + tl.arange(0, BLOCK).to(tl.int64)
+        flag = tl.load(scratch_ptr + flag_row * n + i, mask=i < n, other=0)
+        count += tl.sum(flag, axis=0)
+        first = tl.minimum(first, tl.min(tl.where(flag != 0, i, 9223372036854775807), axis=0))
+    return count, tl.where(count > 0, first, 0)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _reduce_kernel(scratch_ptr, n, out_ptr, SWA_POOL: tl.constexpr, FOLDS: tl.constexpr,
+                   C_D1: tl.constexpr, BLOCK: tl.constexpr):
+    live, _ = _first(scratch_ptr, n, 0, BLOCK)
+    judged, _ = _first(scratch_ptr, n, 1, BLOCK)
+    foreign, at = _first(scratch_ptr, n, 2, BLOCK)
+    if SWA_POOL:
+        tl.store(out_ptr + 0, live)
+    else:
+        tl.store(out_ptr + 0, live * 0)
+    tl.store(out_ptr + 1, judged)
+    tl.store(out_ptr + 2, foreign)
+    tl.store(out_ptr + 3, at)
+    tl.store(out_ptr + 4, tl.load(scratch_ptr + 5 * n + at))
+    tl.store(out_ptr + 5, tl.load(scratch_ptr + 6 * n + at))
+    tl.store(out_ptr + 6, tl.load(scratch_ptr + 7 * n + at))
+    tl.store(out_ptr + 7, tl.load(scratch_ptr + 8 * n + at))
+    if FOLDS:
+        checked, _ = _first(scratch_ptr, n, 3, BLOCK)
+        corrupt, at_c = _first(scratch_ptr, n, 4, BLOCK)
+        tl.store(out_ptr + 8, checked)
+        tl.store(out_ptr + 9, corrupt)
+        tl.store(out_ptr + 10, at_c)
+        tl.store(out_ptr + 11, tl.load(scratch_ptr + 5 * n + at_c))
+        tl.store(out_ptr + 12, tl.load(scratch_ptr + 7 * n + at_c))
+        tl.store(out_ptr + 13, tl.load(scratch_ptr + 8 * n + at_c))
+        tl.store(out_ptr + C_D1, tl.load(scratch_ptr + 9 * n + at_c))
+        tl.store(out_ptr + C_D1 + 1, tl.load(scratch_ptr + 10 * n + at_c))
+    else:
+        zero = live * 0
+        for cell in tl.static_range(8, 14):
+            tl.store(out_ptr + cell, zero)
+
+
+def stage_pool(provenance: Any, out: torch.Tensor, up: torch.Tensor, pool: int, view: Any,
+               mapping: torch.Tensor) -> bool:
+    """``KvProvenance._verify`` of ``pool`` in two kernels (module docstring): the same cells of ``out`` (``int64
+    [PROVENANCE_CELLS]``, zeroed before; ``up``: ``int64 [3, n]``, entry, position and expected stamp of
+    each taken slot, ``n >= 1``). Returns ``False``, staging nothing, where the kernels do not apply
+    (the pool's folded layers of several layouts, buffers whose rows no word view reads): the caller
+    then runs the torch path."""
+    folds = provenance.folds[pool]
+    table = _layer_table(folds) if folds is not None and folds.layers else None
+    if folds is not None and folds.layers and table is None:
+        return False
+    if up.stride(1) != 1 or out.stride(0) != 1:
+        return False
+    n = int(up.shape[1])
+    stamps = provenance.stamps[pool]
+    r2t = view.req_to_token
+    rows = view.req_pool_indices
+    scratch = torch.empty((11, n), dtype=torch.int64, device=out.device)
+    hashed = table is not None
+    hasher = table.hasher if hashed else None
+    k_words = hasher.k_take * hasher.dtype.itemsize // hasher.word if hashed else 0
+    v_words = hasher.v_take * hasher.dtype.itemsize // hasher.word if hashed else 0
+    block = min(1024, triton.next_power_of_2(max(k_words, v_words, 1)))
+    dummy = stamps
+    _slots_kernel[(n,)](
+        up, up.stride(0), n, rows, int(r2t.shape[0]), r2t, r2t.stride(0), r2t.stride(1), int(r2t.shape[1]),
+        mapping, int(mapping.shape[0]), stamps, int(stamps.shape[0]),
+        folds.table if hashed else dummy, table.addresses if hashed else dummy,
+        table.strides if hashed else dummy, table.weights if hashed else dummy,
+        int(table.weights.shape[0]) if hashed else 0, k_words, v_words, scratch,
+        SWA_POOL=pool == 1, SWA_NAMED=provenance.stamps[1] is not None,
+        JUDGE_UNSTAMPED=provenance.never_stamped == "foreign", FOLDS=hashed,
+        WORD=hasher.word if hashed else 4, BLOCK=block)
+    _reduce_kernel[(1,)](scratch, n, out, SWA_POOL=pool == 1, FOLDS=hashed, C_D1=_C["corrupt_d1"], BLOCK=1024)
+    return True
+
+
 # the constants spelled out in the kernels, checked against the torch code they copy at import
 assert HASH_PRIME == 1099511627689 and FOLD_MARK == 4611686018427387904 == 1 << 62
 assert (_s._A, _s._B, _s._C, _s.CHAIN_MASK, _s.POSITION_MASK, _s.TOKEN_MASK) == (
     0x9E37F, 0x7F4A7, 0x5BD1E995, 0xFFFFF, 0x3FFFFF, 0xFFFFF)
 assert (_s._TOKEN_SHIFT, _s._CHAIN_SHIFT, _s._CODE_SHIFT, _s._ANCHOR) == (22, 42, 62, -2 * (1 << 62))
+assert _s.TOKEN_POSITION_MASK == 4398046511103
+assert PROVENANCE_CELLS[:14] == (
+    "live", "stamp_checks", "foreign", "foreign_index", "foreign_row", "foreign_stamp", "foreign_full_slot",
+    "foreign_swa_slot", "checksum_checks", "corrupt", "corrupt_index", "corrupt_row", "corrupt_full_slot",
+    "corrupt_swa_slot")

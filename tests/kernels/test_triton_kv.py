@@ -169,7 +169,8 @@ def test_provenance_steps_with_the_kernels_write_the_torch_paths_bits(kernels, d
     r2t = reqs.req_to_token
     torch_prov, kernel_prov = make_provenance("cpu"), make_provenance(device, kernels)
     torch_layers = {swa: buffers(dtype, "cpu", SWA_SLOTS if swa else FULL_SLOTS, seed=6 + swa) for swa in (False, True)}
-    kernel_layers = {swa: {i: (k.to(device), v.to(device)) for i, (k, v) in pool.items()} for swa, pool in torch_layers.items()}
+    kernel_layers = {swa: {i: (k.to(device).clone(), v.to(device).clone()) for i, (k, v) in pool.items()}
+                     for swa, pool in torch_layers.items()}
 
     def both(batch, seed):
         step(torch_prov, torch_layers, batch, "cpu", seed)
@@ -325,3 +326,62 @@ def test_the_decode_loop_reads_the_same_on_the_kernels(kernels, device, monkeypa
     for step, reading in with_kernels:
         assert (reading.provenance.corrupt_tokens > 0) == (fault_at is not None and step >= fault_at)
         assert reading.provenance.foreign_tokens == 0 and reading.provenance.stamp_checks > 0
+
+
+@pytest.mark.parametrize("never_stamped", ["foreign", "unchecked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_stage_on_the_kernels_stages_the_torch_paths_cells(kernels, device, never_stamped, dtype):
+    """A sample's staged cells (``KvProvenance.stage``: both pools' stamp comparison, recomputed folds,
+    counts and first offenders) with the kernels chosen equal the torch path's, bit for bit: a clean
+    batch; a foreign stamp and bytes changed in two slots of one pool; a request never stamped
+    (foreign or unchecked as ``never_stamped`` says)."""
+    from otel_swa.device.provenance import PROVENANCE_WIDTH
+    from otel_swa.views import SwaBatch
+
+    reqs = Requests(64, torch.int32, seed=30)
+    r2t, mapping = reqs.req_to_token, swa_mapping(31)
+    gen = torch.Generator().manual_seed(32)
+    provs = {}
+    for name, dev, chosen in (("torch", torch.device("cpu"), None), ("kernels", device, kernels)):
+        prov = KvProvenance(dev, SamplingGate(dev), full_slots=FULL_SLOTS, swa_slots=SWA_SLOTS, write_check=False,
+                            checksum_order={"full": IDS, "swa": IDS}, never_stamped=never_stamped, budget=48)
+        prov.kernels = chosen
+        provs[name] = prov
+    layers = {swa: buffers(dtype, "cpu", SWA_SLOTS if swa else FULL_SLOTS, seed=33 + swa) for swa in (False, True)}
+    on = {name: {swa: {i: (k.to(dev).clone(), v.to(dev).clone()) for i, (k, v) in pool.items()}  # copies on CPU too
+                 for swa, pool in layers.items()}
+          for name, dev in (("torch", "cpu"), ("kernels", device))}
+    ids = {1: torch.randint(0, 1000, (20,), generator=gen), 3: torch.randint(0, 1000, (39,), generator=gen)}
+    batch = dict(input_ids=torch.cat([ids[1], ids[3]]), positions=torch.cat([torch.arange(20), torch.arange(39)]),
+                 out_cache_loc=torch.cat([r2t[1, :20], r2t[3, :39]]).long(), req_pool_indices=torch.tensor([1, 3]),
+                 req_to_token=r2t, full_to_swa_index_mapping=mapping, extend_start_loc=torch.tensor([0, 20]))
+    for name, dev in (("torch", "cpu"), ("kernels", device)):
+        step(provs[name], on[name], batch, dev, seed=34)
+    # request 2 (row 2, 4 tokens) is in the batch but was never stamped
+    token_ids = [ids[1].tolist(), list(range(4)), ids[3].tolist()]
+    rows, lens = torch.tensor([1, 2, 3]), [20, 4, 39]
+
+    def staged(faults: bool) -> dict:
+        got = {}
+        for name, dev in (("torch", torch.device("cpu")), ("kernels", device)):
+            prov = provs[name]
+            if faults:
+                stamps = prov.stamps[0]
+                stamps[int(r2t[1, 7])] = stamps[int(r2t[3, 7])]  # another request's token at the slot
+                for slot in (int(r2t[3, 30]), int(r2t[3, 12])):  # bytes changed in layer 3's K
+                    on[name][False][3][0][slot].view(-1)[:1].view(torch.int16)[0] += 1
+            view = SwaBatch(r2t.to(dev), mapping.to(dev), rows.to(dev), torch.tensor(lens, device=dev),
+                            seq_lens_cpu=lens, sliding_window=8, request_ids=[1, 2, 3], token_ids=token_ids)
+            out = torch.zeros(PROVENANCE_WIDTH, dtype=torch.int64, device=dev)
+            prov.stage(out, view)
+            got[name] = out.cpu()
+        return got
+
+    for faults in (False, True):
+        got = staged(faults)
+        diff = [(i, a, b) for i, (a, b) in enumerate(zip(got["kernels"].tolist(), got["torch"].tolist())) if a != b]
+        assert not diff, (faults, diff)
+    cells = got["torch"]
+    # FULL pool: the swapped stamp (and request 2's 4 unstamped slots when they are foreign); one
+    # corrupt slot, the other (request 3's position 30) past the budget of 48 of the 63 candidates
+    assert cells[2] == 1 + (never_stamped == "foreign") * 4 and cells[9] == 1
