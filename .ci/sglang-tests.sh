@@ -5,7 +5,7 @@
 # stopped five ways) on CPU with a tiny hybrid-SWA model, started by plain python (otel-swa's
 # plugin, loaded by SGLang's load_plugins()) or under opentelemetry-instrument, exporting to a
 # real collector. Runs `pytest tests/engines -m sglang`, then the Triton kernels' tests
-# (`pytest tests/kernels`, on CPU under Triton's interpreter: about 2 minutes); a failed
+# (`pytest tests/kernels`, on CPU under Triton's interpreter: 3.5 minutes on 2 busy cores); a failed
 # SGLang import fails it (OTEL_SWA_REQUIRE_SGLANG=1), a missing collector too (CI=1).
 #   bash .ci/sglang-tests.sh [all|build|test]   build: the environment only; test: the suite in the
 #                                                environment built before; all (default): both

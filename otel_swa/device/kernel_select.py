@@ -1,9 +1,10 @@
-"""Which kernels run the every-step KV write path: the one place that chooses.
+"""Which kernels run provenance's device work: the one place that chooses.
 
 A KV cache on a CUDA device, with triton importable: the Triton kernels of
-:mod:`otel_swa.device.triton_kv` (1 kernel for the stamps and the folds' reset, 1 per layer for
-its hash and folds). Anywhere else (the CPU, triton missing): ``None``, and the torch path
-(:mod:`otel_swa.device.stamps`, :mod:`otel_swa.device.kv_folds`) runs, unchanged. Both give the
+:mod:`otel_swa.device.triton_kv` (every step: 1 kernel for the stamps and the folds' reset, 1 per
+layer for its hash and folds; a sample: 2 per pool for its verification). Anywhere else (the CPU,
+triton missing): ``None``, and the torch path (:mod:`otel_swa.device.stamps`,
+:mod:`otel_swa.device.kv_folds`, :mod:`otel_swa.device.provenance`) runs, unchanged. Both give the
 same bits (``tests/kernels``).
 """
 

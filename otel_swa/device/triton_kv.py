@@ -1,4 +1,4 @@
-"""Triton kernels of the every-step KV write path: the stamps and the content folds, one kernel each.
+"""Triton kernels of provenance: the every-step KV write path (stamps, content folds) and a sample's verification.
 
 Imported only where triton is installed (:func:`otel_swa.device.kernel_select.write_kernels` picks
 them for a CUDA KV cache); the torch functions they replace stay the reference and the CPU path, and
@@ -26,14 +26,16 @@ these kernels give the same bits (``tests/kernels`` runs both, on CPU under Trit
   ``_reduce_kernel``, one program, the counts and the first foreign and corrupt slot (the first
   index, 0 when none, as ``torch.max(mask, 0).indices`` gives it).
 
-The write side has fixed shapes, no host read and no allocation: a CUDA graph capture records it. Every intermediate is
-an ``int64`` below 2**63, the same arithmetic as the torch code.
+The write side has fixed shapes, no host read and no allocation: a CUDA graph capture records it.
+The arithmetic is the torch code's, ``int64`` operations that never overflow, so the bits are the same.
 
-One difference, outside what any engine gives: the torch path reads every previous stamp before it
-writes any, a kernel's programs interleave; a step that writes a slot whose stamp another of its
-tokens reads as its previous position's would differ (no engine writes the slot of a position
-before the one it is stamping in the same step). Slots are clamped into the tables before every
-write (the torch ``index_copy_`` raises on an index outside them).
+Where they may differ, outside what any engine gives: the torch path reads every previous stamp
+before it writes any, a kernel's programs interleave, so a step that writes a slot whose stamp
+another of its tokens reads as its previous position's could differ (no engine writes the slot of a
+position before the one it stamps in the same step); several tokens writing one slot in a step (the
+padding slot 0) leave the stamp of one of them, which one being the device's choice (as with
+torch's ``index_copy_`` on CUDA). Slots are clamped into the tables before every write (the torch
+``index_copy_`` raises on an index outside them).
 """
 
 from __future__ import annotations
@@ -51,8 +53,6 @@ from otel_swa.device.provenance_reading import _C, PROVENANCE_CELLS
 from otel_swa.device import stamps as _s
 
 __all__ = ["stamp_and_reset", "fold_layer", "verify_folds", "stage_pool"]
-
-_M32 = 0xFFFFFFFF
 
 
 @triton.jit
