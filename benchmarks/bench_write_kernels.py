@@ -8,7 +8,8 @@ rounds, spread min - max); on CPU (``--quick``, a dry run) the kernels run under
 eagerly, and the times say nothing. Device operations: the torch operations dispatched per step
 (views not counted) and, on the kernel path, the Triton launches (1 + layers, by design).
 
-A second row per shape: a sample's recomputed folds of the FULL pool (the SWA pool where the shape
+A third row: a sample's whole provenance verification (``KvProvenance.stage``, both pools, up to
+4,096 slots a pool, the upload included), torch path and kernels (2 a pool). A second row per shape: a sample's recomputed folds of the FULL pool (the SWA pool where the shape
 has no full layer; ``PoolFolds.verify`` and the verify kernel, eager as a sample runs them) for up to
 4,096 slots (64 on CPU).
 
@@ -31,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import fmt, interleaved, machine_line, one_thread, print_table, ratios, timed  # noqa: E402
 from _decode_model import SHAPES  # noqa: E402
 from bench_sample import kernel_ops  # noqa: E402
+
+from otel_swa.device.provenance import PROVENANCE_WIDTH  # noqa: E402
 
 
 def write_step(shape, device, kernels):
@@ -69,6 +72,13 @@ def write_step(shape, device, kernels):
             prov.after_layer(layer_id=layer, swa=sliding, k=k, v=v, k_buffer=k_buf, v_buffer=v_buf,
                              out_cache_loc=loc, full_to_swa_index_mapping=mapping)
 
+    from otel_swa.views import SwaBatch
+
+    lens = [s.context + 1] * s.batch
+    view = SwaBatch(r2t, mapping, rows, positions + 1, seq_lens_cpu=lens, sliding_window=s.window)
+    out = torch.zeros(PROVENANCE_WIDTH, dtype=torch.int64, device=device)
+    step.sample = lambda: prov.stage(out, view)  # a sample's verification of both pools
+    step.out = out
     return prov, step
 
 
@@ -122,6 +132,11 @@ def main() -> None:
         sampled = interleaved({name: timed(fn, 5 if cuda else 1, sync if cuda else (lambda: None))
                                for name, fn in checks.items()}, args.rounds if cuda else 1)
         same = same and all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(checks["torch"](), checks["triton"]()))
+        # a sample's whole verification (KvProvenance.stage, both pools, up to 4,096 slots a pool)
+        stages = {"torch": torch_step.sample, "triton": kernel_step.sample}
+        staged = interleaved({name: timed(fn, 5 if cuda else 1, sync if cuda else (lambda: None))
+                              for name, fn in stages.items()}, args.rounds if cuda else 1)
+        same = same and torch.equal(torch_step.out.cpu(), kernel_step.out.cpu())
         for a, b in zip(kernel_prov.stamps + tuple(f.table for f in kernel_prov.folds),
                         torch_prov.stamps + tuple(f.table for f in torch_prov.folds)):
             same = same and torch.equal(a.cpu(), b.cpu())
@@ -133,6 +148,10 @@ def main() -> None:
         rows.append((label, f"verify {taken.shape[0]} {('FULL', 'SWA')[pool]} slots", fmt(sampled["torch"], 1e6, 1, " us"),
                      fmt(sampled["triton"], 1e6, 1, " us"), fmt(ratios(sampled["triton"], sampled["torch"]), 1, 3, "x"),
                      f"{kernel_ops(checks['torch'])} / 1"))
+        rows.append((label, f"sample: stage, {min(4096, shape.batch * (shape.context + 1))} slots a pool",
+                     fmt(staged["torch"], 1e6, 1, " us"), fmt(staged["triton"], 1e6, 1, " us"),
+                     fmt(ratios(staged["triton"], staged["torch"]), 1, 3, "x"),
+                     f"{kernel_ops(stages['torch'])} / " + (f"{kernel_ops(stages['triton'])} + 4" if cuda else "n/a")))
     step = "graph replay" if cuda else "eager step under the interpreter (not a timing)"
     print_table(f"write path per decode step, {device.type} ({step})",
                 ("shape", "step", "torch path", "triton kernels", "triton / torch", "device ops torch / triton"), rows)
