@@ -11,22 +11,10 @@ it was imported without it, and by the interpreter at each launch). The ``gpu`` 
 
 from __future__ import annotations
 
-import importlib
-import sys
-
 import pytest
 import torch
 
-
-def _import_kernels(interpret: bool):
-    """The kernels' module, its ``triton.jit`` functions interpreted or compiled as asked (the
-    caller has set ``TRITON_INTERPRET`` accordingly: the interpreter reads it at every launch too)."""
-    pytest.importorskip("triton")
-    name = "otel_swa.device.triton_kv"
-    module = sys.modules.get(name) or importlib.import_module(name)
-    if (type(module._fold_kernel).__name__ == "InterpretedFunction") != interpret:
-        module = importlib.reload(module)
-    return module
+from kernel_support import import_kernels
 
 
 @pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -43,4 +31,4 @@ def kernels(device, monkeypatch):
     compiled for ``cuda``."""
     interpret = device.type == "cpu"
     monkeypatch.setenv("TRITON_INTERPRET", "1" if interpret else "0")
-    return _import_kernels(interpret)
+    return import_kernels(interpret)

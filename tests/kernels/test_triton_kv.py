@@ -17,6 +17,8 @@ from otel_swa.device.gate import SamplingGate
 from otel_swa.device.kv_folds import FOLD_MARK, PoolFolds, layer_of
 from otel_swa.device.provenance import KvProvenance
 
+from kernel_support import compile_for_sm90
+
 FULL_SLOTS, SWA_SLOTS = 64, 40
 IDS = (0, 3, 6)
 
@@ -385,3 +387,47 @@ def test_stage_on_the_kernels_stages_the_torch_paths_cells(kernels, device, neve
     # FULL pool: the swapped stamp (and request 2's 4 unstamped slots when they are foreign); one
     # corrupt slot, the other (request 3's position 30) past the budget of 48 of the 63 candidates
     assert cells[2] == 1 + (never_stamped == "foreign") * 4 and cells[9] == 1
+
+
+# each kernel's pointer arguments and their element types (the rest: int32 scalars)
+_POINTERS = {
+    "_fold_kernel": {"k_ptr": "*i16", "v_ptr": "*i16", "loc_ptr": "*i64", "map_ptr": "*i64", "table_ptr": "*i64"},
+    "_stamp_kernel": {"ids_ptr": "*i64", "pos_ptr": "*i64", "loc_ptr": "*i64", "rpi_ptr": "*i64", "r2t_ptr": "*i32",
+                      "starts_ptr": "*i64", "full_ptr": "*i64", "swa_ptr": "*i64", "map_ptr": "*i64",
+                      "ffold_ptr": "*i64", "sfold_ptr": "*i64"},
+    "_verify_kernel": {"slots_ptr": "*i64", "table_ptr": "*i64", "addr_ptr": "*i64", "stride_ptr": "*i64",
+                       "weight_ptr": "*i64", "written_ptr": "*i1", "delta_ptr": "*i64"},
+    "_slots_kernel": {"up_ptr": "*i64", "rpi_ptr": "*i64", "r2t_ptr": "*i32", "map_ptr": "*i64", "stamps_ptr": "*i64",
+                      "table_ptr": "*i64", "addr_ptr": "*i64", "stride_ptr": "*i64", "weight_ptr": "*i64",
+                      "scratch_ptr": "*i64"},
+    "_reduce_kernel": {"scratch_ptr": "*i64", "out_ptr": "*i64"},
+}
+
+
+_COMPILED = {
+    "fold": ("_fold_kernel", {"SWA": True, "BLOCK": 256}),
+    "stamp-decode": ("_stamp_kernel", {"EXTEND": False, "HAS_SWA": True, "FOLDS": True, "SWA_FOLDS": True, "BLOCK": 128}),
+    "stamp-extend": ("_stamp_kernel", {"EXTEND": True, "HAS_SWA": True, "FOLDS": True, "SWA_FOLDS": True, "BLOCK": 256}),
+    "verify": ("_verify_kernel", {"WORD": 1, "BLOCK": 256}),
+    "slots": ("_slots_kernel", {"SWA_POOL": True, "SWA_NAMED": True, "JUDGE_UNSTAMPED": False, "FOLDS": True,
+                                "WORD": 4, "BLOCK": 128}),
+    "reduce": ("_reduce_kernel", {"SWA_POOL": True, "FOLDS": True, "C_D1": 18, "BLOCK": 1024}),
+}
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    pytest.importorskip("triton")
+    jobs = {label: (name, _POINTERS[name], constexprs) for label, (name, constexprs) in _COMPILED.items()}
+    return compile_for_sm90(jobs, tmp_path_factory.mktemp("triton-cache"))
+
+
+@pytest.mark.parametrize("label", list(_COMPILED))
+def test_every_kernel_compiles_for_a_hopper_gpu_without_one(compiled, label):
+    """What the interpreter does not check (the compiler's typing, int64 atomics, addresses read as
+    pointers): each kernel compiled by Triton's own pipeline for sm_90 down to a cubin, on CPU."""
+    got = compiled[label]
+    assert "error" not in got, got.get("error")
+    assert "cubin" in got["stages"]
+    if label == "fold":
+        assert "atom.global.gpu.relaxed.add.u64" in got["ptx"]  # the folds' exact 64-bit sums
