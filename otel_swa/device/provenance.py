@@ -218,7 +218,8 @@ class KvProvenance:
         self.chains = ChainCache()
         self._sweep: "torch.Tensor | None" = None  # the FULL slots of the sweep pass under way
         self._sweep_at = 0
-        #: the Triton kernels of the write path (a CUDA cache), or ``None``: the torch path
+        #: the Triton kernels of provenance (:mod:`otel_swa.device.kernel_select`: a CUDA cache), or
+        #: ``None``: the torch path
         self.kernels = write_kernels(self.device)
 
     @property

@@ -75,6 +75,17 @@ def _hash_chunk(ptr, row_stride, t, start, words, base, BLOCK: tl.constexpr):
     return tl.sum(tl.where(mask, y, 0), axis=0)
 
 
+@triton.jit
+def _row_hash(k_ptr, k_stride, k_words, v_ptr, v_stride, v_words, row, BLOCK: tl.constexpr):
+    """The hash of row ``row``'s K words then V words (:meth:`RowHasher.hash_words`), in ``0 .. Q - 1``."""
+    acc = tl.zeros([], dtype=tl.int64)
+    for start in range(0, k_words, BLOCK):
+        acc += _hash_chunk(k_ptr, k_stride, row, start, k_words, 0, BLOCK)
+    for start in range(0, v_words, BLOCK):
+        acc += _hash_chunk(v_ptr, v_stride, row, start, v_words, k_words, BLOCK)
+    return acc % 1099511627689  # HASH_PRIME
+
+
 # Integers that follow the batch or the cache are not specialized on (a value of 1 or a multiple of
 # 16 would compile another variant), nor the given rows' alignment: one compiled kernel serves every
 # batch size, so the warm-up before an engine's first capture compiles all there is.
@@ -83,12 +94,7 @@ def _hash_chunk(ptr, row_stride, t, start, words, base, BLOCK: tl.constexpr):
 def _fold_kernel(k_ptr, k_stride, k_words, v_ptr, v_stride, v_words, loc_ptr, map_ptr, map_size,
                  table_ptr, table_size, weight, SWA: tl.constexpr, BLOCK: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
-    acc = tl.zeros([], dtype=tl.int64)
-    for start in range(0, k_words, BLOCK):
-        acc += _hash_chunk(k_ptr, k_stride, t, start, k_words, 0, BLOCK)
-    for start in range(0, v_words, BLOCK):
-        acc += _hash_chunk(v_ptr, v_stride, t, start, v_words, k_words, BLOCK)
-    h = acc % 1099511627689  # HASH_PRIME
+    h = _row_hash(k_ptr, k_stride, k_words, v_ptr, v_stride, v_words, t, BLOCK)
     slot = tl.load(loc_ptr + t).to(tl.int64)
     if SWA:
         slot = tl.load(map_ptr + tl.minimum(tl.maximum(slot, 0), map_size - 1)).to(tl.int64)
@@ -253,14 +259,8 @@ def _slot_folds(slot, addr_ptr, stride_ptr, weight_ptr, layers, k_words, v_words
         else:
             k_ptr = k_addr.to(tl.pointer_type(tl.uint8))
             v_ptr = v_addr.to(tl.pointer_type(tl.uint8))
-        k_stride = tl.load(stride_ptr + 2 * layer)
-        v_stride = tl.load(stride_ptr + 2 * layer + 1)
-        acc = tl.zeros([], dtype=tl.int64)
-        for start in range(0, k_words, BLOCK):
-            acc += _hash_chunk(k_ptr, k_stride, slot, start, k_words, 0, BLOCK)
-        for start in range(0, v_words, BLOCK):
-            acc += _hash_chunk(v_ptr, v_stride, slot, start, v_words, k_words, BLOCK)
-        h = acc % 1099511627689  # HASH_PRIME
+        h = _row_hash(k_ptr, tl.load(stride_ptr + 2 * layer), k_words, v_ptr, tl.load(stride_ptr + 2 * layer + 1),
+                      v_words, slot, BLOCK)
         f1 += h
         f2 += h * tl.load(weight_ptr + layer)
     return f1, f2
@@ -338,8 +338,6 @@ def verify_folds(folds: PoolFolds, slots: torch.Tensor) -> "tuple[torch.Tensor, 
     return written, delta
 
 
-# the scratch's rows
-_LIVE, _JUDGED, _FOREIGN, _CHECKED, _CORRUPT, _ROW, _FOUND, _FULL, _SWA, _D1, _D2 = range(11)
 
 
 @triton.jit(do_not_specialize=["n", "up_stride", "rows_size", "r2t_stride", "r2t_col", "width", "map_size",
@@ -420,10 +418,8 @@ def _reduce_kernel(scratch_ptr, n, out_ptr, SWA_POOL: tl.constexpr, FOLDS: tl.co
     tl.store(out_ptr + 1, judged)
     tl.store(out_ptr + 2, foreign)
     tl.store(out_ptr + 3, at)
-    tl.store(out_ptr + 4, tl.load(scratch_ptr + 5 * n + at))
-    tl.store(out_ptr + 5, tl.load(scratch_ptr + 6 * n + at))
-    tl.store(out_ptr + 6, tl.load(scratch_ptr + 7 * n + at))
-    tl.store(out_ptr + 7, tl.load(scratch_ptr + 8 * n + at))
+    for cell in tl.static_range(4):  # the first foreign's row, stamp, FULL and SWA slot: scratch rows 5-8
+        tl.store(out_ptr + 4 + cell, tl.load(scratch_ptr + (5 + cell) * n + at))
     if FOLDS:
         checked, _ = _first(scratch_ptr, n, 3, BLOCK)
         corrupt, at_c = _first(scratch_ptr, n, 4, BLOCK)
@@ -431,10 +427,9 @@ def _reduce_kernel(scratch_ptr, n, out_ptr, SWA_POOL: tl.constexpr, FOLDS: tl.co
         tl.store(out_ptr + 9, corrupt)
         tl.store(out_ptr + 10, at_c)
         tl.store(out_ptr + 11, tl.load(scratch_ptr + 5 * n + at_c))
-        tl.store(out_ptr + 12, tl.load(scratch_ptr + 7 * n + at_c))
-        tl.store(out_ptr + 13, tl.load(scratch_ptr + 8 * n + at_c))
-        tl.store(out_ptr + C_D1, tl.load(scratch_ptr + 9 * n + at_c))
-        tl.store(out_ptr + C_D1 + 1, tl.load(scratch_ptr + 10 * n + at_c))
+        for cell in tl.static_range(2):  # its FULL and SWA slot (scratch rows 7-8), d1 and d2 (rows 9-10)
+            tl.store(out_ptr + 12 + cell, tl.load(scratch_ptr + (7 + cell) * n + at_c))
+            tl.store(out_ptr + C_D1 + cell, tl.load(scratch_ptr + (9 + cell) * n + at_c))
     else:
         zero = live * 0
         for cell in tl.static_range(8, 14):
