@@ -4,7 +4,8 @@
 # allocator classes, and a real sglang.Engine and HTTP server (`python -m sglang.launch_server`,
 # stopped five ways) on CPU with a tiny hybrid-SWA model, started by plain python (otel-swa's
 # plugin, loaded by SGLang's load_plugins()) or under opentelemetry-instrument, exporting to a
-# real collector. Runs `pytest tests/engines -m sglang`; a failed
+# real collector. Runs `pytest tests/engines -m sglang`, then the Triton kernels' tests
+# (`pytest tests/kernels`, on CPU under Triton's interpreter: 3.5 minutes on 2 busy cores); a failed
 # SGLang import fails it (OTEL_SWA_REQUIRE_SGLANG=1), a missing collector too (CI=1).
 #   bash .ci/sglang-tests.sh [all|build|test]   build: the environment only; test: the suite in the
 #                                                environment built before; all (default): both
@@ -36,4 +37,9 @@ fi
 installed=$(date +%s)
 
 CI="${CI:-1}" OTEL_SWA_REQUIRE_SGLANG=1 "$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/engines -m sglang
-echo "sglang suite: tests $(( $(date +%s) - installed )) s, whole script $(( $(date +%s) - start )) s"
+engines=$(date +%s)
+# the Triton kernels of the write path against the torch path, under Triton's interpreter (this
+# environment has the triton that sglang ships with; otel-swa's own does not: a 240 MB wheel)
+"$VENV/bin/python" -c "import triton" || { echo "sglang suite: triton does not import" >&2; exit 1; }
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider tests/kernels
+echo "sglang suite: tests $(( engines - installed )) s, Triton kernels (interpreted) $(( $(date +%s) - engines )) s, whole script $(( $(date +%s) - start )) s"

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check: the tests marked gpu, then the sample / hot-path / capture figures on CUDA, printed
-# as one table (benchmarks/gpu_figures.py). About 3 minutes on one H200; every step has a time bound
-# so that the whole stays under 8 minutes.
+# The GPU check: the tests marked gpu (the Triton kernels' among them, tests/kernels), then the
+# sample / hot-path / capture figures on CUDA, printed as one table (benchmarks/gpu_figures.py), and
+# the write path per decode step on the torch path and on the Triton kernels
+# (benchmarks/bench_write_kernels.py, which also fails when the two leave different tables). About
+# 3 minutes on one H200; every step has a time bound so that the whole stays under 10 minutes.
 #
 #   bash benchmarks/gpu.sh            on a CUDA machine (exit 1 if a GPU test fails, 2 without CUDA)
 #   bash benchmarks/gpu.sh --dry-run  anywhere (CI, on CPU): the GPU tests are collected (they import
@@ -26,6 +28,7 @@ if [ "$DRY" = 1 ]; then
     *) echo "gpu.sh --dry-run: the GPU tests were not collected: $collected" >&2; exit 1 ;;
   esac
   timeout 300 "$PY" benchmarks/gpu_figures.py --device cpu --quick --gpu-tests "dry run: $collected"
+  timeout 120 "$PY" benchmarks/bench_write_kernels.py --device cpu --quick
   echo "gpu.sh --dry-run: done in $(( $(date +%s) - start )) s"
   exit 0
 fi
@@ -35,6 +38,8 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   exit 2
 fi
 "$PY" -c "import torch; print('CUDA device:', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| CUDA', torch.version.cuda)"
+"$PY" -c "import triton; print('triton', triton.__version__)" 2>/dev/null \
+  || echo "gpu.sh: triton does not import: the torch write path runs and the Triton kernels' tests are skipped"
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 set +e
@@ -44,5 +49,10 @@ set -e
 summary=$(tail -n 1 "$log")
 [ "$tests_rc" = 0 ] || tail -n 40 "$log"
 timeout 240 "$PY" benchmarks/gpu_figures.py --device cuda --gpu-tests "$summary"
+set +e
+timeout 120 "$PY" benchmarks/bench_write_kernels.py --device cuda --rounds 5
+bench_rc=$?
+set -e
+[ "$bench_rc" = 0 ] || { echo "gpu.sh: bench_write_kernels.py failed ($bench_rc)"; [ "$tests_rc" != 0 ] || tests_rc=1; }
 echo "gpu.sh: done in $(( $(date +%s) - start )) s"
 exit "$tests_rc"

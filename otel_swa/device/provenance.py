@@ -93,6 +93,7 @@ import torch
 
 from otel_swa.device.checksum import CHECKSUM_MODES
 from otel_swa.device.gate import SamplingGate
+from otel_swa.device.kernel_select import write_kernels
 from otel_swa.device.kv_folds import PoolFolds, layer_of
 from otel_swa.device.live_tokens import host_lengths
 from otel_swa.device.provenance_reading import (
@@ -217,6 +218,9 @@ class KvProvenance:
         self.chains = ChainCache()
         self._sweep: "torch.Tensor | None" = None  # the FULL slots of the sweep pass under way
         self._sweep_at = 0
+        #: the Triton kernels of provenance (:mod:`otel_swa.device.kernel_select`: a CUDA cache), or
+        #: ``None``: the torch path
+        self.kernels = write_kernels(self.device)
 
     @property
     def bytes_per_slot(self) -> "tuple[int, int]":
@@ -253,6 +257,11 @@ class KvProvenance:
                 batches), or ``None`` when ``T == B`` and token ``i`` is request ``i``'s (decode).
         """
         full, swa = self.stamps
+        if self.kernels is not None:
+            self.kernels.stamp_and_reset(full, input_ids, positions, out_cache_loc, req_pool_indices, req_to_token,
+                                         extend_start_loc, swa, full_to_swa_index_mapping,
+                                         *(f.table if f is not None else None for f in self.folds))
+            return
         extra = ()
         swa_slots = None
         if swa is not None and full_to_swa_index_mapping is not None:
@@ -316,6 +325,9 @@ class KvProvenance:
         if (entry is None or k is None or v is None or tokens == 0 or not entry.hasher.given_shape_ok(k, v, tokens)
                 or (pool == 1 and mapping is None)):
             return  # nothing hashed: the pool's slots are counted unchecked (or their folds differ: a fault)
+        if self.kernels is not None:
+            self.kernels.fold_layer(folds.table, entry.hasher, k, v, entry.layer_id, loc, mapping if pool else None)
+            return
         written = self._written
         if written is not None and written[0] is loc and (pool == 0 or written[3] is mapping):
             slots = written[1 + pool]
@@ -432,7 +444,7 @@ class KvProvenance:
             swa = torch.full_like(full, -1)
             slot = full.clamp(0, size - 1)
             checked = full.lt(size)
-        verified = folds.verify(slot)
+        verified = self._verify_folds(folds, slot)
         if verified is None:
             return
         written, delta = verified
@@ -443,6 +455,11 @@ class KvProvenance:
         base = _C["sweep_checks"]
         out[base:base + 4].copy_(torch.stack([checked.sum(), corrupt.sum(), at[0], at[1]]))
         out[_C["sweep_d1"]:_C["sweep_d1"] + 2].copy_(at[2:])
+
+    def _verify_folds(self, folds: PoolFolds, slots: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor] | None":
+        """``folds.verify(slots)``, by the Triton kernel where one is chosen and applies."""
+        verified = self.kernels.verify_folds(folds, slots) if self.kernels is not None else None
+        return verified if verified is not None else folds.verify(slots)
 
     def _take(self, pool: int, low: np.ndarray, lens: np.ndarray) -> "tuple[list[tuple[int, int, int]], int]":
         """The ranges ``(entry, lo, hi)`` this sample verifies in ``pool`` (at most ``budget``
@@ -503,6 +520,8 @@ class KvProvenance:
     def _verify(self, out: torch.Tensor, up: torch.Tensor, pool: int, view: Any, mapping: torch.Tensor) -> None:
         """One pool's verification of the taken slots ``up`` (``int64 [3, n]``: entry, position,
         expected) into ``out`` (:data:`PROVENANCE_CELLS`)."""
+        if self.kernels is not None and self.kernels.stage_pool(self, out, up, pool, view, mapping):
+            return
         entries, positions, expected = up[0], up[1], up[2]
         req_to_token = view.req_to_token
         rows = view.req_pool_indices.index_select(0, entries).long().clamp_(0, req_to_token.shape[0] - 1)
@@ -529,7 +548,7 @@ class KvProvenance:
         values = [live.sum() if live is not None else judged.new_zeros((), dtype=torch.int64), judged.sum(),
                   foreign.sum(), first.reshape(()), *where.unbind()]
         folds = self.folds[pool]
-        verified = folds.verify(slot) if folds is not None else None
+        verified = self._verify_folds(folds, slot) if folds is not None else None
         if verified is not None:
             checked, delta = verified
             if live is not None:
