@@ -105,6 +105,11 @@ class LoggedRecord:
 
     rank_sure = property(_rank_sure)
 
+    def with_record(self, record: SwaDivergenceRecord) -> "LoggedRecord":
+        """The same entry holding ``record`` (what :func:`dataclasses.replace` gives, without its
+        field lookups: called for every line attached to a record)."""
+        return LoggedRecord(record, self.line_no, self.timestamp, self.rank, self.rank_candidates)
+
     def to_row(self, run: int | None = None) -> "dict[str, int | str | list | None]":
         """A flat dict with the keys of :data:`ROW_FIELDS`, in that order (``run`` as given)."""
         row: dict[str, int | str | None] = {

@@ -44,6 +44,8 @@ class _Unpaired:
             old_key, old_item = order.popleft()
             if not old_item[3]:
                 self._forget(old_key, old_item)
+        while order[0][1][3]:  # the oldest ones paired already: let go at once (memory bounded by the unpaired)
+            order.popleft()
         if len(order) > 2 * self.LIMIT:
             self._order = collections.deque(pair for pair in order if not pair[1][3])
 
@@ -103,7 +105,7 @@ class AuditPairing:
     :meth:`attach` for every line whose ``per_record`` is true: the record's entry in that list is
     replaced by one whose record carries what the line sets (its kind's ``changes``). Entries are
     :class:`~otel_swa.record.RecordMatch` or any object with ``record`` and ``rank`` attributes that
-    :func:`dataclasses.replace` can copy.
+    :func:`dataclasses.replace` can copy (or its ``with_record(record)`` method, when it has one).
     """
 
     def __init__(self) -> None:
@@ -137,8 +139,11 @@ class AuditPairing:
             return MalformedRecordError(line.text, reason, line.line_no, kind.prefix)
         entry = entries[index]
         record = record._logged_replace(**kind.changes(record, line.value))
-        entries[index] = (entry._replace(value=record) if isinstance(entry, LineMatch)
-                          else dataclasses.replace(entry, record=record))
+        if isinstance(entry, LineMatch):
+            entries[index] = entry._replace(value=record)
+        else:
+            with_record = getattr(entry, "with_record", None)
+            entries[index] = with_record(record) if with_record is not None else dataclasses.replace(entry, record=record)
         return None
 
     def _find_once(self, kind: LineKind, line: LineMatch) -> "_Slot | None":

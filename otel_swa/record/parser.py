@@ -11,7 +11,7 @@ from typing import Iterator
 
 from otel_swa.record.decoding import MalformedRecordError, decode_object
 from otel_swa.record.kinds import KIND_OF_PREFIX
-from otel_swa.record.logtext import NO_PREFIX, LogPrefix, PrefixClaims, clean, clean_marked, glued_tag, nearest_prefix, tag_before
+from otel_swa.record.logtext import NO_PREFIX, LogPrefix, PrefixClaims, clean, clean_marked, glued_tag, nearest_prefix, tag_ending
 from otel_swa.record.matches import LineMatch
 from otel_swa.record.pairing import AuditPairing
 from otel_swa.record.prefixes import LINE_PREFIX, PREFIX_RE
@@ -35,7 +35,8 @@ def decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix
     shown = text[match.start():end]
     if line_start is None:
         line_start = text.rfind("\n", 0, match.start()) + 1
-    source = tag_before(text, line_start, match.start()) if "]" in text[line_start:match.start()] else None
+    head = text[line_start:match.start()]
+    source = tag_ending(head) if "]" in head else None
     if source is None and kind.pairs != "record":
         # an audit line or run start glued right after a record on one line belongs with that
         # record: it takes the tag the record had
