@@ -151,10 +151,9 @@ class SwaDivergenceRecord:
     def _logged_replace(self, **changes: Any) -> "SwaDivergenceRecord":
         """A copy with ``changes``, not checked again (a record read from a log may hold negative
         totals, which the constructor refuses): what a line read after the record sets on it."""
-        filled = list(_VALUES(self))
-        for name, value in changes.items():
-            filled[_INDEX[name]] = value
-        return _unchecked(type(self), filled)
+        filled = dict(zip(_NAMES, _VALUES(self)))
+        filled.update(changes)  # the fields keep their order
+        return _unchecked(type(self), filled.values())
 
     def offender(self, fault: str) -> "Offender | None":
         """The first offender of ``fault`` (one of :data:`FAULT_FIELDS`) in this sample, or ``None``."""
@@ -187,7 +186,7 @@ class SwaDivergenceRecord:
     @property
     def provenance_checked(self) -> bool:
         """Whether any provenance field is present (the engine checks the KV in the slots)."""
-        return any(getattr(self, name) is not None for name in PROVENANCE_FIELDS)
+        return _PROVENANCE_VALUES(self).count(None) < len(PROVENANCE_FIELDS)
 
     def provenance_dict(self) -> dict[str, int]:
         """The provenance fields that are present (empty when provenance is off)."""
@@ -313,6 +312,8 @@ _NAMES = tuple(item.name for item in dataclasses.fields(SwaDivergenceRecord))
 _DEFAULTS = tuple(item.default for item in dataclasses.fields(SwaDivergenceRecord))
 _INDEX = {name: index for index, name in enumerate(_NAMES)}
 _VALUES = operator.attrgetter(*_NAMES)
+#: The provenance fields' values at once (a tuple: ``forward_ct`` last, never ``None``).
+_PROVENANCE_VALUES = operator.attrgetter(*PROVENANCE_FIELDS, "forward_ct")
 
 
 def _unchecked(cls: type, values: list) -> SwaDivergenceRecord:
