@@ -227,9 +227,18 @@ def logged_entries(
     duplicates = DuplicateLines() if duplicates is None else duplicates
     out = [] if into is None else into
     begin = len(out)
+    # the latest record and the lines right after it that belong to it (its audit and provenance
+    # lines), added with them at once: one copy of the record instead of one per line
+    held, lines = None, []
     for entry in iter_entries(text, errors, first_line_no=first_line_no, prefixes=prefixes):
         if duplicates.is_repeat(entry):
             continue
+        if held is not None:
+            if entry.per_record and pairing.joins(held, lines, entry):
+                lines.append(entry)
+                continue
+            _add_record(pairing, out, held, lines)
+            held, lines = None, []
         if isinstance(entry, LivenessMatch):
             out.append(entry)
         elif entry.per_record:
@@ -240,9 +249,16 @@ def logged_entries(
             out.append(LoggedRunStart(entry.line_no, entry.timestamp, entry.rank, entry.verify_source, entry.pid,
                                       entry.rank_candidates))
         else:
-            pairing.add(out, LoggedRecord(entry.record, entry.line_no, entry.timestamp, entry.rank,
-                                          entry.rank_candidates))
+            held = entry
+    if held is not None:
+        _add_record(pairing, out, held, lines)
     return out[begin:]
+
+
+def _add_record(pairing: AuditPairing, out: list, entry: RecordMatch, lines: list) -> None:
+    """Add the record of ``entry`` with the ``lines`` that joined it (:meth:`AuditPairing.joins`)."""
+    record = pairing.with_lines(entry.record, lines)
+    pairing.add(out, LoggedRecord(record, entry.line_no, entry.timestamp, entry.rank, entry.rank_candidates), lines)
 
 
 def logged_records(
