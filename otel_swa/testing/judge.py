@@ -201,25 +201,19 @@ def _evaluate(
 def _peaks(items: Sequence[RunRecord], rules: Sequence[AuditRule]) -> list[AuditPeak]:
     peaks: list[AuditPeak] = []
     records = [item.record for item in items]
-    if not records:
-        return peaks
     for rule in rules:
-        values = list(map(operator.attrgetter(rule.field), records))
+        values, kept = list(map(operator.attrgetter(rule.field), records)), items
         if None in values:  # some records without the field: judge those that have it
-            present = [(value, item) for value, item in zip(values, items) if value is not None]
-            if not present:
-                continue
-            values, kept = [value for value, _ in present], [item for _, item in present]
-        else:
-            kept = items
+            kept = [item for value, item in zip(values, items) if value is not None]
+            values = [value for value in values if value is not None]
+        if not values:
+            continue
         peak = max(values)
         peak_item = kept[values.index(peak)]  # the first of the largest
         first = None if peak <= 0 else next(item for value, item in zip(values, kept) if value > 0)
-        peaks.append(AuditPeak(
-            rule, getattr(peak_item.record, rule.field), peak_item.record.forward_ct, peak_item.line_no,
-            first.record.forward_ct if first else None, first.line_no if first else None,
-            first.record.offender(rule.field) if first else None,
-        ))
+        peaks.append(AuditPeak(rule, peak, peak_item.record.forward_ct, peak_item.line_no,
+                               first.record.forward_ct if first else None, first.line_no if first else None,
+                               first.record.offender(rule.field) if first else None))
     return peaks
 
 
