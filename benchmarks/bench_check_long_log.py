@@ -88,6 +88,9 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, default=None, help="write the log here and keep it")
     args = parser.parse_args()
     print(load_line())
+    measured = subprocess.run([sys.executable, "-c", "import otel_swa; print(otel_swa.__file__)"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+    print(f"otel_swa measured: {measured} (python -m puts the working directory first on sys.path)")
     with tempfile.TemporaryDirectory() as tmp:
         path = args.keep or Path(tmp) / "run.log"
         started = time.perf_counter()
