@@ -105,6 +105,11 @@ class LoggedRecord:
 
     rank_sure = property(_rank_sure)
 
+    def with_record(self, record: SwaDivergenceRecord) -> "LoggedRecord":
+        """The same entry holding ``record`` (what :func:`dataclasses.replace` gives, without its
+        field lookups: called for every line attached to a record)."""
+        return LoggedRecord(record, self.line_no, self.timestamp, self.rank, self.rank_candidates)
+
     def to_row(self, run: int | None = None) -> "dict[str, int | str | list | None]":
         """A flat dict with the keys of :data:`ROW_FIELDS`, in that order (``run`` as given)."""
         row: dict[str, int | str | None] = {
@@ -222,9 +227,18 @@ def logged_entries(
     duplicates = DuplicateLines() if duplicates is None else duplicates
     out = [] if into is None else into
     begin = len(out)
+    # the latest record and the lines right after it that belong to it (its audit and provenance
+    # lines), added with them at once: one copy of the record instead of one per line
+    held, lines = None, []
     for entry in iter_entries(text, errors, first_line_no=first_line_no, prefixes=prefixes):
         if duplicates.is_repeat(entry):
             continue
+        if held is not None:
+            if entry.per_record and pairing.joins(held, lines, entry):
+                lines.append(entry)
+                continue
+            _add_record(pairing, out, held, lines)
+            held, lines = None, []
         if isinstance(entry, LivenessMatch):
             out.append(entry)
         elif entry.per_record:
@@ -235,9 +249,16 @@ def logged_entries(
             out.append(LoggedRunStart(entry.line_no, entry.timestamp, entry.rank, entry.verify_source, entry.pid,
                                       entry.rank_candidates))
         else:
-            pairing.add(out, LoggedRecord(entry.record, entry.line_no, entry.timestamp, entry.rank,
-                                          entry.rank_candidates))
+            held = entry
+    if held is not None:
+        _add_record(pairing, out, held, lines)
     return out[begin:]
+
+
+def _add_record(pairing: AuditPairing, out: list, entry: RecordMatch, lines: list) -> None:
+    """Add the record of ``entry`` with the ``lines`` that joined it (:meth:`AuditPairing.joins`)."""
+    record = pairing.with_lines(entry.record, lines)
+    pairing.add(out, LoggedRecord(record, entry.line_no, entry.timestamp, entry.rank, entry.rank_candidates), lines)
 
 
 def logged_records(

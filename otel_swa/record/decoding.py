@@ -50,12 +50,9 @@ def decode_object(text: str, match: re.Match, line_no: int | None) -> tuple[dict
     prefix = match.group(0)
     start = match.end()
     run_end = _RUN_RE.match(text, start).end()
-    line_end = text.find("\n", start)
-    line_end = len(text) if line_end < 0 else line_end
-    shown = text[match.start():run_end]
 
     def fail(reason: str) -> MalformedRecordError:
-        return MalformedRecordError(shown, reason, line_no, prefix)
+        return MalformedRecordError(text[match.start():run_end], reason, line_no, prefix)
 
     if run_end == start:
         raise fail("nothing follows the prefix (SGLang's parser skips such a line)")
@@ -64,7 +61,7 @@ def decode_object(text: str, match: re.Match, line_no: int | None) -> tuple[dict
         data, end = _DECODER.raw_decode(payload)
     except ValueError as exc:
         try:  # the same text with its spaces: json.dumps without separators=(",", ":")
-            spaced, _ = _DECODER.raw_decode(text[start:line_end])
+            spaced, _ = _DECODER.raw_decode(text[start:_line_end(text, start)])
         except ValueError:
             spaced = None
         if isinstance(spaced, dict):
@@ -73,7 +70,13 @@ def decode_object(text: str, match: re.Match, line_no: int | None) -> tuple[dict
         raise fail(f"the text after the prefix is not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise fail(f"expected a JSON object, got {type(data).__name__}")
-    if end < len(payload) and PREFIX_RE.search(text, start + end, line_end) is None \
+    if end < len(payload) and PREFIX_RE.search(text, start + end, _line_end(text, start)) is None \
             and not glued_log_prefix(text, start + end):
         raise fail(f"text glued after the JSON object ({payload[end:][:40]!r}); SGLang's parser rejects the record")
     return data, start + end
+
+
+def _line_end(text: str, start: int) -> int:
+    """Where the line that holds ``start`` ends (its LF, or the end of ``text``)."""
+    end = text.find("\n", start)
+    return len(text) if end < 0 else end

@@ -5,13 +5,14 @@ parts (:class:`PrefixClaims`)."""
 from __future__ import annotations
 
 import collections
+import functools
 import re
 from dataclasses import dataclass
 
 from otel_swa.record.prefixes import LINE_PREFIX, TAG_BEFORE_RE, TAG_RE, VERIFY_SOURCES
 
 __all__ = ["LogPrefix", "NO_PREFIX", "PrefixClaims", "clean", "clean_marked", "parse_log_prefix", "nearest_prefix",
-           "glued_log_prefix", "tag_before", "glued_tag"]
+           "glued_log_prefix", "tag_before", "tag_ending", "glued_tag"]
 
 # CSI sequences such as "\x1b[32m" (colour) and "\x1b[0m" (reset), as written by coloured log handlers.
 _ANSI_RE = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
@@ -76,9 +77,13 @@ class LogPrefix:
 NO_PREFIX = LogPrefix()
 
 
+@functools.lru_cache(maxsize=1024)
 def nearest_prefix(head: str) -> LogPrefix:
     """The log prefix nearest before a record: the last SGLang prefix in ``head`` (the cleaned
-    text from the start of its line to the record), else a plain-logging time at its start."""
+    text from the start of its line to the record), else a plain-logging time at its start.
+
+    Remembered for the last 1024 heads: the lines of one log second share theirs (and the
+    :class:`LogPrefix` kept with each of their entries)."""
     last = None
     if "[" in head:
         for last in SGLANG_PREFIX_RE.finditer(head):
@@ -108,7 +113,14 @@ def glued_log_prefix(text: str, at: int) -> bool:
 
 def tag_before(text: str, line_start: int, start: int) -> str | None:
     """The verify source of the otel-swa tag that ends ``text[line_start:start]``, or ``None``."""
-    tag = TAG_BEFORE_RE.search(text, line_start, start)
+    return tag_ending(text[line_start:start])
+
+
+@functools.lru_cache(maxsize=1024)
+def tag_ending(head: str) -> str | None:
+    """The verify source of the otel-swa tag that ends ``head``, or ``None`` (remembered for the
+    last 1024 heads, as :func:`nearest_prefix`)."""
+    tag = TAG_BEFORE_RE.search(head)
     if tag is None or tag.group(1) not in VERIFY_SOURCES:
         return None
     return tag.group(1)
@@ -152,15 +164,11 @@ class PrefixClaims:
 
     def read(self, text: str, start: int, end: int) -> None:
         """Take the prefixes of ``text[start:end]`` (the text between two entries)."""
-        if "[" not in text[start:end]:
+        between = text[start:end]
+        if "[" not in between:
             return
-        found = list(SGLANG_PREFIX_RE.finditer(text, start, end))
-        for index, match in enumerate(found):
-            gap_end = found[index + 1].start() if index + 1 < len(found) else end
-            gap = text[match.end():gap_end]
-            if gap.strip() and TAG_RE.sub("", gap).strip():
-                continue  # the prefix of another log line
-            self._pending.append((match.group("rank").strip() or None, not self._pending))
+        for rank in _message_prefixes(between):
+            self._pending.append((rank, not self._pending))
 
     def claim(self) -> tuple[bool, str | None, tuple]:
         """``(claimed, rank, candidates)`` for the next message: whether a prefix was waiting, its
@@ -168,6 +176,25 @@ class PrefixClaims:
         prefixes waiting (the message's own among them); ``()`` when sure."""
         if not self._pending:
             return False, None, ()
+        if len(self._pending) == 1:  # the common case: one prefix, one message
+            rank, alone = self._pending.popleft()
+            return True, rank, () if alone else (rank,)
         candidates = tuple(dict.fromkeys(rank for rank, _ in self._pending))
         rank, alone = self._pending.popleft()
         return True, rank, () if alone and not self._pending else candidates
+
+
+@functools.lru_cache(maxsize=1024)
+def _message_prefixes(between: str) -> tuple:
+    """The ranks of the SGLang prefixes in ``between`` (the text between two entries) that wait for
+    a message (followed by nothing but blanks or a tag), in order; remembered for the last 1024
+    texts (the lines of one log second share theirs)."""
+    found = list(SGLANG_PREFIX_RE.finditer(between))
+    ranks = []
+    for index, match in enumerate(found):
+        gap_end = found[index + 1].start() if index + 1 < len(found) else len(between)
+        gap = between[match.end():gap_end]
+        if gap.strip() and TAG_RE.sub("", gap).strip():
+            continue  # the prefix of another log line
+        ranks.append(match.group("rank").strip() or None)
+    return tuple(ranks)

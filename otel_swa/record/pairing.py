@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 from otel_swa.record.decoding import MalformedRecordError
 from otel_swa.record.kinds import LINE_KINDS, LineKind, kind_of
@@ -44,6 +44,8 @@ class _Unpaired:
             old_key, old_item = order.popleft()
             if not old_item[3]:
                 self._forget(old_key, old_item)
+        while order[0][1][3]:  # the oldest ones paired already: let go at once (memory bounded by the unpaired)
+            order.popleft()
         if len(order) > 2 * self.LIMIT:
             self._order = collections.deque(pair for pair in order if not pair[1][3])
 
@@ -103,21 +105,50 @@ class AuditPairing:
     :meth:`attach` for every line whose ``per_record`` is true: the record's entry in that list is
     replaced by one whose record carries what the line sets (its kind's ``changes``). Entries are
     :class:`~otel_swa.record.RecordMatch` or any object with ``record`` and ``rank`` attributes that
-    :func:`dataclasses.replace` can copy.
+    :func:`dataclasses.replace` can copy (or its ``with_record(record)`` method, when it has one).
     """
 
     def __init__(self) -> None:
         self._unpaired = {kind.prefix: _Unpaired() for kind in LINE_KINDS if kind.pairs == "once"}
         self._recent: dict[tuple[str | None, str | None], _Slot] = {}
 
-    def add(self, entries: list, entry: Any) -> None:
-        """Append ``entry`` to ``entries``; remember it when it holds a record."""
+    def add(self, entries: list, entry: Any, lines: "Sequence[LineMatch]" = ()) -> None:
+        """Append ``entry`` to ``entries``; remember it when it holds a record (``lines``: the lines
+        of ``once`` kinds it already carries, :meth:`joins`)."""
         entries.append(entry)
         record = getattr(entry, "record", None)
         if isinstance(record, SwaDivergenceRecord):
+            paired = {kind_of(line).prefix for line in lines} if lines else ()
             self._recent[(record.verify_source, entry.rank)] = (entries, len(entries) - 1, record.forward_ct)
-            for unpaired in self._unpaired.values():
-                unpaired.add(entries, record, entry.rank)
+            for prefix, unpaired in self._unpaired.items():
+                if prefix in paired:  # as attach() right after add() leaves it: no longer the latest without one
+                    unpaired.latest.pop((record.verify_source, entry.rank), None)
+                else:
+                    unpaired.add(entries, record, entry.rank)
+
+    @staticmethod
+    def joins(record_entry: Any, lines: list, line: LineMatch) -> bool:
+        """Whether :meth:`attach` would attach ``line`` to the record of ``record_entry`` were that
+        record added (:meth:`add`) just before it and the ``lines`` attached to it: a ``once`` kind
+        that takes every record, not among ``lines``, of the record's tag, rank and ``forward_ct``.
+        Such lines are applied with the record (:meth:`with_lines`) and the record added once,
+        instead of a copy of the record per line."""
+        kind = kind_of(line)
+        return (kind.pairs == "once" and kind.refusal is None and line.forward_ct == record_entry.forward_ct
+                and line.rank == record_entry.rank and line.verify_source == record_entry.record.verify_source
+                and all(type(other) is not type(line) for other in lines))
+
+    @staticmethod
+    def with_lines(record: SwaDivergenceRecord, lines: list) -> SwaDivergenceRecord:
+        """``record`` with what each of ``lines`` sets on it (:meth:`joins`), in order: the record
+        :meth:`attach` would leave, in one copy."""
+        if not lines:
+            return record
+        changes: dict = {}
+        seen = _WithChanges(record, changes)
+        for line in lines:
+            changes.update(kind_of(line).changes(seen, line.value))
+        return record._logged_replace(**changes)
 
     def attach(self, line: LineMatch) -> MalformedRecordError | None:
         """Attach a line that belongs to a record (an audit or fault line...) to its record; return
@@ -137,8 +168,11 @@ class AuditPairing:
             return MalformedRecordError(line.text, reason, line.line_no, kind.prefix)
         entry = entries[index]
         record = record._logged_replace(**kind.changes(record, line.value))
-        entries[index] = (entry._replace(value=record) if isinstance(entry, LineMatch)
-                          else dataclasses.replace(entry, record=record))
+        if isinstance(entry, LineMatch):
+            entries[index] = entry._replace(value=record)
+        else:
+            with_record = getattr(entry, "with_record", None)
+            entries[index] = with_record(record) if with_record is not None else dataclasses.replace(entry, record=record)
         return None
 
     def _find_once(self, kind: LineKind, line: LineMatch) -> "_Slot | None":
@@ -161,3 +195,18 @@ class AuditPairing:
                           if tag == line.verify_source and item[2] == line.forward_ct]
             slot = max(candidates, key=lambda item: item[1]) if candidates else None
         return slot
+
+
+class _WithChanges:
+    """A record's fields as a line kind's ``changes`` reads them, with the changes of the lines
+    applied before (:meth:`AuditPairing.with_lines`)."""
+
+    __slots__ = ("_record", "_changes")
+
+    def __init__(self, record: SwaDivergenceRecord, changes: dict) -> None:
+        self._record = record
+        self._changes = changes
+
+    def __getattr__(self, name: str) -> Any:
+        changes = self._changes
+        return changes[name] if name in changes else getattr(self._record, name)

@@ -11,7 +11,7 @@ from typing import Iterator
 
 from otel_swa.record.decoding import MalformedRecordError, decode_object
 from otel_swa.record.kinds import KIND_OF_PREFIX
-from otel_swa.record.logtext import NO_PREFIX, LogPrefix, PrefixClaims, clean, clean_marked, glued_tag, nearest_prefix, tag_before
+from otel_swa.record.logtext import NO_PREFIX, LogPrefix, PrefixClaims, clean, clean_marked, glued_tag, nearest_prefix, tag_ending
 from otel_swa.record.matches import LineMatch
 from otel_swa.record.pairing import AuditPairing
 from otel_swa.record.prefixes import LINE_PREFIX, PREFIX_RE
@@ -23,9 +23,11 @@ __all__ = ["Entry", "FoundRecords", "decode_at", "parse_record", "iter_entries",
 Entry = LineMatch
 
 
-def decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix, line_start: int | None = None) -> Entry:
+def decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix, line_start: int | None = None,
+              head: str | None = None) -> Entry:
     """The entry whose prefix is ``match`` in the cleaned ``text`` (``line_start``: where its
-    line starts, found when not given), decoded by its kind.
+    line starts, found when not given; ``head``: the text from there to the prefix, when known),
+    decoded by its kind.
 
     Raises:
         MalformedRecordError: what follows the prefix is not valid (the reason says why).
@@ -35,7 +37,9 @@ def decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix
     shown = text[match.start():end]
     if line_start is None:
         line_start = text.rfind("\n", 0, match.start()) + 1
-    source = tag_before(text, line_start, match.start()) if "]" in text[line_start:match.start()] else None
+    if head is None:
+        head = text[line_start:match.start()]
+    source = tag_ending(head) if "]" in head else None
     if source is None and kind.pairs != "record":
         # an audit line or run start glued right after a record on one line belongs with that
         # record: it takes the tag the record had
@@ -67,26 +71,28 @@ def iter_entries(
     last_pos = 0
     consumed = 0  # end of the last object decoded: a prefix inside it is not a new entry
     for match in PREFIX_RE.finditer(cleaned):
-        if match.start() < consumed:
+        start = match.start()
+        if start < consumed:
             continue
-        line_no += cleaned.count("\n", last_pos, match.start())
+        line_no += cleaned.count("\n", last_pos, start)
         if bare_crs:  # a bare CR ends a line for the parser, not for the line numbers
-            line_no -= bisect.bisect_left(bare_crs, match.start()) - bisect.bisect_left(bare_crs, last_pos)
-        last_pos = match.start()
-        line_start = cleaned.rfind("\n", 0, match.start()) + 1
-        claims.read(cleaned, consumed, match.start())
-        prefix = nearest_prefix(cleaned[line_start:match.start()])
+            line_no -= bisect.bisect_left(bare_crs, start) - bisect.bisect_left(bare_crs, last_pos)
+        last_pos = start
+        line_start = cleaned.rfind("\n", 0, start) + 1
+        claims.read(cleaned, consumed, start)
+        head = cleaned[line_start:start]
+        prefix = nearest_prefix(head)
         claimed, rank, candidates = claims.claim()
         # its rank: the prefix nearest before it, when one stands between the entry before and it
         # (no rank's sequence known yet says otherwise: :mod:`otel_swa.testing.runs` may move it),
         # else the prefix it claims (it stands after another record, or at the start of a line)
-        own = nearest_prefix(cleaned[max(line_start, consumed):match.start()]).rank
+        own = (prefix if consumed <= line_start else nearest_prefix(cleaned[consumed:start])).rank
         if own is not None:
             rank = own
         if claimed and rank != prefix.rank:
             prefix = LogPrefix(prefix.timestamp, rank)
         try:
-            entry = decode_at(cleaned, match, line_no, prefix, line_start)
+            entry = decode_at(cleaned, match, line_no, prefix, line_start, head)
         except MalformedRecordError as exc:
             if errors is not None:
                 errors.append(exc)

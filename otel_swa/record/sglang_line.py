@@ -8,7 +8,10 @@ The rules by which it is read (SGLang's parser's) are in :mod:`otel_swa.record`'
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,7 +28,7 @@ from otel_swa.record.prefixes import (
     tagged,
 )
 from otel_swa.record.provenance_line import PROVENANCE_FIELDS, provenance_line_fields
-from otel_swa.record.values import INT64_MIN, MICRO_BATCH_MAX, check_int, check_optional_ints, compact, logged_int
+from otel_swa.record.values import INT64_MAX, INT64_MIN, MICRO_BATCH_MAX, check_int, check_optional_ints, compact, logged_int
 
 __all__ = ["FIELDS", "SwaDivergenceRecord", "RecordMatch", "decode_record", "register_reader"]
 
@@ -137,20 +140,20 @@ class SwaDivergenceRecord:
         """A record as a log line holds it: the five fields already checked to be int64 (negative
         ones included, as SGLang's parser takes them), audit-line fields (the audit fields and
         ``micro_batch``) already checked >= 0."""
-        record = object.__new__(cls)
-        for item in dataclasses.fields(cls):
-            object.__setattr__(record, item.name, values[item.name] if item.name in values else item.default)
-        object.__setattr__(record, "divergence_applicable", divergence_applicable)
-        object.__setattr__(record, "verify_source", verify_source)
+        filled = list(_DEFAULTS)
+        for name in FIELDS:
+            filled[_INDEX[name]] = values[name]
+        filled[_INDEX["divergence_applicable"]] = divergence_applicable
+        filled[_INDEX["verify_source"]] = verify_source
+        record = _unchecked(cls, filled)
         return record if audit is None else record._logged_replace(**audit_changes(record, audit))
 
     def _logged_replace(self, **changes: Any) -> "SwaDivergenceRecord":
         """A copy with ``changes``, not checked again (a record read from a log may hold negative
         totals, which the constructor refuses): what a line read after the record sets on it."""
-        logged = object.__new__(type(self))
-        for item in dataclasses.fields(self):
-            object.__setattr__(logged, item.name, changes.get(item.name, getattr(self, item.name)))
-        return logged
+        filled = dict(zip(_NAMES, _VALUES(self)))
+        filled.update(changes)  # the fields keep their order
+        return _unchecked(type(self), filled.values())
 
     def offender(self, fault: str) -> "Offender | None":
         """The first offender of ``fault`` (one of :data:`FAULT_FIELDS`) in this sample, or ``None``."""
@@ -183,7 +186,7 @@ class SwaDivergenceRecord:
     @property
     def provenance_checked(self) -> bool:
         """Whether any provenance field is present (the engine checks the KV in the slots)."""
-        return any(getattr(self, name) is not None for name in PROVENANCE_FIELDS)
+        return _PROVENANCE_VALUES(self).count(None) < len(PROVENANCE_FIELDS)
 
     def provenance_dict(self) -> dict[str, int]:
         """The provenance fields that are present (empty when provenance is off)."""
@@ -302,6 +305,24 @@ class SwaDivergenceRecord:
         return _reader.find_all(text)
 
 
+#: The record's field names in order, their defaults, where each stands, and all its values at once
+#: (one C call): what :meth:`SwaDivergenceRecord._logged_replace` copies, without
+#: :func:`dataclasses.fields` on every line read.
+_NAMES = tuple(item.name for item in dataclasses.fields(SwaDivergenceRecord))
+_DEFAULTS = tuple(item.default for item in dataclasses.fields(SwaDivergenceRecord))
+_INDEX = {name: index for index, name in enumerate(_NAMES)}
+_VALUES = operator.attrgetter(*_NAMES)
+#: The provenance fields' values at once (a tuple: ``forward_ct`` last, never ``None``).
+_PROVENANCE_VALUES = operator.attrgetter(*PROVENANCE_FIELDS, "forward_ct")
+
+
+def _unchecked(cls: type, values: list) -> SwaDivergenceRecord:
+    """A record of ``cls`` holding ``values`` (one per field of :data:`_NAMES`), not checked."""
+    record = object.__new__(cls)
+    collections.deque(map(object.__setattr__, itertools.repeat(record, len(_NAMES)), _NAMES, values), 0)
+    return record
+
+
 #: The reader of every line kind (:mod:`otel_swa.record.parser`, which imports this module): it
 #: registers itself when imported (:func:`register_reader`), so the record's own finders reach it
 #: without an import back. Importing :mod:`otel_swa.record` imports it.
@@ -332,6 +353,12 @@ def decode_record(data: dict, fail: Callable[[str], Exception], source: str | No
         MalformedRecordError (through ``fail``): a key SGLang's record does not have, a missing
             field, a value that is no int64.
     """
+    if data.keys() == _FIELD_SET:  # the common case: the five fields, each an int64
+        for value in data.values():
+            if type(value) is not int or not INT64_MIN <= value <= INT64_MAX:  # noqa: E721
+                break
+        else:
+            return SwaDivergenceRecord._as_logged(data, source), data["forward_ct"]
     unknown = [key for key in data if key not in _FIELD_SET]
     if unknown:
         raise fail(f"unknown key(s) {', '.join(map(repr, unknown))}: SGLang's SwaDivergenceLog(**fields) "

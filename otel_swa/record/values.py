@@ -70,16 +70,25 @@ def logged_counts(data: dict, fail: Callable[[str], Exception], names: tuple[str
     if "forward_ct" not in data:
         raise fail("missing field forward_ct")
     counts: dict = {}
-    for name in ("forward_ct", "micro_batch") + names:
+    for name in ("micro_batch",) + names:
+        if name in data:
+            value = data[name]
+            if type(value) is not int or not 0 <= value <= INT64_MAX or (  # noqa: E721 - the common case inline
+                    name == "micro_batch" and value > MICRO_BATCH_MAX):
+                break
+            counts[name] = value
+    else:
+        forward_ct = data["forward_ct"]
+        if type(forward_ct) is int and 0 <= forward_ct <= INT64_MAX:  # noqa: E721
+            return counts, forward_ct
+    for name in ("forward_ct", "micro_batch") + names:  # a value out of its bounds: the first one's reason
         if name in data:
             reason = logged_int(name, data[name], 0)
             if reason is None and name == "micro_batch" and data[name] > MICRO_BATCH_MAX:
                 reason = f"micro_batch={data[name]} is above {MICRO_BATCH_MAX}"
             if reason is not None:
                 raise fail(reason)
-            if name != "forward_ct":
-                counts[name] = data[name]
-    return counts, data["forward_ct"]
+    raise AssertionError("unreachable: a value out of bounds was found above")
 
 
 def compact(value: Any) -> str:

@@ -65,6 +65,7 @@ This module does not import pytest.
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Iterable, Sequence
 
 from otel_swa.record import (
@@ -171,7 +172,8 @@ def _evaluate(
                 "--no-verify-lag")))
         elif not last.verify_swa < last.verify_full:
             failures.append(Failure("verify lag", lag_text(last)))
-    audited = [item for item in items if any(getattr(item.record, rule.field) is not None for rule in AUDIT_RULES)]
+    audited_fields = operator.attrgetter(*(rule.field for rule in AUDIT_RULES), "forward_ct")  # a tuple, whatever the count
+    audited = [item for item in items if audited_fields(item.record).count(None) < len(AUDIT_RULES)]
     peaks = _peaks(audited, AUDIT_RULES)
     checked = [item for item in items if item.record.provenance_checked]
     provenance_peaks = _peaks(checked, PROVENANCE_RULES)
@@ -198,17 +200,20 @@ def _evaluate(
 
 def _peaks(items: Sequence[RunRecord], rules: Sequence[AuditRule]) -> list[AuditPeak]:
     peaks: list[AuditPeak] = []
+    records = [item.record for item in items]
     for rule in rules:
-        present = [item for item in items if getattr(item.record, rule.field) is not None]
-        if not present:
+        values, kept = list(map(operator.attrgetter(rule.field), records)), items
+        if None in values:  # some records without the field: judge those that have it
+            kept = [item for value, item in zip(values, items) if value is not None]
+            values = [value for value in values if value is not None]
+        if not values:
             continue
-        peak_item = max(present, key=lambda item: getattr(item.record, rule.field))  # first of the largest
-        first = next((item for item in present if getattr(item.record, rule.field) > 0), None)
-        peaks.append(AuditPeak(
-            rule, getattr(peak_item.record, rule.field), peak_item.record.forward_ct, peak_item.line_no,
-            first.record.forward_ct if first else None, first.line_no if first else None,
-            first.record.offender(rule.field) if first else None,
-        ))
+        peak = max(values)
+        peak_item = kept[values.index(peak)]  # the first of the largest
+        first = None if peak <= 0 else next(item for value, item in zip(values, kept) if value > 0)
+        peaks.append(AuditPeak(rule, peak, peak_item.record.forward_ct, peak_item.line_no,
+                               first.record.forward_ct if first else None, first.line_no if first else None,
+                               first.record.offender(rule.field) if first else None))
     return peaks
 
 

@@ -86,17 +86,15 @@ SPAWN = COMMON + textwrap.dedent(
     def torch_entry(rank, steps):  # torch.multiprocessing.spawn calls fn(rank, *args)
         own_pipeline(steps)
 
-    if __name__ == "__main__":
+    if __name__ == "__main__":  # one child started each way, one after the other
         telemetry = configure(exporters="otlp")
         reporter = telemetry.attach(SwaDivergenceReporter(4))
         run(reporter, {PARENT_STEPS})
-        if sys.argv[1] == "torch":
-            import torch.multiprocessing as tmp
-            tmp.spawn(torch_entry, args=({CHILD_STEPS},), nprocs=1, join=True)
-        else:
-            proc = mp.get_context("spawn").Process(target=own_pipeline, args=({CHILD_STEPS},))
-            proc.start(); proc.join()
-            assert proc.exitcode == 0
+        proc = mp.get_context("spawn").Process(target=own_pipeline, args=({CHILD_STEPS},))
+        proc.start(); proc.join()
+        assert proc.exitcode == 0
+        import torch.multiprocessing as tmp
+        tmp.spawn(torch_entry, args=({CHILD_STEPS + 4},), nprocs=1, join=True)
     """
 )
 
@@ -147,12 +145,14 @@ def test_a_forked_child_never_exports_the_parents_numbers_again(agent_binary, tm
     assert set(next(iter(by_pid.values()))) == {float(PARENT_STEPS)}
 
 
-@pytest.mark.parametrize("start", ["multiprocessing", "torch"])
-def test_a_spawned_child_exports_its_own_series(agent_binary, tmp_path, start):
-    run, seen = _run(agent_binary, tmp_path, SPAWN, start)
+def test_a_spawned_child_exports_its_own_series(agent_binary, tmp_path):
+    # a child of multiprocessing's spawn (CHILD_STEPS steps), then one of torch.multiprocessing.spawn
+    # (CHILD_STEPS + 4), in one program: each its own series beside the parent's
+    run, seen = _run(agent_binary, tmp_path, SPAWN)
     by_pid = _forward_steps_by_pid(seen)
-    assert len(by_pid) == 2, by_pid  # distinct process.pid on each resource
-    assert sorted(max(values) for values in by_pid.values()) == [float(CHILD_STEPS), float(PARENT_STEPS)]
+    assert len(by_pid) == 3, by_pid  # distinct process.pid on each resource
+    assert sorted(max(values) for values in by_pid.values()) == [
+        float(CHILD_STEPS), float(CHILD_STEPS + 4), float(PARENT_STEPS)]
 
 
 FORK_BY_HAND_COUNTING = COMMON + textwrap.dedent(
