@@ -9,7 +9,8 @@ device pool and the host pool are both host memory here, as in the engine suite'
    ``backup_from_device_all_layer`` with the ``direct`` backend: one ``index_select`` + ``index_copy_``
    per layer's K and V) alone and with :meth:`HostTier.backup`; a load (one call per layer, as
    ``load_to_device_per_layer``) alone and with :meth:`HostTier.load_started` (before layer 0) and
-   :meth:`HostTier.load_arrived` (after the last layer): microseconds per transferred token, for
+   :meth:`HostTier.load_arrived` (after the last layer), and the tables' moves alone: microseconds
+   per transferred token, for
    transfers of 64 and 1,024 tokens, at the engine suite's SWA pool (3 layers, 2 KV heads of 16,
    float32) and at a 7B-like pool (32 layers, 8 KV heads of 128, bf16);
 2. host memory per host slot: the tables (stamps 8 bytes, folds 16) against the KV bytes the host
@@ -75,35 +76,31 @@ def main() -> None:
             dev = torch.randperm(DEVICE_SLOTS, generator=generator)[:tokens]
             hst = torch.randperm(HOST_SLOTS, generator=generator)[:tokens]
 
-            def backup(follow: bool) -> None:
-                for (dk, dv), (hk, hv) in zip(device, host):
-                    copy_rows(dk, hk, dev, hst)
-                    copy_rows(dv, hv, dev, hst)
-                if follow:
-                    tier.backup("swa", hst, dev)
-
-            def load(follow: bool) -> None:
-                if follow:
+            def transfer(kind: str, copy: bool, follow: bool) -> None:
+                """A backup (``kind`` "backup": device -> host) or a load, its copy and/or its moves."""
+                if follow and kind == "load":
                     tier.load_started("swa", hst, dev)
-                for (dk, dv), (hk, hv) in zip(device, host):
-                    copy_rows(hk, dk, hst, dev)
-                    copy_rows(hv, dv, hst, dev)
+                for pair in zip(device, host) if copy else ():
+                    (src, dst), (src_rows, dst_rows) = (pair, (dev, hst)) if kind == "backup" else (pair[::-1], (hst, dev))
+                    for a, b in zip(src, dst):
+                        copy_rows(a, b, src_rows, dst_rows)
                 if follow:
-                    tier.load_arrived("swa", hst, dev)
+                    (tier.backup if kind == "backup" else tier.load_arrived)("swa", hst, dev)
 
             number = max(1, 2048 // tokens)
             got = interleaved({
-                "backup off": timed(lambda: backup(False), number), "backup on": timed(lambda: backup(True), number),
-                "load off": timed(lambda: load(False), number), "load on": timed(lambda: load(True), number),
+                f"{kind} {variant}": timed(lambda kind=kind, on=on: transfer(kind, *on), number)
+                for kind in ("backup", "load")
+                for variant, on in (("off", (True, False)), ("on", (True, True)), ("moves", (False, True)))
             }, args.rounds)
             per_token = 1e6 / tokens
             for kind in ("backup", "load"):
                 off, on = got[f"{kind} off"], got[f"{kind} on"]
                 rows.append((name, str(tokens), kind, fmt(off, per_token, 3), fmt(on, per_token, 3),
-                             fmt([b - a for a, b in zip(off, on)], per_token, 3), fmt(ratios(on, off), 1, 3)))
+                             fmt(got[f"{kind} moves"], per_token, 3), fmt(ratios(on, off), 1, 3)))
     print_table("1. per transferred token, microseconds (provenance off = the copy alone; on = the copy and the "
                 "host tables' moves)",
-                ("pool shape", "tokens", "transfer", "off", "on", "on - off", "on / off"), rows)
+                ("pool shape", "tokens", "transfer", "off", "on", "the moves alone", "on / off"), rows)
     print_table("2. host memory per host slot, bytes (one pool)",
                 ("pool shape", "KV bytes per slot", "host tables", "tables / KV"), memory)
 

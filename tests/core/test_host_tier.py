@@ -82,3 +82,43 @@ def test_bad_pools_and_paired_lengths_are_refused(pools, message):
     tier = HostTier(provenance(), {"full": 4})
     with pytest.raises(ValueError, match="2 host slots paired with 1 device slots"):
         tier.backup("full", torch.tensor([0, 1]), torch.tensor([2]))
+
+
+def test_kv_loaded_back_into_other_slots_is_verified_as_live_and_never_judged_before_it_arrived():
+    from test_provenance import Engine  # the tiny hybrid cache driven through KvProvenance
+
+    engine = Engine([12, 9])
+    tier = HostTier(engine.prov, {"full": 64, "swa": 64})
+    full = engine.r2t[1, :12].long()
+    swa = engine.mapping[full]
+    host = torch.arange(12)
+    tier.backup("full", host, full)
+    tier.backup("swa", host + 20, swa)
+    saved = [b[s].clone() for b, s in ((engine.k, full), (engine.v, full), (engine.swa_k, swa), (engine.swa_v, swa))]
+    # evicted from the device, the slots overwritten by other bytes, then loaded back elsewhere
+    for buffer, slots in ((engine.k, full), (engine.v, full), (engine.swa_k, swa), (engine.swa_v, swa)):
+        buffer[slots] = 9.0
+    new_full = torch.arange(200, 212)
+    new_swa = engine.mapping[new_full]
+    engine.r2t[1, :12] = new_full.int()
+    # the slots loaded into held other KV before (their folds written, their bytes those folds' no more)
+    engine.prov.folds[0].table[new_full] = torch.tensor([(1 << 62) + 5, 7])
+    engine.prov.folds[1].table[new_swa] = torch.tensor([(1 << 62) + 5, 7])
+    tier.load_started("full", host, new_full)
+    tier.load_started("swa", host + 20, new_swa)
+    # no layer arrived yet: the stamps name the right tokens, the loaded slots' bytes are not judged
+    got = engine.verify()
+    assert (got.foreign_tokens, got.corrupt_tokens) == (0, 0)
+    assert got.checksum_checks == 2 * 9 and got.stamp_checks == 2 * 21
+    # every layer arrived
+    engine.k[new_full], engine.v[new_full], engine.swa_k[new_swa], engine.swa_v[new_swa] = saved
+    tier.load_arrived("full", host, new_full)
+    tier.load_arrived("swa", host + 20, new_swa)
+    got = engine.verify()
+    assert (got.foreign_tokens, got.corrupt_tokens, got.checksum_checks) == (0, 0, 2 * 21)
+    # a loaded slot's bytes changed after the load: corrupt, named by its new slot
+    engine.k[int(new_full[4]), 0, 0] += 0.5
+    got = engine.verify()
+    assert got.corrupt_tokens == 1
+    assert (got.corrupt_offender["pool"], got.corrupt_offender["full_slot"], got.corrupt_offender["position"]) == (
+        "full", 204, 4)

@@ -122,6 +122,7 @@ def test_hicache_backs_up_both_pools_and_a_shared_prefix_comes_back_from_the_hos
     # a repeat found more than the system prompt cached: its own prefix, part of it from the host
     second = [r for r in clean.results["requests"] if r["wave"] == 1]
     assert max(r["cached_tokens"] for r in second) > 16
+    assert "Retract requests" in clean.log  # retracted requests' KV went through the tree and back too
 
 
 def test_the_host_tables_moved_with_every_copy_hicache_made(clean):
