@@ -42,9 +42,9 @@ _log = logging.getLogger(__package__)
 
 #: ``id(device sub-pool) -> (device sub-pool, HostTier, "full"/"swa")`` of this process's wired runners.
 _TIERS: "dict[int, tuple[Any, Any, str]]" = {}
+#: the modules whose classes were wrapped in this process (once each)
 _wrapped: "list[str]" = []
-
-#: (method of ``HostKVCache``, its wrapper maker)
+#: sglang 0.5.23's module of ``HostKVCache``, the host pools' base class
 _HOST_POOL_MODULE = "sglang.srt.mem_cache.pool_host.base"
 
 
