@@ -11,6 +11,8 @@ host tables counted (``HostTier.counts`` of the runner's provenance wiring), to 
 
 from __future__ import annotations
 
+import sys
+
 import sglang_cpu_patches
 import sglang_step_probe
 
@@ -50,10 +52,10 @@ def _patch_mha(module) -> None:
 
 
 def tier_counts(runner) -> "dict | None":
-    """otel-swa's host-table counts of ``runner`` (its wiring's ``host_tier``), or ``None``."""
-    from opentelemetry.instrumentation.swa_sglang.attributes import RUNNER_ATTRIBUTE
-
-    wiring = runner.__dict__.get(RUNNER_ATTRIBUTE)
+    """otel-swa's host-table counts of ``runner`` (its wiring's ``host_tier``), or ``None`` (also when
+    otel-swa's instrumentor was never imported in this process: the probe does not import it)."""
+    attributes = sys.modules.get("opentelemetry.instrumentation.swa_sglang.attributes")
+    wiring = runner.__dict__.get(attributes.RUNNER_ATTRIBUTE) if attributes is not None else None
     provenance = getattr(wiring, "provenance", None)
     tier = provenance[1].get("host_tier") if provenance else None
     return {pool: dict(counts) for pool, counts in tier.counts.items()} if tier is not None else None
@@ -62,10 +64,7 @@ def tier_counts(runner) -> "dict | None":
 def _after_forward(runner, forward_batch, step, line) -> None:
     if COUNTS:
         line["hicache"] = {label: dict(counts) for label, counts in COUNTS.items()}
-    try:
-        tier = tier_counts(runner)
-    except ImportError:  # otel-swa's instrumentor not installed in this process
-        tier = None
+    tier = tier_counts(runner)
     if tier is not None:
         line["tier"] = tier
 
