@@ -50,7 +50,6 @@ def provenance_layout(kv_pool: Any) -> "dict[str, Any] | None":
 #: ``(server argument, runtime-context bag, the values under which the forward step writes every
 #: slot, what fills the slots otherwise)``.
 _KV_FILLED_OUTSIDE_FORWARD = (
-    ("enable_hierarchical_cache", "memory", (False,), "HiCache loads KV back from the host"),
     ("enable_lmcache", "memory", (False,), "LMCache loads KV from its store"),
     ("enable_unified_memory", "memory", (False,), "unified memory compacts KV pages by copying them"),
     ("disaggregation_mode", "disagg", ("null", "prefill"), "a disaggregated decode receives the prefill's KV"),
@@ -61,16 +60,18 @@ def kv_filled_outside_forward(runner: Any) -> "str | None":
     """Why SGLang may fill ``runner``'s KV cache slots without a forward step, or ``None``.
 
     Such slots hold KV whose provenance the stamps do not follow (the forward step writes them, and a
-    load-back or transfer moves bytes only): HiCache (``--enable-hierarchical-cache``), LMCache
+    load-back or transfer moves bytes only): LMCache
     (``--enable-lmcache``), unified memory (``--enable-unified-memory``: its compaction moves KV
     pages per sub-pool, ``UnifiedMHATokenToKVPool.move_kv_cache``), a disaggregated decode instance
     (``--disaggregation-mode decode``; a prefill instance computes its KV itself).
     Read from the model runner's ``server_args`` (sglang 0.5.23 ``ModelRunner.server_args``), else
     from SGLang's runtime context (``sglang.srt.runtime_context.get_memory()`` / ``get_disagg()``);
-    a setting that cannot be read counts as off.
+    a setting that cannot be read counts as off. HiCache (``--enable-hierarchical-cache``) is not
+    one of them: its host pools' copies move the stamps too (the SGLang instrumentor's ``hicache``
+    module).
 
     Returns:
-        the first such setting in words (``"HiCache loads KV back from the host"``), or ``None``.
+        the first such setting in words (``"LMCache loads KV from its store"``), or ``None``.
     """
     args = getattr(runner, "server_args", None)
     for name, bag, written, what in _KV_FILLED_OUTSIDE_FORWARD:

@@ -1,6 +1,6 @@
 """When the SGLang instrumentor switches the KV's provenance on, and how it judges slots never
-stamped: off where SGLang fills slots without a forward step (HiCache, LMCache, disaggregation move
-bytes, not stamps), off for a model runner wired after its graphs were captured (their replays write
+stamped: on with HiCache (its host pools' copies carry the stamps), off where SGLang fills slots
+without a forward step otherwise (LMCache, disaggregation move bytes, not stamps), off for a model runner wired after its graphs were captured (their replays write
 KV without stamps), and never-stamped slots counted unchecked for a runner wired late without graphs
 (its cache may hold KV from before). No sglang needed: stand-ins below."""
 
@@ -38,7 +38,7 @@ class DisaggregationMode:  # sglang's enum: its members carry .value
     ({}, None),
     ({"enable_hierarchical_cache": False, "enable_lmcache": False, "disaggregation_mode": "null"}, None),
     ({"disaggregation_mode": DisaggregationMode("null")}, None),
-    ({"enable_hierarchical_cache": True}, "HiCache loads KV back from the host"),
+    ({"enable_hierarchical_cache": True}, None),  # its host pools' copies move the stamps too
     ({"enable_lmcache": True}, "LMCache loads KV from its store"),
     ({"enable_unified_memory": True}, "unified memory compacts KV pages by copying them"),
     ({"disaggregation_mode": "decode"}, "a disaggregated decode receives the prefill's KV"),
@@ -63,11 +63,21 @@ def test_provenance_is_on_and_judges_never_stamped_slots_for_a_runner_wired_befo
     assert (layout["full_slots"], layout["swa_slots"]) == (64, 32)
 
 
-def test_provenance_is_off_with_hicache_and_says_why(reporter, caplog):
+def test_provenance_is_on_with_hicache_and_follows_its_host_pools(reporter, caplog):
     with caplog.at_level(logging.INFO, logger="opentelemetry.instrumentation.swa_sglang"):
-        assert _enable_provenance(reporter, runner(enable_hierarchical_cache=True)) is None
-    assert "KV provenance is off: HiCache loads KV back from the host without a forward step" in caplog.text
-    assert reporter.provenance is None
+        provenance, layout = _enable_provenance(reporter, runner(enable_hierarchical_cache=True))
+    assert provenance.never_stamped == "foreign" and layout["host_tier"].provenance is provenance
+    assert "KV provenance is off" not in caplog.text and "L3 storage" not in caplog.text
+
+
+def test_with_hicaches_l3_storage_one_line_says_so_and_never_stamped_slots_are_unchecked(reporter, caplog):
+    with caplog.at_level(logging.INFO, logger="opentelemetry.instrumentation.swa_sglang"):
+        provenance, _ = _enable_provenance(reporter, runner(enable_hierarchical_cache=True,
+                                                            hicache_storage_backend="file"))
+    assert provenance.never_stamped == "unchecked"
+    lines = [r.getMessage() for r in caplog.records if "L3 storage" in r.getMessage()]
+    assert lines == ["KV provenance: HiCache's L3 storage (file) fills host slots that no table follows; "
+                     "slots loaded from it are counted unchecked"]
 
 
 def test_a_runner_wired_late_with_graphs_gets_no_provenance_and_without_counts_never_stamped_unchecked(reporter, caplog):

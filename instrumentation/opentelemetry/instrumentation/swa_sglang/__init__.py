@@ -42,7 +42,10 @@ points where SGLang's own KV canary calls its SWA divergence reporter:
     eagerly, checked (the other steps replay as before); its provenance is off when it has graphs
     (their replays write KV without stamps), and otherwise counts slots never stamped as unchecked
     (KV written before it was wired). Provenance is also off where SGLang fills slots without a
-    forward step (HiCache, LMCache, disaggregation: :func:`otel_swa.views.sglang.kv_filled_outside_forward`).
+    forward step (LMCache, disaggregation: :func:`otel_swa.views.sglang.kv_filled_outside_forward`);
+    with HiCache it stays on and follows the KV to the host pools and back
+    (:mod:`~opentelemetry.instrumentation.swa_sglang.hicache`: ``HostKVCache``'s copy calls and
+    ``alloc`` are wrapped in the scheduler process when the first such runner is wired).
 ``sglang.srt.layers.radix_attention.RadixAttention.forward(self, q, k, v, forward_batch, ...)``
     The KV's provenance (:mod:`otel_swa.device.provenance`; ``OTEL_SWA_PROVENANCE``, default
     ``all``: every layer, every byte; ``prefix`` the cheaper one-layer, 64-byte option). Each attention layer of an observed model runner carries its wiring (set when the

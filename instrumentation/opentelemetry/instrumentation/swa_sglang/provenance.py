@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 from opentelemetry.instrumentation.swa_sglang.attributes import PROVENANCE_ATTRIBUTE
+from opentelemetry.instrumentation.swa_sglang.hicache import follow_host_tier, hicache_storage
 from opentelemetry.instrumentation.swa_sglang.process import configured
 
 _log = logging.getLogger(__package__)  # the instrumentor's logger (opentelemetry.instrumentation.swa_sglang)
@@ -20,11 +21,13 @@ def _enable_provenance(reporter: Any, runner: Any, *, late: bool = False) -> "tu
     ``(provenance, layout)`` (:func:`otel_swa.views.sglang.provenance_layout`), or ``None``, logged
     with the reason: off, a pool it cannot read, speculative decoding (a target-verify step writes
     the K/V of draft tokens that are later rejected, which the stamps do not follow), KV filled
-    without a forward step (:func:`otel_swa.views.sglang.kv_filled_outside_forward`: HiCache, LMCache,
+    without a forward step (:func:`otel_swa.views.sglang.kv_filled_outside_forward`: LMCache,
     disaggregation move bytes, not stamps), or a ``late`` runner whose graphs were captured without
     the stamps (their replays would write KV under stale stamps). A ``late`` runner without graphs
     gets provenance whose never-stamped slots are counted unchecked (its cache may hold KV written
-    before it was wired)."""
+    before it was wired). With HiCache on (``enable_hierarchical_cache``) the stamps and checksums
+    follow the KV to the host pools and back (:mod:`~opentelemetry.instrumentation.swa_sglang.hicache`);
+    with an L3 storage backend beside it, slots loaded from storage are counted unchecked."""
     from otel_swa import config
     from otel_swa.views.sglang import kv_filled_outside_forward, provenance_layout
 
@@ -47,12 +50,19 @@ def _enable_provenance(reporter: Any, runner: Any, *, late: bool = False) -> "tu
     if layout is None:
         _log.info("KV provenance is off: the model runner's KV pool is not an SWAKVPool of K/V buffers")
         return None
+    hicache = bool(getattr(getattr(runner, "server_args", None), "enable_hierarchical_cache", False))
+    storage = hicache_storage(runner) if hicache else None
+    if storage is not None:
+        _log.info("KV provenance: HiCache's L3 storage (%s) fills host slots that no table follows; "
+                  "slots loaded from it are counted unchecked", storage)
     try:
         provenance = reporter.enable_provenance(full_slots=layout["full_slots"], swa_slots=layout["swa_slots"],
                                                 checksum=settings[0], budget=settings[1],
                                                 checksum_layers=layout["checksum_layers"],
                                                 checksum_order=layout["checksum_order"],
-                                                never_stamped="unchecked" if late else "foreign")
+                                                never_stamped="unchecked" if late or storage else "foreign")
+        if hicache:
+            layout = {**layout, "host_tier": follow_host_tier(provenance, runner.token_to_kv_pool)}
     except Exception:
         _log.exception("KV provenance is off for this model runner")
         return None

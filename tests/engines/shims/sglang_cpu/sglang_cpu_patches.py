@@ -22,6 +22,8 @@ three pieces of its KV canary assume an accelerator, and one attention bug hides
    remaps (divergence >= 1, exactly what these tests need) it reads other tokens' KV, or raises
    ``IndexError`` past the SWA pool. For sliding-window layers the read path is given
    ``req_to_token`` translated through the mapping, which makes it read what it wrote.
+5. HiCache's two CUDA-only calls (``pool_host/common._cuda_host_register`` and
+   ``pool_host/mha.transfer_kv_direct``): :mod:`sglang_hicache_cpu`.
 
 Installed by ``tests/engines/shims/install.py`` (a ``.pth`` file in the test environment); each
 patch is applied once, right after its module is first imported, and only to that module, through
@@ -128,6 +130,12 @@ PATCHES = {
 }
 
 
+def _hicache_patches() -> dict:
+    import sglang_hicache_cpu
+
+    return sglang_hicache_cpu.PATCHES
+
+
 def _applied(patch, name: str):
     def apply(module: types.ModuleType) -> None:
         patch(module)
@@ -163,6 +171,8 @@ def install() -> None:
         if patch is _patch_torch_native_backend and raw_read:
             continue  # sglang 0.5.23's own read bug, left in on purpose (see sglang_faults)
         add_patch(name, patch)
+    for name, patch in _hicache_patches().items():
+        add_patch(name, patch)
     if os.environ.get("OTEL_SWA_TEST_SGLANG_PROFILE"):  # benchmarks/bench_sglang_engine.py
         import sglang_step_profile
 
@@ -171,6 +181,9 @@ def install() -> None:
         import sglang_step_probe
 
         sglang_step_probe.install()
+        import sglang_hicache_probe
+
+        sglang_hicache_probe.install()
         if fault:
             import sglang_faults
 

@@ -45,6 +45,10 @@ one forward step, on the requests of the batch closest to finishing:
     :mod:`fault_v_sign_bit_flip`: the sign bit of the last element of a live V row (past its first
     64 bytes) of the last layer flipped.
 
+Faults of HiCache's host tier (:mod:`fault_hicache_tier`, one module for the four; the engine
+suite's HiCache runs): ``hicache_load_bytes_changed``, ``hicache_load_wrong_slots``,
+``hicache_stale_host_copy``, ``hicache_skipped_swa_backup``.
+
 Every injection that took effect appends ``{"pid", "fault", "step", ...}`` to
 ``faults-<pid>.jsonl`` in the probe's directory: ``step`` is the first forward step whose sample can
 see the fault (the test compares the first detection with it); provenance faults add ``requests``
@@ -58,7 +62,8 @@ import os
 
 FAULTS = ("torch_native_raw_read", "early_eviction", "leak_on_free", "freed_while_mapped",
           "wrong_position", "swapped_ownership", "stale_write_loc", "write_raw", "stale_prefix",
-          "deep_layer_write", "v_sign_bit_flip")
+          "deep_layer_write", "v_sign_bit_flip", "hicache_load_bytes_changed", "hicache_load_wrong_slots",
+          "hicache_stale_host_copy", "hicache_skipped_swa_backup")
 
 #: fault -> the module that makes it
 _MODULES = {
@@ -179,6 +184,10 @@ def install(spec: str) -> None:
     for name, step in faults:
         if name == "torch_native_raw_read":
             _install_raw_read()
+        elif name.startswith("hicache_"):
+            import fault_hicache_tier
+
+            fault_hicache_tier.install(name, step)
         elif name in GATED:
             __import__(_MODULES[name]).install(step, gate, order)
             order += 1
