@@ -119,6 +119,26 @@ class InForwardChecks:
                 self._parts["write"] = provenance.write_check
         return provenance
 
+    def attach_provenance(self, provenance: "KvProvenance") -> None:
+        """Take the verification of a provenance the engine made itself (e.g.
+        :class:`~otel_swa.device.paged_provenance.PagedProvenance`, made where the model runner is
+        set up before the scheduler exists) into every sample, as :meth:`enable_provenance`'s: its
+        stamps and checksums are written by the engine, the samples stage its verification. Its
+        gate, when it is not this reporter's own, is set by :meth:`before_forward` too.
+
+        Raises:
+            TypeError: ``provenance`` is not a ``KvProvenance``.
+        """
+        from otel_swa.device.provenance import KvProvenance
+
+        if not isinstance(provenance, KvProvenance):
+            raise TypeError(f"provenance must be a KvProvenance, got {type(provenance).__name__}")
+        self._parts["provenance"] = provenance
+        gate = provenance.gate
+        if gate is not self._gate and all(g is not gate for g in self._other_gates):
+            self._other_gates.append(gate)
+            gate.due = self._gate.due
+
     @property
     def provenance(self) -> "KvProvenance | None":
         """Provenance, or ``None`` while it is off."""

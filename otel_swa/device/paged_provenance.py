@@ -19,7 +19,8 @@ tells and the bounds); what differs for a paged engine (vLLM's v1 KV cache, the 
 * **the writes.** Each group's stamps are written at its first layer's store in a forward step
   (:meth:`PagedProvenance.stamp_group`: the group's own slot mapping, the step's token ids and
   positions, the chain read through the group's block table), the folds of those slots reset there;
-  every layer of the group then folds the hash of the K/V it was given
+  written in two passes (module docstring of :meth:`PagedProvenance.stamp_group`'s body: a prefix-cache
+  hit in the step on a block the step writes); every layer of the group then folds the hash of the K/V it was given
   (:meth:`~otel_swa.device.provenance.KvProvenance.after_layer` with a paged
   :class:`~otel_swa.device.write_check.LayerStore`). Padding (slot ``-1``) is written at slot 0, in
   the null block, which never holds a live token.
@@ -190,8 +191,13 @@ class PagedProvenance(KvProvenance):
             return
         slots = slot_mapping.long().clamp(0, stamps.shape[0] - 1)  # padding (-1) to slot 0, the null block's
         rows = torch.arange(batch, device=slots.device)
-        write_stamps(stamps, input_ids[:tokens], positions[:tokens], slots, rows,
-                     BlockSlots(block_table[:batch], block_size), query_start_loc[:-1])
+        table = BlockSlots(block_table[:batch], block_size)
+        # twice: a request admitted with a prefix-cache hit on a block another request of the step
+        # writes (vLLM caches a block's hash when it allocates it) reads its previous position's
+        # stamp from that block, which the first pass wrote; the second reads it (the others'
+        # stamps come out the same)
+        for _ in range(2):
+            write_stamps(stamps, input_ids[:tokens], positions[:tokens], slots, rows, table, query_start_loc[:-1])
         folds = self.folds[pool]
         if folds is not None:
             folds.reset(slots)

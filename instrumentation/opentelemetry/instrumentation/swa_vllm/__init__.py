@@ -159,6 +159,24 @@ WRAPPED = (
 _SLIDING_WINDOW_MANAGER = ("vllm.v1.core.single_type_kv_cache_manager", "SlidingWindowManager")
 
 
+def _provenance_view(wiring: Any, scheduler: Any, request_ids: list, scheduled: list) -> Any:
+    """The sample's KV provenance tables (:func:`otel_swa.views.vllm_provenance.provenance_view`)
+    when the paired runner has provenance, else ``None``; a failure is logged once per scheduler."""
+    provenance = wiring.reporter.provenance
+    if provenance is None:
+        return None
+    from otel_swa.views.vllm_provenance import provenance_view
+
+    try:
+        return provenance_view(scheduler.kv_cache_manager, scheduler.requests, request_ids, scheduled,
+                               provenance.device)
+    except Exception:
+        wiring.read_failures += 1
+        if wiring.read_failures == 1:
+            _log.exception("vLLM's KV provenance tables not read; samples without the provenance check")
+        return None
+
+
 class VllmVersionError(EngineVersionError):
     """The installed vLLM lacks a method (or parameter) this instrumentation wraps.
 
@@ -306,15 +324,16 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                     audit = hashes = None
             manager = wiring.manager
             window = getattr(manager, "sliding_window", None)
-            if type(window) is not int or window < 1:  # noqa: E721
-                return table.view(kv_block_audit=audit, kv_block_hashes=hashes)
             scheduled = [int(output.num_scheduled_tokens[rid]) for rid in request_ids]
+            kv = _provenance_view(wiring, scheduler, request_ids, scheduled)
+            if type(window) is not int or window < 1:  # noqa: E721
+                return table.view(kv_block_audit=audit, kv_block_hashes=hashes, kv_provenance=kv)
             in_flight = [int(getattr(requests[rid], "num_in_flight_tokens", s)) for rid, s in zip(request_ids, scheduled)]
             allowance = view.window_allowance(
                 num_tokens, scheduled, in_flight, block_size=table.block_size, sliding_window=window,
                 extra_retained_tokens=int(getattr(manager, "extra_retained_tokens", 0) or 0))
             return table.view(sliding_window=window, extend_lens_cpu=scheduled, swa_eviction_allowance=allowance,
-                              kv_block_audit=audit, kv_block_hashes=hashes)
+                              kv_block_audit=audit, kv_block_hashes=hashes, kv_provenance=kv)
 
         reporter.step(sample)
 
