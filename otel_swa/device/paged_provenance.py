@@ -40,6 +40,7 @@ both tables), ``token_ids``, ``request_ids``, and the window fields of
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
 from typing import Any, Callable, NamedTuple
 
 import numpy as np
@@ -48,10 +49,10 @@ import torch
 from otel_swa.device.checksum import RowHasher
 from otel_swa.device.kv_folds import FOLD_MARK, PoolFolds
 from otel_swa.device.provenance import KvProvenance
-from otel_swa.device.provenance_reading import ProvenanceMeta
+from otel_swa.device.provenance_reading import PROVENANCE_POOLS, ProvenanceMeta, ProvenanceReading
 from otel_swa.device.stamps import write_stamps
 
-__all__ = ["BlockSlots", "PagedFolds", "PagedProvenance"]
+__all__ = ["BlockSlots", "PagedFolds", "PagedProvenance", "PagedMeta"]
 
 
 class BlockSlots:
@@ -210,11 +211,45 @@ class PagedProvenance(KvProvenance):
     def stage(self, out: torch.Tensor, view: Any, upload: "Callable[[np.ndarray], torch.Tensor] | None" = None
               ) -> "ProvenanceMeta | None":
         """:meth:`KvProvenance.stage` over the view's ``kv_provenance`` (module docstring); ``None``
-        (nothing staged) without one."""
+        (nothing staged) without one. The reading's offenders also name their ``block`` (the slot's,
+        in the offender's pool) and ``kv_cache_group`` (the view's ``kv_cache_groups``: the group
+        index of each pool, when given)."""
         inner = getattr(view, "kv_provenance", None)
         if inner is None:
             return None
-        return super().stage(out, inner, upload)
+        meta = super().stage(out, inner, upload)
+        if meta is None:
+            return None
+        sizes = (inner.req_to_token.block_size, inner.swa_req_to_token.block_size)
+        return PagedMeta(meta.taken, meta.over_budget, meta.checksums, meta.layer_ids, sizes,
+                         tuple(getattr(inner, "kv_cache_groups", None) or (None, None)))
+
+
+@dataclass(frozen=True)
+class PagedMeta(ProvenanceMeta):
+    """:class:`~otel_swa.device.provenance_reading.ProvenanceMeta` of a paged pool: the offenders of
+    its reading also name the ``block`` of their slot and their ``kv_cache_group``.
+
+    Attributes:
+        block_sizes: tokens per block of the FULL and of the SWA pool.
+        groups: the KV cache group index of each pool (``None``: not known).
+    """
+
+    block_sizes: "tuple[int, int]" = (1, 1)
+    groups: "tuple[int | None, int | None]" = (None, None)
+
+    def read(self, values: Any) -> ProvenanceReading:
+        reading = super().read(values)
+        return replace(reading, foreign_offender=self._where(reading.foreign_offender),
+                       corrupt_offender=self._where(reading.corrupt_offender))
+
+    def _where(self, where: "dict | None") -> "dict | None":
+        if where is None:
+            return None
+        pool = PROVENANCE_POOLS.index(where["pool"])
+        slot = where["swa_slot"] if pool == 1 else where["full_slot"]
+        return {**where, "block": None if slot is None else slot // self.block_sizes[pool],
+                "kv_cache_group": self.groups[pool]}
 
 
 def _paged_folds(folds: PoolFolds) -> PagedFolds:

@@ -93,6 +93,7 @@ def provenance_view(kv_cache_manager: Any, requests: Mapping[str, Any], request_
     if groups is None:
         return None
     full, swa = groups
+    managers = list(kv_cache_manager.coordinator.single_type_managers)
     device = torch.device(device)
     window = getattr(getattr(swa, "kv_cache_spec", None), "sliding_window", None) or getattr(swa, "sliding_window", None)
     computed = [int(requests[rid].num_computed_tokens) for rid in request_ids]
@@ -111,4 +112,5 @@ def provenance_view(kv_cache_manager: Any, requests: Mapping[str, Any], request_
         sliding_window=int(window) if type(window) is int else None,  # noqa: E721
         extend_lens_cpu=None,
         swa_eviction_allowance=int(swa.block_size),
+        kv_cache_groups=(managers.index(full), managers.index(swa)),
     )

@@ -63,7 +63,7 @@ class Paged:
             seq_lens_cpu=[len(t) for t in self.tokens], req_to_token=BlockSlots(self.tables[False], BS),
             swa_req_to_token=BlockSlots(self.tables[True], BS), req_pool_indices=torch.arange(2),
             token_ids=[list(t) for t in self.tokens], request_ids=["a", "b"], sliding_window=window,
-            full_to_swa_index_mapping=None))
+            full_to_swa_index_mapping=None, kv_cache_groups=(1, 0)))
 
     def read(self):
         out = torch.zeros(PROVENANCE_WIDTH, dtype=torch.int64)
@@ -100,6 +100,7 @@ def test_blocks_swapped_between_requests_are_foreign_and_named():
     assert reading.foreign_tokens == 2 + 0  # request 0's positions 4, 5 read request 1's block (3 of 4 unwritten)
     where = reading.foreign_offender
     assert (where["entry"], where["position"], where["pool"], where["full_slot"]) == (0, 4, "full", 6 * BS)
+    assert (where["block"], where["kv_cache_group"]) == (6, 1)
 
 
 def test_a_block_of_one_group_overwritten_through_the_other_is_corrupt_with_its_layer():
@@ -112,6 +113,7 @@ def test_a_block_of_one_group_overwritten_through_the_other_is_corrupt_with_its_
     where = reading.corrupt_offender
     assert (where["entry"], where["position"], where["pool"], where["full_slot"], where["layer"]) == (1, 1, "full",
                                                                                                      5 * BS + 1, 3)
+    assert (where["block"], where["kv_cache_group"]) == (5, 1)
 
 
 def test_the_null_block_is_not_verified_in_the_sliding_window_group():
