@@ -34,7 +34,10 @@ from otel_swa import config
 from otel_swa import environment_variables as ev
 
 sys.path.insert(0, str(Path(__file__).with_name("vllm_engine")))
+sys.path.insert(0, str(Path(__file__).parent))
+import detection_table  # noqa: E402
 from harness import build_model, run_llm  # noqa: E402
+from otel_swa.testing.judge import AUDIT_RULES, PROVENANCE_RULES, REPORTED_RULES  # noqa: E402
 
 pytestmark = pytest.mark.vllm_engine
 
@@ -45,8 +48,19 @@ RUNS = {
     "plugin": dict(llm=SMALL_CHUNKED),
     "plugin_no_prefix_cache": dict(llm={**SMALL_CHUNKED, "enable_prefix_caching": False}),
     "instrument": dict(llm={"enable_prefix_caching": True, "kv_cache_memory_bytes": 2 << 20}, launcher=True),
-    "write_slot_off": dict(llm=SMALL_CHUNKED, fault="write_slot_off", fault_at=10),
 }
+#: The faults of ``vllm_engine/faults.py`` made in ``plugin``'s configuration from forward step
+#: ``FAULT_STEP`` on, and the upstream class each re-creates (its docstring there says how).
+FAULT_STEP = 10
+UPSTREAM = {
+    "write_slot_off": "sgl-project/sglang#20181 (a store at another slot)",
+    "blocks_swapped": "vllm#50702 (block ownership changed after the write)",
+    "stale_prefix_entry": "vllm#50702 / #50749 (stale prefix-cache entry)",
+    "other_group_block": "vllm#47574 (a block of one KV cache group reused by the other)",
+    "cached_byte": "a byte changed in a cached block",
+    "wrong_position": "vllm#33656 (KV written for the wrong position)",
+}
+RUNS.update({name: dict(llm=SMALL_CHUNKED, fault=name, fault_at=FAULT_STEP) for name in UPSTREAM})
 CLEAN = ("plugin", "plugin_no_prefix_cache", "instrument")
 
 
@@ -185,3 +199,48 @@ def test_the_shutdown_otel_swa_wraps_has_the_signature_it_relies_on(vllm_here):
     module = sys.modules[stop_paths.MODULE]
     assert getattr(module, stop_paths.FUNCTION) is vllm.v1.utils.shutdown  # the name vLLM's manager calls
     assert tuple(inspect.signature(vllm.v1.utils.shutdown).parameters)[:2] == stop_paths.PARAMETERS
+
+
+#: The fields that fail ``otel-swa check`` and those only reported (the detection table's signal).
+FAILING = tuple(rule.field for rule in AUDIT_RULES + PROVENANCE_RULES)
+REPORTED = tuple(rule.field for rule in REPORTED_RULES)
+
+
+def fault_row(run, clean) -> dict:
+    """The detection row of a fault run (``detection_table.KEYS``; the configuration cell says how
+    many of the outputs differ from the clean run's)."""
+    name = run.name
+    records = {r.forward_ct: r for r in run.records if r.forward_ct is not None}
+    signal, at = detection_table.first_signal(records, FAILING, REPORTED)
+    offender = records[at].offender(signal) if at is not None and signal in FAILING else None
+    changed = sum(a != b for a, b in zip(run.outputs(), clean.outputs()))
+    made = run.results["fault"]
+    return {
+        "engine": detection_table.ENGINE_CPU,
+        "fault": f"{name} (LLM.generate, prefix caching, chunked prefill; {changed} of {len(run.outputs())} "
+                 "outputs differ from the clean run)",
+        "upstream": UPSTREAM[name], "signal": signal, "injected_at": made.get("step"), "first_forward_ct": at,
+        "offender": offender.describe() if offender is not None else None, "check_exit": run.check()[0],
+    }
+
+
+@pytest.mark.parametrize("name", tuple(UPSTREAM))
+def test_every_fault_fails_check_naming_its_first_offender_from_the_step_it_was_made(runs, name, capsys):
+    run = runs(name)
+    row = fault_row(run, runs("off"))
+    made = run.results["fault"]
+    assert made.get("step") is not None and made["step"] >= FAULT_STEP, made  # the fault was made
+    assert row["check_exit"] == 1 and row["signal"] in FAILING, row
+    assert row["first_forward_ct"] >= made["step"], row  # nothing flagged before the fault
+    assert row["offender"] is not None and ("position" in row["offender"] or "block" in row["offender"]), row
+    with capsys.disabled():
+        print(f"\n  vllm engine {name}: {row}")
+
+
+def test_the_fault_rows_are_the_docs_table(runs):
+    rows = [fault_row(runs(name), runs("off")) for name in UPSTREAM]
+    path = detection_table.write_rows(detection_table.ENGINE_CPU, rows)
+    assert detection_table.read_rows(path, detection_table.ENGINE_CPU) == rows
+    documented = detection_table.docs_rows(detection_table.DOCS.read_text(), detection_table.ENGINE_CPU)
+    assert documented == rows, "docs/engines.md's vLLM engine detection table is stale: run the vLLM engine suite " \
+        f"with {detection_table.ROWS_VARIABLE}=DIR, then python tests/engines/detection_table.py DIR --write"
