@@ -209,6 +209,27 @@ class InForwardChecks:
                                                     gate=self._gate)
         return check
 
+    def attach_read_check(self, check: "ReadCheck", *, batch: "Callable[[], Any] | None" = None) -> None:
+        """Take the cells of a read check the engine runs itself (made with the model runner, before
+        this reporter, on the KV cache's device) into every sample, as :meth:`enable_read_check`'s;
+        ``batch`` returns the request ids of the forward step whose checks the cells hold (its
+        offender's ``entry`` is a row of that batch). Its gate, when not this reporter's own, is set
+        by :meth:`before_forward` too.
+
+        Raises:
+            TypeError: ``check`` is not a ``ReadCheck``.
+        """
+        from otel_swa.checks.read import AttachedReadCheck
+        from otel_swa.device.read_check import ReadCheck
+
+        if not isinstance(check, ReadCheck):
+            raise TypeError(f"check must be a ReadCheck, got {type(check).__name__}")
+        self._parts["read"] = AttachedReadCheck(check, batch, None)
+        gate = check.gate
+        if gate is not self._gate and all(g is not gate for g in self._other_gates):
+            self._other_gates.append(gate)
+            gate.due = self._gate.due
+
     @property
     def read_check(self) -> "ReadCheck | None":
         """The read check, or ``None`` while it is off."""

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from otel_swa.checks.protocol import CheckField, InForwardCheck, SampleBatch, outcome_counter, outcome_summary
+from otel_swa.checks.protocol import CheckField, InForwardCheck, SampleBatch, Staging, outcome_counter, outcome_summary
+from otel_swa.checks.write import AttachedWriteCheck
 
 __all__ = ["READ_CELLS", "READ_WIDTH", "read_counts", "read_offender_fields", "ReadCheckSpec", "CHECK"]
 
@@ -81,18 +82,36 @@ class ReadCheckSpec(InForwardCheck):
 
     width = READ_WIDTH
 
+    def keep(self, staging: Staging, staged: Any) -> Any:
+        if isinstance(staged, AttachedReadCheck):
+            return staged.request_ids()
+        return None  # the reporter's own read check: its entry is the batch entry
+
     def read(self, cells: Sequence[int], kept: Any, batch: SampleBatch) -> "tuple[dict, list[dict]]":
         checked, mismatched, unchecked = read_counts(cells)
         fields = {"swa_read_checks": checked, "swa_read_mismatches": mismatched, "swa_read_unchecked": unchecked}
         where = read_offender_fields(cells)
         if where is None or not mismatched:
             return fields, []
-        return fields, [dict(fault="swa_read_mismatches", request=batch.request(where["entry"]), row=where["row"],
+        entry = where["entry"]
+        if kept is not None:  # an attached check: its entry is a row of the engine's own batch
+            request = kept[entry] if entry is not None and 0 <= entry < len(kept) else None
+        else:
+            request = batch.request(entry)
+        return fields, [dict(fault="swa_read_mismatches", request=request, row=where["row"],
                              position=where["position"], full_slot=where["full_slot"], swa_slot=where["swa_slot"],
                              swa_page=batch.swa_page(where["swa_slot"]), layer=where["layer"])]
 
     def summary(self, records: Sequence[Any]) -> str:
         return outcome_summary(self, records, "queries disagreed", "WRONG READS")
+
+
+class AttachedReadCheck(AttachedWriteCheck):
+    """A read check the engine runs itself (a :class:`~otel_swa.device.read_check.ReadCheck` made
+    with the model runner, e.g. vLLM's), with the request ids of the batch its cells hold (the
+    reporter's part for :meth:`~otel_swa.reporter.SwaDivergenceReporter.attach_read_check`)."""
+
+    __slots__ = ()
 
 
 #: The read check.

@@ -52,7 +52,7 @@ from otel_swa.device.provenance import KvProvenance
 from otel_swa.device.provenance_reading import PROVENANCE_POOLS, ProvenanceMeta, ProvenanceReading
 from otel_swa.device.stamps import write_stamps
 
-__all__ = ["BlockSlots", "PagedFolds", "PagedProvenance", "PagedMeta"]
+__all__ = ["BlockSlots", "PagedRows", "PagedFolds", "PagedProvenance", "PagedMeta"]
 
 
 class BlockSlots:
@@ -64,6 +64,9 @@ class BlockSlots:
         table: ``int32``/``int64 [rows, max_blocks]``, block ids (0: the null block).
         block_size: tokens per block (the size the slots count in), int >= 1.
     """
+
+    def dim(self) -> int:
+        return 2
 
     def __init__(self, table: torch.Tensor, block_size: int) -> None:
         if table.dim() != 2 or type(block_size) is not int or block_size < 1:  # noqa: E721
@@ -87,6 +90,35 @@ class BlockSlots:
         blocks = self.blocks(rows, positions)
         slots = blocks * self.block_size + positions.long() % self.block_size
         return slots.masked_fill_(blocks.eq(0), 0)
+
+
+class PagedRows:
+    """A paged K or V view read as ``[slots, ...]`` rows, without a copy: what the read check
+    (:meth:`otel_swa.device.read_check.ReadCheck.check_layer`) gathers from (``shape``, ``dim()``,
+    ``dtype``, ``device``, ``index_select(0, slots)``).
+
+    Args:
+        view: ``[num_blocks, block_size, heads, head_size]`` (any strides: e.g.
+            :func:`otel_swa.device.paged_write.cpu_attn_kv_views`); slot ``s`` is ``view[s //
+            block_size, s % block_size]``.
+    """
+
+    def __init__(self, view: torch.Tensor) -> None:
+        self.view = view
+        self.block_size = int(view.shape[1])
+        self.shape = torch.Size((int(view.shape[0]) * self.block_size,) + tuple(view.shape[2:]))
+        self.dtype = view.dtype
+        self.device = view.device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def index_select(self, dim: int, slots: torch.Tensor) -> torch.Tensor:
+        """The rows at ``slots`` (``int64 [n]``, inside the view): ``[n, heads, head_size]``, a copy."""
+        if dim != 0:
+            raise ValueError(f"paged rows are selected along dimension 0, got {dim}")
+        slots = slots.long()
+        return self.view[torch.div(slots, self.block_size, rounding_mode="floor"), slots % self.block_size]
 
 
 class _PagedLayer(NamedTuple):

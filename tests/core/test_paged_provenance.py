@@ -122,3 +122,38 @@ def test_the_null_block_is_not_verified_in_the_sliding_window_group():
     reading = paged.read()
     assert (reading.foreign_tokens, reading.corrupt_tokens) == (0, 0)
     assert reading.stamp_checks == 20 - 4
+
+
+def test_the_read_check_reads_paged_rows_through_a_block_table():
+    """:class:`PagedRows` and :class:`BlockSlots` in place of SGLang's buffers and ``req_to_token``:
+    an output computed here from the window's keys agrees, one changed key in the window does not."""
+    from otel_swa.device.paged_provenance import PagedRows
+    from otel_swa.device.read_check import ReadCheck
+
+    gen = torch.Generator().manual_seed(1)
+    kv = torch.randn(BLOCKS, H, BS, 2 * D, generator=gen)
+    kc, vc = cpu_attn_kv_views(kv, D)
+    table = torch.tensor([[3, 5, 7], [0, 9, 2]])  # request 1's first block left the window (null)
+    seq_lens, window, heads = torch.tensor([11, 10]), 5, 2 * H
+    q = torch.randn(2, heads, D, generator=gen)
+    outs = []
+    for row, n in enumerate(seq_lens.tolist()):
+        positions = torch.arange(n - window, n)
+        slots = BlockSlots(table, BS)[torch.full_like(positions, row), positions]
+        k, v = kc[slots // BS, slots % BS], vc[slots // BS, slots % BS]  # [W, H, D]
+        k, v = k.repeat_interleave(heads // H, dim=1), v.repeat_interleave(heads // H, dim=1)
+        w = torch.softmax(torch.einsum("hd,whd->hw", q[row], k) * 0.25, dim=-1)
+        outs.append(torch.einsum("hw,whd->hd", w, v))
+    out = torch.stack(outs)
+
+    def run():
+        check = ReadCheck("cpu", max_queries=2, layers="all", gate=SamplingGate("cpu"))
+        check.check_layer(layer_id=0, q=q, out=out, k_buffer=PagedRows(kc), v_buffer=PagedRows(vc),
+                          req_to_token=BlockSlots(table, BS), full_to_swa_index_mapping=None,
+                          req_pool_indices=torch.arange(2), seq_lens=seq_lens, query_rows=None, window=window,
+                          scaling=0.25, num_q_heads=heads)
+        return check.cells.tolist()[:3]
+
+    assert run()[:2] == [2, 0]
+    kc[9, 2] += 1.0  # request 1's position 6 (block 9, offset 2), inside its window
+    assert run()[:2] == [2, 1]

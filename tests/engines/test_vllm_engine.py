@@ -25,6 +25,7 @@ Every run checks vLLM's KV writes (the write check on CPU_ATTN's layout, wrapped
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -220,8 +221,14 @@ def fault_row(run, clean) -> dict:
         "fault": f"{name} (LLM.generate, prefix caching, chunked prefill; {changed} of {len(run.outputs())} "
                  "outputs differ from the clean run)",
         "upstream": UPSTREAM[name], "signal": signal, "injected_at": made.get("step"), "first_forward_ct": at,
-        "offender": offender.describe() if offender is not None else None, "check_exit": run.check()[0],
+        "offender": _stable(offender.describe()) if offender is not None else None, "check_exit": run.check()[0],
     }
+
+
+def _stable(text: str) -> str:
+    """``text`` without the random part of vLLM's request ids (``LLM.generate`` names request ``i``
+    ``"i-<8 random hex digits>"``), so that every run writes the same row."""
+    return re.sub(r"\b(request \d+)-[0-9a-f]{8}\b", r"\1", text)
 
 
 @pytest.mark.parametrize("name", tuple(UPSTREAM))

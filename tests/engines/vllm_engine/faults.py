@@ -119,6 +119,28 @@ def _decoding(scheduler, output, min_blocks: int) -> list:
     return picked
 
 
+def _at_two_decoding(at: int, made: dict, edit) -> None:
+    """Run ``edit(scheduler, a, b)`` (returns the fields ``made`` gets) once, at the first step from
+    ``at`` on that schedules two decoding requests ``a``, ``b`` (:func:`_decoding`)."""
+
+    def hook(scheduler, output):
+        if "step" in made or _STEP[0] < at:
+            return
+        picked = _decoding(scheduler, output, 2)
+        if len(picked) >= 2:
+            made.update(step=_STEP[0], requests=picked[:2], **edit(scheduler, *picked[:2]))
+
+    _hook_engine()
+    _SCHEDULED.append(hook)
+
+
+def _last_block(scheduler, group: int, rid: str) -> "tuple[int, Any]":
+    """``(column, block)`` of the block holding request ``rid``'s last written position in ``group``."""
+    manager = scheduler.kv_cache_manager.coordinator.single_type_managers[group]
+    column = (scheduler.requests[rid].num_computed_tokens - 1) // manager.block_size
+    return column, manager.req_to_blocks[rid][column]
+
+
 def _blocks_swapped(at: int, made: dict) -> None:
     """``blocks_swapped``: two decoding requests exchange the partly written last block of their
     full-attention tables after their KV was written there (both the scheduler's tables and the
@@ -126,23 +148,14 @@ def _blocks_swapped(at: int, made: dict) -> None:
     KV stays (vllm#50702's stale block table entries; sgl-project/sglang#20181's swapped
     ``req_to_token`` rows): each request then reads the other's KV at its own positions."""
 
-    def hook(scheduler, output):
-        if "step" in made or _STEP[0] < at:
-            return
-        picked = _decoding(scheduler, output, 2)
-        if len(picked) < 2:
-            return
+    def edit(scheduler, a, b):
         full, _ = _groups(scheduler)
-        manager = scheduler.kv_cache_manager.coordinator.single_type_managers[full]
-        (a, b), bs = picked[:2], manager.block_size
-        columns = [(scheduler.requests[r].num_computed_tokens - 1) // bs for r in (a, b)]
-        blocks = [manager.req_to_blocks[r][c] for r, c in zip((a, b), columns)]
-        _set_entry(scheduler, a, full, columns[0], blocks[1])
-        _set_entry(scheduler, b, full, columns[1], blocks[0])
-        made.update(step=_STEP[0], requests=[a, b], blocks=[blk.block_id for blk in blocks])
+        (ca, blk_a), (cb, blk_b) = _last_block(scheduler, full, a), _last_block(scheduler, full, b)
+        _set_entry(scheduler, a, full, ca, blk_b)
+        _set_entry(scheduler, b, full, cb, blk_a)
+        return {"blocks": [blk_a.block_id, blk_b.block_id]}
 
-    _hook_engine()
-    _SCHEDULED.append(hook)
+    _at_two_decoding(at, made, edit)
 
 
 def _other_group_block(at: int, made: dict) -> None:
@@ -151,24 +164,14 @@ def _other_group_block(at: int, made: dict) -> None:
     cache group handed to the other while in use). The two groups share one KV tensor per layer
     pair, so the sliding-window layers' new K/V overwrite the full-attention layers' KV of that block."""
 
-    def hook(scheduler, output):
-        if "step" in made or _STEP[0] < at:
-            return
-        picked = _decoding(scheduler, output, 2)
-        if len(picked) < 2:
-            return
+    def edit(scheduler, a, b):
         full, swa = _groups(scheduler)
-        managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-        a, b = picked[:2]
-        bs = managers[swa].block_size
-        column = (scheduler.requests[a].num_computed_tokens - 1) // bs
-        victim = managers[full].req_to_blocks[b][(scheduler.requests[b].num_computed_tokens - 1) // bs]
-        own = managers[swa].req_to_blocks[a][column]
+        column, own = _last_block(scheduler, swa, a)
+        _, victim = _last_block(scheduler, full, b)
         _set_entry(scheduler, a, swa, column, victim)
-        made.update(step=_STEP[0], requests=[a, b], blocks=[own.block_id, victim.block_id])
+        return {"blocks": [own.block_id, victim.block_id]}
 
-    _hook_engine()
-    _SCHEDULED.append(hook)
+    _at_two_decoding(at, made, edit)
 
 
 def _stale_prefix_entry(at: int, made: dict) -> None:

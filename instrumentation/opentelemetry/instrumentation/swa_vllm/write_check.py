@@ -112,6 +112,8 @@ class RunnerWriteCheck:
         self.request_ids: "list[str] | None" = None  # of the last sampled forward
         #: the runner's :class:`~opentelemetry.instrumentation.swa_vllm.provenance.RunnerProvenance`, or None
         self.provenance: Any = None
+        #: the runner's read check (:mod:`opentelemetry.instrumentation.swa_vllm.read_check`), or None
+        self.read: Any = None
         self.failures = 0
 
     def before_forward(self) -> None:
@@ -202,6 +204,8 @@ class _Registry:
                 reporter.attach_write_check(wired.check, batch=lambda: wired.request_ids, layers=wired.layer_names)
                 if wired.provenance is not None:
                     reporter.attach_provenance(wired.provenance.provenance)
+                if wired.read is not None:
+                    reporter.attach_read_check(wired.read, batch=lambda: wired.request_ids)
                 wired.reporter = reporter
                 _log.info("otel-swa: vLLM's KV cache write check is wired (%d layers)", len(wired.layers))
             return
@@ -270,6 +274,9 @@ def wire_runner(runner: Any, kv_cache_config: Any, originals: dict) -> "RunnerWr
         wired.provenance = runner_provenance(runner, config_now, layers, wired.gate, left_out)
     except Exception:
         _log.exception("otel-swa: vLLM's KV provenance was not wired")
+    from opentelemetry.instrumentation.swa_vllm.read_check import runner_read_check, wrap_forward
+
+    wired.read = runner_read_check(runner.device, wired.gate)
     for write_layer in layers:
         write_layer.layer.__dict__[LAYER_ATTRIBUTE] = (wired, write_layer)
         cls = type(write_layer.layer.impl)
@@ -282,6 +289,15 @@ def wire_runner(runner: Any, kv_cache_config: Any, originals: dict) -> "RunnerWr
             if getattr(function, "_otel_swa_store", False):  # inherited from a class wrapped already
                 function = function.__wrapped__
             setattr(cls, "do_kv_cache_update", _wrap_store(function))
+        if wired.read is not None and write_layer.swa and (cls, "forward") not in originals:
+            from otel_swa.engine_wrapping import _ABSENT
+
+            own = cls.__dict__.get("forward")
+            originals[(cls, "forward")] = _ABSENT if own is None else own
+            function = own if own is not None else cls.forward
+            if getattr(function, "_otel_swa_forward", False):
+                function = function.__wrapped__
+            setattr(cls, "forward", wrap_forward(function, LAYER_ATTRIBUTE))
     runner.__dict__[RUNNER_ATTRIBUTE] = wired
     REGISTRY.add_check(wired, runner)
     return wired
