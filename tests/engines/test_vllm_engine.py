@@ -110,10 +110,17 @@ def test_a_clean_run_passes_check_with_zero_faults(runs, name, capsys):
     writes = [r.kv_write_checks for r in run.records if r.kv_write_checks is not None]
     unchecked = sum(r.kv_write_unchecked or 0 for r in run.records)
     assert len(writes) == len(steps) and sum(writes) > 0 and unchecked == 0  # CPU_ATTN's vec layout, float32
+    # provenance (both KV cache groups) and the read check ran at every sample, nothing left unchecked
+    counted = {name: sum(getattr(r, name) or 0 for r in run.records)
+               for name in ("kv_stamp_checks", "kv_stamp_unchecked", "kv_checksum_checks", "swa_read_checks",
+                            "swa_read_unchecked")}
+    assert counted["kv_stamp_checks"] > 0 and counted["kv_checksum_checks"] == counted["kv_stamp_checks"], counted
+    assert counted["swa_read_checks"] > 0 and counted["kv_stamp_unchecked"] == counted["swa_read_unchecked"] == 0
     with capsys.disabled():
         print(f"\n  vllm engine {name}: {run.seconds:.1f} s, {len(steps)} sampled steps, "
               f"{run.results['preemptions']} preemptions, {run.results['evictions']} evictions, "
               f"{sum(r['cached_tokens'] for r in run.results['requests'])} cached tokens, {sum(writes)} KV writes "
+              f"checked, {counted['kv_stamp_checks']} slots stamped and hashed, {counted['swa_read_checks']} reads "
               f"checked; faults: {sum(faults.values())} ({len(faults)} kinds, all 0)")
 
 
