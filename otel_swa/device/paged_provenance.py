@@ -197,6 +197,10 @@ class PagedProvenance(KvProvenance):
     def __init__(self, device: "torch.device | str", gate: Any, *, full_slots: int, swa_slots: "int | None" = None,
                  **options: Any) -> None:
         super().__init__(device, gate, full_slots=full_slots, swa_slots=swa_slots, **options)
+        #: how many times :meth:`stamp_group` writes the stamps (2: a step that may hit the prefix
+        #: cache on blocks it writes itself; 1 is enough where no request of the step was admitted
+        #: in it, as the engine may say before the forward)
+        self.passes = 2
         self.folds = tuple(None if f is None else _paged_folds(f) for f in self.folds)
 
     def stamp_group(self, *, swa: bool, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
@@ -225,11 +229,11 @@ class PagedProvenance(KvProvenance):
         slots = slot_mapping.long().clamp(0, stamps.shape[0] - 1)  # padding (-1) to slot 0, the null block's
         rows = torch.arange(batch, device=slots.device)
         table = BlockSlots(block_table[:batch], block_size)
-        # twice: a request admitted with a prefix-cache hit on a block another request of the step
-        # writes (vLLM caches a block's hash when it allocates it) reads its previous position's
-        # stamp from that block, which the first pass wrote; the second reads it (the others'
-        # stamps come out the same)
-        for _ in range(2):
+        # twice (``passes``): a request admitted with a prefix-cache hit on a block another request of
+        # the step writes (vLLM caches a block's hash when it allocates it) reads its previous
+        # position's stamp from that block, which the first pass wrote; the second reads it (the
+        # others' stamps come out the same)
+        for _ in range(self.passes):
             write_stamps(stamps, input_ids[:tokens], positions[:tokens], slots, rows, table, query_start_loc[:-1])
         folds = self.folds[pool]
         if folds is not None:

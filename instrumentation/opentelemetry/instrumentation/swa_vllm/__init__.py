@@ -374,7 +374,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                 except Exception:
                     _log.exception("forward-step span not started")
                 if wired is not None:
-                    wired.before_forward()
+                    wired.before_forward(scheduler_output)
                 result = original(runner, scheduler_output, *args, **kwargs)
                 if wired is not None:
                     wired.after_forward(runner)

@@ -43,6 +43,21 @@ class RunnerProvenance:
         self.first = first
         self._runner = runner
 
+    def before_forward(self, scheduler_output: Any) -> None:
+        """The stamps' passes for the coming forward (:meth:`otel_swa.device.paged_provenance.
+        PagedProvenance.stamp_group`): 2 where the step admits or resumes a request
+        (``SchedulerOutput.scheduled_new_reqs``, ``scheduled_cached_reqs.resumed_req_ids``, vLLM 0.32.0
+        ``vllm/v1/core/sched/output.py``: only such a request can hit the prefix cache on a block the
+        step writes), 1 otherwise (every other request's previous position was written by an earlier
+        step), 2 when the batch is not known (a warm-up, a capture)."""
+        if scheduler_output is None:
+            self.provenance.passes = 2
+            return
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        admitted = bool(getattr(scheduler_output, "scheduled_new_reqs", None)) or bool(
+            getattr(cached, "resumed_req_ids", None))
+        self.provenance.passes = 2 if admitted else 1
+
     def after_store(self, write_layer: Any, store: Any, slot_mapping: Any) -> None:
         """The stamps (at the group's first layer) and the layer's fold of one store."""
         if self.first.get(write_layer.group) == write_layer.layer_id:
@@ -89,11 +104,15 @@ def runner_provenance(runner: Any, kv_cache_config: Any, layers: list, gate: Any
                   kinds, len(left_out))
         return None
     full, swa = kinds.index(False), kinds.index(True)
+    num_blocks = getattr(kv_cache_config, "num_blocks", None)
+    if type(num_blocks) is not int or num_blocks < 1:  # noqa: E721
+        _log.info("otel-swa: vLLM's KV provenance is not wired: the KV cache config gives no number of blocks")
+        return None
     slots = {}
     for index in (full, swa):
         spec = groups[index].kv_cache_spec
         spec = getattr(spec, "first_spec", None) or spec
-        slots[index] = int(kv_cache_config.num_blocks) * int(spec.block_size)
+        slots[index] = num_blocks * int(spec.block_size)
     order = {"full": tuple(sorted(w.layer_id for w in layers if w.group == full)),
              "swa": tuple(sorted(w.layer_id for w in layers if w.group == swa))}
     checksum, budget = setting

@@ -116,10 +116,13 @@ class RunnerWriteCheck:
         self.read: Any = None
         self.failures = 0
 
-    def before_forward(self) -> None:
+    def before_forward(self, scheduler_output: Any = None) -> None:
         """Before each forward (the ``execute_model`` wrapper): the paired reporter's sampling
         decision onto this check's gate (:meth:`~otel_swa.reporter.SwaDivergenceReporter.
-        before_forward`). Never raises (a failure is logged once)."""
+        before_forward`), and to provenance the step's batch (:meth:`~opentelemetry.instrumentation.
+        swa_vllm.provenance.RunnerProvenance.before_forward`). Never raises (a failure is logged once)."""
+        if self.provenance is not None:
+            self.provenance.before_forward(scheduler_output)
         reporter = self.reporter
         if reporter is not None:
             try:
@@ -289,7 +292,8 @@ def wire_runner(runner: Any, kv_cache_config: Any, originals: dict) -> "RunnerWr
             if getattr(function, "_otel_swa_store", False):  # inherited from a class wrapped already
                 function = function.__wrapped__
             setattr(cls, "do_kv_cache_update", _wrap_store(function))
-        if wired.read is not None and write_layer.swa and (cls, "forward") not in originals:
+        if (wired.read is not None and write_layer.swa and (cls, "forward") not in originals
+                and callable(getattr(cls, "forward", None))):
             from otel_swa.engine_wrapping import _ABSENT
 
             own = cls.__dict__.get("forward")
