@@ -19,8 +19,9 @@ tells and the bounds); what differs for a paged engine (vLLM's v1 KV cache, the 
 * **the writes.** Each group's stamps are written at its first layer's store in a forward step
   (:meth:`PagedProvenance.stamp_group`: the group's own slot mapping, the step's token ids and
   positions, the chain read through the group's block table), the folds of those slots reset there;
-  written in two passes (module docstring of :meth:`PagedProvenance.stamp_group`'s body: a prefix-cache
-  hit in the step on a block the step writes); every layer of the group then folds the hash of the K/V it was given
+  written twice on a step that admits a request (:attr:`PagedProvenance.passes`: a prefix-cache hit
+  in the step on a block the step writes reads its previous position's stamp from that block);
+  every layer of the group then folds the hash of the K/V it was given
   (:meth:`~otel_swa.device.provenance.KvProvenance.after_layer` with a paged
   :class:`~otel_swa.device.write_check.LayerStore`). Padding (slot ``-1``) is written at slot 0, in
   the null block, which never holds a live token.
