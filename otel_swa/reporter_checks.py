@@ -119,6 +119,23 @@ class InForwardChecks:
                 self._parts["write"] = provenance.write_check
         return provenance
 
+    def attach_provenance(self, provenance: "KvProvenance") -> None:
+        """Take the verification of a provenance the engine made itself (e.g.
+        :class:`~otel_swa.device.paged_provenance.PagedProvenance`, made where the model runner is
+        set up before the scheduler exists) into every sample, as :meth:`enable_provenance`'s: its
+        stamps and checksums are written by the engine, the samples stage its verification. Its
+        gate, when it is not this reporter's own, is set by :meth:`before_forward` too.
+
+        Raises:
+            TypeError: ``provenance`` is not a ``KvProvenance``.
+        """
+        from otel_swa.device.provenance import KvProvenance
+
+        if not isinstance(provenance, KvProvenance):
+            raise TypeError(f"provenance must be a KvProvenance, got {type(provenance).__name__}")
+        self._parts["provenance"] = provenance
+        self._follow(provenance.gate)
+
     @property
     def provenance(self) -> "KvProvenance | None":
         """Provenance, or ``None`` while it is off."""
@@ -164,7 +181,10 @@ class InForwardChecks:
         if not isinstance(check, expected):
             raise TypeError(f"check must be a {expected.__name__}, got {type(check).__name__}")
         self._parts[name] = attached(check, batch, dict(layers) if layers is not None else None)
-        gate = check.gate
+        self._follow(check.gate)
+
+    def _follow(self, gate: SamplingGate) -> None:
+        """Set ``gate`` from :meth:`before_forward` too (a check's own gate, on another device)."""
         if gate is not self._gate and all(g is not gate for g in self._other_gates):
             self._other_gates.append(gate)
             gate.due = self._gate.due

@@ -322,8 +322,9 @@ class KvProvenance:
         entry = folds.layer(layer.layer_id, layer.k_buffer, layer.v_buffer)
         k, v, loc, mapping = layer.k, layer.v, layer.out_cache_loc, layer.full_to_swa_index_mapping
         tokens = int(loc.shape[0])
+        own = layer.block_size is not None  # a paged store: out_cache_loc holds the pool's own slots
         if (entry is None or k is None or v is None or tokens == 0 or not entry.hasher.given_shape_ok(k, v, tokens)
-                or (pool == 1 and mapping is None)):
+                or (pool == 1 and mapping is None and not own)):
             return  # nothing hashed: the pool's slots are counted unchecked (or their folds differ: a fault)
         if self.kernels is not None:
             self.kernels.fold_layer(folds.table, entry.hasher, k, v, entry.layer_id, loc, mapping if pool else None)
@@ -333,7 +334,7 @@ class KvProvenance:
             slots = written[1 + pool]
         else:
             slots = loc.long()
-            if pool == 1:
+            if pool == 1 and not own:
                 slots = mapping.index_select(0, slots.clamp(0, mapping.shape[0] - 1))
             slots = slots.clamp(0, folds.table.shape[0] - 1)
         folds.add(entry, k, v, slots, self.gate.capturing())
@@ -517,6 +518,14 @@ class KvProvenance:
             out.append((entries, positions, expected))
         return out
 
+    def _swa_slots(self, view: Any, mapping: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
+                   full: torch.Tensor) -> torch.Tensor:
+        """The SWA slot of each taken position (``int64 [n]``, 0: none, out of the window), from
+        ``mapping`` (``full_to_swa_index_mapping``) at its FULL slot ``full``; ``rows`` and
+        ``positions`` (``int64 [n]``) are for a pool that keeps its own table
+        (:class:`otel_swa.device.paged_provenance.PagedProvenance`)."""
+        return mapping.index_select(0, full.clamp(0, mapping.shape[0] - 1)).long()
+
     def _verify(self, out: torch.Tensor, up: torch.Tensor, pool: int, view: Any, mapping: torch.Tensor) -> None:
         """One pool's verification of the taken slots ``up`` (``int64 [3, n]``: entry, position,
         expected) into ``out`` (:data:`PROVENANCE_CELLS`)."""
@@ -526,7 +535,7 @@ class KvProvenance:
         req_to_token = view.req_to_token
         rows = view.req_pool_indices.index_select(0, entries).long().clamp_(0, req_to_token.shape[0] - 1)
         full = req_to_token[rows, positions.clamp(0, req_to_token.shape[1] - 1)].long()
-        swa_slot = mapping.index_select(0, full.clamp(0, mapping.shape[0] - 1)).long()
+        swa_slot = self._swa_slots(view, mapping, rows, positions, full)
         stamps = self.stamps[pool]
         if pool == 1:
             live = swa_slot.ne(0)

@@ -276,6 +276,8 @@ class SwaBatch:
     block audit's inputs. ``kv_block_hashes``: what the block-hash provenance check found. ``token_ids``:
     each request's token ids (provenance).
     ``kv_sweep_full_slots``: the FULL slots the provenance check sweeps beyond the batch.
+    ``kv_provenance``: what a paged engine's provenance verifies, in its own tables
+    (:mod:`otel_swa.device.paged_provenance`; vLLM: :func:`otel_swa.views.vllm_provenance.provenance_view`).
     """
 
     req_to_token: torch.Tensor
@@ -294,6 +296,7 @@ class SwaBatch:
     kv_block_hashes: BlockHashFindings | None = None
     token_ids: "Sequence[Sequence[int] | None] | None" = None
     kv_sweep_full_slots: "torch.Tensor | Callable[[], torch.Tensor | None] | None" = None
+    kv_provenance: Any = None
 
 
 _INDEX_DTYPES = (torch.int32, torch.int64)

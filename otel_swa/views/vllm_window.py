@@ -205,6 +205,7 @@ class WindowTable:
         extend_lens_cpu: "Sequence[int] | None" = None,
         kv_block_audit: "KvBlockAuditInputs | None" = None,
         kv_block_hashes: "BlockHashFindings | None" = None,
+        kv_provenance: Any = None,
     ) -> SwaBatch:
         """The reporter's view (:class:`otel_swa.views.SwaBatch`) of this read, on ``device``.
 
@@ -232,7 +233,8 @@ class WindowTable:
         and ``kv_block_audit`` (e.g. :func:`kv_block_audit_inputs`: the KV block audit of the
         whole pool, leaked blocks and blocks freed while in use) and ``kv_block_hashes`` (what
         :class:`otel_swa.views.vllm_block_hashes.BlockHashCheck` found: stale prefix-cache entries
-        and foreign blocks).
+        and foreign blocks), ``kv_provenance`` (the KV provenance check's tables:
+        :func:`otel_swa.views.vllm_provenance.provenance_view`).
         """
         device = torch.device(device)
         batch = len(self.num_tokens)
@@ -258,6 +260,7 @@ class WindowTable:
             request_ids=self.request_ids,
             kv_block_audit=kv_block_audit,
             kv_block_hashes=kv_block_hashes,
+            kv_provenance=kv_provenance,
         )
 
 

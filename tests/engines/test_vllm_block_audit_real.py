@@ -208,16 +208,7 @@ ZOO = (
 
 def row_of(run, fault: str, configuration: str, upstream: str) -> dict:
     """The run's detection row (keys ``detection_table.KEYS``)."""
-    first: dict[str, int] = {}
-    for step in sorted(run.records):
-        for name in FAILING + REPORTED:
-            if getattr(run.records[step], name) and name not in first:
-                first[name] = step
-    order = FAILING + REPORTED
-    failing = sorted((first[f], order.index(f), f) for f in first if f in FAILING)
-    reported = sorted((first[f], order.index(f), f) for f in first if f in REPORTED)
-    signal = (failing or reported or [(None, 0, "none")])[0][2]
-    at = first.get(signal)
+    signal, at = detection_table.first_signal(run.records, FAILING, REPORTED)
     offender = run.records[at].offender(signal) if at is not None and signal in FAILING else None
     return {
         "engine": ENGINE, "fault": f"{fault} ({configuration})", "upstream": upstream, "signal": signal,

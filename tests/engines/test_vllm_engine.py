@@ -15,19 +15,20 @@ process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), 20 requests then 6 of them again
 * ``plugin_no_prefix_cache``: the same with prefix caching off;
 * ``instrument``: ``opentelemetry-instrument python`` with the same variables, prefix caching on,
   vLLM's default step budget (no chunking of these prompts);
-* ``write_slot_off``: ``plugin`` with a fault of ``vllm_engine/faults.py`` from the 10th forward step
-  on: the first sliding-window layer stores its new K/V one slot off;
-* ``read_stale_block``: ``plugin`` with the first sliding-window layer's attention reading through
-  a stale block table from the 10th forward step on.
+* ``write_slot_off``, ``blocks_swapped``, ``stale_prefix_entry``, ``other_group_block``,
+  ``cached_byte``, ``wrong_position``, ``read_stale_block``: ``plugin`` with that fault of ``vllm_engine/faults.py`` made
+  from the 10th forward step on (:data:`UPSTREAM`: the upstream class each re-creates); their rows
+  are docs/engines.md's vLLM engine detection table.
 
 Every run checks vLLM's KV writes (the write check on CPU_ATTN's layout, wrapped around
-``CPUAttentionBackendImpl.do_kv_cache_update``) and its sliding-window layers' reads (the read
-check, wrapped around ``CPUAttentionBackendImpl.forward``).
+``CPUAttentionBackendImpl.do_kv_cache_update``), the KV's provenance (stamps and checksums of both
+KV cache groups) and the sliding-window layers' reads (the read check).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -37,7 +38,10 @@ from otel_swa import config
 from otel_swa import environment_variables as ev
 
 sys.path.insert(0, str(Path(__file__).with_name("vllm_engine")))
+sys.path.insert(0, str(Path(__file__).parent))
+import detection_table  # noqa: E402
 from harness import build_model, run_llm  # noqa: E402
+from otel_swa.testing.judge import AUDIT_RULES, PROVENANCE_RULES, REPORTED_RULES  # noqa: E402
 
 pytestmark = pytest.mark.vllm_engine
 
@@ -48,9 +52,20 @@ RUNS = {
     "plugin": dict(llm=SMALL_CHUNKED),
     "plugin_no_prefix_cache": dict(llm={**SMALL_CHUNKED, "enable_prefix_caching": False}),
     "instrument": dict(llm={"enable_prefix_caching": True, "kv_cache_memory_bytes": 2 << 20}, launcher=True),
-    "write_slot_off": dict(llm=SMALL_CHUNKED, fault="write_slot_off", fault_at=10),
-    "read_stale_block": dict(llm=SMALL_CHUNKED, fault="read_stale_block", fault_at=10),
 }
+#: The faults of ``vllm_engine/faults.py`` made in ``plugin``'s configuration from forward step
+#: ``FAULT_STEP`` on, and the upstream class each re-creates (its docstring there says how).
+FAULT_STEP = 10
+UPSTREAM = {
+    "write_slot_off": "sgl-project/sglang#20181 (a store at another slot)",
+    "blocks_swapped": "vllm#50702 (block ownership changed after the write)",
+    "stale_prefix_entry": "vllm#50702 / #50749 (stale prefix-cache entry)",
+    "other_group_block": "vllm#47574 (a block of one KV cache group reused by the other)",
+    "cached_byte": "a byte changed in a cached block",
+    "wrong_position": "vllm#33656 (KV written for the wrong position)",
+    "read_stale_block": "attention reading through a stale block-table row (another request's block)",
+}
+RUNS.update({name: dict(llm=SMALL_CHUNKED, fault=name, fault_at=FAULT_STEP) for name in UPSTREAM})
 CLEAN = ("plugin", "plugin_no_prefix_cache", "instrument")
 
 
@@ -96,14 +111,18 @@ def test_a_clean_run_passes_check_with_zero_faults(runs, name, capsys):
     writes = [r.kv_write_checks for r in run.records if r.kv_write_checks is not None]
     unchecked = sum(r.kv_write_unchecked or 0 for r in run.records)
     assert len(writes) == len(steps) and sum(writes) > 0 and unchecked == 0  # CPU_ATTN's vec layout, float32
-    reads = [r.swa_read_checks for r in run.records if r.swa_read_checks is not None]
-    assert len(reads) == len(steps) and sum(reads) > 0 and sum(r.swa_read_unchecked or 0 for r in run.records) == 0
+    # provenance (both KV cache groups) and the read check ran at every sample, nothing left unchecked
+    counted = {name: sum(getattr(r, name) or 0 for r in run.records)
+               for name in ("kv_stamp_checks", "kv_stamp_unchecked", "kv_checksum_checks", "swa_read_checks",
+                            "swa_read_unchecked")}
+    assert counted["kv_stamp_checks"] > 0 and counted["kv_checksum_checks"] == counted["kv_stamp_checks"], counted
+    assert counted["swa_read_checks"] > 0 and counted["kv_stamp_unchecked"] == counted["swa_read_unchecked"] == 0
     with capsys.disabled():
         print(f"\n  vllm engine {name}: {run.seconds:.1f} s, {len(steps)} sampled steps, "
               f"{run.results['preemptions']} preemptions, {run.results['evictions']} evictions, "
               f"{sum(r['cached_tokens'] for r in run.results['requests'])} cached tokens, {sum(writes)} KV writes "
-              f"and {sum(reads)} sliding-window reads checked; faults: {sum(faults.values())} ({len(faults)} kinds, "
-              f"all 0)")
+              f"checked, {counted['kv_stamp_checks']} slots stamped and hashed, {counted['swa_read_checks']} reads "
+              f"checked; faults: {sum(faults.values())} ({len(faults)} kinds, all 0)")
 
 
 @pytest.mark.parametrize("name", CLEAN)
@@ -135,53 +154,40 @@ def test_under_opentelemetry_instrument_the_plugin_stands_aside(runs):
     assert len(firsts) == 1
 
 
-def test_a_store_one_slot_off_fails_check_naming_its_first_offender(runs, capsys):
-    run = runs("write_slot_off")
-    made = run.results["fault"]
-    assert made["step"] == 10 and made["stores"] > 0
-    status, output = run.check()
-    assert status == 1 and "not stored at the slot the tables name" in output, output
-    flagged = [r for r in run.records if r.kv_write_mismatches]
-    first = flagged[0]
-    # the record of forward step N carries the write check of step N - 1: the fault's first step is
-    # checked (the sliding-window layers take turns: layer 0 at once or the step after)
-    assert first.forward_ct in (made["step"] + 1, made["step"] + 2)
-    assert all(r.kv_write_mismatches == 0 for r in run.records if r.forward_ct <= made["step"])
-    offender = next(o for o in first.offenders if o.fault == "kv_write_mismatches")
-    assert (offender.layer, offender.layer_name, offender.pool) == (0, "model.layers.0.self_attn.attn", "swa")
-    if first.forward_ct == made["step"] + 1:
-        assert offender.swa_slot in made["slots"]  # a slot vLLM named at the faulty store
-    assert f"first non-zero at forward_ct={first.forward_ct}" in output and f"request {offender.request}" in output
-    changed = sum(a != b for a, b in zip(run.outputs(), runs("off").outputs()))
-    assert changed > 0
-    with capsys.disabled():
-        print(f"\n  vllm engine write_slot_off: made at forward step {made['step']}, first flagged at forward_ct "
-              f"{first.forward_ct}, first offender request {offender.request} position {offender.position} "
-              f"slot {offender.swa_slot} layer {offender.layer_name}; check exit {status}; "
-              f"{changed} of {len(run.outputs())} outputs changed")
+#: The faults made in the forward itself: the field that must flag them, ``check``'s words for it.
+IN_FORWARD = {"write_slot_off": ("kv_write_mismatches", "not stored at the slot the tables name"),
+              "read_stale_block": ("swa_read_mismatches", "read other KV than the mapping gives")}
 
 
-def test_attention_through_a_stale_block_table_fails_check_naming_its_first_offender(runs, capsys):
-    run = runs("read_stale_block")
+@pytest.mark.parametrize("name", tuple(IN_FORWARD))
+def test_a_fault_in_the_forward_is_flagged_the_step_after_naming_its_layer(runs, name, capsys):
+    """The write check flags a store one slot off, the read check attention through a stale block
+    table (the stores right: the write check stays clean), each at the record after the step it was
+    made (a record at ``forward_ct`` N carries the checks of forward N - 1; the sliding-window layers
+    take turns: layer 0 at once or the step after), naming the first sliding-window layer."""
+    field, words = IN_FORWARD[name]
+    run = runs(name)
     made = run.results["fault"]
-    assert made["step"] == 10 and made["reads"] > 0
+    assert made["step"] == FAULT_STEP and (made.get("stores") or made.get("reads")), made
     status, output = run.check()
-    assert status == 1 and "read other KV than the mapping gives" in output, output
-    flagged = [r for r in run.records if r.swa_read_mismatches]
-    first = flagged[0]
-    # the record of forward step N carries the read check of step N - 1; the sliding-window layers
-    # take turns (layer 0 at once or the step after)
+    assert status == 1 and words in output, output
+    first = next(r for r in run.records if getattr(r, field))
     assert first.forward_ct in (made["step"] + 1, made["step"] + 2)
-    assert all(r.swa_read_mismatches == 0 for r in run.records if r.forward_ct <= made["step"])
-    assert all(not r.kv_write_mismatches for r in run.records)  # the stores are right: only the read is not
-    offender = next(o for o in first.offenders if o.fault == "swa_read_mismatches")
+    assert all(not getattr(r, field) for r in run.records if r.forward_ct <= made["step"])
+    offender = first.offender(field)
     assert (offender.layer, offender.layer_name) == (0, "model.layers.0.self_attn.attn")
-    assert offender.request is not None and offender.position is not None and offender.swa_slot is not None
+    assert offender.request is not None and offender.position is not None
+    if name == "write_slot_off":
+        assert offender.pool == "swa"
+        if first.forward_ct == made["step"] + 1:
+            assert offender.swa_slot in made["slots"]  # a slot vLLM named at the faulty store
+    else:
+        assert all(not r.kv_write_mismatches for r in run.records)
     assert f"first non-zero at forward_ct={first.forward_ct}" in output and f"request {offender.request}" in output
     changed = sum(a != b for a, b in zip(run.outputs(), runs("off").outputs()))
     assert changed > 0
     with capsys.disabled():
-        print(f"\n  vllm engine read_stale_block: made at forward step {made['step']}, first flagged at forward_ct "
+        print(f"\n  vllm engine {name}: made at forward step {made['step']}, first flagged at forward_ct "
               f"{first.forward_ct}, first offender request {offender.request} position {offender.position} "
               f"slot {offender.swa_slot} layer {offender.layer_name}; check exit {status}; "
               f"{changed} of {len(run.outputs())} outputs changed")
@@ -218,3 +224,54 @@ def test_the_shutdown_otel_swa_wraps_has_the_signature_it_relies_on(vllm_here):
     module = sys.modules[stop_paths.MODULE]
     assert getattr(module, stop_paths.FUNCTION) is vllm.v1.utils.shutdown  # the name vLLM's manager calls
     assert tuple(inspect.signature(vllm.v1.utils.shutdown).parameters)[:2] == stop_paths.PARAMETERS
+
+
+#: The fields that fail ``otel-swa check`` and those only reported (the detection table's signal).
+FAILING = tuple(rule.field for rule in AUDIT_RULES + PROVENANCE_RULES)
+REPORTED = tuple(rule.field for rule in REPORTED_RULES)
+
+
+def fault_row(run, clean) -> dict:
+    """The detection row of a fault run (``detection_table.KEYS``; the configuration cell says how
+    many of the outputs differ from the clean run's)."""
+    name = run.name
+    records = {r.forward_ct: r for r in run.records if r.forward_ct is not None}
+    signal, at = detection_table.first_signal(records, FAILING, REPORTED)
+    offender = records[at].offender(signal) if at is not None and signal in FAILING else None
+    changed = sum(a != b for a, b in zip(run.outputs(), clean.outputs()))
+    made = run.results["fault"]
+    return {
+        "engine": detection_table.ENGINE_CPU,
+        "fault": f"{name} (LLM.generate, prefix caching, chunked prefill; {changed} of {len(run.outputs())} "
+                 "outputs differ from the clean run)",
+        "upstream": UPSTREAM[name], "signal": signal, "injected_at": made.get("step"), "first_forward_ct": at,
+        "offender": _stable(offender.describe()) if offender is not None else None, "check_exit": run.check()[0],
+    }
+
+
+def _stable(text: str) -> str:
+    """``text`` without the random part of vLLM's request ids (``LLM.generate`` names request ``i``
+    ``"i-<8 random hex digits>"``), so that every run writes the same row."""
+    return re.sub(r"\b(request \d+)-[0-9a-f]{8}\b", r"\1", text)
+
+
+@pytest.mark.parametrize("name", tuple(UPSTREAM))
+def test_every_fault_fails_check_naming_its_first_offender_from_the_step_it_was_made(runs, name, capsys):
+    run = runs(name)
+    row = fault_row(run, runs("off"))
+    made = run.results["fault"]
+    assert made.get("step") is not None and made["step"] >= FAULT_STEP, made  # the fault was made
+    assert row["check_exit"] == 1 and row["signal"] in FAILING, row
+    assert row["first_forward_ct"] >= made["step"], row  # nothing flagged before the fault
+    assert row["offender"] is not None and ("position" in row["offender"] or "block" in row["offender"]), row
+    with capsys.disabled():
+        print(f"\n  vllm engine {name}: {row}")
+
+
+def test_the_fault_rows_are_the_docs_table(runs):
+    rows = [fault_row(runs(name), runs("off")) for name in UPSTREAM]
+    path = detection_table.write_rows(detection_table.ENGINE_CPU, rows)
+    assert detection_table.read_rows(path, detection_table.ENGINE_CPU) == rows
+    documented = detection_table.docs_rows(detection_table.DOCS.read_text(), detection_table.ENGINE_CPU)
+    assert documented == rows, "docs/engines.md's vLLM engine detection table is stale: run the vLLM engine suite " \
+        f"with {detection_table.ROWS_VARIABLE}=DIR, then python tests/engines/detection_table.py DIR --write"

@@ -76,7 +76,10 @@ def run_llm(directory: Path, model: Path, name: str, llm: "dict | None" = None, 
               "repeat": repeat, "fault": fault, "fault_at": fault_at}
     (where / "config.json").write_text(json.dumps(config))
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "VLLM_"))}
-    clean.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    # one OpenMP thread, unbound (vLLM's CPU worker binds one per core otherwise, which on a small
+    # machine shared with other work spins: generate took 30 - 90 s instead of 1 - 2 s)
+    clean.update({"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                  "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
     if interval is not None:  # docs/engines.md's variables, no collector
         clean.update({"OTEL_SWA_DIVERGENCE_INTERVAL": str(interval), "OTEL_LOGS_EXPORTER": "swa_logline",
                       "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"})

@@ -85,6 +85,14 @@ stores):
     (``mp``, ``ray``, ``external_launcher``), world size > 1, ``OTEL_SWA_PROVENANCE=off``, several
     schedulers or runners in one process. fp8 / NVFP4 caches are counted unchecked.
 
+    With the write check, where the runner has one full-attention and one sliding-window KV cache
+    group: KV provenance (:mod:`opentelemetry.instrumentation.swa_vllm.provenance`: stamps and
+    checksums per slot of each group written in the same wrapped store at every step, verified in
+    the scheduler's samples against ``Request.all_token_ids`` through both groups' block tables,
+    :mod:`otel_swa.views.vllm_provenance`; the ``provenance`` check's fields), and the read check of
+    the sliding-window layers (:mod:`opentelemetry.instrumentation.swa_vllm.read_check`: the
+    implementations' ``forward`` wrapped too; the ``read`` check's fields).
+
 ``vllm.v1.utils.shutdown(procs, timeout)`` (the name in ``vllm.v1.engine.utils``)
     How vLLM's API server or ``LLM`` process ends the engine core: SIGTERM, then SIGKILL after
     ``timeout`` (0 by default). The wrapper gives the engine core at least the time of otel-swa's
@@ -157,6 +165,24 @@ WRAPPED = (
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model", ("scheduler_output",)),
 )
 _SLIDING_WINDOW_MANAGER = ("vllm.v1.core.single_type_kv_cache_manager", "SlidingWindowManager")
+
+
+def _provenance_view(wiring: Any, scheduler: Any, request_ids: list, scheduled: list) -> Any:
+    """The sample's KV provenance tables (:func:`otel_swa.views.vllm_provenance.provenance_view`)
+    when the paired runner has provenance, else ``None``; a failure is logged once per scheduler."""
+    provenance = wiring.reporter.provenance
+    if provenance is None:
+        return None
+    from otel_swa.views.vllm_provenance import provenance_view
+
+    try:
+        return provenance_view(scheduler.kv_cache_manager, scheduler.requests, request_ids, scheduled,
+                               provenance.device)
+    except Exception:
+        wiring.read_failures += 1
+        if wiring.read_failures == 1:
+            _log.exception("vLLM's KV provenance tables not read; samples without the provenance check")
+        return None
 
 
 class VllmVersionError(EngineVersionError):
@@ -307,15 +333,16 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                     audit = hashes = None
             manager = wiring.manager
             window = getattr(manager, "sliding_window", None)
-            if type(window) is not int or window < 1:  # noqa: E721
-                return table.view(kv_block_audit=audit, kv_block_hashes=hashes)
             scheduled = [int(output.num_scheduled_tokens[rid]) for rid in request_ids]
+            kv = _provenance_view(wiring, scheduler, request_ids, scheduled)
+            if type(window) is not int or window < 1:  # noqa: E721
+                return table.view(kv_block_audit=audit, kv_block_hashes=hashes, kv_provenance=kv)
             in_flight = [int(getattr(requests[rid], "num_in_flight_tokens", s)) for rid, s in zip(request_ids, scheduled)]
             allowance = view.window_allowance(
                 num_tokens, scheduled, in_flight, block_size=table.block_size, sliding_window=window,
                 extra_retained_tokens=int(getattr(manager, "extra_retained_tokens", 0) or 0))
             return table.view(sliding_window=window, extend_lens_cpu=scheduled, swa_eviction_allowance=allowance,
-                              kv_block_audit=audit, kv_block_hashes=hashes)
+                              kv_block_audit=audit, kv_block_hashes=hashes, kv_provenance=kv)
 
         reporter.step(sample)
 
@@ -348,7 +375,7 @@ class SwaVllmInstrumentor(EngineInstrumentor):
                 except Exception:
                     _log.exception("forward-step span not started")
                 if wired is not None:
-                    wired.before_forward()
+                    wired.before_forward(scheduler_output)
                 result = original(runner, scheduler_output, *args, **kwargs)
                 if wired is not None:
                     wired.after_forward(runner)

@@ -110,14 +110,19 @@ class RunnerWriteCheck:
         self.reporter: Any = None  # set when paired
         self.runner: "weakref.ref | None" = None  # set by the registry
         self.request_ids: "list[str] | None" = None  # of the last sampled forward
-        self.failures = 0
+        #: the runner's :class:`~opentelemetry.instrumentation.swa_vllm.provenance.RunnerProvenance`, or None
+        self.provenance: Any = None
         #: the read check of the sliding-window layers (:mod:`.read_check`), or ``None``
         self.read: Any = None
+        self.failures = 0
 
-    def before_forward(self) -> None:
+    def before_forward(self, scheduler_output: Any = None) -> None:
         """Before each forward (the ``execute_model`` wrapper): the paired reporter's sampling
         decision onto this check's gate (:meth:`~otel_swa.reporter.SwaDivergenceReporter.
-        before_forward`). Never raises (a failure is logged once)."""
+        before_forward`), and to provenance the step's batch (:meth:`~opentelemetry.instrumentation.
+        swa_vllm.provenance.RunnerProvenance.before_forward`). Never raises (a failure is logged once)."""
+        if self.provenance is not None:
+            self.provenance.before_forward(scheduler_output)
         reporter = self.reporter
         if reporter is not None:
             try:
@@ -145,11 +150,16 @@ class RunnerWriteCheck:
 
     def after_store(self, write_layer: Any, impl: Any, key: Any, value: Any, kv_cache: Any, slot_mapping: Any) -> None:
         check = self.check
-        if not self.gate.wanted() or not check.wants(write_layer.layer_id, write_layer.swa):
+        checked = self.gate.wanted() and check.wants(write_layer.layer_id, write_layer.swa)
+        if not checked and self.provenance is None:
             return
         from otel_swa.views.vllm_write import layer_store
 
-        check.check_layer(layer_store(write_layer, impl, key, value, kv_cache, slot_mapping, positions=self.positions))
+        store = layer_store(write_layer, impl, key, value, kv_cache, slot_mapping, positions=self.positions)
+        if self.provenance is not None:
+            self.provenance.after_store(write_layer, store, slot_mapping)
+        if checked:
+            check.check_layer(store)
 
 
 class _Registry:
@@ -195,6 +205,8 @@ class _Registry:
             wired, reporter = checks[0], reporters[0]
             if wired.reporter is not reporter:
                 reporter.attach_write_check(wired.check, batch=lambda: wired.request_ids, layers=wired.layer_names)
+                if wired.provenance is not None:
+                    reporter.attach_provenance(wired.provenance.provenance)
                 if wired.read is not None:
                     reporter.attach_read_check(wired.read, batch=lambda: wired.request_ids, layers=wired.layer_names)
                 wired.reporter = reporter
@@ -260,6 +272,12 @@ def wire_runner(runner: Any, kv_cache_config: Any, originals: dict) -> "RunnerWr
               "of a sliding-window or full KV cache group runs a supported backend")
         return None
     wired = RunnerWriteCheck(runner.device, layers, runner_positions(runner), config.graph_checks())
+    try:
+        from opentelemetry.instrumentation.swa_vllm.provenance import runner_provenance
+
+        wired.provenance = runner_provenance(runner, config_now, layers, wired.gate, left_out)
+    except Exception:
+        _log.exception("otel-swa: vLLM's KV provenance was not wired")
     for write_layer in layers:
         write_layer.layer.__dict__[LAYER_ATTRIBUTE] = (wired, write_layer)
         cls = type(write_layer.layer.impl)
