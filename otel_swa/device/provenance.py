@@ -110,6 +110,7 @@ from otel_swa.device.stamps import (
     TOKEN_POSITION_MASK,
     write_stamps,
 )
+from otel_swa.device.step_folds import StepFolds
 from otel_swa.device.window import host_allowance, host_reach
 from otel_swa.device.write_check import WRITE_CHECK_MODES, LayerStore, WriteCheck
 
@@ -209,6 +210,10 @@ class KvProvenance:
             else PoolFolds(slots, self.device, self._prefix,
                            tuple(order[name]) if order.get(name) else None)
             for name, slots in zip(PROVENANCE_POOLS, (full_slots, swa_slots)))
+        # the ordered layers of both pools share one step buffer, hashed once per step
+        orders = [tuple(order.get(name) or ()) if self.folds[p] is not None else ()
+                  for p, name in enumerate(PROVENANCE_POOLS)]
+        self._step_folds = StepFolds(self.folds, orders) if any(orders) else None
         self.write_check = (WriteCheck(self.device, gate, max_tokens=write_check_tokens, layers=write_check_layers)
                             if write_check else None)
         self._designated: "list[int | None]" = [layers.get("full"), layers.get("swa")]
@@ -263,6 +268,8 @@ class KvProvenance:
         full_folds, swa_folds = self.folds
         if full_folds is None:
             return
+        if self._step_folds is not None:
+            self._step_folds.start()
         full_slots = out_cache_loc.long().clamp(0, full.shape[0] - 1)
         full_folds.reset(full_slots)
         if swa_folds is not None and swa_slots is not None:
@@ -324,7 +331,11 @@ class KvProvenance:
             if pool == 1:
                 slots = mapping.index_select(0, slots.clamp(0, mapping.shape[0] - 1))
             slots = slots.clamp(0, folds.table.shape[0] - 1)
-        folds.add(entry, k, v, slots, self.gate.capturing())
+        step = self._step_folds
+        if step is not None and step.takes(layer.layer_id) and step.pool_of[layer.layer_id] == pool:
+            step.add(pool, entry, k, v, slots, self.gate.capturing())
+        else:
+            folds.add(entry, k, v, slots, self.gate.capturing())
 
     def move_slots(self, pool: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Carry the stamps and checksums of slots ``src`` to ``dst`` (``int [n]`` each) in ``pool``
