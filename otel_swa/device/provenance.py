@@ -93,7 +93,7 @@ import torch
 
 from otel_swa.device.checksum import CHECKSUM_MODES
 from otel_swa.device.gate import SamplingGate
-from otel_swa.device.kv_folds import PoolFolds, layer_of
+from otel_swa.device.kv_folds import PoolFolds
 from otel_swa.device.live_tokens import host_lengths
 from otel_swa.device.provenance_reading import (
     _C,
