@@ -243,9 +243,9 @@ class KvProvenance:
         """Stamp the slots this forward step writes (:func:`otel_swa.device.stamps.write_stamps`),
         in the FULL pool at ``out_cache_loc`` and in the SWA pool at its mapping. Call once per
         forward step, anywhere before the sample; fixed shapes, no host read: inside a captured
-        forward it is recorded and every replay stamps its tokens. 32 device operations on ``[T]``
-        (decode) and 7 more for an extend batch; with checksums, 1 more and the reset of the written
-        slots' folds (1 per pool), which the layers' calls that follow add to.
+        forward it is recorded and every replay stamps its tokens. 31 device operations on ``[T]``
+        for a decode step in both pools (8 more for an extend batch); with checksums, the reset of
+        the written slots' folds (1 per pool), which the layers' calls that follow add to.
 
         Args:
             input_ids: ``int [T]``, the step's input token ids, on the device.
@@ -258,19 +258,25 @@ class KvProvenance:
                 batches), or ``None`` when ``T == B`` and token ``i`` is request ``i``'s (decode).
         """
         full, swa = self.stamps
+        full_folds, swa_folds = self.folds
         extra = ()
-        swa_slots = None
-        if swa is not None and full_to_swa_index_mapping is not None:
-            loc = out_cache_loc.long().clamp(0, full_to_swa_index_mapping.shape[0] - 1)
+        swa_slots = clamped = None
+        mapped = swa is not None and full_to_swa_index_mapping is not None
+        if full_folds is not None or mapped:
+            clamped = out_cache_loc.long().clamp(0, full.shape[0] - 1)
+        if mapped:
+            # the FULL pool's clamp serves the mapping (SGLang's holds one more entry) when it is no
+            # longer: a slot past the FULL pool makes the stamps' write (unclamped) raise anyway
+            loc = (clamped if full_to_swa_index_mapping.shape[0] >= full.shape[0]
+                   else out_cache_loc.long().clamp(0, full_to_swa_index_mapping.shape[0] - 1))
             swa_slots = full_to_swa_index_mapping.index_select(0, loc).clamp_(0, swa.shape[0] - 1)
             extra = ((swa, swa_slots),)
         write_stamps(full, input_ids, positions, out_cache_loc, req_pool_indices, req_to_token, extend_start_loc, extra)
-        full_folds, swa_folds = self.folds
         if full_folds is None:
             return
         if self._step_folds is not None:
             self._step_folds.start()
-        full_slots = out_cache_loc.long().clamp(0, full.shape[0] - 1)
+        full_slots = clamped
         full_folds.reset(full_slots)
         if swa_folds is not None and swa_slots is not None:
             swa_folds.reset(swa_slots)
