@@ -222,6 +222,10 @@ class KvProvenance:
         self.chains = ChainCache()
         self._sweep: "torch.Tensor | None" = None  # the FULL slots of the sweep pass under way
         self._sweep_at = 0
+        # constants of the verification, made once: the compared bits of a stamp with an unknown
+        # chain and of one with a known chain, and zeros for the cells a pool leaves at 0
+        self._compare = (torch.tensor(TOKEN_POSITION_MASK, device=self.device), torch.tensor(-1, device=self.device))
+        self._zeros = torch.zeros(8, dtype=torch.int64, device=self.device)
 
     @property
     def bytes_per_slot(self) -> "tuple[int, int]":
@@ -538,25 +542,33 @@ class KvProvenance:
             judged.logical_and_(found.ne(0))
         if live is not None:
             judged.logical_and_(live)
-        compare = torch.where((found >> 62).eq(-1), TOKEN_POSITION_MASK, -1)
+        compare = torch.where((found >> 62).eq(-1), *self._compare)
         foreign = (found ^ expected).bitwise_and_(compare).ne_(0).logical_and_(judged)
-        first = torch.max(foreign, 0).indices.reshape(1)
         swa_named = swa_slot if self.stamps[1] is not None else torch.full_like(full, -1)
-        where = torch.stack([rows, found, full, swa_named]).index_select(1, first).reshape(-1)
-        values = [live.sum() if live is not None else judged.new_zeros((), dtype=torch.int64), judged.sum(),
-                  foreign.sum(), first.reshape(()), *where.unbind()]
         folds = self.folds[pool]
         verified = folds.verify(slot) if folds is not None else None
+        # every count in one reduction over the stacked masks, both first offenders in one, the
+        # offenders' cells in one gather of the stacked columns, all cells in one copy
+        masks = [judged, foreign]
+        columns = [rows, found, full, swa_named]
         if verified is not None:
             checked, delta = verified
             if live is not None:
                 checked.logical_and_(live)
             corrupt = delta.ne(0).any(dim=1).logical_and_(checked)
-            first_c = torch.max(corrupt, 0).indices.reshape(1)
-            at = torch.cat([torch.stack([rows, full, swa_named]), delta.t()]).index_select(1, first_c).reshape(-1)
-            values += [checked.sum(), corrupt.sum(), first_c.reshape(()), *at[:3].unbind()]
-            out[_C["corrupt_d1"]:_C["corrupt_d1"] + 2].copy_(at[3:])
+            masks += [checked, corrupt]
+            columns.append(delta.t())
+        if live is not None:
+            masks.append(live)
+        masks = torch.stack(masks)  # [2 | 3 | 4 | 5, n]: judged, foreign, (checked, corrupt), (live)
+        sums = masks.sum(dim=1)
+        firsts = torch.max(masks[1:4:2] if verified is not None else masks[1:2], 1).indices  # foreign, (corrupt)
+        picked = torch.cat([c.reshape(-1, c.shape[-1]) for c in columns]).index_select(1, firsts)  # [4 | 6, 1 | 2]
+        zeros = self._zeros
+        cells = [sums[-1:] if live is not None else zeros[:1], sums[0:2], firsts[0:1], picked[0:4, 0]]
+        if verified is not None:  # ... checked, corrupt, its index, row, FULL and SWA slot; the sweep's; d1, d2
+            cells += [sums[2:4], firsts[1:2], picked[0:1, 1], picked[2:4, 1], zeros[:4], picked[4:6, 1]]
         else:  # no checksum to compare: every live slot unchecked
-            zero = judged.new_zeros((), dtype=torch.int64)
-            values += [zero] * 6
-        out[:len(values)].copy_(torch.stack(values))
+            cells.append(zeros[:6])
+        width = sum(int(c.shape[0]) for c in cells)
+        torch.cat(cells, out=out[:width])
