@@ -447,6 +447,14 @@ class KvProvenance:
             if mapping is None:
                 return
             swa = mapping.index_select(0, full.clamp(0, mapping.shape[0] - 1)).long()
+            if swa.device.type == "cpu":
+                # only the mapped ones: most of a prefix cache's SWA slots are out of the window
+                # (mapping 0), their hashes never compared; on the CPU the compaction reads no
+                # device (a GPU keeps the fixed shape: no host sync)
+                mapped = swa.gt(0).nonzero().reshape(-1)
+                if mapped.numel() == 0:
+                    return  # no swept slot in the SWA pool: its sweep cells stay 0
+                full, swa = full.index_select(0, mapped), swa.index_select(0, mapped)
             slot = swa.clamp(0, size - 1)
             checked = swa.gt(0)
         else:
