@@ -143,9 +143,10 @@ class KvProvenance:
             calls :meth:`after_layer`.
         checksum_order: with ``checksum="all"``, ``{"full": (layer_id, ...), "swa": (...)}``: each
             pool's attention layers in the order a forward step calls them (each once per step that
-            writes K/V); the layers then fill one step buffer per pool that the last one hashes and
-            folds (:class:`~otel_swa.device.kv_folds.PoolFolds`: 1 device operation per layer and 10
-            per pool, instead of 9 per layer). A pool not named folds each layer alone.
+            writes K/V); the layers of both pools then fill one step buffer that the step's last
+            layer hashes and folds into both pools (:class:`~otel_swa.device.step_folds.StepFolds`:
+            1 device operation per layer and 10 per step, instead of 9 per layer). A pool not named
+            folds each layer alone.
         budget: live slots verified per pool and sample (int >= 1).
         write_check: whether :meth:`after_layer` runs the write check at sampled steps.
         write_check_tokens, write_check_layers: the write check's ``max_tokens`` and ``layers``.
