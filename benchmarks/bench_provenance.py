@@ -222,11 +222,10 @@ def section_checks(rounds: int, quick: bool) -> None:
     print_table("2. the checks, per call (us)", ("call", "device ops", "us / call"), rows)
 
 
-def section_sampled_step(rounds: int) -> None:
-    shape = SHAPES[0]
-    plain = DecodeModel(shape, "cpu", checks=False)
-    quiet = DecodeModel(shape, "cpu", checks=True)
-    sampled = DecodeModel(shape, "cpu", checks=True)
+def sampled_decode_step(sampled: DecodeModel):
+    """A sampled decode step of ``sampled`` (its gate set): the forward with every check, then the
+    provenance verification of the batch's live slots and the checks' cells cleared."""
+    shape = sampled.shape
     sampled.reporter.gate.set(True)
     out = torch.zeros(PROVENANCE_WIDTH, dtype=torch.int64)
     view = SwaBatch(sampled.req_to_token, sampled.mapping, sampled.rows, sampled.seq_lens,
@@ -239,6 +238,14 @@ def section_sampled_step(rounds: int) -> None:
         sampled.provenance.stage(out, view)
         sampled.take()
 
+    return sampled_step
+
+
+def section_sampled_step(rounds: int) -> None:
+    shape = SHAPES[0]
+    plain = DecodeModel(shape, "cpu", checks=False)
+    quiet = DecodeModel(shape, "cpu", checks=True)
+    sampled_step = sampled_decode_step(DecodeModel(shape, "cpu", checks=True))
     got = interleaved({"plain": timed(plain.forward, 20), "quiet": timed(quiet.forward, 20),
                        "sampled": timed(sampled_step, 20)}, rounds)
     rows = [("no otel-swa", fmt(got["plain"], 1e3, 3), "-", "-")]

@@ -22,16 +22,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import numpy as np
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_line, one_thread  # noqa: E402
 from _decode_model import SHAPES, DecodeModel  # noqa: E402
+from bench_provenance import sampled_decode_step  # noqa: E402
 from bench_sample import kernel_ops  # noqa: E402
-
-from otel_swa.device.provenance import PROVENANCE_WIDTH  # noqa: E402
-from otel_swa.views import SwaBatch  # noqa: E402
 
 
 def main() -> None:
@@ -47,18 +42,7 @@ def main() -> None:
     plain = DecodeModel(shape, "cpu", checks=False)
     quiet = DecodeModel(shape, "cpu", checks=True)
     quiet.reporter.gate.set(False)
-    sampled = DecodeModel(shape, "cpu", checks=True)
-    sampled.reporter.gate.set(True)
-    out = torch.zeros(PROVENANCE_WIDTH, dtype=torch.int64)
-    view = SwaBatch(sampled.req_to_token, sampled.mapping, sampled.rows, sampled.seq_lens,
-                    seq_lens_cpu=sampled.seq_lens.tolist(), sliding_window=shape.window,
-                    request_ids=list(range(shape.batch)),
-                    token_ids=[np.zeros(shape.context + 1, dtype=np.int64)] * shape.batch)
-
-    def sampled_step():
-        sampled.forward()
-        sampled.provenance.stage(out, view)
-        sampled.take()
+    sampled_step = sampled_decode_step(DecodeModel(shape, "cpu", checks=True))
 
     steps = {"no otel-swa": plain.forward, "not sampled": quiet.forward, "sampled": sampled_step}
     for name, step in steps.items():
