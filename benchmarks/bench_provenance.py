@@ -152,7 +152,6 @@ def recorded_ops() -> list:
     write = prov.write_check
     store = LayerStore(layer_id=0, swa=True, k=k, v=k, k_buffer=k_buf, v_buffer=v_buf, out_cache_loc=model.loc,
                        full_to_swa_index_mapping=model.mapping, positions=model.positions)
-    checksum = warm_ops(lambda: prov._write_checksums(1, store))
     write_check = warm_ops(lambda: write.check_layer(store))
     read_check = warm_ops(lambda: model.read_check.check_layer(
         layer_id=0, q=q, out=q, k_buffer=k_buf, v_buffer=v_buf, req_to_token=model.req_to_token,
@@ -166,8 +165,9 @@ def recorded_ops() -> list:
     return [
         ("the decode step itself (4 layers), for scale", str(plain), "every step"),
         ("stamps (both pools)", str(stamp), "every step (in a graph: every replay)"),
-        ("checksum write of layer 0 (all: every layer; in the layers' order a copy into the step buffer, "
-         "10 more at a pool's last; prefix: x 2, one layer per pool)", str(checksum), "every step (every replay)"),
+        (f"checksums of the {layers} layers (all: every layer; in the layers' order one copy each into the step "
+         "buffer, 10 more at the step's last; prefix: one layer per pool)", str(writes - stamp),
+         "every step (every replay)"),
         (f"the every-step write path of the decode step ({layers} layers: stamps + checksums)", str(writes),
          "every step (every replay)"),
         ("write check, one layer (x 2: one of each pool)", str(write_check),
@@ -222,11 +222,10 @@ def section_checks(rounds: int, quick: bool) -> None:
     print_table("2. the checks, per call (us)", ("call", "device ops", "us / call"), rows)
 
 
-def section_sampled_step(rounds: int) -> None:
-    shape = SHAPES[0]
-    plain = DecodeModel(shape, "cpu", checks=False)
-    quiet = DecodeModel(shape, "cpu", checks=True)
-    sampled = DecodeModel(shape, "cpu", checks=True)
+def sampled_decode_step(sampled: DecodeModel):
+    """A sampled decode step of ``sampled`` (its gate set): the forward with every check, then the
+    provenance verification of the batch's live slots and the checks' cells cleared."""
+    shape = sampled.shape
     sampled.reporter.gate.set(True)
     out = torch.zeros(PROVENANCE_WIDTH, dtype=torch.int64)
     view = SwaBatch(sampled.req_to_token, sampled.mapping, sampled.rows, sampled.seq_lens,
@@ -239,6 +238,14 @@ def section_sampled_step(rounds: int) -> None:
         sampled.provenance.stage(out, view)
         sampled.take()
 
+    return sampled_step
+
+
+def section_sampled_step(rounds: int) -> None:
+    shape = SHAPES[0]
+    plain = DecodeModel(shape, "cpu", checks=False)
+    quiet = DecodeModel(shape, "cpu", checks=True)
+    sampled_step = sampled_decode_step(DecodeModel(shape, "cpu", checks=True))
     got = interleaved({"plain": timed(plain.forward, 20), "quiet": timed(quiet.forward, 20),
                        "sampled": timed(sampled_step, 20)}, rounds)
     rows = [("no otel-swa", fmt(got["plain"], 1e3, 3), "-", "-")]

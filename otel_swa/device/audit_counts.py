@@ -172,8 +172,7 @@ def audit_holder_slots(
     free_keys = torch.clamp(free, 0, spare_page, out=ws.get("audit.free_keys", free.numel(), torch.int64))
     is_free = ws.get("audit.free", pages + 2, torch.bool).zero_()
     is_free.index_fill_(0, free_keys, True)
-    is_free[0] = False
-    is_free[spare_page] = False
+    is_free.index_fill_(0, ws.constant((0, spare_page)), False)  # cells 0 and spare in one pass
 
     n = slot.numel()
     page = slot if page_size == 1 else torch.div(slot, page_size, rounding_mode="floor", out=ws.get("audit.page", n, torch.int64))
@@ -230,15 +229,16 @@ def audit_holder_slots(
         shared = torch.count_nonzero(marked[1:swa_slots])
         lowest = _first_when(shared, lambda: marked[1:swa_slots], zero)
         shared_swa = zero if lowest is zero else lowest + 1
-        shared_full = _at(owner[1:swa_slots], lowest)
-        stale_full = _at(keys, stale_at)
+        # in the holders' dtype: the stack into ``out`` below widens them
+        shared_full = _at(owner[1:swa_slots], lowest, widen=False)
+        stale_full = _at(keys, stale_at, widen=False)
     else:  # a large pool of large pages against few holders: distinct values among the holders
         first = _first_of_each_value(owner, shared_slot, ws.arange(shared_slot.numel(), owner.dtype))
         distinct = first.logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots)
         shared = torch.count_nonzero(distinct)
         shared_at = _first_when(shared, lambda: distinct, zero)
         shared_swa = _at(shared_slot, shared_at)
-        stale_full, shared_full = _at(keys, torch.stack([stale_at, shared_at]))
+        stale_full, shared_full = _at(keys, torch.stack([stale_at, shared_at]), widen=False)
 
     torch.stack([in_use, referenced, leaked, stale, shared,
                  leaked_at, stale_at, stale_full, stale_swa, shared_swa, shared_full], out=out)
@@ -264,12 +264,16 @@ def _first(mask: torch.Tensor) -> torch.Tensor:
     return torch.max(mask, 0).indices
 
 
-def _at(values: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``values[index]`` in ``int64``: 0-dim for a 0-dim ``index``, else ``[len(index)]`` (zeros when
-    ``values`` is empty)."""
+def _at(values: torch.Tensor, index: torch.Tensor, widen: bool = True) -> torch.Tensor:
+    """``values[index]`` in ``int64`` (``widen=False``: in ``values``' dtype, for a caller whose
+    ``stack`` into ``int64`` widens it): 0-dim for a 0-dim ``index``, else ``[len(index)]`` (zeros
+    when ``values`` is empty)."""
     flat = index.reshape(-1)
     if values.numel() == 0:
         picked = torch.zeros(flat.shape, dtype=torch.int64, device=values.device)
     else:
-        picked = values.index_select(0, flat).to(torch.int64)
+        picked = values.index_select(0, flat)
+        if widen:
+            picked = picked.to(torch.int64)
     return picked.reshape(index.shape)
+

@@ -22,7 +22,10 @@ K and V words into row ``L`` of a step buffer ``[layers, T, words]``) and the po
 the whole buffer and folds it (9 more: the 6 of the hash, a weighted sum of 2, one ``index_add_``):
 ``layers + 10`` operations per pool and step (the buffer's allocation included), whatever the row
 size. Without an order (or with one layer), each layer hashes and folds its own rows: 9 per layer. No per-row loop in
-either. A slot the prefix cache keeps is not written again: its folds stay.
+either. A slot the prefix cache keeps is not written again: its folds stay. :class:`KvProvenance
+<otel_swa.device.provenance.KvProvenance>` with both pools' orders fills one step buffer for the
+layers of both pools instead (:mod:`otel_swa.device.step_folds`: ``layers + 10`` a step, the same
+sums).
 
 Verified at a sampled step (:meth:`PoolFolds.verify`): the folds are recomputed from the bytes the
 pool holds now, for every layer of the pool at once (one gather per K and per V buffer, one ``cat``,

@@ -94,7 +94,7 @@ import torch
 from otel_swa.device.checksum import CHECKSUM_MODES
 from otel_swa.device.gate import SamplingGate
 from otel_swa.device.kernel_select import write_kernels
-from otel_swa.device.kv_folds import PoolFolds, layer_of
+from otel_swa.device.kv_folds import PoolFolds
 from otel_swa.device.live_tokens import host_lengths
 from otel_swa.device.provenance_reading import (
     _C,
@@ -111,6 +111,7 @@ from otel_swa.device.stamps import (
     TOKEN_POSITION_MASK,
     write_stamps,
 )
+from otel_swa.device.step_folds import StepFolds
 from otel_swa.device.window import host_allowance, host_reach
 from otel_swa.device.write_check import WRITE_CHECK_MODES, LayerStore, WriteCheck
 
@@ -143,9 +144,10 @@ class KvProvenance:
             calls :meth:`after_layer`.
         checksum_order: with ``checksum="all"``, ``{"full": (layer_id, ...), "swa": (...)}``: each
             pool's attention layers in the order a forward step calls them (each once per step that
-            writes K/V); the layers then fill one step buffer per pool that the last one hashes and
-            folds (:class:`~otel_swa.device.kv_folds.PoolFolds`: 1 device operation per layer and 10
-            per pool, instead of 9 per layer). A pool not named folds each layer alone.
+            writes K/V); the layers of both pools then fill one step buffer that the step's last
+            layer hashes and folds into both pools (:class:`~otel_swa.device.step_folds.StepFolds`:
+            1 device operation per layer and 10 per step, instead of 9 per layer). A pool not named
+            folds each layer alone.
         budget: live slots verified per pool and sample (int >= 1).
         write_check: whether :meth:`after_layer` runs the write check at sampled steps.
         write_check_tokens, write_check_layers: the write check's ``max_tokens`` and ``layers``.
@@ -210,6 +212,10 @@ class KvProvenance:
             else PoolFolds(slots, self.device, self._prefix,
                            tuple(order[name]) if order.get(name) else None)
             for name, slots in zip(PROVENANCE_POOLS, (full_slots, swa_slots)))
+        # the ordered layers of both pools share one step buffer, hashed once per step
+        orders = [tuple(order.get(name) or ()) if self.folds[p] is not None else ()
+                  for p, name in enumerate(PROVENANCE_POOLS)]
+        self._step_folds = StepFolds(self.folds, orders) if any(orders) else None
         self.write_check = (WriteCheck(self.device, gate, max_tokens=write_check_tokens, layers=write_check_layers)
                             if write_check else None)
         self._designated: "list[int | None]" = [layers.get("full"), layers.get("swa")]
@@ -221,6 +227,10 @@ class KvProvenance:
         #: the Triton kernels of provenance (:mod:`otel_swa.device.kernel_select`: a CUDA cache), or
         #: ``None``: the torch path
         self.kernels = write_kernels(self.device)
+        # constants of the verification, made once: the compared bits of a stamp with an unknown
+        # chain and of one with a known chain, and zeros for the cells a pool leaves at 0
+        self._compare = (torch.tensor(TOKEN_POSITION_MASK, device=self.device), torch.tensor(-1, device=self.device))
+        self._zeros = torch.zeros(8, dtype=torch.int64, device=self.device)
 
     @property
     def bytes_per_slot(self) -> "tuple[int, int]":
@@ -242,9 +252,9 @@ class KvProvenance:
         """Stamp the slots this forward step writes (:func:`otel_swa.device.stamps.write_stamps`),
         in the FULL pool at ``out_cache_loc`` and in the SWA pool at its mapping. Call once per
         forward step, anywhere before the sample; fixed shapes, no host read: inside a captured
-        forward it is recorded and every replay stamps its tokens. 32 device operations on ``[T]``
-        (decode) and 7 more for an extend batch; with checksums, 1 more and the reset of the written
-        slots' folds (1 per pool), which the layers' calls that follow add to.
+        forward it is recorded and every replay stamps its tokens. 31 device operations on ``[T]``
+        for a decode step in both pools (8 more for an extend batch); with checksums, the reset of
+        the written slots' folds (1 per pool), which the layers' calls that follow add to.
 
         Args:
             input_ids: ``int [T]``, the step's input token ids, on the device.
@@ -262,17 +272,25 @@ class KvProvenance:
                                          extend_start_loc, swa, full_to_swa_index_mapping,
                                          *(f.table if f is not None else None for f in self.folds))
             return
+        full_folds, swa_folds = self.folds
         extra = ()
-        swa_slots = None
-        if swa is not None and full_to_swa_index_mapping is not None:
-            loc = out_cache_loc.long().clamp(0, full_to_swa_index_mapping.shape[0] - 1)
+        swa_slots = clamped = None
+        mapped = swa is not None and full_to_swa_index_mapping is not None
+        if full_folds is not None or mapped:
+            clamped = out_cache_loc.long().clamp(0, full.shape[0] - 1)
+        if mapped:
+            # the FULL pool's clamp serves the mapping (SGLang's holds one more entry) when it is no
+            # longer: a slot past the FULL pool makes the stamps' write (unclamped) raise anyway
+            loc = (clamped if full_to_swa_index_mapping.shape[0] >= full.shape[0]
+                   else out_cache_loc.long().clamp(0, full_to_swa_index_mapping.shape[0] - 1))
             swa_slots = full_to_swa_index_mapping.index_select(0, loc).clamp_(0, swa.shape[0] - 1)
             extra = ((swa, swa_slots),)
         write_stamps(full, input_ids, positions, out_cache_loc, req_pool_indices, req_to_token, extend_start_loc, extra)
-        full_folds, swa_folds = self.folds
         if full_folds is None:
             return
-        full_slots = out_cache_loc.long().clamp(0, full.shape[0] - 1)
+        if self._step_folds is not None:
+            self._step_folds.start()
+        full_slots = clamped
         full_folds.reset(full_slots)
         if swa_folds is not None and swa_slots is not None:
             swa_folds.reset(swa_slots)
@@ -337,7 +355,11 @@ class KvProvenance:
             if pool == 1 and not own:
                 slots = mapping.index_select(0, slots.clamp(0, mapping.shape[0] - 1))
             slots = slots.clamp(0, folds.table.shape[0] - 1)
-        folds.add(entry, k, v, slots, self.gate.capturing())
+        step = self._step_folds
+        if step is not None and step.takes(layer.layer_id) and step.pool_of[layer.layer_id] == pool:
+            step.add(pool, entry, k, v, slots, self.gate.capturing())
+        else:
+            folds.add(entry, k, v, slots, self.gate.capturing())
 
     def move_slots(self, pool: str, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Carry the stamps and checksums of slots ``src`` to ``dst`` (``int [n]`` each) in ``pool``
@@ -439,6 +461,14 @@ class KvProvenance:
             if mapping is None:
                 return
             swa = mapping.index_select(0, full.clamp(0, mapping.shape[0] - 1)).long()
+            if swa.device.type == "cpu":
+                # only the mapped ones: most of a prefix cache's SWA slots are out of the window
+                # (mapping 0), their hashes never compared; on the CPU the compaction reads no
+                # device (a GPU keeps the fixed shape: no host sync)
+                mapped = swa.gt(0).nonzero().reshape(-1)
+                if mapped.numel() == 0:
+                    return  # no swept slot in the SWA pool: its sweep cells stay 0
+                full, swa = full.index_select(0, mapped), swa.index_select(0, mapped)
             slot = swa.clamp(0, size - 1)
             checked = swa.gt(0)
         else:
@@ -549,25 +579,33 @@ class KvProvenance:
             judged.logical_and_(found.ne(0))
         if live is not None:
             judged.logical_and_(live)
-        compare = torch.where((found >> 62).eq(-1), TOKEN_POSITION_MASK, -1)
+        compare = torch.where((found >> 62).eq(-1), *self._compare)
         foreign = (found ^ expected).bitwise_and_(compare).ne_(0).logical_and_(judged)
-        first = torch.max(foreign, 0).indices.reshape(1)
         swa_named = swa_slot if self.stamps[1] is not None else torch.full_like(full, -1)
-        where = torch.stack([rows, found, full, swa_named]).index_select(1, first).reshape(-1)
-        values = [live.sum() if live is not None else judged.new_zeros((), dtype=torch.int64), judged.sum(),
-                  foreign.sum(), first.reshape(()), *where.unbind()]
         folds = self.folds[pool]
         verified = self._verify_folds(folds, slot) if folds is not None else None
+        # every count in one reduction over the stacked masks, both first offenders in one, the
+        # offenders' cells in one gather of the stacked columns, all cells in one copy
+        masks = [judged, foreign]
+        columns = [rows, found, full, swa_named]
         if verified is not None:
             checked, delta = verified
             if live is not None:
                 checked.logical_and_(live)
             corrupt = delta.ne(0).any(dim=1).logical_and_(checked)
-            first_c = torch.max(corrupt, 0).indices.reshape(1)
-            at = torch.cat([torch.stack([rows, full, swa_named]), delta.t()]).index_select(1, first_c).reshape(-1)
-            values += [checked.sum(), corrupt.sum(), first_c.reshape(()), *at[:3].unbind()]
-            out[_C["corrupt_d1"]:_C["corrupt_d1"] + 2].copy_(at[3:])
+            masks += [checked, corrupt]
+            columns.append(delta.t())
+        if live is not None:
+            masks.append(live)
+        masks = torch.stack(masks)  # [2 | 3 | 4 | 5, n]: judged, foreign, (checked, corrupt), (live)
+        sums = masks.sum(dim=1)
+        firsts = torch.max(masks[1:4:2] if verified is not None else masks[1:2], 1).indices  # foreign, (corrupt)
+        picked = torch.cat([c.reshape(-1, c.shape[-1]) for c in columns]).index_select(1, firsts)  # [4 | 6, 1 | 2]
+        zeros = self._zeros
+        cells = [sums[-1:] if live is not None else zeros[:1], sums[0:2], firsts[0:1], picked[0:4, 0]]
+        if verified is not None:  # ... checked, corrupt, its index, row, FULL and SWA slot; the sweep's; d1, d2
+            cells += [sums[2:4], firsts[1:2], picked[0:1, 1], picked[2:4, 1], zeros[:4], picked[4:6, 1]]
         else:  # no checksum to compare: every live slot unchecked
-            zero = judged.new_zeros((), dtype=torch.int64)
-            values += [zero] * 6
-        out[:len(values)].copy_(torch.stack(values))
+            cells.append(zeros[:6])
+        width = sum(int(c.shape[0]) for c in cells)
+        torch.cat(cells, out=out[:width])

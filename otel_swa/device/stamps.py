@@ -101,14 +101,16 @@ _ANCHOR = _KNOWN << _CODE_SHIFT
 _A, _B, _C = 0x9E37F, 0x7F4A7, 0x5BD1E995
 
 
-def mix(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+def mix(token: torch.Tensor, position: torch.Tensor, reduced: bool = True) -> torch.Tensor:
     """``f(token, position)``: ``int64`` in ``0 .. 2**20 - 1``, elementwise (module docstring).
 
     Args:
         token: ``int64``, values in ``0 .. 2**20 - 1`` (ids already reduced).
         position: ``int64``, values in ``0 .. 2**22 - 1`` (positions already reduced).
+        reduced: ``False`` leaves out the last ``& (2**20 - 1)``: a value below 2**51 equal to ``f``
+            mod 2**20, for a caller that reduces a sum of it mod 2**20 anyway.
 
-    Ten elementwise device operations; no intermediate reaches 2**63.
+    Ten elementwise device operations (nine unreduced); no intermediate reaches 2**63.
     """
     x = torch.add(token * _A, position, alpha=_B)  # < 2**42
     x ^= x >> 17
@@ -116,7 +118,7 @@ def mix(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
     x *= _C  # < 2**62
     x ^= x >> 31
     x >>= 11
-    return x.bitwise_and_(CHAIN_MASK)
+    return x.bitwise_and_(CHAIN_MASK) if reduced else x
 
 
 def mix_numpy(token: np.ndarray, position: np.ndarray) -> np.ndarray:
@@ -165,7 +167,9 @@ def write_stamps(
     tok = token_ids.long() & TOKEN_MASK
     pos = positions.long()
     posm = pos & POSITION_MASK
-    f = mix(tok, posm)
+    # a decode step adds one f to a chain reduced mod 2**20 below: f's own reduction is not needed
+    # (an extend step's cumsum needs it, to stay below 2**63)
+    f = mix(tok, posm, reduced=extend_start_loc is not None)
     width = req_to_token.shape[1]
     if extend_start_loc is None:
         rows, first_pos = req_pool_indices, pos

@@ -32,7 +32,7 @@ class Workspace:
     def __init__(self, device: "torch.device | str") -> None:
         self.device = torch.device(device)
         self.persistent = self.device.type == "cpu"
-        self._buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}
 
     def get(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
         """A 1-D ``dtype`` tensor of ``size`` elements on the device, contents undefined."""
@@ -81,6 +81,14 @@ class Workspace:
             buffer = torch.ones(max(size, 64, 2 * buffer.numel() if buffer is not None else 0), dtype=dtype, device=self.device)
             self._buffers[key] = buffer
         return buffer[:size]
+
+    def constant(self, values: "tuple[int, ...]", dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """A kept 1-D tensor holding ``values`` (made once per ``values``; callers never write to it)."""
+        key = ("constant", values, dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None:
+            buffer = self._buffers[key] = torch.tensor(values, dtype=dtype, device=self.device)
+        return buffer
 
     def nbytes(self) -> int:
         """Bytes held by the kept buffers."""

@@ -426,6 +426,16 @@ def test_the_sweep_finds_a_flipped_swa_byte_and_skips_unmapped_slots():
         "swa", int(held[5]), swa)
 
 
+def test_a_sweep_whose_slots_all_left_the_window_checks_none_in_the_swa_pool_and_still_the_full_pool():
+    engine = Engine([10, 6])
+    held = engine.r2t[2, :6].long()
+    engine.mapping[held] = 0  # every held token left the window
+    engine.k[int(held[3])].view(-1).view(torch.uint8)[5] ^= 0x10
+    got = engine.verify(_batch_of_first(engine, held))
+    assert (got.checksum_checks, got.corrupt_tokens) == (20 + 6, 1)  # request 1's 20, the 6 held FULL slots
+    assert (got.corrupt_offender["pool"], got.corrupt_offender["full_slot"]) == ("full", int(held[3]))
+
+
 def test_the_sweep_goes_through_its_list_a_budget_at_a_time():
     engine = Engine([3, 40], budget=16)
     held = engine.r2t[2, :40].long()
