@@ -203,6 +203,9 @@ class PagedProvenance(KvProvenance):
         #: in it, as the engine may say before the forward)
         self.passes = 2
         self.folds = tuple(None if f is None else _paged_folds(f) for f in self.folds)
+        # each layer's store folds into its own paged pool (PoolFolds.add): no shared step buffer
+        # (KvProvenance's StepFolds was made for the flat folds just replaced)
+        self._step_folds = None
 
     def stamp_group(self, *, swa: bool, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
                     block_table: torch.Tensor, block_size: int, query_start_loc: torch.Tensor) -> None:
