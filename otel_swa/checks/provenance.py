@@ -41,7 +41,8 @@ PROVENANCE_WIDTH = 2 * _PER_POOL
 
 #: The keys a foreign or corrupt token's offender may name beyond its batch entry (``block`` and
 #: ``kv_cache_group``: a paged engine's, :mod:`otel_swa.device.paged_provenance`).
-_WHERE = ("expected_token", "expected_position", "found_token", "found_position", "layer", "block", "kv_cache_group")
+_WHERE = ("expected_token", "expected_position", "found_token", "found_position", "layer", "block", "kv_cache_group",
+          "host_slot")
 
 
 class ProvenanceCheck(Check):

@@ -10,7 +10,10 @@ tier keeps, per host slot, what the device tables hold per device slot:
   none), absent with checksums off.
 
 24 bytes per host slot and pool (8 without checksums), on the host tier's device (the host pool's
-memory: ``"cpu"``), whatever the number of layers.
+memory: ``"cpu"``), whatever the number of layers; and 16 bytes per device slot of each followed
+pool on the provenance's device (``loaded``: the host slot each device slot was last loaded from and
+the stamp that load moved in), which names the host slot of a fault's first offender
+(:meth:`HostTier.host_slot_of`).
 
 The moves (the engine calls them where its bytes move; each is a gather and a scatter per table, no
 host read):
@@ -72,8 +75,12 @@ class HostTier:
         self.folds: "dict[str, torch.Tensor]" = {}
         #: per pool, :data:`MOVE_COUNTERS` -> int
         self.counts: "dict[str, dict[str, int]]" = {}
+        #: per pool, ``int64 [device_slots, 2]`` on the provenance's device: the host slot + 1 each
+        #: device slot was last loaded from (0: none) and the stamp that load moved in
+        self.loaded: "dict[str, torch.Tensor]" = {}
         for name, slots in (host_slots or {}).items():
             self.add_pool(name, slots)
+        provenance.host_tier = self  # names the host slot of a loaded slot's offender (host_slot_of)
 
     def add_pool(self, pool: str, host_slots: int) -> None:
         """Follow ``pool`` (``"full"``/``"swa"``) to ``host_slots`` host slots (an int >= 1; a pool
@@ -93,11 +100,25 @@ class HostTier:
         if self.provenance.folds[p] is not None:
             self.folds[pool] = torch.zeros((host_slots, 2), dtype=torch.int64, device=self.device)
         self.counts[pool] = dict.fromkeys(MOVE_COUNTERS, 0)
+        device_stamps = self.provenance.stamps[p]
+        self.loaded[pool] = torch.zeros((device_stamps.shape[0], 2), dtype=torch.int64, device=device_stamps.device)
 
     @property
     def bytes_per_host_slot(self) -> "dict[str, int]":
         """Host bytes the tables take per host slot of each followed pool (8, or 24 with checksums)."""
         return {name: 8 + 16 * (name in self.folds) for name in self.stamps}
+
+    def host_slot_of(self, pool: str, slot: int) -> "int | None":
+        """The host slot device slot ``slot`` of ``pool`` was last loaded from, while it still holds
+        the stamp that load moved in (a forward step that wrote the slot since gives it another),
+        or ``None``. Reads three values of the device's tables: called for a fault's first
+        offender only (on a GPU it waits for the work queued before it)."""
+        loaded = self.loaded.get(pool)
+        if loaded is None or not 0 <= slot < loaded.shape[0]:
+            return None
+        host, stamp = (int(v) for v in loaded[slot].tolist())
+        now = int(self.provenance.stamps[PROVENANCE_POOLS.index(pool)][slot])
+        return host - 1 if host > 0 and now == stamp else None
 
     def follows(self, pool: str) -> bool:
         """Whether ``pool``'s slots are followed to this tier."""
@@ -128,6 +149,8 @@ class HostTier:
         # host tables live in host memory: this count reads no device
         self.counts[pool]["unfollowed_slots"] += int(moved.eq(0).sum()) if self.device.type == "cpu" else 0
         target.index_copy_(0, dev.to(target.device), moved.to(target.device))
+        self.loaded[pool].index_copy_(0, dev.to(target.device),
+                                      torch.stack([host + 1, moved], dim=1).to(target.device))
         if pool in self.folds:
             table = self.provenance.folds[p].table
             table.index_fill_(0, dev.to(table.device), 0)

@@ -261,8 +261,8 @@ class PagedProvenance(KvProvenance):
         if meta is None:
             return None
         sizes = (inner.req_to_token.block_size, inner.swa_req_to_token.block_size)
-        return PagedMeta(meta.taken, meta.over_budget, meta.checksums, meta.layer_ids, sizes,
-                         tuple(getattr(inner, "kv_cache_groups", None) or (None, None)))
+        return PagedMeta(meta.taken, meta.over_budget, meta.checksums, meta.layer_ids, meta.host_slot_of,
+                         block_sizes=sizes, groups=tuple(getattr(inner, "kv_cache_groups", None) or (None, None)))
 
 
 @dataclass(frozen=True)

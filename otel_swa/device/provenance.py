@@ -222,6 +222,9 @@ class KvProvenance:
         self._written: "tuple | None" = None  # (out_cache_loc, FULL slots, SWA slots) of the last stamp call
         self._cursor = [0, 0]
         self.chains = ChainCache()
+        #: the host tier whose tables follow these slots (:class:`~otel_swa.device.host_tier.HostTier`
+        #: sets itself here), or ``None``
+        self.host_tier: Any = None
         self._sweep: "torch.Tensor | None" = None  # the FULL slots of the sweep pass under way
         self._sweep_at = 0
         #: the Triton kernels of provenance (:mod:`otel_swa.device.kernel_select`: a CUDA cache), or
@@ -427,8 +430,10 @@ class KvProvenance:
         if swept is not None:
             for p in pools:
                 self._verify_swept(out[p * _PER_POOL:(p + 1) * _PER_POOL], swept, p, mapping)
+        tier = self.host_tier
         return ProvenanceMeta(tuple(taken), tuple(over), self.checksum != "off",
-                              tuple(f.layer_ids if f is not None else frozenset() for f in self.folds))
+                              tuple(f.layer_ids if f is not None else frozenset() for f in self.folds),
+                              tier.host_slot_of if tier is not None else None)
 
     def _next_sweep(self, source: Any) -> "torch.Tensor | None":
         """The FULL slots this sample sweeps (``int64 [<= budget]`` on the device): the next part of

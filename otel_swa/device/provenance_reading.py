@@ -80,6 +80,9 @@ class ProvenanceMeta:
     over_budget: "tuple[int, ...]"
     checksums: bool
     layer_ids: "tuple[frozenset, ...]" = (frozenset(), frozenset())
+    #: ``host_slot_of(pool, slot)``: the host slot a loaded device slot came from (a host tier's,
+    #: :meth:`otel_swa.device.host_tier.HostTier.host_slot_of`), or ``None`` without a host tier
+    host_slot_of: "Any" = None
 
     def read(self, values: Sequence[int]) -> ProvenanceReading:
         """The reading of the :data:`PROVENANCE_WIDTH` staged ints."""
@@ -114,6 +117,13 @@ class ProvenanceMeta:
                                                self.layer_ids[p])
         if corrupt_at is None:
             corrupt_at = swept_at
+        if self.host_slot_of is not None:
+            for where in (foreign_at, corrupt_at):
+                if where is not None:
+                    slot = where["swa_slot"] if where["pool"] == "swa" else where["full_slot"]
+                    host = self.host_slot_of(where["pool"], slot) if slot is not None else None
+                    if host is not None:
+                        where["host_slot"] = host
         on = self.checksums
         return ProvenanceReading(
             stamp_checks, foreign, stamp_unchecked,

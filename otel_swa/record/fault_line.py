@@ -46,6 +46,7 @@ OFFENDER_KEYS = (
     "layer_name",
     "block",
     "kv_cache_group",
+    "host_slot",
     "pool",
     "expected_token",
     "expected_position",
@@ -83,6 +84,8 @@ class Offender:
         layer_name: that layer's name in the engine (vLLM's layer name), when known.
         block, kv_cache_group: a KV block id and its KV cache group (vLLM's block audit, its block
             hashes).
+        host_slot: the host-tier slot the device slot was last loaded from (SGLang's HiCache host
+            pool), while it holds what that load brought; a foreign or corrupt token.
         pool: the KV pool of the slot (one of :data:`OFFENDER_POOLS`): a write mismatch, a foreign
             or corrupt token.
         expected_token, expected_position: the token id and position the slot's stamp should
@@ -113,6 +116,7 @@ class Offender:
     layer_name: "str | None" = None
     block: "int | None" = None
     kv_cache_group: "int | None" = None
+    host_slot: "int | None" = None
     pool: "str | None" = None
     expected_token: "int | None" = None
     expected_position: "int | None" = None
@@ -148,6 +152,7 @@ class Offender:
             _words("also mapped from FULL slot", self.other_full_slot),
             _words("layer", self.layer, self.layer_name) or _words("layer", self.layer_name),
             _words("block", self.block, _words("KV cache group", self.kv_cache_group)),
+            _words("loaded from host slot", self.host_slot),
             None if self.pool is None else f"{self.pool.upper()} pool",
             _stamp_words("expected", self.expected_token, self.expected_position),
             _stamp_words("found", self.found_token, self.found_position),

@@ -122,3 +122,21 @@ def test_kv_loaded_back_into_other_slots_is_verified_as_live_and_never_judged_be
     assert got.corrupt_tokens == 1
     assert (got.corrupt_offender["pool"], got.corrupt_offender["full_slot"], got.corrupt_offender["position"]) == (
         "full", 204, 4)
+    # and by the host slot it was loaded from (the load moved stamp and folds there from host slot 4)
+    assert got.corrupt_offender["host_slot"] == 4
+    # the request's slot 204 written by a forward step since (another stamp): no host slot is named
+    engine.prov.stamps[0][204] = -1
+    assert tier.host_slot_of("full", 204) is None and tier.host_slot_of("full", 205) == 5
+
+
+def test_a_device_slot_names_the_host_slot_of_its_last_load_while_it_holds_that_loads_stamp():
+    device = provenance()
+    tier = HostTier(device, {"full": 10, "swa": 6})
+    assert tier.host_slot_of("full", 3) is None  # never loaded
+    tier.backup("full", torch.tensor([7, 2]), torch.tensor([3, 4]))
+    tier.load_started("full", torch.tensor([7, 2]), torch.tensor([11, 12]))
+    tier.load_started("full", torch.tensor([2]), torch.tensor([13]))  # the same host slot loaded twice
+    assert [tier.host_slot_of("full", s) for s in (11, 12, 13, 3)] == [7, 2, 2, None]
+    tier.load_started("full", torch.tensor([7]), torch.tensor([12]))  # a later load into slot 12
+    assert tier.host_slot_of("full", 12) == 7
+    assert tier.host_slot_of("swa", 12) is None and tier.host_slot_of("full", 99) is None  # not loaded, no such slot

@@ -238,6 +238,8 @@ def test_check_fails_the_fault_naming_its_first_offender_where_the_fault_was_mad
         assert (where.get("full_slot"), where.get("pool")) == (made["full_slot"], "full"), row
     else:  # the SWA slots loaded from host slots no backup wrote: never written there
         assert where.get("pool") == "swa" and where.get("found_token") is None, row
+    # otel-swa's offender names the host slot its device slot was loaded from: one the fault touched
+    assert where.get("host_slot") in made["host_slots"], row
 
 
 # ------------------------------------------------------------------ the table in the docs

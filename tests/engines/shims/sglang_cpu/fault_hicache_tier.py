@@ -63,7 +63,8 @@ def install(name: str, at_step: int) -> None:
             return transfers
         transfer = transfers[index]
         host, device = transfer.host_indices, transfer.device_indices
-        details = {"pool": "full", "host_slot": int(host[0]), "full_slot": int(device[0])}
+        details = {"pool": "full", "host_slot": int(host[0]), "full_slot": int(device[0]),
+                   "host_slots": [int(x) for x in host]}
         if name == "hicache_load_bytes_changed":
             rows = host.long()
             transfer.host_pool.k_buffer[0][rows] += 0.5
