@@ -215,7 +215,9 @@ class KvProvenance:
         # the ordered layers of both pools share one step buffer, hashed once per step
         orders = [tuple(order.get(name) or ()) if self.folds[p] is not None else ()
                   for p, name in enumerate(PROVENANCE_POOLS)]
-        self._step_folds = StepFolds(self.folds, orders) if any(orders) else None
+        # (a layer id named in both pools' orders: each pool folds alone, as without an order)
+        named = [layer_id for order in orders for layer_id in order]
+        self._step_folds = StepFolds(self.folds, orders) if named and len(set(named)) == len(named) else None
         self.write_check = (WriteCheck(self.device, gate, max_tokens=write_check_tokens, layers=write_check_layers)
                             if write_check else None)
         self._designated: "list[int | None]" = [layers.get("full"), layers.get("swa")]
