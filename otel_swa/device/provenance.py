@@ -105,6 +105,7 @@ from otel_swa.device.provenance_reading import (
     PROVENANCE_WIDTH,
     ProvenanceMeta,
     ProvenanceReading,
+    take_ranges,
 )
 from otel_swa.device.stamps import (
     ChainCache,
@@ -412,7 +413,8 @@ class KvProvenance:
         over = [0, 0]
         pieces_of = []
         for p in pools:
-            pieces, over[p] = self._take(p, swa_low if p == 1 else low, lens)
+            pieces, over[p], self._cursor[p] = take_ranges(swa_low if p == 1 else low, lens, self.budget,
+                                                           self._cursor[p])
             pieces_of.append(pieces)
         parts = []
         for p, arrays in zip(pools, self._expected(pieces_of, token_ids, request_ids)):
@@ -498,28 +500,6 @@ class KvProvenance:
         """``folds.verify(slots)``, by the Triton kernel where one is chosen and applies."""
         verified = self.kernels.verify_folds(folds, slots) if self.kernels is not None else None
         return verified if verified is not None else folds.verify(slots)
-
-    def _take(self, pool: int, low: np.ndarray, lens: np.ndarray) -> "tuple[list[tuple[int, int, int]], int]":
-        """The ranges ``(entry, lo, hi)`` this sample verifies in ``pool`` (at most ``budget``
-        positions, from the pool's cursor) and the candidates left over."""
-        counts = np.maximum(lens - low, 0)
-        total = int(counts.sum())
-        if total <= self.budget:
-            return [(i, int(low[i]), int(lens[i])) for i in range(len(lens)) if counts[i]], 0
-        start = self._cursor[pool] % total
-        self._cursor[pool] = (start + self.budget) % total
-        ends = np.cumsum(counts)
-        pieces = []
-        need, at = self.budget, start
-        while need:
-            i = int(np.searchsorted(ends, at, side="right"))
-            first = int(ends[i] - counts[i])
-            lo = int(low[i]) + (at - first)
-            take = min(need, int(ends[i]) - at)
-            pieces.append((i, lo, lo + take))
-            need -= take
-            at = (at + take) % total
-        return pieces, total - self.budget
 
     def _expected(self, pieces_of, token_ids, request_ids) -> "list[tuple[np.ndarray, np.ndarray, np.ndarray]]":
         """Per pool, ``(entries, positions, expected)`` of its pieces ``(entry, lo, hi)``: each

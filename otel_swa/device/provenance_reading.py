@@ -16,7 +16,7 @@ from otel_swa.checks.provenance import _PER_POOL, PROVENANCE_CELLS, PROVENANCE_P
 from otel_swa.device.kv_folds import layer_of
 from otel_swa.device.stamps import decode_stamp
 
-__all__ = ["PROVENANCE_POOLS", "PROVENANCE_CELLS", "PROVENANCE_WIDTH", "NEVER_STAMPED", "ProvenanceMeta",
+__all__ = ["take_ranges", "PROVENANCE_POOLS", "PROVENANCE_CELLS", "PROVENANCE_WIDTH", "NEVER_STAMPED", "ProvenanceMeta",
            "ProvenanceReading"]
 
 #: What a live slot whose stamp is 0 (never written since provenance was on) is: the first is the default.
@@ -151,3 +151,28 @@ def _foreign(pool: str, taken, cells) -> "dict[str, Any]":
         fields.update(found_token=found["token"], found_position=found["position"],
                       found_chain_known=found["chain_known"])
     return fields
+
+
+def take_ranges(low: np.ndarray, lens: np.ndarray, budget: int, cursor: int
+                ) -> "tuple[list[tuple[int, int, int]], int, int]":
+    """The ranges ``(entry, lo, hi)`` a sample verifies in a pool (entry ``i``'s candidate positions
+    ``low[i] .. lens[i] - 1``; at most ``budget`` positions, from ``cursor`` over the candidates
+    counted in entry order, so that successive samples go round them), the candidates left over, and
+    the next cursor."""
+    counts = np.maximum(lens - low, 0)
+    total = int(counts.sum())
+    if total <= budget:
+        return [(i, int(low[i]), int(lens[i])) for i in range(len(lens)) if counts[i]], 0, cursor
+    start = cursor % total
+    ends = np.cumsum(counts)
+    pieces = []
+    need, at = budget, start
+    while need:
+        i = int(np.searchsorted(ends, at, side="right"))
+        first = int(ends[i] - counts[i])
+        lo = int(low[i]) + (at - first)
+        take = min(need, int(ends[i]) - at)
+        pieces.append((i, lo, lo + take))
+        need -= take
+        at = (at + take) % total
+    return pieces, total - budget, (start + budget) % total
