@@ -83,8 +83,9 @@ def wire_read_check(wired: Any, originals: dict) -> int:
     layers that carry it (0: none, and ``wired.read`` stays ``None``)."""
     from otel_swa import config
     from otel_swa.device.read_check import ReadCheck
-    from otel_swa.engine_wrapping import _ABSENT
     from otel_swa.views.vllm_read import READ_IMPLS
+
+    from .write_check import wrap_once
 
     wired.read = None
     setting = config.read_check()
@@ -98,12 +99,5 @@ def wire_read_check(wired: Any, originals: dict) -> int:
     wired.read = ReadCheck(wired.gate.device, max_queries=queries, layers=mode, gate=wired.gate)
     for write_layer in layers:
         write_layer.layer.__dict__[LAYER_ATTRIBUTE] = (wired, write_layer)
-        cls = type(write_layer.layer.impl)
-        if (cls, "forward") not in originals:
-            own = cls.__dict__.get("forward")
-            function = own if own is not None else cls.forward
-            if getattr(function, "_otel_swa_read", False):  # inherited from a class wrapped already
-                function = function.__wrapped__
-            setattr(cls, "forward", _wrap_forward(function))
-            originals[(cls, "forward")] = _ABSENT if own is None else own  # inherited: removed again
+        wrap_once(type(write_layer.layer.impl), "forward", _wrap_forward, "_otel_swa_read", originals)
     return len(layers)

@@ -38,7 +38,7 @@ from typing import Any, Callable
 _log = logging.getLogger("opentelemetry.instrumentation.swa_vllm")
 
 __all__ = ["MORE_WRAPPED", "RUNNER_ATTRIBUTE", "LAYER_ATTRIBUTE", "WIRED_DEVICE_TYPES", "REGISTRY", "RunnerWriteCheck",
-           "off_reason", "wire_runner"]
+           "off_reason", "wire_runner", "wrap_once"]
 
 #: The model runners' ``initialize_kv_cache`` (module, class, method, parameters relied on), vLLM 0.33.
 MORE_WRAPPED = (
@@ -248,6 +248,24 @@ def _wrap_store(original: Callable) -> Callable:
     return do_kv_cache_update
 
 
+def wrap_once(cls: type, name: str, wrap: Callable[[Callable], Callable], marker: str, originals: dict) -> None:
+    """Replace method ``name`` of an implementation class by ``wrap(method)`` unless ``originals``
+    (the instrumentor's table of what ``uninstrument()`` restores) has it already; a method the
+    class inherits is wrapped on the class itself (recorded as absent: removed again), and one
+    inherited from a class wrapped already (its wrapper carries ``marker``) is wrapped around its
+    original, never twice."""
+    if (cls, name) in originals:
+        return
+    from otel_swa.engine_wrapping import _ABSENT
+
+    own = cls.__dict__.get(name)
+    function = own if own is not None else getattr(cls, name)
+    if getattr(function, marker, False):
+        function = function.__wrapped__
+    setattr(cls, name, wrap(function))
+    originals[(cls, name)] = _ABSENT if own is None else own
+
+
 def wire_runner(runner: Any, kv_cache_config: Any, originals: dict) -> "RunnerWriteCheck | None":
     """Give ``runner`` its write check after ``initialize_kv_cache`` (module docstring), wrap the
     ``do_kv_cache_update`` of its layers' implementation classes once (``originals``: the
@@ -280,16 +298,7 @@ def wire_runner(runner: Any, kv_cache_config: Any, originals: dict) -> "RunnerWr
         _log.exception("otel-swa: vLLM's KV provenance was not wired")
     for write_layer in layers:
         write_layer.layer.__dict__[LAYER_ATTRIBUTE] = (wired, write_layer)
-        cls = type(write_layer.layer.impl)
-        if (cls, "do_kv_cache_update") not in originals:
-            from otel_swa.engine_wrapping import _ABSENT
-
-            own = cls.__dict__.get("do_kv_cache_update")
-            originals[(cls, "do_kv_cache_update")] = _ABSENT if own is None else own  # inherited: removed again
-            function = own if own is not None else cls.do_kv_cache_update
-            if getattr(function, "_otel_swa_store", False):  # inherited from a class wrapped already
-                function = function.__wrapped__
-            setattr(cls, "do_kv_cache_update", _wrap_store(function))
+        wrap_once(type(write_layer.layer.impl), "do_kv_cache_update", _wrap_store, "_otel_swa_store", originals)
     try:
         from .read_check import wire_read_check
 
