@@ -29,7 +29,8 @@ FAULT_FIELDS = fault_fields()
 #: ``swa_slot``, ``swa_page``, ``other_full_slot`` (a shared SWA slot's second FULL slot),
 #: ``layer`` (the attention layer: read and write mismatches), ``layer_name`` (its name in the
 #: engine, a string: vLLM's ``model.layers.3.self_attn.attn``), ``block`` (a KV block id, vLLM),
-#: ``kv_cache_group`` (vLLM's KV cache group of that block), then the provenance checks' keys:
+#: ``kv_cache_group`` (vLLM's KV cache group of that block), ``host_slot`` (the host-tier slot a
+#: loaded device slot came from: SGLang's HiCache), then the provenance checks' keys:
 #: ``pool`` (the KV pool of the slot, :data:`OFFENDER_POOLS`), ``expected_token`` and
 #: ``expected_position`` (what the stamp expected from the request's own tokens says),
 #: ``found_token`` and ``found_position`` (what the slot's stamp says; absent when it was never
