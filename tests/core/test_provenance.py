@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from otel_swa.device import checksum
 from otel_swa.device.checksum import RowHasher
 from otel_swa.device.gate import SamplingGate
 from otel_swa.device.provenance import PROVENANCE_WIDTH, ChainCache, KvProvenance
@@ -169,6 +170,29 @@ def test_the_checksum_is_the_documented_hash_and_sees_every_byte_it_covers(dtype
         flipped[4].view(-1).view(torch.uint8)[byte] ^= 0x01
         changed = hasher.of_pool(flipped, v, torch.tensor([4])).item() != got[1]
         assert changed == (byte < covered), byte
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_samples_hash_in_int32_lanes_and_chunks_equals_the_int64_form(dtype, monkeypatch):
+    # the CPU's form of RowHasher.of_rows (int32 lanes, chunks) against the int64 form of the step
+    # folds (hash_words), on rows whose words take the extremes of their width (top bit set or not)
+    gen = torch.Generator().manual_seed(11)
+    raw = torch.randint(0, 256, (40, 2, 24), generator=gen, dtype=torch.uint8)
+    raw[0] = 0xFF
+    raw[1] = 0x00
+    raw[2, :, 3::4] = 0x80  # the top byte of each 32-bit word: negative int32 words
+    raw[3, :, 3::4] = 0x7F
+    k, v = raw.view(40, -1).view(dtype), raw.flip(0).reshape(40, -1).view(dtype)
+    hasher = RowHasher(k, v, None)
+    slots = torch.arange(39, -1, -1)
+    step = torch.cat([hasher.word_rows(k, True), hasher.word_rows(v, False)], dim=1)[slots]  # [40, words]
+    expected = hasher.hash_words(step)
+    monkeypatch.setattr(checksum, "CPU_CHUNK_WORDS", 3 * hasher.words)  # 3 rows a chunk: 14 chunks
+    got = hasher.of_rows([(k, v)], slots)
+    assert got.shape == (40, 1) and torch.equal(got[:, 0], expected)
+    assert int(got[39, 0]) == hash_rows(step[39].tolist())  # the documented hash of an extreme row
+    monkeypatch.setattr(checksum, "CPU_CHUNK_WORDS", 1 << 18)  # one chunk
+    assert torch.equal(hasher.of_rows([(k, v), (v, k)], slots)[:, 0], expected)
 
 
 def test_fp8_like_caches_are_not_hashed():
