@@ -62,6 +62,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+import _pyprofile  # noqa: E402
 from _common import fmt, load_line, machine_line, print_table, ratios  # noqa: E402
 from _revisions import WORKTREE, label  # noqa: E402
 from bench_replay import start_collector  # noqa: E402
@@ -166,6 +167,17 @@ def profile_table(profile_dir: Path) -> "tuple[int, list]":
     for part, (calls, wall, cpu) in data["parts"].items():
         rows.append((part, f"{calls / steps:.2f}", f"{wall / calls * 1e6:.1f} / {cpu / calls * 1e6:.1f}",
                      f"{wall / steps * 1e6:.1f}"))
+    marks = data.get("threads") or []
+    if len(marks) >= 2:  # each thread's CPU between the first and the last write (whole clock ticks)
+        (first, before), (last, after) = marks[0], marks[-1]
+        spent = {thread: after[thread] - before.get(thread, 0.0) for thread in after}
+        for thread in sorted((t for t in spent if spent[t] > 0), key=lambda t: -spent[t]):
+            rows.append((f"thread {thread!r}: CPU (user + system) per step, steps {first} - {last}", "", "",
+                         f"{spent[thread] / max(1, last - first) * 1e6:.1f} (CPU)"))
+        idle = sorted(t for t in spent if spent[t] <= 0)
+        if idle:
+            rows.append((f"{len(idle)} other threads (OpenTelemetry's, gRPC's, otel-swa's delivery...): under one "
+                         f"clock tick", "", "", "0"))
     return data["steps"], rows
 
 
@@ -175,6 +187,9 @@ def main() -> None:
     parser.add_argument("--revisions", nargs="+", default=[WORKTREE],
                         help="otel-swa revisions to measure side by side (worktree: the working tree)")
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled runs")
+    parser.add_argument("--pyprofile", action="store_true",
+                        help="after the rounds, one run per revision and variant with the scheduler's thread under "
+                             "cProfile (its CPU time): otel-swa's cost per step to the function and operation")
     parser.add_argument("--freeze-gc", action="store_true",
                         help="call SGLang's Engine.freeze_gc() after the warm-up request in every run")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
@@ -189,6 +204,7 @@ def main() -> None:
     cpu: dict = {rev: {} for rev in revisions}
     gc_main = {rev: {name: [] for name in names} for rev in revisions}
     profiles: dict = {rev: {} for rev in revisions}
+    pyprofiles: dict = {rev: {} for rev in revisions}
     with tempfile.TemporaryDirectory(prefix="otel-swa-sglang-bench-") as tmp:
         work = Path(tmp)
         model = work / "model"
@@ -226,6 +242,16 @@ def main() -> None:
                         run_engine(model, work, engine_env(endpoint, VARIANTS[name], str(profile_dir)),
                                    f"profiled-{_slug(shown[rev])}-{_slug(name)}", args.freeze_gc)
                         profiles[rev][name] = profile_table(profile_dir)
+            if args.pyprofile:
+                for rev in revisions:
+                    installed.use(rev)
+                    for name in [n for n in ("off", "interval 20", "interval 1") if n in names]:
+                        profile_dir = work / f"pyprofile-{_slug(shown[rev])}-{_slug(name)}"
+                        profile_dir.mkdir()
+                        env = engine_env(endpoint, VARIANTS[name], str(profile_dir))
+                        env["OTEL_SWA_TEST_SGLANG_PYPROFILE"] = "1"
+                        run_engine(model, work, env, f"pyprofiled-{_slug(shown[rev])}-{_slug(name)}", args.freeze_gc)
+                        pyprofiles[rev][name] = read_pyprofile(profile_dir)
         finally:
             installed.close()
             if collector is not None:
@@ -280,7 +306,27 @@ def main() -> None:
             what = ("the instrumentor's parts" if name != "off" else "otel-swa off") + f" at {name}" * (name != "off")
             print_table(f"{what}, in the scheduler process ({steps} forward steps; wall / thread CPU){title}",
                         ("part", "calls / step", "us / call", "us / step (wall)"), table)
+        for name, found in pyprofiles[rev].items():
+            if name != "off" and "off" in pyprofiles[rev]:
+                print_table(f"the scheduler's thread under cProfile at {name} against off, us per forward step "
+                            f"({found['steps']} and {pyprofiles[rev]['off']['steps']} steps; thread CPU, the "
+                            f"profiler's overhead in every row){title}", ("part", "us / step"),
+                            _pyprofile.rows(pyprofiles[rev]["off"], found))
     print(f"load average after: {load_line()}")
+
+
+def read_pyprofile(profile_dir: Path) -> dict:
+    """The whole-thread profile of the scheduler process in ``profile_dir`` (the one with the
+    most forward steps), per step (:func:`_pyprofile.read`)."""
+    found = []
+    for stats in profile_dir.glob("pyprofile-*.prof"):
+        totals = profile_dir / f"profile-{stats.stem.rpartition('-')[2]}.json"
+        if totals.exists():
+            found.append((json.loads(totals.read_text())["steps"], stats))
+    if not found:
+        raise RuntimeError(f"no scheduler profile in {profile_dir}")
+    steps, stats = max(found)
+    return _pyprofile.read(stats, steps)
 
 
 if __name__ == "__main__":

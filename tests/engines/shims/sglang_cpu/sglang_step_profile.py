@@ -48,6 +48,7 @@ PARTS = (
 _SPANS = ("otel_swa.telemetry.spans", "ForwardSpans.forward_span", "forward-step span (start + end)")
 
 _TOTALS: dict[str, list] = {}
+_THREADS: list = []  # [forward steps, thread_cpu()] at each write: the threads' CPU between two of them
 _STATE = {"steps": 0}
 
 
@@ -56,6 +57,15 @@ def _count(part: str, wall: float, cpu: float) -> None:
     entry[0] += 1
     entry[1] += wall
     entry[2] += cpu
+
+
+#: ``OTEL_SWA_TEST_SGLANG_PYPROFILE=1`` beside the directory: from the 10th forward step on (after
+#: the driver's warm-up) the scheduler's thread runs under ``cProfile`` with its thread CPU time as
+#: the clock, written to ``pyprofile-<pid>.prof`` in the directory with the totals (for ``pstats``,
+#: with and without otel-swa): every function's own CPU time, torch's operations each a row under
+#: the function that called them. Its own overhead inflates every row: read totals from a run
+#: without it.
+_PYPROFILE: list = []
 
 
 def _timed(function, part: str):
@@ -108,10 +118,43 @@ def _gc_callback(phase: str, info: dict) -> None:
         _GC_STARTED[0] = 0.0
 
 
+def thread_cpu() -> dict:
+    """CPU seconds (user + system) of every thread of this process so far, by name (Python's thread
+    name where the thread is a Python one, else the kernel's ``comm``; equal names summed), from
+    ``/proc/self/task/<tid>/stat``: which threads besides the scheduler's own spend the process's CPU
+    (the delivery thread, the OpenTelemetry SDK's export threads, gRPC's pollers). Empty where
+    ``/proc`` is not there."""
+    import threading
+
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    found: dict = {}
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/stat") as stat:
+                text = stat.read()
+        except OSError:
+            continue
+        comm = text[text.index("(") + 1:text.rindex(")")]
+        fields = text[text.rindex(")") + 2:].split()
+        name = names.get(int(task), comm)
+        found[name] = found.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return found
+
+
 def write() -> None:
     out_dir = os.environ["OTEL_SWA_TEST_SGLANG_PROFILE"]
     with open(os.path.join(out_dir, f"profile-{os.getpid()}.json"), "w") as out:
-        json.dump({"steps": _STATE["steps"], "parts": _TOTALS}, out)
+        _THREADS.append([_STATE["steps"], thread_cpu()])
+        json.dump({"steps": _STATE["steps"], "parts": _TOTALS, "threads": _THREADS}, out)
+    for profile in _PYPROFILE:
+        profile.disable()
+        profile.dump_stats(os.path.join(out_dir, f"pyprofile-{os.getpid()}.prof"))
+        profile.enable()
 
 
 def _wrap(module, path: str, wrapper, part: str) -> None:
@@ -137,6 +180,11 @@ def _patch_model_runner(module) -> None:
         output = original(self, forward_batch, *args, **kwargs)
         if not getattr(self, "is_draft_worker", False):
             _STATE["steps"] += 1
+            if _STATE["steps"] == 10 and os.environ.get("OTEL_SWA_TEST_SGLANG_PYPROFILE"):
+                import cProfile
+
+                _PYPROFILE.append(cProfile.Profile(time.thread_time))
+                _PYPROFILE[0].enable()
             if _STATE["steps"] % 20 == 0:  # (the scheduler is killed at shutdown: no exit hook runs)
                 write()
         return output
