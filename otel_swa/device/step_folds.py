@@ -99,7 +99,9 @@ class StepFolds:
         if rows is None:
             rows = self._make_rows(hasher, tokens, slots.device, capturing)
         dtype = hasher.dtype
-        kk, vv = k.reshape(tokens, -1), v.reshape(tokens, -1)
+        # [T, row elements] already (SGLang hands its layers K and V so): no reshape to dispatch
+        kk = k if k.dim() == 2 and k.shape[0] == tokens else k.reshape(tokens, -1)
+        vv = v if v.dim() == 2 and v.shape[0] == tokens else v.reshape(tokens, -1)
         # the rows as the store casts them (every byte: the whole row), their words the buffer's words
         torch.cat((kk if kk.dtype == dtype else kk.to(dtype), vv if vv.dtype == dtype else vv.to(dtype)), dim=1,
                   out=rows[len(self._filled)])

@@ -127,8 +127,12 @@ def _writes_kv(forward_batch: Any) -> bool:
 
 
 def _stamp(wired: Any, forward_batch: Any) -> None:
-    """Stamp the slots this forward step writes (once per step, before its first attention layer)."""
-    if not _writes_kv(forward_batch) or forward_batch.out_cache_loc is None:
+    """Stamp the slots this forward step writes (once per step, before its first attention layer);
+    ``wired.writing`` keeps the step's ``out_cache_loc`` when it writes KV, so that its layers do
+    not ask the forward mode again."""
+    loc = forward_batch.out_cache_loc
+    wired.writing = loc if loc is not None and _writes_kv(forward_batch) else None
+    if wired.writing is None:
         return
     extend = None if forward_batch.forward_mode.is_decode() else forward_batch.extend_start_loc
     wired.provenance.stamp(
@@ -141,9 +145,10 @@ def _stamp(wired: Any, forward_batch: Any) -> None:
 def _after_layer(wired: Any, layer: Any, k: Any, v: Any, forward_batch: Any, args: tuple, kwargs: dict) -> None:
     """One attention layer's checksum write and write check, after it stored this step's K/V."""
     save_kv_cache = args[0] if args else kwargs.get("save_kv_cache", True)
-    if (k is None or v is None or not save_kv_cache or getattr(layer, "is_cross_attention", False)
-            or not _writes_kv(forward_batch) or forward_batch.out_cache_loc is None):
-        return
+    loc = forward_batch.out_cache_loc
+    if (k is None or v is None or not save_kv_cache or loc is None or getattr(layer, "is_cross_attention", False)
+            or (loc is not getattr(wired, "writing", None) and not _writes_kv(forward_batch))):
+        return  # (the step's stamp call said it writes these slots, or the forward mode says so now)
     layer_id = int(layer.layer_id)
     swa = layer_id in wired.layout["swa_layers"]
     if not wired.provenance.wants_layer(layer_id, swa):
@@ -151,7 +156,7 @@ def _after_layer(wired: Any, layer: Any, k: Any, v: Any, forward_batch: Any, arg
     pool = wired.kv_pool
     wired.provenance.after_layer(
         layer_id=layer_id, swa=swa, k=k, v=v, k_buffer=pool.get_key_buffer(layer_id),
-        v_buffer=pool.get_value_buffer(layer_id), out_cache_loc=forward_batch.out_cache_loc,
+        v_buffer=pool.get_value_buffer(layer_id), out_cache_loc=loc,
         full_to_swa_index_mapping=wired.allocator.full_to_swa_index_mapping if swa else None,
         positions=forward_batch.positions,
         extend_start_loc=None if forward_batch.forward_mode.is_decode() else forward_batch.extend_start_loc,
