@@ -113,8 +113,10 @@ def run_engine(model: Path, work: Path, env: dict, name: str, freeze_gc: bool = 
     if launcher is None:
         raise SystemExit("opentelemetry-instrument is not beside this Python: run with .venv-sglang/bin/python")
     with open(directory / "engine.log", "w") as log:
+        # run in the run's own folder: opentelemetry-instrument puts its working directory first on
+        # PYTHONPATH, and a checkout's would have every revision import that checkout's otel_swa
         run = subprocess.run([launcher, sys.executable, str(HERE / "sglang_engine_driver.py"), str(config)], env=env,
-                             stdout=log, stderr=subprocess.STDOUT, timeout=1800)
+                             stdout=log, stderr=subprocess.STDOUT, timeout=1800, cwd=directory)
     if run.returncode != 0:
         tail = (directory / "engine.log").read_text()[-3000:]
         raise RuntimeError(f"the engine run {name} failed ({run.returncode}):\n{tail}")
@@ -143,6 +145,18 @@ class Installed:
         if revision != self._current:
             self._install(self._roots[revision])
             self._current = revision
+
+    def check(self, result: dict) -> dict:
+        """``result`` of a run, after making sure its engine imported the installed revision's
+        ``otel_swa``.
+
+        Raises:
+            RuntimeError: it imported another one (the run would be another revision's figure)."""
+        expected = str(Path(self._roots[self._current]).resolve())
+        if result.get("otel_swa") != expected:
+            raise RuntimeError(f"the engine imported otel_swa from {result.get('otel_swa')!r}, not from {expected!r} "
+                               f"(revision {self._current})")
+        return result
 
     def _install(self, root: str) -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", root],
@@ -224,8 +238,8 @@ def main() -> None:
                 for rev in revisions[r % len(revisions):] + revisions[:r % len(revisions)]:
                     installed.use(rev)
                     for name in order:
-                        result = run_engine(model, work, engine_env(endpoint, VARIANTS[name]),
-                                            f"r{r}-{_slug(shown[rev])}-{_slug(name)}", args.freeze_gc)
+                        result = installed.check(run_engine(model, work, engine_env(endpoint, VARIANTS[name]),
+                                                            f"r{r}-{_slug(shown[rev])}-{_slug(name)}", args.freeze_gc))
                         got[rev][name].append(result["tokens"] / result["generate_s"])
                         gc_main[rev][name].append(sum(sec for _, sec in result.get("gc_main", {}).values()))
                         for process, seconds in result.get("cpu_s", {}).items():
@@ -239,8 +253,8 @@ def main() -> None:
                     for name in [n for n in ("off", "interval 1", "interval 20", "interval 1, provenance off") if n in names]:
                         profile_dir = work / f"profile-{_slug(shown[rev])}-{_slug(name)}"
                         profile_dir.mkdir()
-                        run_engine(model, work, engine_env(endpoint, VARIANTS[name], str(profile_dir)),
-                                   f"profiled-{_slug(shown[rev])}-{_slug(name)}", args.freeze_gc)
+                        installed.check(run_engine(model, work, engine_env(endpoint, VARIANTS[name], str(profile_dir)),
+                                                   f"profiled-{_slug(shown[rev])}-{_slug(name)}", args.freeze_gc))
                         profiles[rev][name] = profile_table(profile_dir)
             if args.pyprofile:
                 for rev in revisions:
@@ -250,7 +264,8 @@ def main() -> None:
                         profile_dir.mkdir()
                         env = engine_env(endpoint, VARIANTS[name], str(profile_dir))
                         env["OTEL_SWA_TEST_SGLANG_PYPROFILE"] = "1"
-                        run_engine(model, work, env, f"pyprofiled-{_slug(shown[rev])}-{_slug(name)}", args.freeze_gc)
+                        installed.check(run_engine(model, work, env, f"pyprofiled-{_slug(shown[rev])}-{_slug(name)}",
+                                                   args.freeze_gc))
                         pyprofiles[rev][name] = read_pyprofile(profile_dir)
         finally:
             installed.close()

@@ -60,7 +60,15 @@ def main(config_path: str) -> None:
     engine.shutdown()
     with open(config["out"], "w") as f:
         json.dump({"tokens": tokens, "generate_s": generate_s, "startup_s": started - T0, "cpu_s": cpu_s,
-                   "gc_main": collections.by_generation}, f)
+                   "gc_main": collections.by_generation, "otel_swa": _otel_swa_source()}, f)
+
+
+def _otel_swa_source() -> "str | None":
+    """The folder the engine's processes import ``otel_swa`` from (they share this one's path)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("otel_swa")
+    return str(Path(spec.origin).resolve().parent.parent) if spec is not None and spec.origin else None
 
 
 class _GcPauses:
