@@ -126,8 +126,7 @@ def holder_slots(
     if n and full.device.type == "cpu":
         # on the CPU the range is read without a sync: every FULL slot in the mapping (a healthy
         # engine) needs no clamped copy, no out-of-range mask and no fill (two passes instead of five)
-        low, high = (int(v.numpy()) for v in torch.aminmax(full))  # (host reads: no device operation)
-        if low >= 0 and high < size:
+        if _within(full, 0, size - 1):
             slot = torch.index_select(mapping, 0, full, out=ws.get("audit.gathered", n, mapping.dtype))
             if slot.dtype != torch.int64:
                 slot = slot.to(torch.int64)
@@ -179,9 +178,14 @@ def audit_holder_slots(
     free = swa_free_page_ids.reshape(-1)
     if free.dtype != torch.int64:  # index_fill_ takes int64 indices only
         free = free.long()
-    free_keys = torch.clamp(free, 0, spare_page, out=ws.get("audit.free_keys", free.numel(), torch.int64))
-    is_free.index_fill_(0, free_keys, True)
-    is_free.index_fill_(0, ws.constant((0, spare_page)), False)  # cells 0 and spare in one pass
+    if free.numel() and free.device.type == "cpu" and _within(free, 1, pages):
+        # on the CPU the range is read without a sync: ids all in the pool (a healthy engine) need
+        # no clamped copy and no clearing of cells 0 and spare
+        is_free.index_fill_(0, free, True)
+    elif free.numel():
+        free_keys = torch.clamp(free, 0, spare_page, out=ws.get("audit.free_keys", free.numel(), torch.int64))
+        is_free.index_fill_(0, free_keys, True)
+        is_free.index_fill_(0, ws.constant((0, spare_page)), False)  # cells 0 and spare in one pass
 
     page = slot if page_size == 1 else torch.div(slot, page_size, rounding_mode="floor", out=ws.get("audit.page", n, torch.int64))
 
@@ -259,6 +263,13 @@ def audit_holder_slots(
     torch.stack([in_use, referenced, leaked, stale, shared,
                  leaked_at, stale_at, stale_full, stale_swa, shared_swa, shared_full], out=out)
     return out
+
+
+def _within(values: torch.Tensor, low: int, high: int) -> bool:
+    """Whether every element of the non-empty CPU tensor ``values`` lies in ``low .. high``: one
+    ``aminmax``, its results read on the host (CPU tensors: no sync, no device operation)."""
+    least, most = torch.aminmax(values)
+    return int(least.numpy()) >= low and int(most.numpy()) <= high
 
 
 def _first_when(count: torch.Tensor, mask: "Callable[[], torch.Tensor]", zero: torch.Tensor) -> torch.Tensor:
