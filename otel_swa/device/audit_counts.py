@@ -42,7 +42,8 @@ from otel_swa.checks.slot_audit import AUDIT_COUNTS, AUDIT_OFFENDER_CELLS, AUDIT
 
 from otel_swa.device.workspace import Workspace
 
-__all__ = ["AUDIT_WIDTH", "AUDIT_COUNTS", "AUDIT_OFFENDER_CELLS", "audit_counts", "audit_holder_slots", "holder_slots"]
+__all__ = ["AUDIT_WIDTH", "AUDIT_COUNTS", "AUDIT_OFFENDER_CELLS", "audit_counts", "audit_holder_slots", "holder_slots",
+           "write_cells"]
 
 
 
@@ -144,16 +145,17 @@ def holder_slots(
 
 
 def audit_holder_slots(
-    out: torch.Tensor,
+    out: "torch.Tensor | list",
     keys: torch.Tensor,
     slot: torch.Tensor,
     swa_free_page_ids: torch.Tensor,
     num_swa_pages: int,
     page_size: int,
     ws: Workspace,
-) -> torch.Tensor:
+) -> "torch.Tensor | list":
     """The audit counts from the holders' keys and SWA slots (:func:`holder_slots`, or the
-    sample's own gathers of the batch's live tokens) into ``out``; see :func:`audit_counts`.
+    sample's own gathers of the batch's live tokens) into ``out``; see :func:`audit_counts`
+    (``out`` may be a list: :func:`write_cells`).
 
     ``keys`` (``int [n]``, FULL slots) and ``slot`` (``int64 [n]``, SWA slots in ``0 ..
     swa_slots``, 0 for a holder that holds nothing) are valid table indices; ``slot`` is
@@ -260,8 +262,18 @@ def audit_holder_slots(
         else:
             stale_full, shared_full = _at(keys, torch.stack([stale_at, shared_at]), widen=False)
 
-    torch.stack([in_use, referenced, leaked, stale, shared,
-                 leaked_at, stale_at, stale_full, stale_swa, shared_swa, shared_full], out=out)
+    return write_cells(out, [in_use, referenced, leaked, stale, shared,
+                             leaked_at, stale_at, stale_full, stale_swa, shared_swa, shared_full])
+
+
+def write_cells(out: "torch.Tensor | list", values: "list[torch.Tensor]") -> "torch.Tensor | list":
+    """The audit's cells (``values``: :data:`AUDIT_WIDTH` 0-dim integer tensors) stacked into
+    ``out`` (``int64 [AUDIT_WIDTH]``), or, when ``out`` is a list, handed over in it (no device
+    operation: the sample writes them with its own cells in its one ``cat``). Returns ``out``."""
+    if isinstance(out, list):
+        out[:] = values
+    else:
+        torch.stack(values, out=out)
     return out
 
 

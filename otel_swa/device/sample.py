@@ -288,15 +288,21 @@ def stage_sample(
                 stage_window_empty(cells)
             path = "empty"
         elif live < dense_fill_ratio * batch * width:
-            gathered = stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live,
-                                  upload, ws, spans, cells)
+            gathered, fields, end = stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens,
+                                               given, live, upload, ws, spans, cells)
             path = "live"
         else:
             gathered = _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload,
                                     ws, window, allowance, cells, reach)
             path = "dense"
-        done = audited and stage_fused_audit(out[_AUDIT:_WINDOW], mapping, swa_audit, gathered if with_batch else None, with_batch,
-                                        audit_sweep, ws)
+        audit_cells: "torch.Tensor | list" = [] if path == "live" else out[_AUDIT:_WINDOW]
+        done = audited and stage_fused_audit(audit_cells, mapping, swa_audit, gathered if with_batch else None, with_batch,
+                                             audit_sweep, ws)
+        if path == "live":  # the live path's cells and the audit's in one cat
+            if done:
+                fields.update(zip(range(_AUDIT, _WINDOW), audit_cells))
+                end = max(end, _WINDOW)
+            _commit(out, totals, fields, ws, end)
         return SampleMeta(path, live, batch, num_rows, width, size, faults, True, done, rows_known,
                           window, window_tokens, audited and audit_sweep.started)
     if batch == 0 or width == 0 or num_rows == 0 or size == 0:

@@ -21,7 +21,8 @@ Device operations (the reporter's sampled step on the SGLang path is counted by
   One gather of ``C`` at a host table ``[2, K, batch]`` (the offsets added and subtracted for each
   of the ``K`` counts, padded with offset 0, where ``C`` is 0), one sum over the batch and one
   subtraction give the ``K`` counts; the table rides in the sample's one upload;
-* the core cells and the window's two counts written by one ``cat``.
+* the core cells, the window's two counts and the audit's cells written by one ``cat``
+  (:func:`otel_swa.device.sample_cells._commit`, after the audit).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 
 from otel_swa.device.sample_cells import (
     _AUDIT, _DIFFERENT, _FULL_NONZERO, _LENS, _LITTLE_ENDIAN, _NONZERO, _ROWS, _SLOT0_SWA, _SLOTS, _WINDOW,
-    _commit, _flat_rows, _upload,
+    _flat_rows, _upload,
 )
 from otel_swa.device.window import stage_first_premature
 
@@ -45,9 +46,12 @@ _COUNTS = (_NONZERO, _DIFFERENT, _FULL_NONZERO, _LENS)
 
 def stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live, upload, ws,
                spans=None, cells=None):
-    """Stage the live path's cells into ``out`` (``int64 [STAGE_WIDTH]``) and return ``(full,
-    swa, None)``: the live tokens' FULL slots (clamped into the mapping, in its dtype) and SWA
-    slots, ``[live]`` each, as the audit takes them.
+    """Stage the live path's work for ``out`` (``int64 [STAGE_WIDTH]``) and return ``((full, swa,
+    None), fields, end)``: the live tokens' FULL slots (clamped into the mapping, in its dtype) and
+    SWA slots, ``[live]`` each, as the audit takes them; the cells to commit (layout position ->
+    0-dim or 1-element tensor) and the end of the cells the commit writes (:func:`_commit`, which
+    the caller runs once the audit has given its cells). The first premature eviction is written
+    into ``cells[3:7]`` here.
 
     ``lens`` (``int64 [batch]``, clamped), ``given`` (as given) and ``host_rows`` (``None`` when
     the rows are not known on the host) are host arrays; ``live = sum(lens) >= 1``. With
@@ -135,7 +139,6 @@ def stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, le
     for j, cell in enumerate(counts):
         fields[cell] = counted[j]
     fields[_SLOT0_SWA] = mapping[0]
-    _commit(out, totals, fields, ws, _WINDOW + 2 if windowed else _AUDIT)
     if windowed:
         # on the CPU (a host read: no sync) the first premature eviction is looked for only when
         # there is one; on other devices always (fixed shapes, no host sync)
@@ -145,4 +148,4 @@ def stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, le
             in_window = up[3] - up[3 + k]
             stage_first_premature(cells[3:7], in_window, per_request[0, 0] - per_request[1, 0], up[3 + k],
                                   up[3 + k] - up[4 + k], swa, full, rows, int(spans[0].max()), ws)
-    return full, swa, None
+    return (full, swa, None), fields, _WINDOW + 2 if windowed else _AUDIT
