@@ -167,8 +167,7 @@ def audit_holder_slots(
 
     # One bool table of three rows of page cells (``pages + 2`` each: "none", the pool's pages, the
     # spare cell), cleared at once: free pages (then, negated, the pages in use), the pages a holder
-    # maps into, and at page size 1 (a page is a slot) the shared SWA slots. The counts over the
-    # pool's cells of every row come from one reduction.
+    # maps into, and at page size 1 (a page is a slot) the shared SWA slots.
     n = slot.numel()
     cells = pages + 2
     rows = 3 if page_size == 1 else 2
@@ -234,9 +233,9 @@ def audit_holder_slots(
     if small:  # the shared SWA slots marked in a bit per slot cell: row 2 of the table at page size 1
         marked = table[2] if page_size == 1 else ws.get("audit.shared", swa_slots + 1, torch.bool).zero_()
         marked.scatter_(0, shared_slot, ws.ones(shared_slot.numel(), torch.bool))
-    # the counts over the pool's cells: pages in use, in use and referenced (and shared slots)
-    counted = torch.count_nonzero(table[:, 1:spare_page], 1)
-    in_use, referenced = counted[0], counted[1]
+    # the counts over the pool's cells, a flat count per row (a count along a dimension widens its
+    # input into a fresh int64 tensor on the CPU: one pass and a page-faulting buffer more)
+    in_use, referenced = torch.count_nonzero(in_use_cells), torch.count_nonzero(present)
     leaked = in_use - referenced
     # the lowest page in use that no holder maps into: its index in the page cells 1 .. pages (the
     # reader adds the 1); referenced pages are in use, so "in use and not referenced" is "differ"
@@ -245,7 +244,7 @@ def audit_holder_slots(
     # FULL slot mapped into it (the one its owner cell kept) from the slot table, or, for a large
     # pool, the first holder of a distinct shared slot
     if small:
-        shared = counted[2] if page_size == 1 else torch.count_nonzero(marked[1:swa_slots])
+        shared = torch.count_nonzero(marked[1:swa_slots])
         lowest = _first_when(shared, lambda: marked[1:swa_slots], zero)
         shared_swa = zero if lowest is zero else lowest + 1
         # in the holders' dtype: the stack into ``out`` below widens them

@@ -21,14 +21,15 @@ __all__ = ["STAGE_WIDTH", "FUSED_CELLS"]
 
 # Layout of one staged sample (all int64).
 _VERIFY = 0  # 0, 1: the device part of verify_full, verify_swa (host ints are added at delivery)
-_DIFFERENT = 2  # gathered tokens with s != f (divergence is read from it: see read_sample)
-_NONZERO = 3  # gathered tokens with s != 0
-_LIVE = 4  # live tokens (dense path without host lengths; else the host knows)
-_ROWS = 5  # 5, 6: min and max of req_pool_indices
-_SLOTS = 7  # 7, 8: min and max of the live tokens' FULL slots
-_LENS = 9  # 9, 10: entries whose seq_lens != seq_lens_cpu (host lengths) | min, max of seq_lens
-_FILLER_SWA = 11  # dense: mapping[_FILLER], the SWA slot of the filler the masked positions got
-_FULL_NONZERO = 12  # gathered tokens with f != 0 (f clamped into the mapping)
+# 2 - 5: the counts of the gathered tokens, in the order the live path computes them (one run)
+_NONZERO = 2  # gathered tokens with s != 0
+_DIFFERENT = 3  # gathered tokens with s != f (divergence is read from it: see read_sample)
+_FULL_NONZERO = 4  # gathered tokens with f != 0 (f clamped into the mapping)
+_LENS = 5  # 5, 6: entries whose seq_lens != seq_lens_cpu (host lengths) | min, max of seq_lens
+_LIVE = 7  # live tokens (dense path without host lengths; else the host knows)
+_ROWS = 8  # 8, 9: min and max of req_pool_indices
+_SLOTS = 10  # 10, 11: min and max of the live tokens' FULL slots
+_FILLER_SWA = 12  # dense: mapping[_FILLER], the SWA slot of the filler the masked positions got
 _SLOT0_SWA = 13  # mapping[0], the SWA slot of every gathered token at FULL slot 0
 _AUDIT = 14
 _WINDOW = _AUDIT + AUDIT_WIDTH  # the window cells of otel_swa.device.window (windowed samples only)
@@ -66,14 +67,23 @@ def _upload(upload: "Callable[[np.ndarray], torch.Tensor] | None", array: np.nda
     return host if device.type == "cpu" else host.to(device)
 
 
-def _commit(out: torch.Tensor, totals: torch.Tensor, fields: dict[int, torch.Tensor], ws: Workspace,
+def _commit(out: torch.Tensor, totals: torch.Tensor, fields: "dict[int, torch.Tensor]", ws: Workspace,
             end: int = _AUDIT) -> None:
-    """Write ``totals`` and ``fields`` (layout position -> 0-dim or 1-element tensor) into
-    ``out[:end]`` in one ``cat``; positions not given get 0 (``end`` beyond :data:`_AUDIT`: the
-    audit cells get 0 too, the audit writes its own later)."""
-    zero = ws.zeros(1)
+    """Write ``totals`` and ``fields`` (layout position -> a 0-dim tensor, or a 1-D run of cells
+    from that position on) into ``out[:end]`` in one ``cat``; positions not given get 0 (``end``
+    beyond :data:`_AUDIT`: the audit cells too when not given, the audit writes its own later).
+    Each part of a ``cat`` costs about as much as a small operation on the CPU: runs and the zeros
+    between them are one part each."""
     parts = [totals]
-    for position in range(_DIFFERENT, end):
-        value = fields.get(position)
-        parts.append(zero if value is None else value.reshape(1))
+    position = 2  # the first cell after the totals
+    for start in sorted(fields):
+        if start >= end:
+            continue
+        value = fields[start].reshape(-1)
+        if start > position:
+            parts.append(ws.zeros(start - position))
+        parts.append(value)
+        position = start + value.numel()
+    if end > position:
+        parts.append(ws.zeros(end - position))
     torch.cat(parts, out=out[:end])

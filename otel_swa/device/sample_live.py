@@ -36,12 +36,17 @@ from otel_swa.device.sample_cells import (
 )
 from otel_swa.device.window import stage_first_premature
 
-__all__ = ["stage_live"]
+__all__ = ["TALLY_ALL_MAX", "stage_live"]
 
 # The counts of the live path, in the order of the host table's rows (window counts first when
 # windowed): their cells in the staged slot.
 _WINDOW_COUNTS = (_WINDOW, _WINDOW + 1)  # in-window tokens with an SWA slot, late-held tokens
-_COUNTS = (_NONZERO, _DIFFERENT, _FULL_NONZERO, _LENS)
+_COUNTS = (_NONZERO, _DIFFERENT, _FULL_NONZERO, _LENS)  # consecutive cells: one part of the commit's cat
+#: Live tokens up to which the masks ``s != f`` and ``f != 0`` and the lengths compared are counted by
+#: the one cumsum with ``s != 0`` (fewer operations); above, each by a flat ``count_nonzero`` (three
+#: operations more, and less work than a cumsum over them: measured on 2 CPU cores, 1 torch thread,
+#: ``BENCHMARKS.md`` section 18).
+TALLY_ALL_MAX = 1 << 12
 
 
 def stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live, upload, ws,
@@ -62,7 +67,10 @@ def stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, le
     size = mapping.shape[0]
     flat, row_stride = _flat_rows(req_to_token)
     windowed = spans is not None
-    counts = (_WINDOW_COUNTS if windowed else ()) + _COUNTS
+    # the masks s != f, f != 0 and the lengths' counted in the one cumsum (few live tokens: fewer
+    # operations) or each by a flat count (many: a cumsum over them costs more than the counts)
+    tallied = live <= TALLY_ALL_MAX
+    counts = (_WINDOW_COUNTS if windowed else ()) + (_COUNTS if tallied else _COUNTS[:1])
     k = len(counts)
     # Token t of request i has flat index row_stride * row_i + (t - start_i): a run of +1 steps
     # with a jump at each start, jump_i = row_stride * (row_i - row_{i-1}) - len_{i-1} (row_{-1} = 0
@@ -79,16 +87,18 @@ def stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, le
         host[1, 0] += row_stride * host_rows[0]
         host[1, 1:] += row_stride * np.diff(host_rows)
     host[2] = given  # as given: compared with the device's seq_lens
-    # The offsets into C (masks: s != 0 at [0, L), s != f at [L, 2L), f != 0 at [2L, 3L), the
-    # lengths compared at [3L, 3L + batch)), added (plus) and subtracted (minus), per count.
+    # The offsets into C (masks: s != 0, s != f, f != 0, ``live`` each, then the lengths compared,
+    # ``batch``), added (plus) and subtracted (minus), per count (the others are 0: C[0] = 0).
     plus, minus = host[3:3 + k], host[3 + k:]
-    if windowed:  # the window's offsets into the first segment: see otel_swa.device.window
+    if windowed:  # the window's offsets into the first mask: see otel_swa.device.window
         plus[0], minus[0] = ends, ends - spans[0]
         plus[1], minus[1] = starts + spans[1], starts
-    base = k - len(_COUNTS)
-    for j, (high, low) in enumerate(((1, 0), (2, 1), (3, 2))):
-        plus[base + j, 0], minus[base + j, 0] = high * live, low * live
-    plus[base + 3, 0], minus[base + 3, 0] = 3 * live + batch, 3 * live
+    base = len(_WINDOW_COUNTS) if windowed else 0
+    plus[base, 0] = live  # s != 0
+    if tallied:
+        plus[base + 1, 0], minus[base + 1, 0] = 2 * live, live  # s != f
+        plus[base + 2, 0], minus[base + 2, 0] = 3 * live, 2 * live  # f != 0
+        plus[base + 3, 0], minus[base + 3, 0] = 3 * live + batch, 3 * live  # the lengths
     up = _upload(upload, host, out.device)
 
     # The flat index in int32 when every cell of req_to_token has an int32 index (each partial
@@ -129,15 +139,24 @@ def stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, le
         full.copy_(raw.clamp_(0, size - 1))
     torch.index_select(mapping, 0, full, out=swa)
     masks = ws.get("live.masks", 3 * live + batch, torch.bool)
-    torch.ne(slots[0:3], slots[1:4], out=masks[:3 * live].view(3, live))  # s != 0, s != f, f != 0
-    torch.ne(up[2], seq_lens, out=masks[3 * live:])
-    csum = ws.kept("live.csum", 3 * live + batch + 1, torch.int64, fill=0)  # [0] stays 0: only [1:] is written
-    torch.cumsum(masks, 0, out=csum[1:])
-    picked = torch.index_select(csum, 0, up[3:].reshape(-1), out=ws.get("live.picked", 2 * k * batch, torch.int64))
-    sums = picked.view(2, k, batch).sum(2)
+    rows3 = masks[:3 * live].view(3, live)
+    torch.ne(slots[0:3], slots[1:4], out=rows3)  # s != 0, s != f, f != 0
+    lens_differ = torch.ne(up[2], seq_lens, out=masks[3 * live:])
+    # the cumsum in int32 when its every partial sum is one (on the CPU several times faster than
+    # int64: half the bytes written); the sums over the batch in int64
+    span = 3 * live + batch if tallied else live
+    wide = torch.int32 if span < 2**31 else torch.int64
+    csum = ws.kept("live.csum", span + 1, wide, fill=0)  # [0] stays 0: only [1:] is written
+    torch.cumsum(masks[:span], 0, out=csum[1:])
+    picked = torch.index_select(csum, 0, up[3:].reshape(-1), out=ws.get("live.picked", 2 * k * batch, wide))
+    sums = picked.view(2, k, batch).sum(2, dtype=torch.int64)
     counted = torch.sub(sums[0], sums[1], out=ws.get("live.counted", k, torch.int64))
-    for j, cell in enumerate(counts):
-        fields[cell] = counted[j]
+    if not tallied:
+        fields[_DIFFERENT], fields[_FULL_NONZERO] = torch.count_nonzero(rows3[1]), torch.count_nonzero(rows3[2])
+        fields[_LENS] = torch.count_nonzero(lens_differ)
+    if windowed:
+        fields[_WINDOW] = counted[:2]  # in-window tokens with an SWA slot, late-held tokens
+    fields[_NONZERO] = counted[base:]  # s != 0 (with all of them tallied: s != f, f != 0, the lengths)
     fields[_SLOT0_SWA] = mapping[0]
     if windowed:
         # on the CPU (a host read: no sync) the first premature eviction is looked for only when

@@ -15,6 +15,8 @@ from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
 from otel_swa.reporter import KVPool, SwaDivergenceReporter
 from otel_swa.views import SwaAuditInputs, SwaBatch
 
+from live_tally import tallied_by
+
 
 def recount(req_to_token, mapping, rows, lens):
     divergence = out_of_window = 0
@@ -47,18 +49,21 @@ SHARED = Workspace("cpu")  # one workspace for every example: buffers grow and a
     host_rows=st.booleans(),
     r2t_dtype=st.sampled_from([torch.int32, torch.int64]),
     map_dtype=st.sampled_from([torch.int32, torch.int64]),
+    tally=st.sampled_from(["cumsum", "counts"]),
 )
-def test_both_gathers_equal_the_recount(seed, path, host_rows, r2t_dtype, map_dtype):
+def test_both_gathers_equal_the_recount(seed, path, host_rows, r2t_dtype, map_dtype, tally):
+    """``tally``: the live path's masks counted by its one cumsum (few live tokens) or by flat counts (many)."""
     rng = random.Random(seed)
     num_rows, width, full_size = rng.randint(1, 6), rng.randint(1, 24), rng.choice([1, 2, rng.randint(3, 80)])
     req_to_token, mapping, rows, lens = random_batch(rng, num_rows, width, full_size)
     out = torch.full((STAGE_WIDTH,), -7, dtype=torch.int64)
-    meta = stage_sample(
-        out, torch.tensor([11, 5]), torch.tensor(req_to_token, dtype=r2t_dtype), torch.tensor(mapping, dtype=map_dtype),
-        torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), None if path == "no host lengths" else lens,
-        req_pool_indices_cpu=rows if host_rows else None, workspace=SHARED,
-        dense_fill_ratio={"live": float("inf"), "dense": 0.0}.get(path, DENSE_FILL_RATIO),
-    )
+    with tallied_by(tally):
+        meta = stage_sample(
+            out, torch.tensor([11, 5]), torch.tensor(req_to_token, dtype=r2t_dtype),
+            torch.tensor(mapping, dtype=map_dtype), torch.tensor(rows), torch.tensor(lens, dtype=torch.int32),
+            None if path == "no host lengths" else lens, req_pool_indices_cpu=rows if host_rows else None,
+            workspace=SHARED, dense_fill_ratio={"live": float("inf"), "dense": 0.0}.get(path, DENSE_FILL_RATIO),
+        )
     reading = read_sample(out.tolist(), meta)
     assert reading.faults == ()
     assert (reading.verify_full, reading.verify_swa) == (11, 5)
