@@ -15,14 +15,17 @@ Device operations (the reporter's sampled step on the SGLang path is counted by
   and 3 are zeros, so that **one** comparison of its rows 0..2 with its rows 1..3 gives ``s != 0``,
   ``s != f`` and ``f != 0`` at once;
 * one comparison of the host lengths with ``seq_lens``;
-* every count from **one** inclusive ``cumsum`` ``C`` (a leading 0) over those masks laid end to end:
-  a count of a segment ``[a, b)`` is ``C[b] - C[a]``, and the sliding window's per-request counts
-  are differences of ``C`` at host offsets into the first segment (:mod:`otel_swa.device.window`).
-  One gather of ``C`` at a host table ``[2, K, batch]`` (the offsets added and subtracted for each
-  of the ``K`` counts, padded with offset 0, where ``C`` is 0), one sum over the batch and one
-  subtraction give the ``K`` counts; the table rides in the sample's one upload;
+* the counts from **one** inclusive ``cumsum`` ``C`` (``int32`` where it fits; a leading 0) over
+  those masks laid end to end: a count of a segment ``[a, b)`` is ``C[b] - C[a]``, and the sliding
+  window's per-request counts are differences of ``C`` at host offsets into the first segment
+  (:mod:`otel_swa.device.window`). One gather of ``C`` at a host table ``[2, K, batch]`` (the
+  offsets added and subtracted for each of the ``K`` counts, padded with offset 0, where ``C`` is
+  0), one sum over the batch and one subtraction give the ``K`` counts; the table rides in the
+  sample's one upload. Above :data:`TALLY_ALL_MAX` live tokens the cumsum covers ``s != 0`` only,
+  and ``s != f``, ``f != 0`` and the lengths compared are each counted flat (three operations more,
+  and less work than a cumsum over them);
 * the core cells, the window's two counts and the audit's cells written by one ``cat``
-  (:func:`otel_swa.device.sample_cells._commit`, after the audit).
+  (:func:`otel_swa.device.sample_cells._commit`, after the audit), in runs of cells.
 """
 
 from __future__ import annotations

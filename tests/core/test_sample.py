@@ -129,15 +129,16 @@ def batch(host_lengths=True, host_rows=False, fill=0.1, audit=False):
     )
 
 
-# The contract. Live gather, rows and lengths known on the host: 11 operations compute the sample
+# The contract. Live gather, rows and lengths known on the host: 12 operations compute the sample
 # (the flat index: fill_, scatter_add_, cumsum; the two gathers and the widening copy of the FULL
-# slots; one ne giving s != 0, s != f and f != 0; one cumsum over the masks, the gather of its
-# counted offsets, a sum and a sub: every count; one cat into the staged slot), 3 give the evidence
-# of a bad view (the FULL slots' range, the clamp that keeps the mapping's gather in bounds, which on
-# the CPU runs only when a slot is out of range, and the ne of the entries whose seq_lens differs
-# from seq_lens_cpu), and 1 copies the staged slot to the host ring. On CUDA one more: the upload of
-# the host offsets. Without host rows, 4 more: their range, their clamp, and the two operations that
-# turn them into index jumps.
+# slots between them; one ne giving s != 0, s != f and f != 0; one cumsum over the masks, the gather
+# of its counted offsets, a sum and a sub: every count; one cat into the staged slot), 2 give the
+# evidence of a bad view (the FULL slots' range, and the ne of the entries whose seq_lens differs
+# from seq_lens_cpu; the clamp that keeps the mapping's gather in bounds runs on the CPU only when
+# a FULL slot is out of range, always on other devices), and 1 copies the staged slot to the host
+# ring. On CUDA one more: the upload of the host offsets. Without host rows, 4 more: their range,
+# their clamp, and the two operations that turn them into index jumps. Above TALLY_ALL_MAX live
+# tokens, 3 more (s != f, f != 0 and the lengths counted flat).
 CONTRACT = {
     "live, host rows and lengths": (batch(host_rows=True), 15),
     "live, host lengths": (batch(), 19),
