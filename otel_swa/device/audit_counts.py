@@ -42,7 +42,8 @@ from otel_swa.checks.slot_audit import AUDIT_COUNTS, AUDIT_OFFENDER_CELLS, AUDIT
 
 from otel_swa.device.workspace import Workspace
 
-__all__ = ["AUDIT_WIDTH", "AUDIT_COUNTS", "AUDIT_OFFENDER_CELLS", "audit_counts", "audit_holder_slots", "holder_slots"]
+__all__ = ["AUDIT_WIDTH", "AUDIT_COUNTS", "AUDIT_OFFENDER_CELLS", "audit_counts", "audit_holder_slots", "holder_slots",
+           "write_cells"]
 
 
 
@@ -126,8 +127,7 @@ def holder_slots(
     if n and full.device.type == "cpu":
         # on the CPU the range is read without a sync: every FULL slot in the mapping (a healthy
         # engine) needs no clamped copy, no out-of-range mask and no fill (two passes instead of five)
-        low, high = (int(v) for v in torch.aminmax(full))
-        if low >= 0 and high < size:
+        if _within(full, 0, size - 1):
             slot = torch.index_select(mapping, 0, full, out=ws.get("audit.gathered", n, mapping.dtype))
             if slot.dtype != torch.int64:
                 slot = slot.to(torch.int64)
@@ -145,16 +145,17 @@ def holder_slots(
 
 
 def audit_holder_slots(
-    out: torch.Tensor,
+    out: "torch.Tensor | list",
     keys: torch.Tensor,
     slot: torch.Tensor,
     swa_free_page_ids: torch.Tensor,
     num_swa_pages: int,
     page_size: int,
     ws: Workspace,
-) -> torch.Tensor:
+) -> "torch.Tensor | list":
     """The audit counts from the holders' keys and SWA slots (:func:`holder_slots`, or the
-    sample's own gathers of the batch's live tokens) into ``out``; see :func:`audit_counts`.
+    sample's own gathers of the batch's live tokens) into ``out``; see :func:`audit_counts`
+    (``out`` may be a list: :func:`write_cells`).
 
     ``keys`` (``int [n]``, FULL slots) and ``slot`` (``int64 [n]``, SWA slots in ``0 ..
     swa_slots``, 0 for a holder that holds nothing) are valid table indices; ``slot`` is
@@ -164,17 +165,29 @@ def audit_holder_slots(
     spare_page = pages + 1  # the cell of SWA ids beyond the pool (page 0 takes "none" and bad ids)
     swa_slots = (pages + 1) * page_size
 
-    # Free pages: a bool per page cell, written at the free ids clamped into the cells (ids below 1
-    # go to cell 0, ids beyond the pool to the spare cell, both cleared again: neither is ever free).
+    # One bool table of three rows of page cells (``pages + 2`` each: "none", the pool's pages, the
+    # spare cell), cleared at once: free pages (then, negated, the pages in use), the pages a holder
+    # maps into, and at page size 1 (a page is a slot) the shared SWA slots.
+    n = slot.numel()
+    cells = pages + 2
+    rows = 3 if page_size == 1 else 2
+    table = ws.get("audit.cells", rows * cells, torch.bool).view(rows, cells).zero_()
+    is_free, cell_present = table[0], table[1]
+
+    # Free pages: written at the free ids clamped into the cells (ids below 1 go to cell 0, ids
+    # beyond the pool to the spare cell, both cleared again: neither is ever free).
     free = swa_free_page_ids.reshape(-1)
     if free.dtype != torch.int64:  # index_fill_ takes int64 indices only
         free = free.long()
-    free_keys = torch.clamp(free, 0, spare_page, out=ws.get("audit.free_keys", free.numel(), torch.int64))
-    is_free = ws.get("audit.free", pages + 2, torch.bool).zero_()
-    is_free.index_fill_(0, free_keys, True)
-    is_free.index_fill_(0, ws.constant((0, spare_page)), False)  # cells 0 and spare in one pass
+    if free.numel() and free.device.type == "cpu" and _within(free, 1, pages):
+        # on the CPU the range is read without a sync: ids all in the pool (a healthy engine) need
+        # no clamped copy and no clearing of cells 0 and spare
+        is_free.index_fill_(0, free, True)
+    elif free.numel():
+        free_keys = torch.clamp(free, 0, spare_page, out=ws.get("audit.free_keys", free.numel(), torch.int64))
+        is_free.index_fill_(0, free_keys, True)
+        is_free.index_fill_(0, ws.constant((0, spare_page)), False)  # cells 0 and spare in one pass
 
-    n = slot.numel()
     page = slot if page_size == 1 else torch.div(slot, page_size, rounding_mode="floor", out=ws.get("audit.page", n, torch.int64))
 
     # Stale: holders whose page is on the free list (cells 0 and spare never are).
@@ -182,10 +195,9 @@ def audit_holder_slots(
     stale = torch.count_nonzero(on_free)
     zero = ws.zeros(1)[0]  # (a view: no device operation) the offender cells of a fault counted 0 on the CPU
     stale_at = _first_when(stale, lambda: on_free, zero)
-    stale_swa = _at(slot, stale_at)  # read before the shared-slot pass below overwrites slot
+    stale_swa = _at_when(slot, stale_at, zero)  # read before the shared-slot pass below overwrites slot
 
     in_use_cells = is_free.logical_not_()[1:spare_page]  # the free table becomes "in use"
-    in_use = torch.count_nonzero(in_use_cells)
 
     # Shared SWA slots: SWA slots that two distinct held FULL slots map to (the same FULL slot held
     # twice is prefix sharing, not a fault). Every holder writes its FULL slot into its SWA slot's
@@ -201,48 +213,74 @@ def audit_holder_slots(
         owner.fill_(-1)
     owner.scatter_(0, slot, keys)
 
-    # Pages in use that a holder maps into.
+    # Pages in use that a holder maps into (row 1 of the table, cells 1 .. pages).
+    present = cell_present[1:spare_page]
     if small:
-        written = torch.ge(owner[page_size:swa_slots], 0, out=ws.get("audit.written", swa_slots - page_size, torch.bool))
-        present = written if page_size == 1 else written.view(pages, page_size).any(1)
+        if page_size == 1:
+            torch.ge(owner[1:swa_slots], 0, out=present)
+        else:
+            written = torch.ge(owner[page_size:swa_slots], 0, out=ws.get("audit.written", swa_slots - page_size, torch.bool))
+            torch.any(written.view(pages, page_size), 1, out=present)
     else:
-        cells = ws.get("audit.present", pages + 2, torch.bool).zero_()
-        cells.scatter_(0, page, ws.ones(page.numel(), torch.bool))
-        present = cells[1:spare_page]
-    referenced = torch.count_nonzero(present.logical_and_(in_use_cells))
-    leaked = in_use - referenced
-    # the lowest page in use that no holder maps into: its index in the page cells 1 .. pages (the
-    # reader adds the 1); referenced pages are in use, so "in use and not referenced" is "differ"
-    leaked_at = _first_when(leaked, lambda: torch.ne(in_use_cells, present, out=ws.get("audit.leaked", pages, torch.bool)), zero)
+        cell_present.scatter_(0, page, ws.ones(page.numel(), torch.bool))
+    present.logical_and_(in_use_cells)
     # 1 where the holder shares, else 0, as int64: on the CPU twice as fast as a bool result, and
     # the multiplication below then needs no conversion
     back = torch.index_select(owner, 0, slot, out=ws.get("audit.back", n, owner.dtype))
     sharing = torch.ne(back, keys, out=ws.get("audit.sharing", n, torch.int64))
     shared_slot = slot.mul_(sharing)  # the others to cell 0; a multiplication, as masked_fill_ and
     # where branch per element and run several times slower on the CPU with a random mask
+    if small:  # the shared SWA slots marked in a bit per slot cell: row 2 of the table at page size 1
+        marked = table[2] if page_size == 1 else ws.get("audit.shared", swa_slots + 1, torch.bool).zero_()
+        marked.scatter_(0, shared_slot, ws.ones(shared_slot.numel(), torch.bool))
+    # the counts over the pool's cells, a flat count per row (a count along a dimension widens its
+    # input into a fresh int64 tensor on the CPU: one pass and a page-faulting buffer more)
+    in_use, referenced = torch.count_nonzero(in_use_cells), torch.count_nonzero(present)
+    leaked = in_use - referenced
+    # the lowest page in use that no holder maps into: its index in the page cells 1 .. pages (the
+    # reader adds the 1); referenced pages are in use, so "in use and not referenced" is "differ"
+    leaked_at = _first_when(leaked, lambda: torch.ne(in_use_cells, present, out=ws.get("audit.leaked", pages, torch.bool)), zero)
     # the first offender of each: the stale holder's FULL slot; the lowest shared SWA slot and a
     # FULL slot mapped into it (the one its owner cell kept) from the slot table, or, for a large
     # pool, the first holder of a distinct shared slot
     if small:
-        marked = ws.get("audit.shared", swa_slots + 1, torch.bool).zero_()
-        marked.scatter_(0, shared_slot, ws.ones(shared_slot.numel(), torch.bool))
         shared = torch.count_nonzero(marked[1:swa_slots])
         lowest = _first_when(shared, lambda: marked[1:swa_slots], zero)
         shared_swa = zero if lowest is zero else lowest + 1
         # in the holders' dtype: the stack into ``out`` below widens them
-        shared_full = _at(owner[1:swa_slots], lowest, widen=False)
-        stale_full = _at(keys, stale_at, widen=False)
+        shared_full = _at_when(owner[1:swa_slots], lowest, zero, widen=False)
+        stale_full = _at_when(keys, stale_at, zero, widen=False)
     else:  # a large pool of large pages against few holders: distinct values among the holders
         first = _first_of_each_value(owner, shared_slot, ws.arange(shared_slot.numel(), owner.dtype))
         distinct = first.logical_and_(shared_slot > 0).logical_and_(shared_slot < swa_slots)
         shared = torch.count_nonzero(distinct)
         shared_at = _first_when(shared, lambda: distinct, zero)
-        shared_swa = _at(shared_slot, shared_at)
-        stale_full, shared_full = _at(keys, torch.stack([stale_at, shared_at]), widen=False)
+        shared_swa = _at_when(shared_slot, shared_at, zero)
+        if stale_at is zero and shared_at is zero:
+            stale_full = shared_full = zero
+        else:
+            stale_full, shared_full = _at(keys, torch.stack([stale_at, shared_at]), widen=False)
 
-    torch.stack([in_use, referenced, leaked, stale, shared,
-                 leaked_at, stale_at, stale_full, stale_swa, shared_swa, shared_full], out=out)
+    return write_cells(out, [in_use, referenced, leaked, stale, shared,
+                             leaked_at, stale_at, stale_full, stale_swa, shared_swa, shared_full])
+
+
+def write_cells(out: "torch.Tensor | list", values: "list[torch.Tensor]") -> "torch.Tensor | list":
+    """The audit's cells (``values``: :data:`AUDIT_WIDTH` 0-dim integer tensors) stacked into
+    ``out`` (``int64 [AUDIT_WIDTH]``), or, when ``out`` is a list, handed over in it (no device
+    operation: the sample writes them with its own cells in its one ``cat``). Returns ``out``."""
+    if isinstance(out, list):
+        out[:] = values
+    else:
+        torch.stack(values, out=out)
     return out
+
+
+def _within(values: torch.Tensor, low: int, high: int) -> bool:
+    """Whether every element of the non-empty CPU tensor ``values`` lies in ``low .. high``: one
+    ``aminmax``, its results read on the host (CPU tensors: no sync, no device operation)."""
+    least, most = torch.aminmax(values)
+    return int(least.numpy()) >= low and int(most.numpy()) <= high
 
 
 def _first_when(count: torch.Tensor, mask: "Callable[[], torch.Tensor]", zero: torch.Tensor) -> torch.Tensor:
@@ -254,6 +292,12 @@ def _first_when(count: torch.Tensor, mask: "Callable[[], torch.Tensor]", zero: t
     if count.device.type == "cpu" and not int(count.numpy()):  # (a host read: no device operation)
         return zero
     return _first(mask())
+
+
+def _at_when(values: torch.Tensor, index: torch.Tensor, zero: torch.Tensor, widen: bool = True) -> torch.Tensor:
+    """:func:`_at`, or ``zero`` itself without the gather when ``index`` is ``zero`` (an offender of
+    a fault :func:`_first_when` counted 0 on the CPU: its cell is never read)."""
+    return zero if index is zero else _at(values, index, widen)
 
 
 def _first(mask: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ from typing import Any, Callable
 
 import torch
 
-from otel_swa.device.audit_counts import _at, _first_when, audit_holder_slots
+from otel_swa.device.audit_counts import _at, _first_when, audit_holder_slots, write_cells
 from otel_swa.device.workspace import Workspace
 
 __all__ = ["AUDIT_BUDGET", "AUDIT_BUDGET_CUDA", "SwaAuditSweep", "free_id_parts"]
@@ -169,7 +169,7 @@ class SwaAuditSweep:
 
     def stage(
         self,
-        out: torch.Tensor,
+        out: "torch.Tensor | list",
         holders: "Callable[[], tuple[torch.Tensor, torch.Tensor] | None]",
         swa_free_page_ids: Any,
         num_swa_pages: int,
@@ -181,7 +181,8 @@ class SwaAuditSweep:
         those of the pool at the pass's first sample.
 
         Args:
-            out: the sample's audit cells; written only when a pass ends.
+            out: the sample's audit cells; written only when a pass ends (a list: the cells handed
+                over in it, :func:`~otel_swa.device.audit_counts.write_cells`).
             holders: called at a pass's first sample only: the holders' ``(keys, slot)`` as
                 :func:`holder_slots` gives them (``keys`` the FULL slots in the mapping's range,
                 ``slot`` ``int64`` SWA slots in ``0 .. swa_slots``, overwritten), or ``None`` when
@@ -366,7 +367,7 @@ class SwaAuditSweep:
             torch.minimum(state.leak_at, at, out=state.leak_at)
         state.next_page = stop
 
-    def _finish(self, out: torch.Tensor, state: _Pass) -> None:
+    def _finish(self, out: "torch.Tensor | list", state: _Pass) -> None:
         """The pass's last sample: the stale holders, then the counts and first offenders into ``out``."""
         ws, n = self._ws, state.n
         keys = ws.kept("sweep.keys", n, state.keys_dtype)
@@ -384,10 +385,9 @@ class SwaAuditSweep:
         counts = state.counts if state.host_counts is None else torch.tensor(state.host_counts, device=self.device)
         in_use, leaked = counts[0], counts[1]
         leak_at = torch.where(state.leak_at == _NO_LEAK, 0, state.leak_at)
-        torch.stack([in_use, in_use - leaked, leaked, stale, state.shared[0],
-                     leak_at, stale_at, stale_full, stale_swa, state.shared[1],
-                     state.shared[2]],
-                    out=out)
+        write_cells(out, [in_use, in_use - leaked, leaked, stale, state.shared[0],
+                          leak_at, stale_at, stale_full, stale_swa, state.shared[1],
+                          state.shared[2]])
         self._pass = None
         self.passes += 1
         self.last_pass_samples = state.samples

@@ -16,7 +16,9 @@ How one sample is computed (:func:`stage_sample`):
   flat ``req_to_token`` index of every live token comes from one ``cumsum`` over a buffer of ones
   with each request's jump written at its first token (``int32`` when ``req_to_token`` has fewer
   than 2**31 cells: half the bytes of every pass), then two gathers (``req_to_token``, the
-  mapping), one comparison and three ``count_nonzero``. Work proportional to the live tokens.
+  mapping), one comparison giving ``s != 0``, ``s != f`` and ``f != 0``, and every count (the
+  window's too) from one ``cumsum`` over the masks (:mod:`otel_swa.device.sample_live`). Work
+  proportional to the live tokens.
 * **dense** (no host lengths, or a fill ratio ``sum(seq_lens) / (batch * max_context_len)`` at or
   above :data:`DENSE_FILL_RATIO`): the rows are gathered whole, positions at or beyond ``seq_len``
   are masked. At a high fill this costs less than the index computation of the live path (both
@@ -63,10 +65,14 @@ from otel_swa.device.window import (
     host_reach,
     stage_window_dense,
     stage_window_empty,
-    stage_window_live,
     window_spans,
 )
 from otel_swa.device.live_tokens import count_divergence, host_lengths, live_full_slots
+from otel_swa.device.sample_cells import (
+    _AUDIT, _DIFFERENT, _FILLER, _FILLER_SWA, _FULL_NONZERO, _LENS, _LIVE, _NONZERO, _ROWS, _SLOT0_SWA, _SLOTS,
+    _VERIFY, _WINDOW, FUSED_CELLS, STAGE_WIDTH, _commit, _upload,
+)
+from otel_swa.device.sample_live import stage_live
 from otel_swa.device.workspace import Workspace
 
 __all__ = [
@@ -87,34 +93,6 @@ __all__ = [
 #: computed dense rather than live: measured crossover on 2 CPU cores, 1 torch thread (see
 #: ``BENCHMARKS.md``, "live vs dense").
 DENSE_FILL_RATIO = 0.95
-
-# Layout of one staged sample (all int64).
-_VERIFY = 0  # 0, 1: the device part of verify_full, verify_swa (host ints are added at delivery)
-_DIFFERENT = 2  # gathered tokens with s != f (divergence is read from it: see read_sample)
-_NONZERO = 3  # gathered tokens with s != 0
-_LIVE = 4  # live tokens (dense path without host lengths; else the host knows)
-_ROWS = 5  # 5, 6: min and max of req_pool_indices
-_SLOTS = 7  # 7, 8: min and max of the live tokens' FULL slots
-_LENS = 9  # 9, 10: entries whose seq_lens != seq_lens_cpu (host lengths) | min, max of seq_lens
-_FILLER_SWA = 11  # dense: mapping[_FILLER], the SWA slot of the filler the masked positions got
-_FULL_NONZERO = 12  # gathered tokens with f != 0 (f clamped into the mapping)
-_SLOT0_SWA = 13  # mapping[0], the SWA slot of every gathered token at FULL slot 0
-_AUDIT = 14
-_WINDOW = _AUDIT + AUDIT_WIDTH  # the window cells of otel_swa.device.window (windowed samples only)
-_LITTLE_ENDIAN = sys.byteorder == "little"  # host and devices alike (CUDA devices are little-endian)
-_FILLER = 1  # FULL slot given to masked positions of the dense path
-#: int64 values the sample's core pass stages: the counts, the fault evidence, then the audit counts
-#: of :func:`otel_swa.device.audit.audit_counts` (pages in use, pages referenced, leaked pages,
-#: stale tokens, shared SWA slots) and their first offenders, then the sliding-window cells of
-#: :mod:`otel_swa.device.window` (in-window tokens with an SWA slot, late-held tokens, in-window
-#: tokens, the first premature eviction). The audit and window cells are written only when the view
-#: asks for them (else left as they are, never read). The other checks' cells follow in the ring's
-#: row (:mod:`otel_swa.sampling`).
-STAGE_WIDTH = _WINDOW + WINDOW_WIDTH
-
-#: The cells of the checks fused into the core pass (:data:`otel_swa.checks.CHECKS` whose ``fused``
-#: is set), by check name: the SWA slot audit's and the window check's.
-FUSED_CELLS = {"slot_audit": slice(_AUDIT, _WINDOW), "window": slice(_WINDOW, _WINDOW + WINDOW_WIDTH)}
 
 #: The faults :func:`read_sample` can report, in this order.
 FAULTS = (
@@ -199,17 +177,6 @@ class SampleReading:
     premature: "int | None" = None
     late_held: "int | None" = None
     premature_where: "dict[str, int] | None" = None
-
-
-def _flat_rows(req_to_token: torch.Tensor) -> "tuple[torch.Tensor, int]":
-    """``req_to_token`` as a 1-D view and the stride between its rows (a copy only when its
-    positions are not contiguous within a row)."""
-    if req_to_token.stride(1) != 1:
-        req_to_token = req_to_token.contiguous()
-    rows, width = req_to_token.shape
-    row_stride = req_to_token.stride(0) if rows > 1 else width
-    span = (rows - 1) * row_stride + width if rows else 0
-    return req_to_token.as_strided((span,), (1,)), row_stride
 
 
 def stage_sample(
@@ -321,15 +288,21 @@ def stage_sample(
                 stage_window_empty(cells)
             path = "empty"
         elif live < dense_fill_ratio * batch * width:
-            gathered = _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live,
-                                   upload, ws, spans, cells)
+            gathered, fields, end = stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens,
+                                               given, live, upload, ws, spans, cells)
             path = "live"
         else:
             gathered = _stage_dense(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, upload,
                                     ws, window, allowance, cells, reach)
             path = "dense"
-        done = audited and stage_fused_audit(out[_AUDIT:_WINDOW], mapping, swa_audit, gathered if with_batch else None, with_batch,
-                                        audit_sweep, ws)
+        audit_cells: "torch.Tensor | list" = [] if path == "live" else out[_AUDIT:_WINDOW]
+        done = audited and stage_fused_audit(audit_cells, mapping, swa_audit, gathered if with_batch else None, with_batch,
+                                             audit_sweep, ws)
+        if path == "live":  # the live path's cells and the audit's in one cat
+            if done:
+                fields.update(zip(range(_AUDIT, _WINDOW), audit_cells))
+                end = max(end, _WINDOW)
+            _commit(out, totals, fields, ws, end)
         return SampleMeta(path, live, batch, num_rows, width, size, faults, True, done, rows_known,
                           window, window_tokens, audited and audit_sweep.started)
     if batch == 0 or width == 0 or num_rows == 0 or size == 0:
@@ -347,24 +320,6 @@ def stage_sample(
                       audited and audit_sweep.started)
 
 
-def _upload(upload: "Callable[[np.ndarray], torch.Tensor] | None", array: np.ndarray, device: torch.device) -> torch.Tensor:
-    if upload is not None:
-        return upload(array)
-    host = torch.from_numpy(array)
-    return host if device.type == "cpu" else host.to(device)
-
-
-def _commit(out: torch.Tensor, totals: torch.Tensor, fields: dict[int, torch.Tensor], ws: Workspace) -> None:
-    """Write ``totals`` and ``fields`` (layout position -> 0-dim or 1-element tensor) into
-    ``out[:_AUDIT]`` in one ``cat``; positions not given get 0."""
-    zero = ws.zeros(1)
-    parts = [totals]
-    for position in range(_DIFFERENT, _AUDIT):
-        value = fields.get(position)
-        parts.append(zero if value is None else value.reshape(1))
-    torch.cat(parts, out=out[:_AUDIT])
-
-
 def _stage_empty(out, totals, rows, seq_lens, lens, upload, ws, rows_known=False) -> None:
     """No live token: the totals and, with a batch, its row range and length checks."""
     fields: dict[int, torch.Tensor] = {}
@@ -377,63 +332,6 @@ def _stage_empty(out, totals, rows, seq_lens, lens, upload, ws, rows_known=False
         else:
             fields[_LENS], fields[_LENS + 1] = torch.aminmax(seq_lens)
     _commit(out, totals, fields, ws)
-
-
-def _stage_live(out, totals, req_to_token, mapping, rows, host_rows, seq_lens, lens, given, live, upload, ws,
-                spans=None, cells=None) -> None:
-    """The live path (module docstring): work proportional to the ``live`` tokens; with ``spans``
-    (the window's ``(w, o)`` per request) the window cells too, from the same one upload."""
-    batch = lens.shape[0]
-    num_rows = req_to_token.shape[0]
-    flat, row_stride = _flat_rows(req_to_token)
-    # Token t of request i has flat index row_stride * row_i + (t - start_i): a run of +1 steps
-    # with a jump at each start, jump_i = row_stride * (row_i - row_{i-1}) - len_{i-1} (row_{-1} = 0
-    # and len_{-1} = 1 make the first jump land on row_0's first slot). Requests of length 0 share a
-    # start with the next one: their jumps add up (accumulate) to the right one, and the jumps of
-    # trailing empty requests land in a spare last cell.
-    ends = np.cumsum(lens)
-    host = np.empty((3 if spans is None else 7, batch), dtype=np.int64)
-    host[0, 0] = 0
-    host[0, 1:] = ends[:-1]
-    if spans is not None:  # offsets into the window's cumsum (a leading 0): see otel_swa.device.window
-        host[3] = ends
-        host[4] = ends - spans[0]
-        host[5] = host[0] + spans[1]
-        host[6] = host[0]
-    host[1, 0] = -1
-    host[1, 1:] = -lens[:-1]
-    if host_rows is not None:  # the whole jump on the host
-        host[1, 0] += row_stride * host_rows[0]
-        host[1, 1:] += row_stride * np.diff(host_rows)
-    host[2] = given  # as given: compared with the device's seq_lens
-    up = _upload(upload, host, out.device)
-    fields: dict[int, torch.Tensor] = {_LENS: torch.count_nonzero(up[2] - seq_lens)}
-    # The flat index in int32 when every cell of req_to_token has an int32 index (each partial
-    # sum of the cumsum is one: a live token's cell); else int64.
-    narrow = flat.numel() < 2**31
-    dtype = torch.int32 if narrow else torch.int64
-    if host_rows is None:
-        fields[_ROWS], fields[_ROWS + 1] = torch.aminmax(rows)
-        rows_ext = ws.kept("live.rows", batch + 1, rows.dtype, fill=0)  # [0] stays 0: only [1:] is written
-        torch.clamp(rows, 0, num_rows - 1, out=rows_ext[1:])
-        jumps = torch.add(up[1], torch.sub(rows_ext[1:], rows_ext[:-1]), alpha=row_stride,
-                          out=ws.get("live.jumps", batch, dtype))
-    elif narrow and _LITTLE_ENDIAN:
-        # Every jump lies within +-2**31 (it is a difference of two cells' indices): the low 32-bit
-        # word of each int64 is the jump as int32, a view of the upload (no device operation).
-        jumps = up[1].view(torch.int32)[0::2]
-    else:
-        jumps = up[1].to(dtype)
-    steps = ws.get("live.steps", live + 1, dtype)
-    steps.fill_(1)
-    steps.scatter_add_(0, up[0], jumps)
-    index = ws.get("live.index", live, dtype)
-    torch.cumsum(steps[:live], 0, out=index)
-    full, swa = _count(out, totals, flat, mapping, index, live, ws, fields)
-    if spans is not None:
-        stage_window_live(cells, swa, up[3:7], live, ws, full, rows, int(spans[0].max()) if batch else 0,
-                          int(spans[0].sum()))
-    return full, swa, None
 
 
 def _count(out, totals, flat, mapping, index, live, ws, fields) -> "tuple[torch.Tensor, torch.Tensor]":

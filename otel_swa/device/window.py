@@ -34,9 +34,10 @@ host lengths, the number of in-window tokens (``sum(w_i)``; otherwise the host k
 How they are computed:
 
 * **live** (the flat vector of the live tokens' SWA slots, request ``i`` at ``start_i .. end_i -
-  1``): the inclusive ``cumsum`` ``C`` of ``swa != 0`` with a leading 0, one gather of ``C`` at
-  host-computed offsets ``end_i``, ``end_i - w_i``, ``start_i + o_i``, ``start_i``, one sum per
-  offset kind and one subtraction: five device operations, work proportional to the live tokens.
+  1``): the inclusive ``cumsum`` ``C`` of ``swa != 0`` with a leading 0, gathered at host-computed
+  offsets ``end_i``, ``end_i - w_i``, ``start_i + o_i``, ``start_i``, summed per offset kind and
+  subtracted; work proportional to the live tokens. The sample's own counts share that one
+  ``cumsum``, gather, sum and subtraction (:mod:`otel_swa.device.sample_live`).
 * **dense** (``[batch, max_context_len]`` rows): the row-wise inclusive ``cumsum`` ``R`` of ``swa !=
   0``, gathered at three columns per row, ``len_i - 1``, ``len_i - w_i - 1`` and ``o_i - 1``
   (a column below 0 stands for 0: its weight is 0), weighted, summed per column, the first two
@@ -63,7 +64,6 @@ __all__ = [
     "window_spans",
     "dense_columns",
     "device_columns",
-    "stage_window_live",
     "stage_window_dense",
     "stage_window_empty",
     "host_allowance",
@@ -119,7 +119,8 @@ def stage_first_premature(
     span: int,
     ws: Workspace,
 ) -> None:
-    """Write the first premature eviction (:data:`PREMATURE_CELLS`) into ``out`` (``int64 [4]``).
+    """Write the first premature eviction (:data:`PREMATURE_CELLS`) into ``out`` (``int64 [4]``)
+    (the live path's caller: :func:`otel_swa.device.sample_live.stage_live`).
 
     The first request whose in-window tokens are not all held (``in_window_held < in_window``),
     then the first of its in-window positions whose SWA slot is 0: a search of ``span`` cells (the
@@ -167,38 +168,6 @@ def _first_true(mask: torch.Tensor) -> torch.Tensor:
     return torch.max(mask, 0).indices
 
 
-def stage_window_live(out: torch.Tensor, swa: torch.Tensor, offsets: torch.Tensor, live: int, ws: Workspace,
-                      full: "torch.Tensor | None" = None, rows: "torch.Tensor | None" = None, span: int = 0,
-                      window_tokens: "int | None" = None) -> None:
-    """Live path: write [in-window tokens with a slot, late-held tokens] into ``out[0:2]``, and the
-    first premature eviction into ``out[3:7]`` (:func:`stage_first_premature`) when ``full`` and
-    ``rows`` are given.
-
-    Args:
-        out: the slot's window cells (``int64 [WINDOW_WIDTH]`` on the device).
-        swa: ``[live]`` SWA slots of the live tokens, request after request.
-        offsets: ``int64 [4, batch]`` on the device: ``end_i``, ``end_i - w_i``, ``start_i + o_i``,
-            ``start_i`` (indices into the cumsum with its leading 0).
-        live: the number of live tokens.
-        ws: the workspace.
-        full: ``[live]`` FULL slots of the live tokens; rows: ``int [batch]`` their rows; span: the
-            largest ``w_i``.
-        window_tokens: ``sum(w_i)`` when the host knows it: on the CPU the first premature
-            eviction is then looked for only when there is one.
-    """
-    csum = ws.kept("window.csum", live + 1, torch.int64, fill=0)  # [0] stays 0: only [1:] is written
-    nonzero = torch.ne(swa, 0, out=ws.get("window.nonzero", live, torch.bool))
-    torch.cumsum(nonzero, 0, out=csum[1:])
-    batch = offsets.shape[1]
-    gathered = torch.index_select(csum, 0, offsets.reshape(-1), out=ws.get("window.gathered", 4 * batch, torch.int64))
-    sums = gathered.view(4, batch).sum(1)
-    torch.sub(sums[0::2], sums[1::2], out=out[0:2])
-    if full is not None and rows is not None and not _no_premature(out, window_tokens):
-        per_request = gathered.view(4, batch)
-        stage_first_premature(out[3:7], offsets[0] - offsets[1], per_request[0] - per_request[1], offsets[1],
-                              offsets[1] - offsets[3], swa, full, rows, span, ws)
-
-
 def stage_window_dense(
     out: torch.Tensor,
     swa: torch.Tensor,
@@ -222,10 +191,11 @@ def stage_window_dense(
         weights: ``[batch, 3]`` 0/1 (``int64`` or ``bool``), the same.
         window_tokens: 0-dim ``sum(w_i)`` when the host does not know it, else ``None``.
         ws: the workspace.
-        full, rows, span: as in :func:`stage_window_live` (``full``: ``[batch * width]``, the
-            gathered rows' FULL slots); the first premature eviction is staged when given.
-        known_window_tokens: ``sum(w_i)`` when the host knows it (as ``window_tokens`` of
-            :func:`stage_window_live`).
+        full, rows, span: ``full`` the gathered rows' FULL slots (``[batch * width]``), ``rows``
+            (``int [batch]``) their ``req_to_token`` rows, ``span`` the largest ``w_i`` (host int);
+            the first premature eviction is staged when given (:func:`stage_first_premature`).
+        known_window_tokens: ``sum(w_i)`` when the host knows it: on the CPU the first premature
+            eviction is then looked for only when there is one.
     """
     batch, width = shape
     held = torch.ne(swa, 0, out=ws.get("window.held", batch * width, torch.bool)).view(batch, width)

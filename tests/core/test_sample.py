@@ -11,8 +11,11 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from otel_swa.device import DENSE_FILL_RATIO, STAGE_WIDTH, Workspace, read_sample, stage_sample
+from otel_swa.device.audit import AUDIT_WIDTH, audit_counts
 from otel_swa.reporter import KVPool, SwaDivergenceReporter
 from otel_swa.views import SwaAuditInputs, SwaBatch
+
+from live_tally import tallied_by
 
 
 def recount(req_to_token, mapping, rows, lens):
@@ -46,18 +49,21 @@ SHARED = Workspace("cpu")  # one workspace for every example: buffers grow and a
     host_rows=st.booleans(),
     r2t_dtype=st.sampled_from([torch.int32, torch.int64]),
     map_dtype=st.sampled_from([torch.int32, torch.int64]),
+    tally=st.sampled_from(["cumsum", "counts"]),
 )
-def test_both_gathers_equal_the_recount(seed, path, host_rows, r2t_dtype, map_dtype):
+def test_both_gathers_equal_the_recount(seed, path, host_rows, r2t_dtype, map_dtype, tally):
+    """``tally``: the live path's masks counted by its one cumsum (few live tokens) or by flat counts (many)."""
     rng = random.Random(seed)
     num_rows, width, full_size = rng.randint(1, 6), rng.randint(1, 24), rng.choice([1, 2, rng.randint(3, 80)])
     req_to_token, mapping, rows, lens = random_batch(rng, num_rows, width, full_size)
     out = torch.full((STAGE_WIDTH,), -7, dtype=torch.int64)
-    meta = stage_sample(
-        out, torch.tensor([11, 5]), torch.tensor(req_to_token, dtype=r2t_dtype), torch.tensor(mapping, dtype=map_dtype),
-        torch.tensor(rows), torch.tensor(lens, dtype=torch.int32), None if path == "no host lengths" else lens,
-        req_pool_indices_cpu=rows if host_rows else None, workspace=SHARED,
-        dense_fill_ratio={"live": float("inf"), "dense": 0.0}.get(path, DENSE_FILL_RATIO),
-    )
+    with tallied_by(tally):
+        meta = stage_sample(
+            out, torch.tensor([11, 5]), torch.tensor(req_to_token, dtype=r2t_dtype),
+            torch.tensor(mapping, dtype=map_dtype), torch.tensor(rows), torch.tensor(lens, dtype=torch.int32),
+            None if path == "no host lengths" else lens, req_pool_indices_cpu=rows if host_rows else None,
+            workspace=SHARED, dense_fill_ratio={"live": float("inf"), "dense": 0.0}.get(path, DENSE_FILL_RATIO),
+        )
     reading = read_sample(out.tolist(), meta)
     assert reading.faults == ()
     assert (reading.verify_full, reading.verify_swa) == (11, 5)
@@ -124,15 +130,18 @@ def batch(host_lengths=True, host_rows=False, fill=0.1, audit=False):
 
 
 # The contract. Live gather, rows and lengths known on the host: 12 operations compute the sample
-# (the flat index: fill_, scatter_add_, cumsum; the two gathers, the clamp that keeps the second in
-# bounds and the int32 -> int64 copy; ne and three count_nonzero; one cat into the staged slot),
-# 3 give the evidence of a bad view (the FULL slots' range, and sub +
-# count_nonzero for the entries whose seq_lens differs from seq_lens_cpu), and 1 copies the staged
-# slot to the host ring. On CUDA one more: the upload of the host offsets. Without host rows, 4 more:
-# their range, their clamp, and the two operations that turn them into index jumps.
+# (the flat index: fill_, scatter_add_, cumsum; the two gathers and the widening copy of the FULL
+# slots between them; one ne giving s != 0, s != f and f != 0; one cumsum over the masks, the gather
+# of its counted offsets, a sum and a sub: every count; one cat into the staged slot), 2 give the
+# evidence of a bad view (the FULL slots' range, and the ne of the entries whose seq_lens differs
+# from seq_lens_cpu; the clamp that keeps the mapping's gather in bounds runs on the CPU only when
+# a FULL slot is out of range, always on other devices), and 1 copies the staged slot to the host
+# ring. On CUDA one more: the upload of the host offsets. Without host rows, 4 more: their range,
+# their clamp, and the two operations that turn them into index jumps. Above TALLY_ALL_MAX live
+# tokens, 3 more (s != f, f != 0 and the lengths counted flat).
 CONTRACT = {
-    "live, host rows and lengths": (batch(host_rows=True), 16),
-    "live, host lengths": (batch(), 20),
+    "live, host rows and lengths": (batch(host_rows=True), 15),
+    "live, host lengths": (batch(), 19),
     "dense, host lengths (fill 0.97)": (batch(fill=0.97), 17),
     "dense, no host lengths": (batch(host_lengths=False), 18),
 }
@@ -143,7 +152,9 @@ def test_device_operations_per_sample_are_the_contract(case):
     view, most = CONTRACT[case]
     ops = ops_of_one_sample(view)
     assert len(ops) <= most, ops
-    assert ops.count("index_select") == 2  # req_to_token (rows or tokens), then the mapping
+    # req_to_token (rows or tokens), then the mapping; the live path's counts are one more gather,
+    # of the masks' cumsum at the counted offsets
+    assert ops.count("index_select") == (3 if case.startswith("live") else 2)
 
 
 def test_the_audit_adds_its_own_operations_and_none_sized_by_the_pool():
@@ -165,9 +176,21 @@ def test_batch_holders_are_not_gathered_twice():
     plain = ops_of_one_sample(batch(host_rows=True))
     listed = ops_of_one_sample(listed_view)
     held = ops_of_one_sample(dataclasses.replace(listed_view, swa_audit=batch_held))
-    offenders = 3  # one-element gathers of the first offenders' slots (stale SWA and FULL, shared FULL)
-    assert listed.count("index_select") == plain.count("index_select") + 3 + offenders
-    assert held.count("index_select") == plain.count("index_select") + 2 + offenders
+    view = listed_view
+
+    def offenders(holders):
+        """One-element gathers of the first offenders' slots: stale SWA and FULL slots when a holder
+        is stale, the shared FULL slot when a slot is shared (on the CPU only for a count above 0)."""
+        out = torch.zeros(AUDIT_WIDTH, dtype=torch.int64)
+        audit_counts(out, view.full_to_swa_index_mapping, view.swa_audit.swa_free_page_ids, 96, 1, holders)
+        stale, shared = out.tolist()[3:5]
+        return 2 * (stale > 0) + (shared > 0)
+
+    lens = view.seq_lens.tolist()
+    batch_tokens = torch.cat([view.req_to_token[row, :n] for row, n in zip(view.req_pool_indices.tolist(), lens)])
+    assert offenders(view.swa_audit.holder_full_slots) == 3  # the listed holders: stale and shared
+    assert listed.count("index_select") == plain.count("index_select") + 3 + 3
+    assert held.count("index_select") == plain.count("index_select") + 2 + offenders(batch_tokens)
     assert len(held) < len(listed)
 
 

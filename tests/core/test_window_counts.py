@@ -12,6 +12,8 @@ from hypothesis import strategies as st
 from otel_swa.device import DENSE_FILL_RATIO, STAGE_WIDTH, Workspace, read_sample, stage_sample
 from otel_swa.views import SwaAuditInputs
 
+from live_tally import tallied_by
+
 
 def recount(req_to_token, mapping, rows, lens, window, allowance, extend=None):
     """Query by query: the step computes the last ``e`` positions of a request (``extend``, 1 each
@@ -74,8 +76,10 @@ def stage(req_to_token, mapping, rows, lens, path, window, allowance, host_rows=
     window=st.sampled_from([1, 2, 3, 5, 8, 30]),  # 30: larger than every row
     per_request=st.booleans(),
     extend_kind=st.sampled_from([None, "int", "list", "tensor"]),
+    tally=st.sampled_from(["cumsum", "counts"]),
 )
-def test_window_counts_equal_the_recount(seed, path, host_rows, window, per_request, extend_kind):
+def test_window_counts_equal_the_recount(seed, path, host_rows, window, per_request, extend_kind, tally):
+    """``tally``: the live path's masks counted by its one cumsum (few live tokens) or by flat counts (many)."""
     rng = random.Random(seed)
     num_rows, width, full_size = rng.randint(1, 6), rng.randint(1, 24), rng.randint(2, 80)
     req_to_token = [[rng.randrange(0, full_size) for _ in range(width)] for _ in range(num_rows)]
@@ -89,7 +93,8 @@ def test_window_counts_equal_the_recount(seed, path, host_rows, window, per_requ
               "list": [rng.choice([1, max(1, n), rng.randint(1, max(1, n))]) for n in lens]}.get(extend_kind)
     if extend_kind == "tensor":
         extend = torch.tensor([rng.randint(1, max(1, n)) for n in lens], dtype=torch.int32)
-    reading = stage(req_to_token, mapping, rows, lens, path, window, allowance, host_rows, extend=extend)
+    with tallied_by(tally):
+        reading = stage(req_to_token, mapping, rows, lens, path, window, allowance, host_rows, extend=extend)
     assert reading.faults == ()
     assert (reading.premature, reading.late_held) == recount(req_to_token, mapping, rows, lens, window, allowance,
                                                              extend)
