@@ -35,7 +35,7 @@ import select
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Union
+from typing import Any, BinaryIO, Callable, Iterable, Union
 
 from otel_swa.record import (
     AUDIT_FIELDS,
@@ -351,9 +351,9 @@ class LogFollower:
             (permission denied, a directory...), else ``None``.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], entries: "list[LoggedEntry] | None" = None) -> None:
         self.path = Path(path)
-        self.entries: list[LoggedEntry] = []
+        self.entries: list[LoggedEntry] = [] if entries is None else entries
         self.errors: list[MalformedRecordError] = []
         self.missing = False
         self.error: OSError | None = None
@@ -377,13 +377,15 @@ class LogFollower:
         """How many malformed lines were skipped."""
         return len(self.errors)
 
-    def poll(self, *, final: bool = False) -> list[LoggedRecord]:
+    def poll(self, *, final: bool = False, each_chunk: "Callable[[], None] | None" = None) -> list[LoggedRecord]:
         """Read what was appended since the last poll; return the new records.
 
         Args:
             final: also parse an unterminated last line (the writer is done or the wait is over),
                 unless it cannot be read: then it is left out and kept for a later poll. At any
                 poll, :attr:`cut_line` says when the unterminated last line cannot be read.
+            each_chunk: called after each chunk is parsed (to take the entries that are final:
+                :meth:`settled`); the new records are then not returned (an empty list).
 
         Never raises for a missing or unreadable file: see :attr:`missing` and :attr:`error`.
         """
@@ -406,7 +408,11 @@ class LogFollower:
                     if not data:
                         break
                     self._offset += len(data)
-                    new += self._parse(data, final=False)
+                    parsed = self._parse(data, final=False)
+                    if each_chunk is None:
+                        new += parsed
+                    else:
+                        each_chunk()
         except FileNotFoundError:
             self.missing = True
             self.error = None
@@ -417,7 +423,16 @@ class LogFollower:
             return []
         self.missing = False
         self.error = None
-        return new + self._parse(b"", final=final)
+        new += self._parse(b"", final=final)
+        if each_chunk is not None:
+            each_chunk()
+            return []
+        return new
+
+    def settled(self) -> int:
+        """How many of :attr:`entries` are final: no line still to be read can change them (their
+        records have every line that pairs with them, or can get none any more)."""
+        return self._pairing.oldest_held(self.entries)
 
     def _parse(self, data: bytes, final: bool) -> list[LoggedRecord]:
         """Parse the complete lines of what is pending plus ``data`` (and, when ``final``, the

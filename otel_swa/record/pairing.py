@@ -49,6 +49,20 @@ class _Unpaired:
         if len(order) > 2 * self.LIMIT:
             self._order = collections.deque(pair for pair in order if not pair[1][3])
 
+    def oldest(self, entries: list) -> int | None:
+        """The smallest index of ``entries`` this still holds a record at (waiting, or the latest
+        of its tag and rank), or ``None``."""
+        low = None
+        for slot in self.latest.values():
+            if slot[0] is entries and (low is None or slot[1] < low):
+                low = slot[1]
+        for _, item in self._order:  # in the order added: the first still waiting is the oldest
+            if not item[3]:
+                if item[0] is entries and (low is None or item[1] < low):
+                    low = item[1]
+                break
+        return low
+
     def _forget(self, key: tuple, item: list) -> None:
         item[3] = True
         self._outstanding -= 1
@@ -125,6 +139,20 @@ class AuditPairing:
                     unpaired.latest.pop((record.verify_source, entry.rank), None)
                 else:
                     unpaired.add(entries, record, entry.rank)
+
+    def oldest_held(self, entries: list) -> int:
+        """The smallest index of ``entries`` whose entry a later line may still change (a record
+        still without a line of a ``once`` kind, or the latest of its tag and rank), ``len(entries)``
+        when there is none: the entries before it are final."""
+        low = len(entries)
+        for slot in self._recent.values():
+            if slot[0] is entries and slot[1] < low:
+                low = slot[1]
+        for unpaired in self._unpaired.values():
+            index = unpaired.oldest(entries)
+            if index is not None and index < low:
+                low = index
+        return low
 
     @staticmethod
     def joins(record_entry: Any, lines: list, line: LineMatch) -> bool:

@@ -291,7 +291,8 @@ class RunSplitter:
         self.warnings: list[RunWarning] = []
         self.left_out: list = []
         self._unsure = False
-        self._rankless: set = set()  # writers with a start or liveness line without a rank
+        self._not_whole = False  # a record after another process's log prefix, or none
+        self._rankless: set = set()  # writers with a line read before any of their lines named a rank
 
     def _writer(self, writer: str) -> WriterState:
         state = self.writers.get(writer)
@@ -315,8 +316,9 @@ class RunSplitter:
     @property
     def unsure(self) -> bool:
         """While streaming: a split that may differ from :func:`split_runs` on the whole log."""
-        return self._unsure or any(state.unsure for state in self.writers.values()) or any(
-            self.writers[writer].named for writer in self._rankless)
+        named = [writer for writer, state in self.writers.items() if state.named]
+        return self._unsure or any(state.unsure for state in self.writers.values()) or bool(named) and (
+            self._not_whole or any(writer in self._rankless for writer in named))
 
     def _join_log_run(self, state: WriterState, rank: Any) -> int:
         if state.run == 0 or state.began(rank):
@@ -345,11 +347,10 @@ class RunSplitter:
         if kind in ("start", "liveness"):
             writer, rank = writer_of(entry.verify_source), getattr(entry, "rank", None)
             state = self._writer(writer)
-            if self.streaming and rank is None and not state.named:
-                self._rankless.add(writer)  # sure now; not if a later line names a rank
             sure = getattr(entry, "rank_sure", True) and (rank is not None or not state.named)
+            if self.streaming and (not sure or not state.named):
+                self._rankless.add(writer)  # the ranks named later would change how it is read
             if not sure:  # its prefix was a guess: the first line of a rank that has not written yet
-                self._unsure = self._unsure or self.streaming  # the ranks that have not begun include those to come
                 waiting = [r for r in state.named if not state.began(r)]
                 if not waiting and kind == "start":
                     return None  # a marker whose rank cannot be told (every rank has begun)
@@ -385,7 +386,7 @@ class RunSplitter:
             if not sure:
                 hint_votes = getattr(entry, "rank_candidates", ())
             if self.streaming and (not sure or hint is None):
-                self._unsure = True  # not a log of whole lines
+                self._not_whole = True  # not a log of whole lines: read whole when any line names a rank
         writer = writer_of(record.verify_source)
         state = self._writer(writer)
         rank = attribute(state, hint, sure, record, self.whole) if state.named else hint
