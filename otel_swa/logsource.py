@@ -377,7 +377,8 @@ class LogFollower:
         """How many malformed lines were skipped."""
         return len(self.errors)
 
-    def poll(self, *, final: bool = False, each_chunk: "Callable[[], None] | None" = None) -> list[LoggedRecord]:
+    def poll(self, *, final: bool = False, each_chunk: "Callable[[], None] | None" = None,
+             chunk_bytes: int | None = None) -> list[LoggedRecord]:
         """Read what was appended since the last poll; return the new records.
 
         Args:
@@ -386,6 +387,7 @@ class LogFollower:
                 poll, :attr:`cut_line` says when the unterminated last line cannot be read.
             each_chunk: called after each chunk is parsed (to take the entries that are final:
                 :meth:`settled`); the new records are then not returned (an empty list).
+            chunk_bytes: how much to read at once (default :data:`READ_CHUNK_BYTES`).
 
         Never raises for a missing or unreadable file: see :attr:`missing` and :attr:`error`.
         """
@@ -404,7 +406,7 @@ class LogFollower:
                     handle.seek(self._offset)
                 new: list[LoggedRecord] = []
                 while True:  # in chunks: the text held at once is one chunk, whatever the file's size
-                    data = handle.read(READ_CHUNK_BYTES)
+                    data = handle.read(chunk_bytes or READ_CHUNK_BYTES)
                     if not data:
                         break
                     self._offset += len(data)

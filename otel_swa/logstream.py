@@ -16,7 +16,11 @@ from typing import Any, Callable
 
 from otel_swa.logsource import LogFollower
 
-__all__ = ["EntryWindow", "stream_log"]
+__all__ = ["EntryWindow", "stream_log", "STREAM_CHUNK_BYTES"]
+
+#: How much of the file :func:`stream_log` reads at once (bytes): the entries of one chunk are
+#: held until it is parsed (about 1,300 records with their audit and provenance lines).
+STREAM_CHUNK_BYTES = 2**20
 
 
 class EntryWindow:
@@ -86,7 +90,7 @@ def stream_log(path: "str | os.PathLike[str]", consume: Callable[[Any], None]) -
         for entry in window.release(follower.settled()):
             consume(entry)
 
-    follower.poll(final=True, each_chunk=settle)
+    follower.poll(final=True, each_chunk=settle, chunk_bytes=STREAM_CHUNK_BYTES)
     for entry in window.release(len(window)):
         consume(entry)
     return follower
