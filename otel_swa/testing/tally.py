@@ -98,10 +98,26 @@ class MissingLines:
         return count, (first if count else None)
 
 
-_AUDIT_VALUES = operator.attrgetter(*(rule.field for rule in AUDIT_RULES), "forward_ct")  # a tuple, whatever the count
-_PROVENANCE_VALUES = operator.attrgetter(*(rule.field for rule in PROVENANCE_RULES), "forward_ct")
-_REPORTED_VALUES = operator.attrgetter(*(rule.field for rule in REPORTED_RULES), "forward_ct")
+def _values(rules: "tuple[AuditRule, ...]") -> Any:
+    """A function giving a record's values of ``rules``' fields as a tuple, whatever their count."""
+    if len(rules) == 1:
+        one = operator.attrgetter(rules[0].field)
+        return lambda record: (one(record),)
+    if not rules:
+        return lambda record: ()
+    return operator.attrgetter(*(rule.field for rule in rules))
+
+
+_AUDIT_VALUES = _values(AUDIT_RULES)
+_PROVENANCE_VALUES = _values(PROVENANCE_RULES)
+_REPORTED_VALUES = _values(REPORTED_RULES)
 _AUDITED = len(AUDIT_RULES)
+
+
+def _add_values(tallies: "list[RuleTally]", values: tuple, item: Any) -> None:
+    for tally, value in zip(tallies, values):
+        if value is not None:
+            tally.add(value, item)
 
 
 class GroupTally:
@@ -121,7 +137,7 @@ class GroupTally:
     """
 
     __slots__ = ("records", "first", "last", "latest", "applicable", "divergence", "out_of_window", "audited",
-                 "checked", "audit", "provenance", "reported", "audit_lines", "provenance_lines")
+                 "checked", "audit", "provenance", "reported", "audit_lines", "provenance_lines", "_seen")
 
     def __init__(self) -> None:
         self.records = 0
@@ -138,6 +154,9 @@ class GroupTally:
         self.reported = [RuleTally(rule) for rule in REPORTED_RULES]
         self.audit_lines = MissingLines()
         self.provenance_lines = MissingLines()
+        # the values of the audit, provenance and reported fields last counted: a record with the same
+        # values changes no peak and no first non-zero (the usual record, all 0), so it is not counted again
+        self._seen: list = [None, None, None]
 
     def add(self, item: Any) -> None:
         record = item.record
@@ -156,22 +175,25 @@ class GroupTally:
         best = self.out_of_window
         if best is None or record.swa_out_of_window_tokens > best.record.swa_out_of_window_tokens:
             self.out_of_window = item
+        seen = self._seen
         values = _AUDIT_VALUES(record)
         audited = values.count(None) < _AUDITED
         if audited:
             self.audited += 1
-            for tally, value in zip(self.audit, values):
-                if value is not None:
-                    tally.add(value, item)
+            if values != seen[0]:
+                seen[0] = values
+                _add_values(self.audit, values, item)
         checked = record.provenance_checked
         if checked:
             self.checked += 1
-            for tally, value in zip(self.provenance, _PROVENANCE_VALUES(record)):
-                if value is not None:
-                    tally.add(value, item)
-        for tally, value in zip(self.reported, _REPORTED_VALUES(record)):
-            if value is not None:
-                tally.add(value, item)
+            values = _PROVENANCE_VALUES(record)
+            if values != seen[1]:
+                seen[1] = values
+                _add_values(self.provenance, values, item)
+        values = _REPORTED_VALUES(record)
+        if values != seen[2]:
+            seen[2] = values
+            _add_values(self.reported, values, item)
         if item.line_no is not None and record.verify_source is not None:  # otel-swa's line of a log
             lines = self.audit_lines
             if audited or record.micro_batch is not None or not record.divergence_applicable or any(
