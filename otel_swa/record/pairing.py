@@ -176,7 +176,7 @@ class AuditPairing:
         seen = _WithChanges(record, changes)
         for line in lines:
             changes.update(kind_of(line).changes(seen, line.value))
-        return record._logged_replace(**changes)
+        return record._replaced(changes)
 
     def attach(self, line: LineMatch) -> MalformedRecordError | None:
         """Attach a line that belongs to a record (an audit or fault line...) to its record; return
@@ -195,7 +195,7 @@ class AuditPairing:
         if reason is not None:
             return MalformedRecordError(line.text, reason, line.line_no, kind.prefix)
         entry = entries[index]
-        record = record._logged_replace(**kind.changes(record, line.value))
+        record = record._replaced(kind.changes(record, line.value))
         if isinstance(entry, LineMatch):
             entries[index] = entry._replace(value=record)
         else:

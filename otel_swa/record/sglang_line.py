@@ -146,14 +146,17 @@ class SwaDivergenceRecord:
         filled[_INDEX["divergence_applicable"]] = divergence_applicable
         filled[_INDEX["verify_source"]] = verify_source
         record = _unchecked(cls, filled)
-        return record if audit is None else record._logged_replace(**audit_changes(record, audit))
+        return record if audit is None else record._replaced(audit_changes(record, audit))
 
-    def _logged_replace(self, **changes: Any) -> "SwaDivergenceRecord":
-        """A copy with ``changes``, not checked again (a record read from a log may hold negative
-        totals, which the constructor refuses): what a line read after the record sets on it."""
-        filled = dict(zip(_NAMES, _VALUES(self)))
-        filled.update(changes)  # the fields keep their order
-        return _unchecked(type(self), filled.values())
+    def _replaced(self, changes: "dict[str, Any]") -> "SwaDivergenceRecord":
+        """A copy with ``changes`` (field name -> value), not checked again (a record read from a
+        log may hold negative totals, which the constructor refuses): what a line read after the
+        record sets on it."""
+        values = list(_VALUES(self))
+        index = _INDEX
+        for name, value in changes.items():
+            values[index[name]] = value
+        return _unchecked(type(self), values)
 
     def offender(self, fault: str) -> "Offender | None":
         """The first offender of ``fault`` (one of :data:`FAULT_FIELDS`) in this sample, or ``None``."""
@@ -306,7 +309,7 @@ class SwaDivergenceRecord:
 
 
 #: The record's field names in order, their defaults, where each stands, and all its values at once
-#: (one C call): what :meth:`SwaDivergenceRecord._logged_replace` copies, without
+#: (one C call): what :meth:`SwaDivergenceRecord._replaced` copies, without
 #: :func:`dataclasses.fields` on every line read.
 _NAMES = tuple(item.name for item in dataclasses.fields(SwaDivergenceRecord))
 _DEFAULTS = tuple(item.default for item in dataclasses.fields(SwaDivergenceRecord))
