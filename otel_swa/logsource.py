@@ -366,6 +366,7 @@ class LogFollower:
         self._pending = b""
         # the last byte parsed was a CR: a LF at the start of the next read completes that CRLF
         self._after_cr = False
+        self._head = b""  # the file's first TEXT_PROBE_BYTES bytes read so far (not_a_text_log)
 
     @property
     def records(self) -> list[LoggedRecord]:
@@ -402,6 +403,7 @@ class LogFollower:
                     self._pairing = AuditPairing()
                     self.duplicates = DuplicateLines()
                     self._prefixes = PrefixClaims()
+                    self._head = b""
                 if self._offset:  # a pipe (`check <(engine ...)`) cannot seek, and is read from its start once
                     handle.seek(self._offset)
                 new: list[LoggedRecord] = []
@@ -409,6 +411,8 @@ class LogFollower:
                     data = handle.read(chunk_bytes or READ_CHUNK_BYTES)
                     if not data:
                         break
+                    if len(self._head) < TEXT_PROBE_BYTES:
+                        self._head += data[:TEXT_PROBE_BYTES - len(self._head)]
                     self._offset += len(data)
                     parsed = self._parse(data, final=False)
                     if each_chunk is None:
@@ -430,6 +434,14 @@ class LogFollower:
             each_chunk()
             return []
         return new
+
+    @property
+    def not_text(self) -> str | None:
+        """Why the file is not a text log (:func:`not_a_text_log` on its first
+        :data:`TEXT_PROBE_BYTES` bytes read so far: a NUL byte, mostly bytes that are not UTF-8),
+        else ``None`` (an empty file, or one of blanks so far, is not refused here: it may grow)."""
+        why = not_a_text_log(self._head) if self._head else None
+        return None if why == "empty" else why
 
     def settled(self) -> int:
         """How many of :attr:`entries` are final: no line still to be read can change them (their
