@@ -257,7 +257,7 @@ def logged_entries(
 
 def _add_record(pairing: AuditPairing, out: list, entry: RecordMatch, lines: list) -> None:
     """Add the record of ``entry`` with the ``lines`` that joined it (:meth:`AuditPairing.joins`)."""
-    record = pairing.with_lines(entry.record, lines)
+    record = pairing.with_lines(entry.record, lines, fresh=True)  # decoded for this entry, held nowhere else
     pairing.add(out, LoggedRecord(record, entry.line_no, entry.timestamp, entry.rank, entry.rank_candidates), lines)
 
 

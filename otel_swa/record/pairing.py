@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from otel_swa.record.decoding import MalformedRecordError
 from otel_swa.record.kinds import LINE_KINDS, LineKind, kind_of
 from otel_swa.record.matches import LineMatch
-from otel_swa.record.sglang_line import SwaDivergenceRecord
+from otel_swa.record.sglang_line import SwaDivergenceRecord, _set_in_place
 
 __all__ = ["AuditPairing"]
 
@@ -167,15 +167,19 @@ class AuditPairing:
                 and all(type(other) is not type(line) for other in lines))
 
     @staticmethod
-    def with_lines(record: SwaDivergenceRecord, lines: list) -> SwaDivergenceRecord:
+    def with_lines(record: SwaDivergenceRecord, lines: list, fresh: bool = False) -> SwaDivergenceRecord:
         """``record`` with what each of ``lines`` sets on it (:meth:`joins`), in order: the record
-        :meth:`attach` would leave, in one copy."""
+        :meth:`attach` would leave, in one copy; ``fresh``: ``record`` was just decoded and nobody
+        else holds it, so it is changed itself (no copy) and returned."""
         if not lines:
             return record
         changes: dict = {}
         seen = _WithChanges(record, changes)
         for line in lines:
             changes.update(kind_of(line).changes(seen, line.value))
+        if fresh:
+            _set_in_place(record, changes)
+            return record
         return record._replaced(changes)
 
     def attach(self, line: LineMatch) -> MalformedRecordError | None:

@@ -8,9 +8,7 @@ The rules by which it is read (SGLang's parser's) are in :mod:`otel_swa.record`'
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -319,11 +317,36 @@ _VALUES = operator.attrgetter(*_NAMES)
 _PROVENANCE_VALUES = operator.attrgetter(*PROVENANCE_FIELDS, "forward_ct")
 
 
-def _unchecked(cls: type, values: list) -> SwaDivergenceRecord:
-    """A record of ``cls`` holding ``values`` (one per field of :data:`_NAMES`), not checked."""
-    record = object.__new__(cls)
-    collections.deque(map(object.__setattr__, itertools.repeat(record, len(_NAMES)), _NAMES, values), 0)
-    return record
+#: Each field's slot setter (its member descriptor's ``__set__``: what ``object.__setattr__`` does
+#: for it, without the name lookup), by field name.
+_SETTERS = {name: getattr(SwaDivergenceRecord, name).__set__ for name in _NAMES}
+
+
+def _builder() -> Any:
+    """``build(cls, values)``: a new record of ``cls`` holding ``values`` (a list, one per field of
+    :data:`_NAMES`), one slot store per field in straight-line code (what ``dataclasses`` makes of
+    an ``__init__``, without its checks)."""
+    namespace: dict = {"_new": object.__new__}
+    body = ["def build(cls, values):", "    record = _new(cls)"]
+    for index, name in enumerate(_NAMES):
+        namespace[f"_set{index}"] = _SETTERS[name]
+        body.append(f"    _set{index}(record, values[{index}])")
+    body.append("    return record")
+    exec("\n".join(body), namespace)  # noqa: S102 - our own field names, fixed at import
+    return namespace["build"]
+
+
+#: A record of ``cls`` holding ``values`` (a list, one per field of :data:`_NAMES`), not checked.
+_unchecked = _builder()
+
+
+def _set_in_place(record: SwaDivergenceRecord, changes: "dict[str, Any]") -> None:
+    """Set ``changes`` (field name -> value) on ``record`` itself, not checked: only for a record
+    just decoded that nobody else holds yet (:meth:`~otel_swa.record.AuditPairing.with_lines` with
+    ``fresh``), where a copy would be thrown away at once."""
+    setters = _SETTERS
+    for name, value in changes.items():
+        setters[name](record, value)
 
 
 #: The reader of every line kind (:mod:`otel_swa.record.parser`, which imports this module): it
