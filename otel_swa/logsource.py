@@ -166,7 +166,7 @@ class DuplicateLines:
     def __init__(self) -> None:
         self.count = 0
         self.first_line_no: int | None = None
-        self._previous: tuple | None = None
+        self._previous: Any = None  # the entry read before
 
     @staticmethod
     def _key(entry: Any) -> tuple:
@@ -179,13 +179,14 @@ class DuplicateLines:
         prefixes were waiting for their messages (:class:`~otel_swa.record.PrefixClaims`), is never
         taken for a repeat: it may be another process's line (the same audit line of two tensor
         parallel ranks)."""
-        key, previous = self._key(entry), self._previous
-        self._previous = (key, entry.line_no, getattr(entry, "rank_sure", True))
-        if previous is None or previous[0] != key or entry.line_no != previous[1] + 1:
+        previous, self._previous = self._previous, entry
+        if previous is None or type(previous) is not type(entry) or entry.line_no != previous.line_no + 1:
+            return False  # the usual case, told without the keys: a line of another kind
+        if self._key(previous) != self._key(entry):
             return False
         if entry.timestamp is None and entry.rank is None:
             return False
-        if not getattr(entry, "rank_sure", True) or not previous[2]:
+        if not getattr(entry, "rank_sure", True) or not getattr(previous, "rank_sure", True):
             return False  # written while several processes' prefixes were waiting: no repeat of one
         self.count += 1
         if self.first_line_no is None:

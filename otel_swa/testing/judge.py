@@ -103,6 +103,7 @@ __all__ = [
     "SwaObservation",
     "judge",
     "judge_tally",
+    "check_rules",
     "check_modes",
 ]
 
@@ -111,6 +112,17 @@ def _check_threshold(name: str, value: object) -> int:
     if type(value) is not int or value < 0:  # noqa: E721 - bool refused
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return value
+
+
+def check_rules(min_divergence: int, min_out_of_window: int, runs: str, ranks: str, lines: str) -> None:
+    """Check the thresholds (each an int >= 0) and the modes of :func:`judge`.
+
+    Raises:
+        ValueError: one is not (the message names it).
+    """
+    _check_threshold("min_divergence", min_divergence)
+    _check_threshold("min_out_of_window", min_out_of_window)
+    check_modes(runs, ranks, lines)
 
 
 def check_modes(runs: str, ranks: str, lines: str) -> None:
@@ -255,9 +267,7 @@ def judge(
     Raises:
         ValueError: a threshold is not an int >= 0, or a mode is not one of its choices.
     """
-    _check_threshold("min_divergence", min_divergence)
-    _check_threshold("min_out_of_window", min_out_of_window)
-    check_modes(runs, ranks, lines)
+    check_rules(min_divergence, min_out_of_window, runs, ranks, lines)
     extras = records if isinstance(records, RunRecords) else None
     items = list(records)
     if not all(isinstance(item, RunRecord) for item in items):

@@ -17,7 +17,7 @@ import dataclasses
 import os
 
 from otel_swa.logstream import stream_log
-from otel_swa.testing.judge import SwaObservation, check_modes, judge_tally
+from otel_swa.testing.judge import SwaObservation, check_rules, judge_tally
 from otel_swa.testing.runs import RunSplitter
 from otel_swa.testing.sources import cut_line_note, follower_problem
 from otel_swa.testing.tally import Tally
@@ -55,10 +55,7 @@ def judge_log_file(
     Raises:
         ValueError: a threshold is not an int >= 0, or a mode is not one of its choices.
     """
-    for name, value in (("min_divergence", min_divergence), ("min_out_of_window", min_out_of_window)):
-        if type(value) is not int or value < 0:  # noqa: E721 - bool refused
-            raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    check_modes(runs, ranks, lines)
+    check_rules(min_divergence, min_out_of_window, runs, ranks, lines)
     splitter = RunSplitter(whole=None)
     tally = Tally(runs, ranks)
     read = 0
