@@ -111,6 +111,18 @@ def continues(rs: "RankState", record: SwaDivergenceRecord, relaxed: bool = Fals
     return _distance(rs.last, record, step, relaxed)
 
 
+def can_continue(rs: "RankState", record: SwaDivergenceRecord) -> bool:
+    """Whether :func:`continues` gives ``record`` a distance from ``rs`` (not ``None``), without
+    its arithmetic where that cannot fail (every record of a rank's steady sequence asks)."""
+    last = rs.last
+    if last is None or record.forward_ct <= last.forward_ct or totals_dropped(last, record):
+        return False
+    step = rs.last_ct - rs.before_last_ct if rs.before_last_ct is not None and rs.run_records > 1 else None
+    if record.forward_ct - last.forward_ct > _MAX_STEPS * (step if step else last.forward_ct):
+        return False
+    return last.forward_ct != 0 or continues(rs, record) is not None  # it divides by last.forward_ct
+
+
 LEFT_OUT = object()
 
 
@@ -132,7 +144,7 @@ def attribute(state: WriterState, hint: str | None, sure: bool, record: SwaDiver
     prefix its own line gave it."""
     if whole and sure and hint is not None:
         own = state.ranks.get(hint)
-        if own is not None and not own.marker and continues(own, record) is not None:
+        if own is not None and not own.marker and can_continue(own, record):
             return hint
     best = _closest(state, hint, record)
     if best is not None:
