@@ -444,10 +444,13 @@ class LogFollower:
         why = not_a_text_log(self._head) if self._head else None
         return None if why == "empty" else why
 
-    def settled(self) -> int:
+    def settled(self, waiting: bool = True) -> int:
         """How many of :attr:`entries` are final: no line still to be read can change them (their
-        records have every line that pairs with them, or can get none any more)."""
-        return self._pairing.oldest_held(self.entries)
+        records have every line that pairs with them, or can get none any more); without
+        ``waiting``, how many no line is expected to change (the latest record of each tag and rank
+        excepted: a record still waiting for a line written far from it is counted too, see
+        :meth:`~otel_swa.record.AuditPairing.oldest_held`)."""
+        return self._pairing.oldest_held(self.entries, waiting)
 
     def _parse(self, data: bytes, final: bool) -> list[LoggedRecord]:
         """Parse the complete lines of what is pending plus ``data`` (and, when ``final``, the

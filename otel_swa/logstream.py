@@ -1,12 +1,14 @@
-"""A complete log file read once, in order, holding only the entries that a later line may still
-change: memory bounded by the log's ranks and the records still waiting for their lines, not by
-its length.
+"""A complete log file read once, in order, holding only the entries that the next lines are
+expected to change: memory bounded by the log's ranks and one chunk, not by its length.
 
 :func:`stream_log` reads the file in chunks (:class:`~otel_swa.logsource.LogFollower`, final read)
-into an :class:`EntryWindow` and hands each entry to the caller once it is final
-(:meth:`~otel_swa.logsource.LogFollower.settled`: its record has its audit and provenance lines,
-or can get none any more), in log order, then lets it go. The entries and their order are those
-of :attr:`LogFollower.entries <otel_swa.logsource.LogFollower.entries>` after one final poll.
+into an :class:`EntryWindow` and hands each entry to the caller, in log order, once no line is
+expected to change it (:meth:`~otel_swa.logsource.LogFollower.settled` without ``waiting``: all
+but the latest record of each tag and rank), then lets it go. A line that still belongs to an
+entry already handed on (an audit or provenance line written far from its record, by a process
+writing the log at once with others) stops the read with :class:`ReleasedEntryError`: such a log
+is read whole. Otherwise the entries and their order are those of
+:attr:`LogFollower.entries <otel_swa.logsource.LogFollower.entries>` after one final poll.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ from typing import Any, Callable
 
 from otel_swa.logsource import LogFollower
 
-__all__ = ["EntryWindow", "stream_log", "STREAM_CHUNK_BYTES"]
+__all__ = ["EntryWindow", "ReleasedEntryError", "stream_log", "STREAM_CHUNK_BYTES"]
 
 #: How much of the file :func:`stream_log` reads at once (bytes): the entries of one chunk are
 #: held until it is parsed (about 1,300 records with their audit and provenance lines).
 STREAM_CHUNK_BYTES = 2**20
+
+
+class ReleasedEntryError(IndexError):
+    """An entry already let go (:meth:`EntryWindow.release`) was read or replaced."""
 
 
 class EntryWindow:
@@ -30,7 +36,8 @@ class EntryWindow:
     entry still held, and ``window[start:]``.
 
     Raises:
-        IndexError: an entry already released is read or replaced.
+        ReleasedEntryError: an entry already released is read or replaced.
+        IndexError: an entry not yet appended is.
     """
 
     __slots__ = ("_held", "_base")
@@ -47,7 +54,9 @@ class EntryWindow:
 
     def _at(self, index: int) -> int:
         at = index - self._base
-        if at < 0 or at >= len(self._held):
+        if at < 0:
+            raise ReleasedEntryError(f"entry {index} was let go (held: {self._base} to {len(self) - 1})")
+        if at >= len(self._held):
             raise IndexError(f"entry {index} is not held (held: {self._base} to {len(self) - 1})")
         return at
 
@@ -81,13 +90,15 @@ def stream_log(path: "str | os.PathLike[str]", consume: Callable[[Any], None]) -
         (``errors``, ``duplicates``, ``cut_line``, ``missing``, ``error``); its ``entries`` hold none.
 
     Raises:
+        ReleasedEntryError: a line belongs to an entry already handed on (see the module
+            docstring): read the log whole.
         whatever ``consume`` raises (the read stops there).
     """
     window = EntryWindow()
     follower = LogFollower(path, entries=window)
 
     def settle() -> None:
-        for entry in window.release(follower.settled()):
+        for entry in window.release(follower.settled(waiting=False)):
             consume(entry)
 
     follower.poll(final=True, each_chunk=settle, chunk_bytes=STREAM_CHUNK_BYTES)

@@ -43,7 +43,7 @@ from otel_swa.commands._loginput import (
 )
 from otel_swa.commands._output import discard_stdout
 from otel_swa.logsource import ROW_FIELDS, LoggedRecord
-from otel_swa.logstream import stream_log
+from otel_swa.logstream import ReleasedEntryError, stream_log
 from otel_swa.testing.runs import RunSplitter, split_runs
 
 
@@ -97,8 +97,8 @@ def _streamed(args: argparse.Namespace) -> int | None:
     """Print the rows of a complete regular file read once, each row formatted as its record is
     read and kept in a temporary file (not in memory) until the log's runs are known to be split as
     :func:`~otel_swa.testing.runs.split_runs` splits the whole log; ``None`` when they need the
-    whole log (lines of several processes at once, a record that fits no rank) or the file could
-    not be read to its end: then it is read whole."""
+    whole log (lines of several processes at once, a record that fits no rank, a line written far
+    from its record) or the file could not be read to its end: then it is read whole."""
     path = args.source
     splitter = RunSplitter(whole=None)
     with tempfile.TemporaryFile("w+", encoding="utf-8", newline="") as rows:
@@ -119,7 +119,7 @@ def _streamed(args: argparse.Namespace) -> int | None:
 
         try:
             follower = stream_log(path, consume)
-        except _NeedsWholeLog:
+        except (_NeedsWholeLog, ReleasedEntryError):
             return None
         splitter.finish()
         if follower.missing or follower.error is not None or follower.not_text is not None or splitter.unsure:

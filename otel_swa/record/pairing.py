@@ -49,13 +49,15 @@ class _Unpaired:
         if len(order) > 2 * self.LIMIT:
             self._order = collections.deque(pair for pair in order if not pair[1][3])
 
-    def oldest(self, entries: list) -> int | None:
-        """The smallest index of ``entries`` this still holds a record at (waiting, or the latest
-        of its tag and rank), or ``None``."""
+    def oldest(self, entries: list, waiting: bool = True) -> int | None:
+        """The smallest index of ``entries`` this still holds a record at (the latest of its tag
+        and rank, or, with ``waiting``, any still waiting), or ``None``."""
         low = None
         for slot in self.latest.values():
             if slot[0] is entries and (low is None or slot[1] < low):
                 low = slot[1]
+        if not waiting:
+            return low
         for _, item in self._order:  # in the order added: the first still waiting is the oldest
             if not item[3]:
                 if item[0] is entries and (low is None or item[1] < low):
@@ -140,16 +142,18 @@ class AuditPairing:
                 else:
                     unpaired.add(entries, record, entry.rank)
 
-    def oldest_held(self, entries: list) -> int:
-        """The smallest index of ``entries`` whose entry a later line may still change (a record
-        still without a line of a ``once`` kind, or the latest of its tag and rank), ``len(entries)``
-        when there is none: the entries before it are final."""
+    def oldest_held(self, entries: list, waiting: bool = True) -> int:
+        """The smallest index of ``entries`` whose entry a later line may still change: the latest
+        record of each tag and rank and, with ``waiting``, every record still without a line of a
+        ``once`` kind (up to 65,536 of them: such a line may come late, from another process);
+        ``len(entries)`` when there is none. With ``waiting``, the entries before it are final;
+        without, a later line may still reach one of them, rarely (a line far from its record)."""
         low = len(entries)
         for slot in self._recent.values():
             if slot[0] is entries and slot[1] < low:
                 low = slot[1]
         for unpaired in self._unpaired.values():
-            index = unpaired.oldest(entries)
+            index = unpaired.oldest(entries, waiting)
             if index is not None and index < low:
                 low = index
         return low

@@ -6,7 +6,8 @@ log's ranks and runs, not by its length.
 :func:`judge_log_file` gives the verdict :func:`~otel_swa.testing.assertions.wait_for_observation`
 gives for one final read of the file, or ``None`` when the log needs what only the whole log shows
 to split its runs (lines written by several processes at once, a rank's run begun by a guess,
-names its prefixes' votes change): the caller then reads it whole.
+names its prefixes' votes change) or to pair its lines (a line written far from its record:
+:class:`~otel_swa.logstream.ReleasedEntryError`): the caller then reads it whole.
 
 This module does not import pytest.
 """
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from otel_swa.logstream import stream_log
+from otel_swa.logstream import ReleasedEntryError, stream_log
 from otel_swa.testing.judge import SwaObservation, check_rules, judge_tally
 from otel_swa.testing.runs import RunSplitter
 from otel_swa.testing.sources import cut_line_note, follower_problem
@@ -71,7 +72,7 @@ def judge_log_file(
 
     try:
         follower = stream_log(path, consume)
-    except _NeedsWholeLog:
+    except (_NeedsWholeLog, ReleasedEntryError):
         return None
     if follower_problem(follower) is not None:
         return None
