@@ -342,7 +342,8 @@ class LogFollower:
     Attributes:
         path: the file.
         entries: every :class:`LoggedRecord`, :class:`LoggedRunStart` and
-            :class:`~otel_swa.record.LivenessMatch` found so far, in order.
+            :class:`~otel_swa.record.LivenessMatch` found so far, in order (the ``entries`` list
+            given, such as an :class:`otel_swa.logstream.EntryWindow` that holds only its tail).
         duplicates: the exact duplicate adjacent lines skipped (:class:`DuplicateLines`).
         errors: a :class:`~otel_swa.record.MalformedRecordError` per malformed line skipped.
         cut_line: the unterminated last line at the last poll when it cannot be read (left out:
@@ -391,7 +392,8 @@ class LogFollower:
                 :meth:`settled`); the new records are then not returned (an empty list).
             chunk_bytes: how much to read at once (default :data:`READ_CHUNK_BYTES`).
 
-        Never raises for a missing or unreadable file: see :attr:`missing` and :attr:`error`.
+        Never raises for a missing or unreadable file: see :attr:`missing` and :attr:`error`
+        (what ``each_chunk`` raises, or a :attr:`entries` list that refuses a line, stops the read).
         """
         try:
             with open(self.path, "rb") as handle:
