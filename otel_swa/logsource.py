@@ -35,7 +35,7 @@ import select
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Iterable, Union
+from typing import Any, BinaryIO, Callable, Iterable, Union
 
 from otel_swa.record import (
     AUDIT_FIELDS,
@@ -166,7 +166,7 @@ class DuplicateLines:
     def __init__(self) -> None:
         self.count = 0
         self.first_line_no: int | None = None
-        self._previous: tuple | None = None
+        self._previous: Any = None  # the entry read before
 
     @staticmethod
     def _key(entry: Any) -> tuple:
@@ -179,13 +179,14 @@ class DuplicateLines:
         prefixes were waiting for their messages (:class:`~otel_swa.record.PrefixClaims`), is never
         taken for a repeat: it may be another process's line (the same audit line of two tensor
         parallel ranks)."""
-        key, previous = self._key(entry), self._previous
-        self._previous = (key, entry.line_no, getattr(entry, "rank_sure", True))
-        if previous is None or previous[0] != key or entry.line_no != previous[1] + 1:
+        previous, self._previous = self._previous, entry
+        if previous is None or type(previous) is not type(entry) or entry.line_no != previous.line_no + 1:
+            return False  # the usual case, told without the keys: a line of another kind
+        if self._key(previous) != self._key(entry):
             return False
         if entry.timestamp is None and entry.rank is None:
             return False
-        if not getattr(entry, "rank_sure", True) or not previous[2]:
+        if not getattr(entry, "rank_sure", True) or not getattr(previous, "rank_sure", True):
             return False  # written while several processes' prefixes were waiting: no repeat of one
         self.count += 1
         if self.first_line_no is None:
@@ -257,7 +258,7 @@ def logged_entries(
 
 def _add_record(pairing: AuditPairing, out: list, entry: RecordMatch, lines: list) -> None:
     """Add the record of ``entry`` with the ``lines`` that joined it (:meth:`AuditPairing.joins`)."""
-    record = pairing.with_lines(entry.record, lines)
+    record = pairing.with_lines(entry.record, lines, fresh=True)  # decoded for this entry, held nowhere else
     pairing.add(out, LoggedRecord(record, entry.line_no, entry.timestamp, entry.rank, entry.rank_candidates), lines)
 
 
@@ -341,7 +342,8 @@ class LogFollower:
     Attributes:
         path: the file.
         entries: every :class:`LoggedRecord`, :class:`LoggedRunStart` and
-            :class:`~otel_swa.record.LivenessMatch` found so far, in order.
+            :class:`~otel_swa.record.LivenessMatch` found so far, in order (the ``entries`` list
+            given, such as an :class:`otel_swa.logstream.EntryWindow` that holds only its tail).
         duplicates: the exact duplicate adjacent lines skipped (:class:`DuplicateLines`).
         errors: a :class:`~otel_swa.record.MalformedRecordError` per malformed line skipped.
         cut_line: the unterminated last line at the last poll when it cannot be read (left out:
@@ -351,9 +353,9 @@ class LogFollower:
             (permission denied, a directory...), else ``None``.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], entries: "list[LoggedEntry] | None" = None) -> None:
         self.path = Path(path)
-        self.entries: list[LoggedEntry] = []
+        self.entries: list[LoggedEntry] = [] if entries is None else entries
         self.errors: list[MalformedRecordError] = []
         self.missing = False
         self.error: OSError | None = None
@@ -366,6 +368,7 @@ class LogFollower:
         self._pending = b""
         # the last byte parsed was a CR: a LF at the start of the next read completes that CRLF
         self._after_cr = False
+        self._head = b""  # the file's first TEXT_PROBE_BYTES bytes read so far (not_a_text_log)
 
     @property
     def records(self) -> list[LoggedRecord]:
@@ -377,15 +380,20 @@ class LogFollower:
         """How many malformed lines were skipped."""
         return len(self.errors)
 
-    def poll(self, *, final: bool = False) -> list[LoggedRecord]:
+    def poll(self, *, final: bool = False, each_chunk: "Callable[[], None] | None" = None,
+             chunk_bytes: int | None = None) -> list[LoggedRecord]:
         """Read what was appended since the last poll; return the new records.
 
         Args:
             final: also parse an unterminated last line (the writer is done or the wait is over),
                 unless it cannot be read: then it is left out and kept for a later poll. At any
                 poll, :attr:`cut_line` says when the unterminated last line cannot be read.
+            each_chunk: called after each chunk is parsed (to take the entries that are final:
+                :meth:`settled`); the new records are then not returned (an empty list).
+            chunk_bytes: how much to read at once (default :data:`READ_CHUNK_BYTES`).
 
-        Never raises for a missing or unreadable file: see :attr:`missing` and :attr:`error`.
+        Never raises for a missing or unreadable file: see :attr:`missing` and :attr:`error`
+        (what ``each_chunk`` raises, or a :attr:`entries` list that refuses a line, stops the read).
         """
         try:
             with open(self.path, "rb") as handle:
@@ -398,15 +406,22 @@ class LogFollower:
                     self._pairing = AuditPairing()
                     self.duplicates = DuplicateLines()
                     self._prefixes = PrefixClaims()
+                    self._head = b""
                 if self._offset:  # a pipe (`check <(engine ...)`) cannot seek, and is read from its start once
                     handle.seek(self._offset)
                 new: list[LoggedRecord] = []
                 while True:  # in chunks: the text held at once is one chunk, whatever the file's size
-                    data = handle.read(READ_CHUNK_BYTES)
+                    data = handle.read(chunk_bytes or READ_CHUNK_BYTES)
                     if not data:
                         break
+                    if len(self._head) < TEXT_PROBE_BYTES:
+                        self._head += data[:TEXT_PROBE_BYTES - len(self._head)]
                     self._offset += len(data)
-                    new += self._parse(data, final=False)
+                    parsed = self._parse(data, final=False)
+                    if each_chunk is None:
+                        new += parsed
+                    else:
+                        each_chunk()
         except FileNotFoundError:
             self.missing = True
             self.error = None
@@ -417,7 +432,27 @@ class LogFollower:
             return []
         self.missing = False
         self.error = None
-        return new + self._parse(b"", final=final)
+        new += self._parse(b"", final=final)
+        if each_chunk is not None:
+            each_chunk()
+            return []
+        return new
+
+    @property
+    def not_text(self) -> str | None:
+        """Why the file is not a text log (:func:`not_a_text_log` on its first
+        :data:`TEXT_PROBE_BYTES` bytes read so far: a NUL byte, mostly bytes that are not UTF-8),
+        else ``None`` (an empty file, or one of blanks so far, is not refused here: it may grow)."""
+        why = not_a_text_log(self._head) if self._head else None
+        return None if why == "empty" else why
+
+    def settled(self, waiting: bool = True) -> int:
+        """How many of :attr:`entries` are final: no line still to be read can change them (their
+        records have every line that pairs with them, or can get none any more); without
+        ``waiting``, how many no line is expected to change (the latest record of each tag and rank
+        excepted: a record still waiting for a line written far from it is counted too, see
+        :meth:`~otel_swa.record.AuditPairing.oldest_held`)."""
+        return self._pairing.oldest_held(self.entries, waiting)
 
     def _parse(self, data: bytes, final: bool) -> list[LoggedRecord]:
         """Parse the complete lines of what is pending plus ``data`` (and, when ``final``, the

@@ -28,6 +28,7 @@ __all__ = [
     "positive_seconds",
     "add_source_argument",
     "load_entries",
+    "check_log_start",
     "source_name",
     "unusable_text",
     "load_records",
@@ -92,7 +93,13 @@ def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordEr
     return logged_entries(text, errors=errors), errors
 
 
-def _load_file(path: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]]:
+def check_log_start(path: str) -> None:
+    """Refuse the regular file at ``path`` when it is missing or unreadable, empty (blanks only),
+    or not a text log, from its first bytes.
+
+    Raises:
+        InputError: the message says which.
+    """
     try:
         with open(path, "rb") as stream:
             head = stream.read(TEXT_PROBE_BYTES)
@@ -104,6 +111,10 @@ def _load_file(path: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]
     problem = None if longer and not head.strip() else unusable_text(path, head)  # blanks first, text later
     if problem is not None:
         raise problem
+
+
+def _load_file(path: str) -> tuple[list[LoggedEntry], list[MalformedRecordError]]:
+    check_log_start(path)
     follower = LogFollower(path)
     follower.poll(final=True)
     if follower.missing or follower.error is not None:

@@ -29,6 +29,7 @@ marker or a liveness warning ("instrumented, 0 samples in N steps") fails.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from otel_swa.commands._loginput import (
@@ -52,6 +53,7 @@ from otel_swa.testing.assertions import (
 )
 from otel_swa.testing.judge import LINE_MODES, RANK_MODES, RUN_MODES
 from otel_swa.testing.sources import text_source
+from otel_swa.testing.streaming import judge_log_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,13 +130,17 @@ def run(args: argparse.Namespace) -> int:
             return error(str(problem))
         observation = wait_for_observation(text_source(data, "standard input"), **rules)
     else:
-        def waiting(first: object) -> None:  # the first read did not end the wait: say what it waits for
-            print(f"otel-swa check: waiting up to {args.wait:g} s for {source_name(args.source)} (Ctrl-C judges what "
-                  "was read by then)", file=sys.stderr, flush=True)
+        observation = None
+        if args.wait == 0 and not args.new and args.until == "pass" and os.path.isfile(args.source):
+            observation = judge_log_file(args.source, **rules)  # read once, records let go as read
+        if observation is None:
+            def waiting(first: object) -> None:  # the first read did not end the wait: say what it waits for
+                print(f"otel-swa check: waiting up to {args.wait:g} s for {source_name(args.source)} (Ctrl-C judges "
+                      "what was read by then)", file=sys.stderr, flush=True)
 
-        observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, new_only=args.new,
-                                           until=args.until, quiet_s=args.quiet_s, judge_on_interrupt=True,
-                                           on_waiting=waiting if args.wait > 0 and not args.quiet else None, **rules)
+            observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, new_only=args.new,
+                                               until=args.until, quiet_s=args.quiet_s, judge_on_interrupt=True,
+                                               on_waiting=waiting if args.wait > 0 and not args.quiet else None, **rules)
         if observation.problem is not None:
             return error(observation.problem)
         if observation.records == 0:  # at the end of the wait: empty, or no log at all?

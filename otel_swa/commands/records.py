@@ -25,11 +25,16 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
+import shutil
 import sys
+import tempfile
+from typing import IO, Callable
 
 from otel_swa.commands._loginput import (
     InputError,
     add_source_argument,
+    check_log_start,
     error,
     load_entries,
     malformed_summary,
@@ -38,7 +43,8 @@ from otel_swa.commands._loginput import (
 )
 from otel_swa.commands._output import discard_stdout
 from otel_swa.logsource import ROW_FIELDS, LoggedRecord
-from otel_swa.testing.runs import split_runs
+from otel_swa.logstream import ReleasedEntryError, stream_log
+from otel_swa.testing.runs import RunSplitter, split_runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,28 +55,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="list every malformed line with its number and reason (default: the first)")
 
 
-def run(args: argparse.Namespace) -> int:
-    try:
-        entries, errors = load_entries(args.source)
-    except InputError as exc:
-        return error(str(exc))
-    records = [entry for entry in entries if isinstance(entry, LoggedRecord)]
-    if not records and errors:  # records there were, and none could be read
-        for line in malformed_summary(errors, args.verbose):
-            print(line, file=sys.stderr)
-        return error(f"no valid record in {source_name(args.source)}: its {len(errors)} record line(s) are all malformed")
-    runs = [item.run for item in split_runs(entries)]
+def _row_writer(out: IO[str], fmt: str) -> Callable[[LoggedRecord, int], None]:
+    """A function writing one record's row (with its run) to ``out`` in format ``fmt`` (the CSV
+    header written first)."""
+    if fmt == "csv":
+        writer = csv.DictWriter(out, fieldnames=ROW_FIELDS, lineterminator="\n")
+        writer.writeheader()
+        return lambda item, run: writer.writerow(
+            {k: ("" if v is None else json.dumps(v, separators=(",", ":")) if isinstance(v, list) else v)
+             for k, v in item.to_row(run).items()})
+    return lambda item, run: out.write(json.dumps(item.to_row(run), separators=(",", ":")) + "\n")
+
+
+def _no_valid_record(args: argparse.Namespace, errors: list) -> int:
+    for line in malformed_summary(errors, args.verbose):
+        print(line, file=sys.stderr)
+    return error(f"no valid record in {source_name(args.source)}: its {len(errors)} record line(s) are all malformed")
+
+
+def _print_rows(args: argparse.Namespace, write_rows: Callable[[IO[str]], None], errors: list) -> int:
     try:
         out = sys.stdout
-        if args.format == "csv":
-            writer = csv.DictWriter(out, fieldnames=ROW_FIELDS, lineterminator="\n")
-            writer.writeheader()
-            for item, run in zip(records, runs):
-                writer.writerow({k: ("" if v is None else json.dumps(v, separators=(",", ":")) if isinstance(v, list) else v)
-                                 for k, v in item.to_row(run).items()})
-        else:
-            for item, run in zip(records, runs):
-                out.write(json.dumps(item.to_row(run), separators=(",", ":")) + "\n")
+        write_rows(out)
         out.flush()
     except BrokenPipeError:
         return stdout_closed()
@@ -81,3 +87,73 @@ def run(args: argparse.Namespace) -> int:
     for line in malformed_summary(errors, args.verbose):
         print(line, file=sys.stderr)
     return 0
+
+
+class _NeedsWholeLog(Exception):
+    """The runs of this log need the whole log to be split (:attr:`RunSplitter.unsure`)."""
+
+
+def _streamed(args: argparse.Namespace) -> int | None:
+    """Print the rows of a complete regular file read once, each row formatted as its record is
+    read and kept in a temporary file (not in memory) until the log's runs are known to be split as
+    :func:`~otel_swa.testing.runs.split_runs` splits the whole log; ``None`` when they need the
+    whole log (lines of several processes at once, a record that fits no rank, a line written far
+    from its record) or the file could not be read to its end: then it is read whole."""
+    path = args.source
+    splitter = RunSplitter(whole=None)
+    with tempfile.TemporaryFile("w+", encoding="utf-8", newline="") as rows:
+        write = _row_writer(rows, args.format)
+        count = read = 0
+
+        def consume(entry: object) -> None:
+            nonlocal count, read
+            item = splitter.add(entry)
+            if isinstance(entry, LoggedRecord):
+                count += 1
+                if item is None:
+                    raise _NeedsWholeLog  # left out: the whole log's rows say how
+                write(entry, item.run)
+            read += 1
+            if read % 4096 == 0 and splitter.unsure:
+                raise _NeedsWholeLog
+
+        try:
+            follower = stream_log(path, consume)
+        except (_NeedsWholeLog, ReleasedEntryError):
+            return None
+        splitter.finish()
+        if follower.missing or follower.error is not None or follower.not_text is not None or splitter.unsure:
+            return None
+        if follower.cut_line is not None:
+            print(f"otel-swa: {source_name(path)}: {follower.cut_line.describe()}", file=sys.stderr)
+        errors = list(follower.errors)
+        if not count and errors:  # records there were, and none could be read
+            return _no_valid_record(args, errors)
+        rows.seek(0)
+        return _print_rows(args, lambda out: shutil.copyfileobj(rows, out), errors)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.source != "-" and os.path.isfile(args.source):  # a regular file: read once, rows kept on disk
+        try:
+            check_log_start(args.source)
+        except InputError as exc:
+            return error(str(exc))
+        done = _streamed(args)
+        if done is not None:
+            return done
+    try:
+        entries, errors = load_entries(args.source)
+    except InputError as exc:
+        return error(str(exc))
+    records = [entry for entry in entries if isinstance(entry, LoggedRecord)]
+    if not records and errors:  # records there were, and none could be read
+        return _no_valid_record(args, errors)
+    runs = [item.run for item in split_runs(entries)]
+
+    def write_rows(out: IO[str]) -> None:
+        write = _row_writer(out, args.format)
+        for item, run in zip(records, runs):
+            write(item, run)
+
+    return _print_rows(args, write_rows, errors)

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 from otel_swa.record.decoding import MalformedRecordError
 from otel_swa.record.kinds import LINE_KINDS, LineKind, kind_of
 from otel_swa.record.matches import LineMatch
-from otel_swa.record.sglang_line import SwaDivergenceRecord
+from otel_swa.record.sglang_line import SwaDivergenceRecord, _set_in_place
 
 __all__ = ["AuditPairing"]
 
@@ -48,6 +48,22 @@ class _Unpaired:
             order.popleft()
         if len(order) > 2 * self.LIMIT:
             self._order = collections.deque(pair for pair in order if not pair[1][3])
+
+    def oldest(self, entries: list, waiting: bool = True) -> int | None:
+        """The smallest index of ``entries`` this still holds a record at (the latest of its tag
+        and rank, or, with ``waiting``, any still waiting), or ``None``."""
+        low = None
+        for slot in self.latest.values():
+            if slot[0] is entries and (low is None or slot[1] < low):
+                low = slot[1]
+        if not waiting:
+            return low
+        for _, item in self._order:  # in the order added: the first still waiting is the oldest
+            if not item[3]:
+                if item[0] is entries and (low is None or item[1] < low):
+                    low = item[1]
+                break
+        return low
 
     def _forget(self, key: tuple, item: list) -> None:
         item[3] = True
@@ -126,6 +142,22 @@ class AuditPairing:
                 else:
                     unpaired.add(entries, record, entry.rank)
 
+    def oldest_held(self, entries: list, waiting: bool = True) -> int:
+        """The smallest index of ``entries`` whose entry a later line may still change: the latest
+        record of each tag and rank and, with ``waiting``, every record still without a line of a
+        ``once`` kind (up to 65,536 of them: such a line may come late, from another process);
+        ``len(entries)`` when there is none. With ``waiting``, the entries before it are final;
+        without, a later line may still reach one of them, rarely (a line far from its record)."""
+        low = len(entries)
+        for slot in self._recent.values():
+            if slot[0] is entries and slot[1] < low:
+                low = slot[1]
+        for unpaired in self._unpaired.values():
+            index = unpaired.oldest(entries, waiting)
+            if index is not None and index < low:
+                low = index
+        return low
+
     @staticmethod
     def joins(record_entry: Any, lines: list, line: LineMatch) -> bool:
         """Whether :meth:`attach` would attach ``line`` to the record of ``record_entry`` were that
@@ -139,16 +171,20 @@ class AuditPairing:
                 and all(type(other) is not type(line) for other in lines))
 
     @staticmethod
-    def with_lines(record: SwaDivergenceRecord, lines: list) -> SwaDivergenceRecord:
+    def with_lines(record: SwaDivergenceRecord, lines: list, fresh: bool = False) -> SwaDivergenceRecord:
         """``record`` with what each of ``lines`` sets on it (:meth:`joins`), in order: the record
-        :meth:`attach` would leave, in one copy."""
+        :meth:`attach` would leave, in one copy; ``fresh``: ``record`` was just decoded and nobody
+        else holds it, so it is changed itself (no copy) and returned."""
         if not lines:
             return record
         changes: dict = {}
         seen = _WithChanges(record, changes)
         for line in lines:
             changes.update(kind_of(line).changes(seen, line.value))
-        return record._logged_replace(**changes)
+        if fresh:
+            _set_in_place(record, changes)
+            return record
+        return record._replaced(changes)
 
     def attach(self, line: LineMatch) -> MalformedRecordError | None:
         """Attach a line that belongs to a record (an audit or fault line...) to its record; return
@@ -167,7 +203,7 @@ class AuditPairing:
         if reason is not None:
             return MalformedRecordError(line.text, reason, line.line_no, kind.prefix)
         entry = entries[index]
-        record = record._logged_replace(**kind.changes(record, line.value))
+        record = record._replaced(kind.changes(record, line.value))
         if isinstance(entry, LineMatch):
             entries[index] = entry._replace(value=record)
         else:

@@ -8,9 +8,7 @@ The rules by which it is read (SGLang's parser's) are in :mod:`otel_swa.record`'
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import itertools
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -146,14 +144,17 @@ class SwaDivergenceRecord:
         filled[_INDEX["divergence_applicable"]] = divergence_applicable
         filled[_INDEX["verify_source"]] = verify_source
         record = _unchecked(cls, filled)
-        return record if audit is None else record._logged_replace(**audit_changes(record, audit))
+        return record if audit is None else record._replaced(audit_changes(record, audit))
 
-    def _logged_replace(self, **changes: Any) -> "SwaDivergenceRecord":
-        """A copy with ``changes``, not checked again (a record read from a log may hold negative
-        totals, which the constructor refuses): what a line read after the record sets on it."""
-        filled = dict(zip(_NAMES, _VALUES(self)))
-        filled.update(changes)  # the fields keep their order
-        return _unchecked(type(self), filled.values())
+    def _replaced(self, changes: "dict[str, Any]") -> "SwaDivergenceRecord":
+        """A copy with ``changes`` (field name -> value), not checked again (a record read from a
+        log may hold negative totals, which the constructor refuses): what a line read after the
+        record sets on it."""
+        values = list(_VALUES(self))
+        index = _INDEX
+        for name, value in changes.items():
+            values[index[name]] = value
+        return _unchecked(type(self), values)
 
     def offender(self, fault: str) -> "Offender | None":
         """The first offender of ``fault`` (one of :data:`FAULT_FIELDS`) in this sample, or ``None``."""
@@ -306,7 +307,7 @@ class SwaDivergenceRecord:
 
 
 #: The record's field names in order, their defaults, where each stands, and all its values at once
-#: (one C call): what :meth:`SwaDivergenceRecord._logged_replace` copies, without
+#: (one C call): what :meth:`SwaDivergenceRecord._replaced` copies, without
 #: :func:`dataclasses.fields` on every line read.
 _NAMES = tuple(item.name for item in dataclasses.fields(SwaDivergenceRecord))
 _DEFAULTS = tuple(item.default for item in dataclasses.fields(SwaDivergenceRecord))
@@ -316,11 +317,36 @@ _VALUES = operator.attrgetter(*_NAMES)
 _PROVENANCE_VALUES = operator.attrgetter(*PROVENANCE_FIELDS, "forward_ct")
 
 
-def _unchecked(cls: type, values: list) -> SwaDivergenceRecord:
-    """A record of ``cls`` holding ``values`` (one per field of :data:`_NAMES`), not checked."""
-    record = object.__new__(cls)
-    collections.deque(map(object.__setattr__, itertools.repeat(record, len(_NAMES)), _NAMES, values), 0)
-    return record
+#: Each field's slot setter (its member descriptor's ``__set__``: what ``object.__setattr__`` does
+#: for it, without the name lookup), by field name.
+_SETTERS = {name: getattr(SwaDivergenceRecord, name).__set__ for name in _NAMES}
+
+
+def _builder() -> Any:
+    """``build(cls, values)``: a new record of ``cls`` holding ``values`` (a list, one per field of
+    :data:`_NAMES`), one slot store per field in straight-line code (what ``dataclasses`` makes of
+    an ``__init__``, without its checks)."""
+    namespace: dict = {"_new": object.__new__}
+    body = ["def build(cls, values):", "    record = _new(cls)"]
+    for index, name in enumerate(_NAMES):
+        namespace[f"_set{index}"] = _SETTERS[name]
+        body.append(f"    _set{index}(record, values[{index}])")
+    body.append("    return record")
+    exec("\n".join(body), namespace)  # noqa: S102 - our own field names, fixed at import
+    return namespace["build"]
+
+
+#: A record of ``cls`` holding ``values`` (a list, one per field of :data:`_NAMES`), not checked.
+_unchecked = _builder()
+
+
+def _set_in_place(record: SwaDivergenceRecord, changes: "dict[str, Any]") -> None:
+    """Set ``changes`` (field name -> value) on ``record`` itself, not checked: only for a record
+    just decoded that nobody else holds yet (:meth:`~otel_swa.record.AuditPairing.with_lines` with
+    ``fresh``), where a copy would be thrown away at once."""
+    setters = _SETTERS
+    for name, value in changes.items():
+        setters[name](record, value)
 
 
 #: The reader of every line kind (:mod:`otel_swa.record.parser`, which imports this module): it

@@ -65,17 +65,11 @@ This module does not import pytest.
 from __future__ import annotations
 
 import dataclasses
-import operator
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
-from otel_swa.record import (
-    AUDIT_FIELDS,
-    AUDIT_PREFIX,
-    PROVENANCE_PREFIX,
-    MalformedRecordError,
-    SwaDivergenceRecord,
-)
+from otel_swa.record import AUDIT_PREFIX, PROVENANCE_PREFIX, MalformedRecordError
 from otel_swa.testing.runs import OTEL_SWA_LINES, SGLANG_LINES, RunRecord, RunRecords, split_runs
+from otel_swa.testing.tally import EVERY_RANK, GroupTally, MissingLines, StreamTally, Tally
 from otel_swa.testing.verdict import (
     ALL_RANKS,
     AUDIT_RULES,
@@ -108,13 +102,27 @@ __all__ = [
     "GroupVerdict",
     "SwaObservation",
     "judge",
+    "judge_tally",
+    "check_rules",
     "check_modes",
 ]
+
 
 def _check_threshold(name: str, value: object) -> int:
     if type(value) is not int or value < 0:  # noqa: E721 - bool refused
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return value
+
+
+def check_rules(min_divergence: int, min_out_of_window: int, runs: str, ranks: str, lines: str) -> None:
+    """Check the thresholds (each an int >= 0) and the modes of :func:`judge`.
+
+    Raises:
+        ValueError: one is not (the message names it).
+    """
+    _check_threshold("min_divergence", min_divergence)
+    _check_threshold("min_out_of_window", min_out_of_window)
+    check_modes(runs, ranks, lines)
 
 
 def check_modes(runs: str, ranks: str, lines: str) -> None:
@@ -129,7 +137,7 @@ def check_modes(runs: str, ranks: str, lines: str) -> None:
 
 
 def _evaluate(
-    items: Sequence[RunRecord],
+    tally: GroupTally,
     *,
     writer: str,
     run: int | None,
@@ -142,26 +150,23 @@ def _evaluate(
     require_clean_audit: bool,
     log_end: dict | None = None,
 ) -> GroupVerdict:
-    peak_div, peak_div_at, peak_oow, peak_oow_at = 0, None, 0, None
     # one engine writes a rank's run: a record that says divergence is not applicable (vLLM) says it
     # for the run, also for a record whose audit line was lost (a kill between its two lines)
-    applicable = all(item.record.divergence_applicable for item in items)
-    for item in items:
-        record = item.record
-        if applicable and (peak_div_at is None or record.swa_full_idx_divergence > peak_div):
-            peak_div, peak_div_at = record.swa_full_idx_divergence, record.forward_ct
-        if peak_oow_at is None or record.swa_out_of_window_tokens > peak_oow:
-            peak_oow, peak_oow_at = record.swa_out_of_window_tokens, record.forward_ct
-    last_item = items[-1] if items else None
+    applicable = tally.applicable
+    top = tally.divergence if applicable else None
+    peak_div, peak_div_at = (top.record.swa_full_idx_divergence, top.record.forward_ct) if top else (0, None)
+    top = tally.out_of_window
+    peak_oow, peak_oow_at = (top.record.swa_out_of_window_tokens, top.record.forward_ct) if top else (0, None)
+    last_item = tally.last
     last = last_item.record if last_item is not None else None
     where = "" if rank is None or rank == ALL_RANKS else f" from {rank}"
     failures: list[Failure] = []
     if applicable and (peak_div_at is None or peak_div < min_divergence):
         failures.append(Failure("divergence", f"peak swa_full_idx_divergence={peak_div}{where}, need >= {min_divergence}"
-                                if items else f"no record{where}"))
+                                if tally.records else f"no record{where}"))
     if peak_oow_at is None or peak_oow < min_out_of_window:
         failures.append(Failure("out-of-window", f"peak swa_out_of_window_tokens={peak_oow}{where}, need >= {min_out_of_window}"
-                                if items else f"no record{where}"))
+                                if tally.records else f"no record{where}"))
     if require_verify_lag:
         if last is None:
             failures.append(Failure("verify lag", "no last record (need verify_swa < verify_full)"))
@@ -172,49 +177,28 @@ def _evaluate(
                 "--no-verify-lag")))
         elif not last.verify_swa < last.verify_full:
             failures.append(Failure("verify lag", lag_text(last)))
-    audited_fields = operator.attrgetter(*(rule.field for rule in AUDIT_RULES), "forward_ct")  # a tuple, whatever the count
-    audited = [item for item in items if audited_fields(item.record).count(None) < len(AUDIT_RULES)]
-    peaks = _peaks(audited, AUDIT_RULES)
-    checked = [item for item in items if item.record.provenance_checked]
-    provenance_peaks = _peaks(checked, PROVENANCE_RULES)
+    peaks = tally.audit_peaks()
+    provenance_peaks = tally.provenance_peaks()
     if require_clean_audit:
-        for signal, judged, faults, what in (("audit", audited, peaks, "audited"),
-                                              ("provenance", checked, provenance_peaks, "provenance-checked")):
+        for signal, judged, faults, what in (("audit", tally.audited, peaks, "audited"),
+                                              ("provenance", tally.checked, provenance_peaks, "provenance-checked")):
             faults = [p for p in faults if p.peak > 0]
             if faults:
                 failures.append(Failure(signal, "; ".join(_audit_reason(p) for p in faults)
-                                        + f" (in {len(judged)} {what} record(s){where}; each must stay 0)"))
-        _add_missing_lines(failures, items, log_end, "audit", _has_audit_line)
-        _add_missing_lines(failures, items, log_end, "provenance", _has_provenance_line)
+                                        + f" (in {judged} {what} record(s){where}; each must stay 0)"))
+        end = (log_end or {}).get(part)
+        _add_missing_lines(failures, tally.audit_lines, end, "audit")
+        _add_missing_lines(failures, tally.provenance_lines, end, "provenance")
     return GroupVerdict(
-        writer=writer, run=run, rank=rank, part=part, records=len(items),
-        first_line_no=items[0].line_no if items else None,
+        writer=writer, run=run, rank=rank, part=part, records=tally.records,
+        first_line_no=tally.first.line_no if tally.first is not None else None,
         last_line_no=last_item.line_no if last_item is not None else None,
         peak_divergence=peak_div, peak_divergence_at=peak_div_at,
         peak_out_of_window=peak_oow, peak_out_of_window_at=peak_oow_at,
-        last=last, audited=len(audited), audit_peaks=tuple(peaks),
-        failures=tuple(failures), missing_from=missing_from, reported_peaks=tuple(_peaks(items, REPORTED_RULES)),
-        divergence_applicable=applicable, provenance_checked=len(checked), provenance_peaks=tuple(provenance_peaks),
+        last=last, audited=tally.audited, audit_peaks=tuple(peaks),
+        failures=tuple(failures), missing_from=missing_from, reported_peaks=tuple(tally.reported_peaks()),
+        divergence_applicable=applicable, provenance_checked=tally.checked, provenance_peaks=tuple(provenance_peaks),
     )
-
-
-def _peaks(items: Sequence[RunRecord], rules: Sequence[AuditRule]) -> list[AuditPeak]:
-    peaks: list[AuditPeak] = []
-    records = [item.record for item in items]
-    for rule in rules:
-        values, kept = list(map(operator.attrgetter(rule.field), records)), items
-        if None in values:  # some records without the field: judge those that have it
-            kept = [item for value, item in zip(values, items) if value is not None]
-            values = [value for value in values if value is not None]
-        if not values:
-            continue
-        peak = max(values)
-        peak_item = kept[values.index(peak)]  # the first of the largest
-        first = None if peak <= 0 else next(item for value, item in zip(values, kept) if value > 0)
-        peaks.append(AuditPeak(rule, peak, peak_item.record.forward_ct, peak_item.line_no,
-                               first.record.forward_ct if first else None, first.line_no if first else None,
-                               first.record.offender(rule.field) if first else None))
-    return peaks
 
 
 def _audit_reason(peak: AuditPeak) -> str:
@@ -228,10 +212,8 @@ def _audit_reason(peak: AuditPeak) -> str:
     return text
 
 
-def _runs_note(count: int, items: Sequence[RunRecord], judged: str, writer_word: str, silent: Sequence[Any] = ()) -> str:
-    starts = {}
-    for item in items:
-        starts.setdefault(item.run, item.line_no)
+def _runs_note(count: int, stream: StreamTally, judged: str, writer_word: str, silent: Sequence[Any] = ()) -> str:
+    starts = dict(stream.starts)
     for run in silent:
         if run.line_no is not None and (starts.get(run.run) is None or run.line_no < starts[run.run]):
             starts[run.run] = run.line_no
@@ -285,33 +267,63 @@ def judge(
     Raises:
         ValueError: a threshold is not an int >= 0, or a mode is not one of its choices.
     """
-    _check_threshold("min_divergence", min_divergence)
-    _check_threshold("min_out_of_window", min_out_of_window)
-    check_modes(runs, ranks, lines)
+    check_rules(min_divergence, min_out_of_window, runs, ranks, lines)
     extras = records if isinstance(records, RunRecords) else None
     items = list(records)
     if not all(isinstance(item, RunRecord) for item in items):
         extras = items = split_runs(items)
+    return judge_tally(Tally(runs, ranks).add_all(items), extras, min_divergence=min_divergence,
+                       min_out_of_window=min_out_of_window, require_verify_lag=require_verify_lag,
+                       require_clean_audit=require_clean_audit, runs=runs, ranks=ranks, lines=lines, source=source,
+                       errors=errors, malformed=malformed, waited_s=waited_s, problem=problem, empty=empty,
+                       last_line_no=last_line_no, duplicates=duplicates, first_duplicate_line_no=first_duplicate_line_no)
+
+
+def judge_tally(
+    tally: Tally,
+    extras: "RunRecords | None",
+    *,
+    min_divergence: int,
+    min_out_of_window: int,
+    require_verify_lag: bool,
+    require_clean_audit: bool,
+    runs: str,
+    ranks: str,
+    lines: str,
+    source: str = "records",
+    errors: Sequence[MalformedRecordError] = (),
+    malformed: int | None = None,
+    waited_s: float = 0.0,
+    problem: str | None = None,
+    empty: bool = False,
+    last_line_no: int | None = None,
+    duplicates: int = 0,
+    first_duplicate_line_no: int | None = None,
+) -> SwaObservation:
+    """:func:`judge` on the running figures of records read one at a time (``tally``: a
+    :class:`~otel_swa.testing.tally.Tally` made with the same ``runs`` and ``ranks``, every record
+    added in log order), with what else the log showed (``extras``: the run start markers, silent
+    runs, liveness warnings and rank notes of :class:`~otel_swa.testing.runs.RunRecords`, or
+    ``None``). The other arguments are :func:`judge`'s, already checked."""
     silent = extras.silent if extras is not None else ()
     run_warnings = extras.warnings if extras is not None else ()
     rules = dict(min_divergence=min_divergence, min_out_of_window=min_out_of_window,
                  require_verify_lag=bool(require_verify_lag), require_clean_audit=bool(require_clean_audit))
-    rules["log_end"] = _log_end(items, silent)
+    rules["log_end"] = _log_end(tally, silent)
 
-    streams: dict[tuple[str | None, str], list[RunRecord]] = {}
-    for item in items:
-        streams.setdefault((item.part, item.writer), []).append(item)
+    streams: dict[tuple[str | None, str], StreamTally] = dict(tally.streams)
     for run in silent:  # a writer whose lines are only run start markers or liveness warnings is here too
-        streams.setdefault((run.part, run.writer), [])
+        if (run.part, run.writer) not in streams:
+            streams[(run.part, run.writer)] = StreamTally(runs != "all", ranks != "all")
     parts = list(dict.fromkeys(part for part, _ in streams))
-    groups: list[GroupVerdict] = []
+    judged: list[tuple[GroupVerdict, GroupTally | None]] = []
     failures: list[Failure] = []
     notes: list[str] = _reading_notes(extras, duplicates, first_duplicate_line_no)
     for part in parts:
         present = [w for w in (OTEL_SWA_LINES, SGLANG_LINES) if (part, w) in streams]
         if lines == "auto":
             chosen = present[:1]
-            if len(present) == 2 and not streams[(part, OTEL_SWA_LINES)]:
+            if len(present) == 2 and not streams[(part, OTEL_SWA_LINES)].count:
                 chosen = present  # otel-swa on and silent: its runs fail beside SGLang's verdict
                 notes.append("lines: otel-swa's lines here are only run start markers or liveness warnings (its "
                              "reporter delivered no sample); judged both writers: otel-swa's runs fail, SGLang's own "
@@ -324,8 +336,8 @@ def judge(
                     notes.append(f"lines: SGLang's own lines hold a run that began after otel-swa's last record "
                                  f"(line {later}: a restart without otel-swa's reporter?); judged both writers' lines")
                 else:
-                    notes.append(f"lines: otel-swa's tagged lines ({len(ours)} records) and SGLang's own untagged "
-                                 f"lines ({len(theirs)}) are both here; judged otel-swa's (--lines sglang or --lines "
+                    notes.append(f"lines: otel-swa's tagged lines ({ours.count} records) and SGLang's own untagged "
+                                 f"lines ({theirs.count}) are both here; judged otel-swa's (--lines sglang or --lines "
                                  "both judges SGLang's)")
         elif lines == "both":
             chosen = present
@@ -333,17 +345,17 @@ def judge(
             chosen = [lines] if lines in present else []
             other = [w for w in present if w != lines]
             if other:
-                notes.append(f"lines: judged {lines} lines only; {len(streams[(part, other[0])])} record(s) of "
+                notes.append(f"lines: judged {lines} lines only; {streams[(part, other[0])].count} record(s) of "
                              f"{other[0]} lines left out")
         for writer in chosen:
-            stream = streams[(part, writer)]
             quiet = [run for run in silent if run.part == part and run.writer == writer]
             warned = [w for w in run_warnings if w.part == part and w.writer == writer]
-            groups.extend(_judge_stream(stream, writer, part, runs, ranks, notes, failures, rules, len(chosen) > 1,
-                                        quiet, warned, getattr(extras, "other_names", {})))
-    if not groups:
-        groups.append(_evaluate([], writer=lines if lines in (OTEL_SWA_LINES, SGLANG_LINES) else OTEL_SWA_LINES,
-                                run=None, rank=None, part=None, missing_from=(), **rules))
+            judged.extend(_judge_stream(streams[(part, writer)], writer, part, runs, ranks, notes, failures, rules,
+                                        len(chosen) > 1, quiet, warned, getattr(extras, "other_names", {})))
+    if not judged:
+        judged.append((_evaluate(GroupTally(), writer=lines if lines in (OTEL_SWA_LINES, SGLANG_LINES) else OTEL_SWA_LINES,
+                                 run=None, rank=None, part=None, missing_from=(), **rules), None))
+    groups = [group for group, _ in judged]
     if require_clean_audit:
         # an audit line otel-swa wrote but that cannot be read or attached to its record may carry
         # the very fault the audit exists to report: it never passes for a clean audit
@@ -356,23 +368,22 @@ def judge(
                 failures.append(Failure(signal, f"{len(unread)} {words} could not be read or attached to their "
                                                 f"record ({where}: {first.reason}); their faults cannot be ruled out"))
 
-    judged = [item for group in groups for item in _group_items(items, group)]
-    judged.sort(key=lambda item: (item.line_no is None, item.line_no or 0))
-    summary = _evaluate(judged, writer="", run=None, rank=None, part=None, missing_from=(), **rules) if judged else None
+    counted = [group_tally for _, group_tally in judged if group_tally is not None and group_tally.records]
     failed_names = {f.signal for f in failures} | {f.signal for g in groups for f in g.failures}
     last_item = None
-    for group in groups:
-        for item in _group_items(items, group):
-            if last_item is None or (item.line_no or 0) >= (last_item.line_no or 0):
-                last_item = item
+    for group_tally in counted:
+        item = group_tally.latest
+        if last_item is None or (item.line_no or 0) >= (last_item.line_no or 0):
+            last_item = item
+    (peak_div, peak_div_at), (peak_oow, peak_oow_at) = _summary_peaks(counted)
     return SwaObservation(
         source=source,
-        records=len(items) + len(getattr(extras, "left_out", ())),
+        records=tally.records + len(getattr(extras, "left_out", ())),
         malformed=len(errors) if malformed is None else malformed,
-        peak_divergence=summary.peak_divergence if summary else 0,
-        peak_divergence_at=summary.peak_divergence_at if summary else None,
-        peak_out_of_window=summary.peak_out_of_window if summary else 0,
-        peak_out_of_window_at=summary.peak_out_of_window_at if summary else None,
+        peak_divergence=peak_div,
+        peak_divergence_at=peak_div_at,
+        peak_out_of_window=peak_oow,
+        peak_out_of_window_at=peak_oow_at,
         last=last_item.record if last_item is not None else None,
         last_line_no=(last_item.line_no if last_item.line_no is not None else last_line_no) if last_item else None,
         min_divergence=min_divergence,
@@ -381,7 +392,7 @@ def judge(
         failed=tuple(name for name in SIGNALS if name in failed_names),
         waited_s=waited_s,
         problem=problem,
-        empty=bool(empty) and not items,
+        empty=bool(empty) and not tally.records,
         groups=tuple(groups),
         failures=tuple(failures),
         notes=tuple(notes),
@@ -393,23 +404,41 @@ def judge(
     )
 
 
-def _run_after(theirs: Sequence[RunRecord], ours: Sequence[RunRecord]) -> int | None:
+def _summary_peaks(counted: Sequence[GroupTally]) -> tuple[tuple[int, int | None], tuple[int, int | None]]:
+    """The peaks over every judged record, as ``(value, forward_ct)`` of divergence and of
+    out-of-window: of the first record in log order holding the largest value (groups in their
+    order where records have no line); divergence ``(0, None)`` when a record says it does not apply."""
+    out = []
+    for name, field in (("divergence", "swa_full_idx_divergence"), ("out_of_window", "swa_out_of_window_tokens")):
+        best, best_key = None, None
+        for index, group_tally in enumerate(counted):
+            item = getattr(group_tally, name)
+            key = (-getattr(item.record, field), item.line_no is None, item.line_no or 0, index)
+            if best_key is None or key < best_key:
+                best, best_key = item, key
+        if best is None or (name == "divergence" and not all(g.applicable for g in counted)):
+            out.append((0, None))
+        else:
+            out.append((getattr(best.record, field), best.record.forward_ct))
+    return out[0], out[1]
+
+
+def _run_after(theirs: StreamTally, ours: StreamTally) -> int | None:
     """The line where ``theirs``' last run begins, when that is after ``ours``' last record (both
     from one log with line numbers), else ``None``."""
-    last_ours = max((item.line_no for item in ours if item.line_no is not None), default=None)
-    last_run = theirs[-1].run if theirs else None
-    first = next((item.line_no for item in theirs if item.run == last_run and item.line_no is not None), None)
+    last_ours = ours.top_line
+    first = theirs.first_lines.get(theirs.last_run) if theirs.count else None
     if last_ours is None or first is None or first <= last_ours:
         return None
     return first
 
 
-def _log_end(items: Sequence[RunRecord], silent: Sequence[Any]) -> dict:
+def _log_end(tally: Tally, silent: Sequence[Any]) -> dict:
     """The last line seen in each place (part): of its records, run start markers and warnings."""
     end: dict = {}
-    for item in items:
-        if item.line_no is not None and item.line_no > end.get(item.part, 0):
-            end[item.part] = item.line_no
+    for (part, _), stream in tally.streams.items():
+        if stream.top_line is not None and stream.top_line > end.get(part, 0):
+            end[part] = stream.top_line
     for run in silent:
         for line_no in (run.line_no, run.warning_line_no):
             if line_no is not None and line_no > end.get(run.part, 0):
@@ -421,40 +450,23 @@ def _log_end(items: Sequence[RunRecord], silent: Sequence[Any]) -> dict:
 _LINE_WORDS = {"audit": "audit line", "provenance": "provenance line"}
 
 
-def _add_missing_lines(failures: list[Failure], items: Sequence[RunRecord], log_end: dict | None, signal: str,
-                       has_line: Callable[[SwaDivergenceRecord], bool]) -> None:
+def _add_missing_lines(failures: list[Failure], lines: MissingLines, end: int | None, signal: str) -> None:
     """Fail ``signal`` for otel-swa records without their line of it (the audit line, the
-    provenance line: ``has_line``) in a group whose other records carry one (lost: its faults cannot
-    be ruled out), but the log's very last line (a line still to be written). A group none of whose
-    records carries one (an engine or configuration without it) is not asked for one."""
-    logged = [item for item in items if item.line_no is not None and item.record.verify_source is not None]
-    carries = [has_line(item.record) for item in logged]
-    if not any(carries):
-        return
-    missing = [item for item, has in zip(logged, carries) if not has and item.line_no != (log_end or {}).get(item.part)]
-    if not missing:
+    provenance line: ``lines``) in a group whose other records carry one (lost: its faults cannot
+    be ruled out), but the log's very last line (``end``: a line still to be written). A group none
+    of whose records carries one (an engine or configuration without it) is not asked for one."""
+    count, first = lines.missing(end)
+    if not count:
         return
     words = _LINE_WORDS[signal]
-    reason = f"{words} missing for the record at line {missing[0].line_no}: its faults cannot be ruled out"
-    if len(missing) > 1:
-        reason += f" (and {len(missing) - 1} more record(s) without their {words})"
+    reason = f"{words} missing for the record at line {first}: its faults cannot be ruled out"
+    if count > 1:
+        reason += f" (and {count - 1} more record(s) without their {words})"
     for index, failure in enumerate(failures):
         if failure.signal == signal:
             failures[index] = Failure(signal, f"{failure.reason}; {reason}")
             return
     failures.append(Failure(signal, reason))
-
-
-def _has_audit_line(record: SwaDivergenceRecord) -> bool:
-    """Whether ``record`` came with an audit line (:meth:`SwaDivergenceRecord.audit_line` is not
-    ``None``), without formatting it."""
-    return (record.micro_batch is not None or not record.divergence_applicable
-            or any(getattr(record, name) is not None for name in AUDIT_FIELDS))
-
-
-def _has_provenance_line(record: SwaDivergenceRecord) -> bool:
-    """Whether ``record`` came with a provenance line (a provenance field is present)."""
-    return record.provenance_checked
 
 
 def _reading_notes(extras: Any, duplicates: int, first_duplicate_line_no: int | None) -> list[str]:
@@ -497,17 +509,8 @@ def _silent_group(run: Any, writer: str, rank: str | None, part: str | None, jud
     )
 
 
-def _group_items(items: Sequence[RunRecord], group: GroupVerdict) -> list[RunRecord]:
-    return [
-        item for item in items
-        if item.part == group.part and item.writer == group.writer
-        and (group.run is None or item.run == group.run)
-        and (group.rank == ALL_RANKS or item.rank == group.rank)
-    ]
-
-
 def _judge_stream(
-    stream: Sequence[RunRecord],
+    stream: StreamTally,
     writer: str,
     part: str | None,
     runs: str,
@@ -519,21 +522,17 @@ def _judge_stream(
     silent: Sequence[Any] = (),
     warnings: Sequence[Any] = (),
     other_names: dict | None = None,
-) -> list[GroupVerdict]:
+) -> list[tuple[GroupVerdict, GroupTally | None]]:
     writer_word = ("otel-swa's lines" if writer == OTEL_SWA_LINES else "SGLang's lines") if several_writers else "this log"
     if part is not None:
         writer_word = f"{writer_word} of {part}"
     other_names = other_names or {}
-    run_numbers = list(dict.fromkeys([item.run for item in stream] + [run.run for run in silent]))
+    run_numbers = list(stream.starts) + [run.run for run in silent]
     count = max(run_numbers)
     if count > 1:
         notes.append(_runs_note(count, stream, runs, writer_word, silent))
-    rank_list = list(dict.fromkeys([item.rank for item in stream] + [run.rank for run in silent]))
-    runs_of_rank: dict[str | None, list[int]] = {}
-    for item in stream:
-        seen = runs_of_rank.setdefault(item.rank, [])
-        if not seen or seen[-1] != item.run:
-            seen.append(item.run)
+    rank_list = list(dict.fromkeys(list(stream.ranks) + [run.rank for run in silent]))
+    runs_of_rank = stream.runs_of_rank
     named = [rank for rank in rank_list if rank is not None]
     if len(rank_list) > 1 and ranks == "each":
         shown = ", ".join(rank if rank is not None else "no rank" for rank in rank_list)
@@ -543,13 +542,13 @@ def _judge_stream(
         notes.append(f"ranks: judged {len(rank_list)} ranks together (--ranks all)")
     # interleaved runs: a rank whose forward_ct went back and came forward again more than once
     for rank in rank_list:
-        marks = [item for item in stream if item.rank == rank and item.back_and_forth]
-        if len(marks) >= 2:
+        marks, first, second = stream.marks.get(rank, (0, None, None))
+        if marks >= 2:
             who = rank if rank is not None else "the lines"
-            lines_of = f" (lines {marks[0].line_no}, {marks[1].line_no}, ...)" if marks[0].line_no is not None else ""
+            lines_of = f" (lines {first}, {second}, ...)" if first is not None else ""
             failures.append(Failure("runs", (
                 f"forward_ct of {who}{' of ' + part if part else ''} went back and came forward again "
-                f"{len(marks)} times{lines_of}: several runs wrote this log at the same time, or every line was "
+                f"{marks} times{lines_of}: several runs wrote this log at the same time, or every line was "
                 "logged twice; their records cannot be told apart (give each run its own log)")))
     if runs == "all":
         selected: list[int | None] = [None]
@@ -559,7 +558,6 @@ def _judge_stream(
         selected = list(range(1, count + 1))
     groups = []
     for run in selected:
-        in_run = [item for item in stream if run is None or item.run == run]
         quiet = [q for q in silent if run is None or q.run == run]
         said = [w for w in warnings if run is None or w.run == run]
         for q in quiet:
@@ -568,27 +566,28 @@ def _judge_stream(
                          else f"liveness: {q.rank + ': ' if q.rank else ''}{what}")
         if ranks == "all":
             label = ALL_RANKS if named else None
-            if in_run or not quiet:
-                groups.append(_with_warnings(_evaluate(in_run, writer=writer, run=run, rank=label, part=part,
-                                                       missing_from=(), **rules), said))
+            in_run = stream.group(run, EVERY_RANK)
+            if in_run.records or not quiet:
+                groups.append((_with_warnings(_evaluate(in_run, writer=writer, run=run, rank=label, part=part,
+                                                        missing_from=(), **rules), said), in_run))
             else:  # no rank of the run wrote a record
-                groups.append(_silent_group(quiet[0], writer, label, part, run))
+                groups.append((_silent_group(quiet[0], writer, label, part, run), None))
             continue
         for rank in rank_list:
-            of_rank = [item for item in in_run if item.rank == rank]
+            of_rank = stream.group(run, rank)
             others = other_names.get((part, writer, run, rank), ())
-            if not of_rank:
+            if not of_rank.records:
                 q = next((q for q in quiet if q.rank == rank), None)
                 if q is not None:
-                    groups.append(_silent_group(q, writer, rank, part, run))
+                    groups.append((_silent_group(q, writer, rank, part, run), None))
                     continue
                 if rank not in runs_of_rank:
                     continue  # silent in another run only
-            missing = tuple(runs_of_rank[rank]) if not of_rank else ()
+            missing = tuple(runs_of_rank[rank]) if not of_rank.records else ()
             group = _evaluate(of_rank, writer=writer, run=run, rank=rank, part=part, missing_from=missing, **rules)
             if others:
                 group = dataclasses.replace(group, other_names=others)
-            groups.append(_with_warnings(group, [w for w in said if w.rank == rank]))
+            groups.append((_with_warnings(group, [w for w in said if w.rank == rank]), of_rank))
     return groups
 
 

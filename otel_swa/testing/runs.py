@@ -62,9 +62,18 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from otel_swa.record import LivenessMatch, SwaDivergenceRecord
+from otel_swa.testing.sequences import (
+    LEFT_OUT,
+    NameVotes,
+    RankState,
+    WriterState,
+    attribute,
+    totals_dropped,
+)
 
 __all__ = [
     "OTEL_SWA_LINES", "SGLANG_LINES", "WRITERS", "RunRecord", "RunRecords", "SilentRun", "writer_of", "split_runs",
+    "RunSplitter",
 ]
 
 #: Writer of the lines otel-swa tagged (``otel_swa[verify=...]``).
@@ -138,56 +147,6 @@ class RunWarning:
     warning: str
 
 
-class _RankState:
-    __slots__ = ("last", "last_ct", "before_last_ct", "marker", "started_at_marker", "run", "run_records",
-                 "marker_line", "warning", "warning_line", "records_seen", "marker_sure", "guessed")
-
-    def __init__(self) -> None:
-        self.run = 0  # the run of the log the rank's current run belongs to
-        self.last: SwaDivergenceRecord | None = None
-        self.last_ct: int | None = None
-        self.before_last_ct: int | None = None
-        self.marker = False  # a run start marker came after this rank's last record
-        self.started_at_marker = False  # the rank's last record began a run at a marker
-        self.run_records = 0  # records of the rank's current run
-        self.marker_line: int | None = None
-        self.warning: str | None = None  # a liveness warning since the marker, no record yet
-        self.warning_line: int | None = None
-        self.records_seen = 0  # records of any rank of the writer when the marker came
-        self.marker_sure = True  # the marker's log prefix was sure (never a guess)
-        self.guessed = False  # its current run began at a line whose log prefix was a guess
-
-
-class _WriterState:
-    __slots__ = ("run", "ranks", "named", "records")
-
-    def __init__(self) -> None:
-        self.run = 0
-        self.ranks: dict[str | None, _RankState] = {}
-        self.named: tuple = ()  # the ranks the writer's lines name, in order of first appearance
-        self.records = 0
-
-    def rehome(self, rank: Any) -> None:
-        """A sure line of ``rank`` begins its run: when the rank's current run began by a guess
-        (another process's line taken for it), that run goes to a rank that has not begun yet."""
-        rs = self.ranks.get(rank)
-        if rs is None or not rs.guessed or not self.began(rank):
-            return
-        others = [r for r in self.named if r != rank and not self.began(r)]
-        others += [r for r in self.named if r != rank and self.began(r) and not self.ranks[r].run_records]
-        other = others[0] if others else None  # a rank that has not begun, or whose run has only its marker
-        if other is not None:
-            self.ranks[other], self.ranks[rank] = rs, _RankState()
-        elif rs.run_records == 0:  # only a marker taken for this rank's: this line's supersedes it
-            fresh = self.ranks[rank] = _RankState()
-            fresh.run, fresh.last, fresh.last_ct, fresh.before_last_ct = rs.run - 1, rs.last, rs.last_ct, rs.before_last_ct
-
-    def began(self, rank: Any) -> bool:
-        """Whether ``rank`` has begun its run in the latest run of the log (a record or a marker)."""
-        rs = self.ranks.get(rank)
-        return rs is not None and rs.run == self.run and self.run > 0 and (rs.run_records > 0 or rs.marker)
-
-
 class RunRecords(list):
     """The :class:`RunRecord` items of :func:`split_runs` (a ``list``), and what else the log showed.
 
@@ -248,41 +207,6 @@ class RunRecords(list):
         )
 
 
-def _totals_dropped(last: SwaDivergenceRecord, record: SwaDivergenceRecord) -> bool:
-    """A cumulative total below the previous record's (a restart); a negative one is a wrap."""
-    return (0 <= record.verify_full < last.verify_full) or (0 <= record.verify_swa < last.verify_swa)
-
-
-#: The most sampling intervals one rank's consecutive records may be apart (samples refused between them).
-_MAX_STEPS = 4
-
-
-def _distance(last: SwaDivergenceRecord | None, record: SwaDivergenceRecord,
-              step: int | None = None, relaxed: bool = False) -> float | None:
-    """How far ``record`` is from continuing a rank whose last record is ``last`` (smaller: closer),
-    or ``None`` when it cannot (``forward_ct`` not above, a total below): the relative distance of
-    its totals from where the rank's own pace (totals per forward step so far) puts them at its
-    ``forward_ct``, plus how far its rise in ``forward_ct`` is from the rank's last one (``step``;
-    the sampling interval, unless samples were lost)."""
-    if last is None or record.forward_ct <= last.forward_ct or (not relaxed and _totals_dropped(last, record)):
-        return None
-    steps = record.forward_ct - last.forward_ct
-    usual = step if step else last.forward_ct
-    if steps > _MAX_STEPS * usual:
-        return None  # a rank skips a few samples (refused ones), not many
-    off = abs(steps - usual) / usual
-    for now, before in ((record.verify_full, last.verify_full), (record.verify_swa, last.verify_swa)):
-        expected = before + max(0, before) * steps / last.forward_ct
-        off += abs(now - expected) / max(expected, 1)
-    return round(off, 9)
-
-
-def _continues(rs: "_RankState", record: SwaDivergenceRecord, relaxed: bool = False) -> float | None:
-    """:func:`_distance` of ``record`` from the rank sequence ``rs``, at its usual step."""
-    step = rs.last_ct - rs.before_last_ct if rs.before_last_ct is not None and rs.run_records > 1 else None
-    return _distance(rs.last, record, step, relaxed)
-
-
 def _entry_kind(entry: Any) -> str:
     if isinstance(entry, SwaDivergenceRecord):
         return "record"
@@ -298,134 +222,6 @@ def _entry_kind(entry: Any) -> str:
     if not isinstance(record, SwaDivergenceRecord):
         raise TypeError(f"expected a SwaDivergenceRecord in {type(entry).__name__}, got {type(record).__name__}")
     return "record"
-
-
-_LEFT_OUT = object()
-
-
-def _attribute(state: _WriterState, hint: str | None, sure: bool, record: SwaDivergenceRecord,
-               whole: bool = False) -> Any:
-    """The rank sequence ``record`` belongs to (the module docstring's rule), by the name it has
-    while the log is read (the final names come from the prefixes: :func:`_name_sequences`), or
-    ``_LEFT_OUT``; a 1-tuple ``(rank,)`` for a record that goes there without starting a run.
-
-    The sequence it continues most closely (its prefix's rank when as close); else a new run of its
-    prefix's rank when that prefix is sure; else, when it looks like a run's first sample (its
-    forward_ct within two sampling intervals), a new run of a rank that has not begun (its prefix's
-    first), else of its prefix's rank; else the sequence whose pace it fits best with its
-    forward_ct above (an earlier guess gave that sequence a record of another); else it is left
-    out. In a log whose lines are all whole (``whole``: every record after one prefix, its own),
-    a record stays with its prefix's rank whenever that rank's sequence can take it (``forward_ct``
-    above, totals not below): the ranks of a data-parallel engine carry different loads, so another
-    rank's pace may fit a record better than its own rank's, and only a contradiction outweighs the
-    prefix its own line gave it."""
-    if whole and sure and hint is not None:
-        own = state.ranks.get(hint)
-        if own is not None and not own.marker and _continues(own, record) is not None:
-            return hint
-    best = _closest(state, hint, record)
-    if best is not None:
-        return best
-    if sure and hint is not None:
-        if record.forward_ct <= 2 * _interval(state, record):
-            state.rehome(hint)
-        return hint
-    if record.forward_ct <= 2 * _interval(state, record):
-        waiting = _waiting_ranks(state)
-        if waiting:
-            return hint if hint in waiting else waiting[0]
-        return hint if hint is not None else _LEFT_OUT
-    best = _closest(state, hint, record, relaxed=True)
-    return (best,) if best is not None else _LEFT_OUT
-
-
-def _interval(state: _WriterState, record: SwaDivergenceRecord) -> int:
-    """The writer's sampling interval as its ranks' sequences show it (the smallest rise in
-    ``forward_ct``, or first ``forward_ct``); ``record``'s ``forward_ct`` when none shows one."""
-    steps = [rs.last_ct - rs.before_last_ct if rs.before_last_ct is not None and rs.run_records > 1 else rs.last_ct
-             for rs in state.ranks.values() if rs.last is not None]
-    steps = [step for step in steps if step > 0]
-    return min(steps) if steps else record.forward_ct
-
-
-def _closest(state: _WriterState, hint: str | None, record: SwaDivergenceRecord, exclude: Any = _LEFT_OUT,
-             relaxed: bool = False) -> Any:
-    """The rank whose sequence ``record`` continues most closely (``hint`` when as close), or
-    ``None``; ``relaxed``: its totals may be below the rank's last ones."""
-    best = None
-    for rank in state.named:
-        rs = state.ranks.get(rank)
-        if rank == exclude or rs is None or (rs.marker and rank != hint):
-            continue
-        distance = _continues(rs, record, relaxed)
-        if distance is None:
-            continue
-        key = (distance, rank != hint)
-        if best is None or key < best[0]:
-            best = (key, rank)
-    return None if best is None else best[1]
-
-
-def _waiting_ranks(state: _WriterState) -> list:
-    """The ranks whose next line may begin their run: those with a run start marker and no record
-    since, then those that have not written in the run of the log yet."""
-    started = [rank for rank in state.named if rank in state.ranks and state.ranks[rank].marker]
-    return started + [rank for rank in state.named if not state.began(rank) and rank not in started]
-
-
-#: A name whose prefixes' share is at least this fraction of the chosen name's is shown beside it.
-_CLOSE_VOTES = 0.8
-
-
-def _name_sequences(out: list, chains: list, hints: list, sures: list, uncertain: dict) -> int:
-    """Name each rank sequence of ``out`` (one writer's records; ``chains[i]``: the sequence of
-    ``out[i]``) run by run after the log prefixes of its records (a permutation of the names
-    within a run): a record whose prefix is sure votes for its rank, one read while several
-    prefixes waited (``sures[i]``: their ranks) gives each a share, so that the rank present every
-    time wins; return how many records now carry another name than their prefix (``hints``)."""
-    votes: dict[int, dict] = {}  # run -> (sequence, name) -> votes
-    current: dict[tuple, Any] = {}
-    for item, chain, hint, candidates in zip(out, chains, hints, sures):
-        key = (item.run, id(chain))
-        current[key] = item.rank
-        counts = votes.setdefault(item.run, {})
-        # the record's own prefix is one of those waiting when it was read: each gets a share, and
-        # the one it was read with (the nearest before it, or the one it claimed) a little more, to break ties
-        for name in ((hint,) if candidates is None else candidates):
-            if name is not None:
-                share = 1 / (1 if candidates is None else len(candidates)) + (0.001 if name == hint else 0)
-                counts[(key, name)] = counts.get((key, name), 0) + share
-    names: dict[tuple, Any] = {}
-    for run in {key[0] for key in current}:
-        keys = [key for key in current if key[0] == run]
-        used: set = set()
-        for (key, name), _ in sorted(votes.get(run, {}).items(), key=lambda kv: -kv[1]):
-            if key not in names and name not in used:
-                names[key] = name
-                used.add(name)
-        for key in keys:  # a sequence no prefix named keeps its name when that is free
-            if key not in names and current[key] not in used:
-                names[key] = current[key]
-                used.add(current[key])
-        free = sorted({n for n in current.values() if n is not None} - used)
-        for key in keys:
-            if key not in names:
-                names[key] = free.pop(0) if free else current[key]
-    moved = 0
-    for index, (item, chain) in enumerate(zip(out, chains)):
-        name = names.get((item.run, id(chain)), item.rank)
-        if name != item.rank:
-            out[index] = dataclasses.replace(item, rank=name)
-        if hints[index] != name:
-            moved += 1
-    for key, name in names.items():  # names other prefixes supported nearly as well: the name is a guess
-        got = votes.get(key[0], {})
-        mine = got.get((key, name), 0)
-        others = sorted(((v, n) for (k, n), v in got.items() if k == key and n != name and n is not None
-                         and v >= _CLOSE_VOTES * mine), reverse=True)
-        if others:
-            uncertain[(key[0], name)] = tuple(n for _, n in others[:3])
-    return moved
 
 
 def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers: bool = True) -> RunRecords:
@@ -454,89 +250,154 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
     whole = all(isinstance(entry, SwaDivergenceRecord)
                 or (getattr(entry, "rank_sure", True) and getattr(entry, "rank", None) is not None)
                 for entry, kind in items if kind == "record")
-    writers: dict[str, _WriterState] = {}
+    splitter = RunSplitter(part=part, line_numbers=line_numbers, whole=whole)
     for entry, kind in items:  # the ranks each writer's lines name
+        splitter.name(entry, kind)
+    for entry, kind in items:
+        splitter.add(entry, kind)
+    return splitter.finish()
+
+
+class RunSplitter:
+    """:func:`split_runs` one entry at a time.
+
+    Given the whole log first (``whole`` known, every line's rank named with :meth:`name` before
+    the first :meth:`add`), it keeps every record and gives them their final names at
+    :meth:`finish`, as :func:`split_runs` does. Given ``whole=None`` (a log read once, in order:
+    :meth:`add` names each line's rank as it comes), it keeps no record: :meth:`add` returns each
+    :class:`RunRecord` at once, and :attr:`unsure` says at :meth:`finish` when the log needed what
+    only the whole log shows (a record after another process's log prefix or none, a rank's run
+    that began by a guess, names that the prefixes' votes change): then read it again whole.
+
+    Args:
+        part, line_numbers: as :func:`split_runs`.
+        whole: whether every record of the log stands after one log prefix, its own; ``None``:
+            not known (read once, in order).
+    """
+
+    def __init__(self, *, part: str | None = None, line_numbers: bool = True, whole: bool | None = None) -> None:
+        self.part = part
+        self.line_numbers = line_numbers
+        self.streaming = whole is None
+        self.whole = True if whole is None else whole
+        self.writers: dict[str, WriterState] = {}
+        self.out: list[RunRecord] = []
+        self.hints: list = []
+        self.sures: list = []
+        self.chains: list[RankState] = []
+        self.votes: dict[str, NameVotes] = {}  # by writer, while streaming
+        self.started: set = set()
+        self.silent: list[SilentRun] = []
+        self.warnings: list[RunWarning] = []
+        self.left_out: list = []
+        self._unsure = False
+        self._not_whole = False  # a record after another process's log prefix, or none
+        self._rankless: set = set()  # writers with a line read before any of their lines named a rank
+
+    def _writer(self, writer: str) -> WriterState:
+        state = self.writers.get(writer)
+        if state is None:
+            state = self.writers[writer] = WriterState(partial=self.streaming)
+        return state
+
+    def name(self, entry: Any, kind: str) -> None:
+        """Note the rank the log prefix of ``entry`` names (before the first :meth:`add` when the
+        whole log is known; :meth:`add` does it while streaming)."""
         if kind == "record" and not isinstance(entry, SwaDivergenceRecord):
             writer, rank = writer_of(entry.record.verify_source), getattr(entry, "rank", None)
         elif kind in ("start", "liveness"):
             writer, rank = writer_of(entry.verify_source), getattr(entry, "rank", None)
         else:
-            continue
-        state = writers.setdefault(writer, _WriterState())
+            return
+        state = self._writer(writer)
         if rank is not None and rank not in state.named:
             state.named += (rank,)
-    out: list[RunRecord] = []
-    hints: list = []
-    sures: list[bool] = []
-    chains: list[_RankState] = []
-    started: set = set()
-    silent: list[SilentRun] = []
-    warnings: list[RunWarning] = []
-    left_out: list = []
 
-    def join_log_run(state: _WriterState, rank: Any) -> int:
+    @property
+    def unsure(self) -> bool:
+        """While streaming: a split that may differ from :func:`split_runs` on the whole log."""
+        named = [writer for writer, state in self.writers.items() if state.named]
+        return self._unsure or any(state.unsure for state in self.writers.values()) or bool(named) and (
+            self._not_whole or any(writer in self._rankless for writer in named))
+
+    def _join_log_run(self, state: WriterState, rank: Any) -> int:
         if state.run == 0 or state.began(rank):
             state.run += 1
         return state.run
 
-    def close_silent(writer: str, rank: Any, rs: _RankState) -> None:
+    def _close_silent(self, writer: str, rank: Any, rs: RankState) -> None:
         # a marker whose rank was a guess (processes starting at once) makes no silent run alone
         if rs.marker and rs.run_records == 0 and rs.run and (rs.marker_sure or rs.warning is not None):
-            silent.append(SilentRun(writer, rank, rs.run, rs.marker_line, part, rs.warning, rs.warning_line))
+            self.silent.append(SilentRun(writer, rank, rs.run, rs.marker_line, self.part, rs.warning, rs.warning_line))
 
-    for entry, kind in items:
+    def add(self, entry: Any, kind: str | None = None) -> RunRecord | None:
+        """Read the next entry (``kind``: what :func:`_entry_kind` says, found when ``None``);
+        return its :class:`RunRecord` when it is a record that was not left out.
+
+        Raises:
+            TypeError: an entry of no accepted kind (see :func:`split_runs`).
+        """
+        kind = _entry_kind(entry) if kind is None else kind
         if kind == "audit":
-            continue
-        line_no = getattr(entry, "line_no", None) if line_numbers else None
+            return None
+        if self.streaming:
+            self.name(entry, kind)
+        part = self.part
+        line_no = getattr(entry, "line_no", None) if self.line_numbers else None
         if kind in ("start", "liveness"):
             writer, rank = writer_of(entry.verify_source), getattr(entry, "rank", None)
-            state = writers.setdefault(writer, _WriterState())
+            state = self._writer(writer)
             sure = getattr(entry, "rank_sure", True) and (rank is not None or not state.named)
+            if self.streaming and (not sure or not state.named):
+                self._rankless.add(writer)  # the ranks named later would change how it is read
             if not sure:  # its prefix was a guess: the first line of a rank that has not written yet
                 waiting = [r for r in state.named if not state.began(r)]
                 if not waiting and kind == "start":
-                    continue  # a marker whose rank cannot be told (every rank has begun)
+                    return None  # a marker whose rank cannot be told (every rank has begun)
                 rank = rank if (rank in waiting or not waiting) else waiting[0]
             if sure and kind == "start":
                 state.rehome(rank)
-            rs = state.ranks.setdefault(rank, _RankState())
+            rs = state.ranks.setdefault(rank, RankState())
             if kind == "liveness":
                 if not rs.marker and rs.run_records:  # samples stopped in a run that has records
-                    warnings.append(RunWarning(writer, rank, rs.run, line_no, part, entry.summary))
-                    continue
+                    self.warnings.append(RunWarning(writer, rank, rs.run, line_no, part, entry.summary))
+                    return None
                 if not rs.marker:  # a warning without a marker before it (a sink): it begins the run
-                    rs.run, rs.records_seen = join_log_run(state, rank), state.records
+                    rs.run, rs.records_seen = self._join_log_run(state, rank), state.records
                     rs.marker, rs.marker_line, rs.run_records, rs.marker_sure = True, line_no, 0, sure
                 if rs.warning is None:
                     rs.warning, rs.warning_line = entry.summary, line_no
-                continue
-            started.add((part, writer, rank))
+                return None
+            self.started.add((part, writer, rank))
             if rs.marker and rs.records_seen == state.records and rs.warning is None:
-                continue  # markers of one rank back to back: one start
+                return None  # markers of one rank back to back: one start
             if rs.marker:
-                close_silent(writer, rank, rs)
-            rs.run, rs.records_seen = join_log_run(state, rank), state.records
+                self._close_silent(writer, rank, rs)
+            rs.run, rs.records_seen = self._join_log_run(state, rank), state.records
             rs.marker, rs.marker_line, rs.warning, rs.warning_line = True, line_no, None, None
             rs.run_records, rs.marker_sure, rs.guessed = 0, sure, not sure
-            continue
+            return None
         hint_votes: tuple = ()
         if isinstance(entry, SwaDivergenceRecord):
             record, hint, sure = entry, None, True
+            self._unsure = self._unsure or self.streaming
         else:
             record, hint, sure = entry.record, getattr(entry, "rank", None), getattr(entry, "rank_sure", True)
             if not sure:
                 hint_votes = getattr(entry, "rank_candidates", ())
+            if self.streaming and (not sure or hint is None):
+                self._not_whole = True  # not a log of whole lines: read whole when any line names a rank
         writer = writer_of(record.verify_source)
-        state = writers.setdefault(writer, _WriterState())
-        rank = _attribute(state, hint, sure, record, whole) if state.named else hint
-        if rank is _LEFT_OUT:
-            left_out.append(line_no)
-            continue
+        state = self._writer(writer)
+        rank = attribute(state, hint, sure, record, self.whole) if state.named else hint
+        if rank is LEFT_OUT:
+            self.left_out.append(line_no)
+            return None
         repaired = isinstance(rank, tuple)  # taken by the rank whose pace it fits, though below its totals
         if repaired:
             rank = rank[0]
         state.records += 1
-        rs = state.ranks.setdefault(rank, _RankState())
+        rs = state.ranks.setdefault(rank, RankState())
         ct = record.forward_ct
         at_marker = rs.marker
         back_and_forth = (
@@ -547,10 +408,10 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
             and rs.last_ct <= rs.before_last_ct
             and ct > rs.before_last_ct
         )
-        new_run = rs.last is None or at_marker or ct <= rs.last_ct or (not repaired and _totals_dropped(rs.last, record))
+        new_run = rs.last is None or at_marker or ct <= rs.last_ct or (not repaired and totals_dropped(rs.last, record))
         if new_run:
             if not at_marker:  # a marker already placed the rank's new run in the log's runs
-                rs.run = join_log_run(state, rank)
+                rs.run = self._join_log_run(state, rank)
                 rs.guessed = True
             rs.started_at_marker = at_marker
             rs.run_records = 0
@@ -563,26 +424,56 @@ def split_runs(entries: Iterable[Any], *, part: str | None = None, line_numbers:
         rs.run_records += 1
         rs.last = record
         rs.before_last_ct, rs.last_ct = rs.last_ct, ct
-        out.append(RunRecord(record, rs.run, rank, writer, line_no, part, back_and_forth))
-        hints.append(hint)
-        sures.append(hint_votes if not sure else None)
-        chains.append(rs)
-    for writer, state in writers.items():
-        for rank, rs in state.ranks.items():
-            close_silent(writer, rank, rs)
-    moved = 0
-    uncertain: dict = {}
-    if any(state.named for state in writers.values()):
-        by_writer: dict[str, list[int]] = {}
-        for index, item in enumerate(out):
-            by_writer.setdefault(item.writer, []).append(index)
-        for writer, indices in by_writer.items():
-            if writers[writer].named:
-                sub = [out[i] for i in indices]
-                moved += _name_sequences(sub, [chains[i] for i in indices], [hints[i] for i in indices],
-                                         [sures[i] for i in indices], uncertain.setdefault(writer, {}))
-                for i, item in zip(indices, sub):
-                    out[i] = item
-    silent.sort(key=lambda run: (run.line_no is None, run.line_no or 0))
-    names = {(part, writer, run, rank): others for writer, got in uncertain.items() for (run, rank), others in got.items()}
-    return RunRecords(out, started, silent, warnings, left_out, moved, names)
+        item = RunRecord(record, rs.run, rank, writer, line_no, part, back_and_forth)
+        candidates = hint_votes if not sure else None
+        if self.streaming:
+            votes = self.votes.get(writer)
+            if votes is None:
+                votes = self.votes[writer] = NameVotes()
+            votes.add(item.run, rs, rank, hint, candidates)
+        else:
+            self.out.append(item)
+            self.hints.append(hint)
+            self.sures.append(candidates)
+            self.chains.append(rs)
+        return item
+
+    def finish(self) -> RunRecords:
+        """The end of the log: the silent runs closed and the sequences named; every record (none
+        while streaming) as :class:`RunRecords` with what else the log showed."""
+        for writer, state in self.writers.items():
+            for rank, rs in state.ranks.items():
+                self._close_silent(writer, rank, rs)
+        out, part = self.out, self.part
+        moved = 0
+        uncertain: dict = {}
+        if any(state.named for state in self.writers.values()):
+            if self.streaming:
+                for writer, votes in self.votes.items():
+                    if not self.writers[writer].named:
+                        continue
+                    names = votes.names()
+                    if any(name != votes.current[key] for key, name in names.items()):
+                        self._unsure = True  # the prefixes' votes rename a sequence its records already left
+                    moved += votes.moved(names)
+                    uncertain[writer] = votes.uncertain(names)
+            else:
+                by_writer: dict[str, list[int]] = {}
+                for index, item in enumerate(out):
+                    by_writer.setdefault(item.writer, []).append(index)
+                for writer, indices in by_writer.items():
+                    if self.writers[writer].named:
+                        votes = NameVotes()
+                        for i in indices:
+                            votes.add(out[i].run, self.chains[i], out[i].rank, self.hints[i], self.sures[i])
+                        names = votes.names()
+                        for i in indices:
+                            item = out[i]
+                            name = names.get((item.run, id(self.chains[i])), item.rank)
+                            if name != item.rank:
+                                out[i] = dataclasses.replace(item, rank=name)
+                        moved += votes.moved(names)
+                        uncertain[writer] = votes.uncertain(names)
+        self.silent.sort(key=lambda run: (run.line_no is None, run.line_no or 0))
+        names = {(part, writer, run, rank): others for writer, got in uncertain.items() for (run, rank), others in got.items()}
+        return RunRecords(out, self.started, self.silent, self.warnings, self.left_out, moved, names)

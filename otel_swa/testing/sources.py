@@ -80,12 +80,15 @@ def text_of(value: str | bytes) -> str:
 
 
 def follower_problem(follower: LogFollower) -> str | None:
-    """Why a followed file cannot be read (missing, permission...), else ``None``."""
+    """Why a followed file cannot be read (missing, permission...) or is no text log (a NUL byte:
+    :attr:`~otel_swa.logsource.LogFollower.not_text`), else ``None``."""
     path = os.fspath(follower.path)
     if follower.missing:
         return f"log file {path!r} does not exist"
     if follower.error is not None:
         return f"log file {path!r} cannot be read ({follower.error.strerror or follower.error})"
+    if follower.not_text is not None:  # a binary file, whether records stand in it or not
+        return f"log file {path!r} is {follower.not_text}"
     return None
 
 

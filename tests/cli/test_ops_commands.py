@@ -3,6 +3,7 @@
 import csv
 import io
 import json
+import os
 import struct
 import sys
 import threading
@@ -87,6 +88,11 @@ BINARY = b"\x7fELF\x02\x01\x01\x00\x00\x00" + bytes(range(256)) * 4  # an execut
 ])
 def test_an_empty_file_or_one_that_is_no_text_log_is_unusable_input(tmp_path, capsys, monkeypatch, command, content, why):
     monkeypatch.chdir(tmp_path)
+    _refused_from_a_file_and_stdin(tmp_path, capsys, monkeypatch, command, content, why)
+
+
+def _refused_from_a_file_and_stdin(tmp_path, capsys, monkeypatch, command, content, why):
+    """``command`` exits 2 with the one line saying ``why``, on a file and on standard input."""
     path = tmp_path / "in.log"
     path.write_bytes(content)
     assert main([command[0], str(path), *command[1:]]) == 2
@@ -95,6 +101,31 @@ def test_an_empty_file_or_one_that_is_no_text_log_is_unusable_input(tmp_path, ca
     monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(content)))
     assert main([command[0], "-", *command[1:]]) == 2
     assert capsys.readouterr().err == f"otel-swa: error: standard input {why}\n"
+
+
+@pytest.mark.parametrize("command", [["check"], ["records"], ["plot", "-o", "x.png"]])
+def test_a_log_with_records_and_nul_bytes_is_unusable_input_for_every_command_and_source(tmp_path, capsys,
+                                                                                      monkeypatch, command):
+    # a passing log (its records alone pass `check`) followed by a binary file's bytes
+    text = write_log(tmp_path / "text.log").read_bytes()
+    content = text + BINARY
+    nul = len(text) + BINARY.index(b"\0")  # the first NUL byte, counted from the file's start
+    why = f"is not a text log (a NUL byte at byte {nul}: a binary file, or text that is not UTF-8)"
+    monkeypatch.chdir(tmp_path)
+    assert main(["check", str(tmp_path / "text.log")]) == 0  # the records alone pass
+    capsys.readouterr()
+    _refused_from_a_file_and_stdin(tmp_path, capsys, monkeypatch, command, content, why)
+    # a named pipe is read once, as it comes (never opened twice to look at its start first)
+    fifo = tmp_path / "pipe.log"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=fifo.write_bytes, args=(content,))
+    writer.start()
+    try:
+        assert main([command[0], str(fifo), *command[1:]]) == 2
+    finally:
+        writer.join(timeout=10)
+    assert not writer.is_alive()
+    assert capsys.readouterr().err == f"otel-swa: error: log file {str(fifo)!r} {why}\n"
 
 
 def test_check_of_a_text_log_without_records_is_a_failed_check_not_unusable_input(tmp_path, capsys):
