@@ -375,6 +375,7 @@ def _run(args: argparse.Namespace, started: float, interrupt: CommandInterrupt, 
         if telemetry is not None:
             endpoint = telemetry.prometheus_endpoint
             if endpoint is not None and endpoint.linger_s > 0 and not interrupt.requested:
+                endpoint.begin_linger()  # a scrape made once this line is read is the one waited for
                 print(f"otel-swa replay: waiting up to {endpoint.linger_s:g} s for one more scrape of "
                       f"{endpoint.url} ({ev.OTEL_SWA_PROMETHEUS_LINGER})", file=sys.stderr, flush=True)
             telemetry.shutdown()

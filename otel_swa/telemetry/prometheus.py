@@ -105,7 +105,7 @@ def start_endpoint(ranks: Mapping[str, int], environ: Mapping[str, str] | None =
     """A started Prometheus endpoint: a ``PrometheusMetricReader`` (hand it to the ``MeterProvider``)
     whose ``shutdown()`` also closes its HTTP server, after waiting for one more scrape when
     ``OTEL_SWA_PROMETHEUS_LINGER`` > 0. ``reader.url`` is its ``/metrics`` URL, ``reader.linger_s``
-    that wait.
+    that wait, ``reader.begin_linger()`` makes the scrapes from then on count towards it.
 
     Args:
         ranks: this process's ranks (:func:`otel_swa.ranks.process_ranks`), for the port offset.
@@ -126,9 +126,18 @@ def start_endpoint(ranks: Mapping[str, int], environ: Mapping[str, str] | None =
                           f"(pip install 'otel-swa[prometheus]'): {exc}") from exc
 
     class EndpointReader(PrometheusMetricReader):
+        #: the scrape count when :meth:`begin_linger` was called (``None``: not called)
+        linger_after: int | None = None
+
+        def begin_linger(self) -> None:
+            """Count the scrapes from now on towards the linger of :meth:`shutdown` (a caller that
+            says it waits for one more scrape before it shuts down: a scrape in between counts)."""
+            self.linger_after = scrapes.count
+
         def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
+            after = scrapes.count if self.linger_after is None else self.linger_after
             try:
-                if linger_s > 0 and not scrapes.wait_for_next(scrapes.count, min(linger_s, timeout_millis / 1000)):
+                if linger_s > 0 and not scrapes.wait_for_next(after, min(linger_s, timeout_millis / 1000)):
                     _log.warning("otel-swa: %s was not scraped within OTEL_SWA_PROMETHEUS_LINGER=%gs; the last "
                                  "values may not have reached Prometheus", self.url, linger_s)
             finally:

@@ -211,9 +211,13 @@ FAULTS = {
     "real_kv_post_forward, SWA pool": (lambda e: faults.install_byte_flip(e, 25, "swa"), "kv_corrupt_tokens"),
     "real_kv_used, FULL pool": (lambda e: faults.install_byte_flip(e, 25, "full", used=True), "kv_corrupt_tokens"),
 }
+#: forward steps the logged fault runs take (the whole run: 198): past the first sample each fault
+#: shows at (step 25 - 40; the write at the FULL index once the SWA allocator remaps: step 80)
+FAULT_STEPS = {"sglang#20181 write at the FULL index": 100}
+FAULT_STEPS_DEFAULT = 60
 
 
-def logged_run(fault, log, **config):
+def logged_run(fault, log, max_steps=None, **config):
     import logging
 
     from otel_swa.logline import LogLineSink
@@ -225,7 +229,7 @@ def logged_run(fault, log, **config):
     logger.addHandler(handler)
     reporter = SwaDivergenceReporter(5, sinks=[lambda record, context: records.append(record), LogLineSink(logger)])
     engine = ReferenceEngine(EngineConfig(**{**CONFIG, **config}, provenance_budget=1 << 16), reporter=reporter)
-    run_trace(engine, 24, fault)
+    run_trace(engine, 24, fault, max_steps)
     reporter.close()
     handler.close()
     return engine, records
@@ -248,7 +252,7 @@ def test_check_fails_each_fault_naming_its_first_offender(name, tmp_path, capsys
 
     install, fault = FAULTS[name]
     log = tmp_path / "fault.log"
-    _, records = logged_run(install, log)
+    _, records = logged_run(install, log, FAULT_STEPS.get(name, FAULT_STEPS_DEFAULT))
     first = next(r for r in records if getattr(r, fault))
     offender = first.offender(fault)
     assert offender is not None and offender.pool in ("full", "swa") and offender.request is not None
@@ -263,7 +267,7 @@ def test_check_fails_a_deep_fault_naming_its_layer(name, tmp_path, capsys):
     from otel_swa.cli import main
 
     log = tmp_path / "deep.log"
-    engine, records = logged_run(DEEP_FAULTS[name], log, num_heads=2)
+    engine, records = logged_run(DEEP_FAULTS[name], log, FAULT_STEPS_DEFAULT, num_heads=2)
     (made,) = engine.fault_log
     first = next(r for r in records if r.kv_corrupt_tokens)
     offender = first.offender("kv_corrupt_tokens")

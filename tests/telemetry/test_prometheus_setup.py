@@ -139,6 +139,17 @@ def test_linger_waits_for_a_scrape_and_says_so_when_none_comes(caplog):
     assert len(scraped) == 1  # the reply was read in full
     assert "was not scraped" not in caplog.text
 
+    # replay says it waits once it has called begin_linger(): a scrape made between that line and
+    # the shutdown is the one waited for (before, shutdown waited for a later one: 30 s for a
+    # scraper that had read the line and scraped once)
+    telemetry = configure(exporters="prometheus", use_global=False, set_global=False, environ={
+        **environ, "OTEL_SWA_PROMETHEUS_LINGER": "30"})
+    telemetry.prometheus_endpoint.begin_linger()
+    assert _get(f"http://127.0.0.1:{port}/metrics") == ""  # read in full (no instrument has a point yet)
+    caplog.clear()
+    telemetry.shutdown()
+    assert "was not scraped" not in caplog.text
+
 
 def test_replay_says_where_its_endpoint_serves_and_how_long_it_waits_at_the_end():
     import os
