@@ -137,7 +137,9 @@ def start_endpoint(ranks: Mapping[str, int], environ: Mapping[str, str] | None =
         def shutdown(self, timeout_millis: float = 30_000, **kwargs: Any) -> None:
             after = scrapes.count if self.linger_after is None else self.linger_after
             try:
-                if linger_s > 0 and not scrapes.wait_for_next(after, min(linger_s, timeout_millis / 1000)):
+                # the linger is the user's own bound (0 - 600 s), not the SDK's shutdown timeout (the
+                # MeterProvider hands its readers 30 s): OTEL_SWA_PROMETHEUS_LINGER=120 waits 120 s
+                if linger_s > 0 and not scrapes.wait_for_next(after, linger_s):
                     _log.warning("otel-swa: %s was not scraped within OTEL_SWA_PROMETHEUS_LINGER=%gs; the last "
                                  "values may not have reached Prometheus", self.url, linger_s)
             finally:

@@ -151,6 +151,25 @@ def test_linger_waits_for_a_scrape_and_says_so_when_none_comes(caplog):
     assert "was not scraped" not in caplog.text
 
 
+def test_the_linger_is_its_own_bound_not_the_sdks_shutdown_timeout(caplog):
+    # OTEL_SWA_PROMETHEUS_LINGER up to 600 s: the wait is not cut at the timeout the SDK hands a
+    # reader's shutdown (the MeterProvider's 30 s; here 1 ms, with a scrape 0.3 s later)
+    import threading
+
+    from otel_swa.telemetry.prometheus import start_endpoint
+
+    port = free_port()
+    reader = start_endpoint({}, {"OTEL_EXPORTER_PROMETHEUS_HOST": "127.0.0.1", "OTEL_EXPORTER_PROMETHEUS_PORT": str(port),
+                                 "OTEL_SWA_PROMETHEUS_LINGER": "60"})
+    scraped = []
+    scrape = threading.Timer(0.3, lambda: scraped.append(_get(f"http://127.0.0.1:{port}/metrics")))
+    scrape.start()
+    reader.shutdown(timeout_millis=1)  # returns once that scrape was answered
+    scrape.join(60)
+    assert len(scraped) == 1
+    assert "was not scraped" not in caplog.text
+
+
 def test_replay_says_where_its_endpoint_serves_and_how_long_it_waits_at_the_end():
     import os
     import subprocess
