@@ -69,6 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # process's command (``argv`` None: its imports included), else from this call.
     started_at = _IMPORTED_AT if argv is None else time.monotonic()
     command = _command_name(sys.argv[1:] if argv is None else argv)
+    if sys.stdout is None:  # started with standard output closed (>&-): one line and exit 2, no traceback
+        from otel_swa.commands._output import ClosedStdout
+
+        sys.stdout = ClosedStdout()
     interrupt = CommandInterrupt(command or "").install()  # Ctrl-C: never a traceback (commands/_interrupt.py)
     try:
         parser = build_parser()

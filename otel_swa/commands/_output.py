@@ -16,6 +16,7 @@ error, a pipe whose reader left included, is said once and ends the writes to th
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -26,6 +27,24 @@ __all__ = [
     "discard_stdout", "stdout_closed", "print_result", "GuardedStream", "GuardedStdout", "GuardedFile",
     "GuardedLogHandler", "StdoutLogHandler", "FileLogHandler",
 ]
+
+
+class ClosedStdout(io.TextIOBase):
+    """What ``sys.stdout`` is for a command started with standard output closed (``>&-``: Python
+    then sets it to ``None``): every write and flush fails as a write to a closed descriptor does
+    (``EBADF``), so the commands' usual handling says it in one line and exits 2."""
+
+    def writable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        raise OSError(errno.EBADF, "it is closed")
+
+    def write(self, text: str) -> int:
+        raise OSError(errno.EBADF, "it is closed")
+
+    def flush(self) -> None:
+        raise OSError(errno.EBADF, "it is closed")
 
 
 def discard_stdout() -> None:

@@ -5,8 +5,10 @@ memory, an allocation that failed in the engine, and hints for the standard OTEL
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -40,11 +42,22 @@ def check_plot(path: str, interval: int) -> Path:
 
 
 def check_log_file(path: str) -> None:
-    """Open ``--log-file`` for appending once, before the run, so a bad path fails at once.
+    """Open ``--log-file`` for appending once, before the run, so a bad path fails at once. A named
+    pipe is not opened (an open and close would end its reader's input before the run wrote a line,
+    and the run's own open would then wait for a reader for ever): only whether it may be written.
 
     Raises:
         ValueError: the file cannot be opened (the message names the option, the path and why).
     """
+    try:
+        if stat.S_ISFIFO(os.stat(path).st_mode):
+            if not os.access(path, os.W_OK):
+                raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+            return
+    except FileNotFoundError:
+        pass  # made by the open below
+    except OSError as exc:
+        raise ValueError(f"--log-file {path!r} cannot be opened for appending: {exc.strerror or exc}") from None
     try:
         with open(path, "a", encoding="utf-8"):
             pass

@@ -182,3 +182,43 @@ def test_plot_into_dev_full_exits_2_in_one_line(tmp_path):
     assert proc.stderr.splitlines() == ["otel-swa: cannot write to standard output: No space left on device"]
     assert proc.returncode == 2
     assert (tmp_path / "run.png").stat().st_size > 0
+
+
+def _run_without_stdout(args):
+    # standard output not open at all (a shell's `>&-`): Python starts with sys.stdout None
+    return subprocess.run(CLI + args, stdout=None, stderr=subprocess.PIPE, text=True, timeout=120,
+                          preexec_fn=lambda: os.close(1))
+
+
+def test_a_command_started_with_stdout_closed_says_it_in_one_line(tmp_path):
+    log_file = tmp_path / "run.log"
+    proc = _run_without_stdout(["replay", "--requests", "10", "--no-model", "--no-progress", "--interval", "20",
+                                "--log-file", str(log_file)])
+    assert (proc.returncode, proc.stderr.splitlines()) == (2, ["otel-swa: cannot write to standard output: it is closed"])
+    assert "kv_canary_swa_divergence=" in log_file.read_text()  # the run went on: its log is whole
+    proc = _run_without_stdout(["records", str(log_file)])
+    assert (proc.returncode, proc.stderr.splitlines()) == (2, ["otel-swa: cannot write to standard output: it is closed"])
+    verdict = subprocess.run(CLI + ["check", str(log_file)], capture_output=True, text=True, timeout=60).returncode
+    assert verdict in (0, 1)
+    proc = _run_without_stdout(["check", str(log_file)])  # the verdict kept, as with > /dev/full
+    assert (proc.returncode, proc.stderr.splitlines()) == (verdict, ["otel-swa: cannot write to standard output: it is closed"])
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+def test_replay_logs_into_a_named_pipe_its_reader_gets_every_line(tmp_path):
+    # --log-file on a named pipe: the check before the run must not open it (an open and close
+    # ended the reader's input, and the run's own open then waited for a reader for ever)
+    import threading
+
+    fifo = tmp_path / "log.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()), daemon=True)
+    reader.start()
+    proc = subprocess.run(CLI + ["replay", "--requests", "10", "--no-model", "--no-progress", "--interval", "20",
+                                 "--log-file", str(fifo)], capture_output=True, text=True, timeout=120)
+    reader.join(30)
+    assert proc.returncode == 0, proc.stderr
+    lines = got[0].splitlines()
+    records = [line for line in lines if "kv_canary_swa_divergence=" in line]
+    assert len(records) >= 1 and len(lines) == 1 + 2 * len(records)
