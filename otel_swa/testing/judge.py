@@ -358,23 +358,22 @@ def judge_tally(
     groups = [group for group, _ in judged]
     if require_clean_audit:
         # an audit line otel-swa wrote but that cannot be read or attached to its record may carry
-        # the very fault the audit exists to report: it never passes for a clean audit
+        # the very fault the audit exists to report: it never passes for a clean audit (with --run
+        # last, one before the first record judged is an earlier run's: a line follows its record)
+        begins = [t.first.line_no for _, t in judged if t is not None and t.first is not None and t.first.line_no]
+        judged_from = min(begins) if runs == "last" and begins else None
         for prefix, signal, words in ((AUDIT_PREFIX, "audit", "SWA slot audit line(s)"),
                                       (PROVENANCE_PREFIX, "provenance", "provenance line(s)")):
-            unread = [e for e in errors if getattr(e, "prefix", None) == prefix]
+            unread = [e for e in errors if getattr(e, "prefix", None) == prefix
+                      and (judged_from is None or e.line_no is None or e.line_no >= judged_from)]
             if unread:
-                first = unread[0]
-                where = f"line {first.line_no}" if first.line_no is not None else "one"
+                where = f"line {unread[0].line_no}" if unread[0].line_no is not None else "one"
                 failures.append(Failure(signal, f"{len(unread)} {words} could not be read or attached to their "
-                                                f"record ({where}: {first.reason}); their faults cannot be ruled out"))
-
+                                                f"record ({where}: {unread[0].reason}); their faults cannot be ruled out"))
     counted = [group_tally for _, group_tally in judged if group_tally is not None and group_tally.records]
     failed_names = {f.signal for f in failures} | {f.signal for g in groups for f in g.failures}
-    last_item = None
-    for group_tally in counted:
-        item = group_tally.latest
-        if last_item is None or (item.line_no or 0) >= (last_item.line_no or 0):
-            last_item = item
+    # the latest record with the largest line number (the last of equals: max over the reversed list)
+    last_item = max((g.latest for g in reversed(counted)), key=lambda item: item.line_no or 0, default=None)
     (peak_div, peak_div_at), (peak_oow, peak_oow_at) = _summary_peaks(counted)
     return SwaObservation(
         source=source,

@@ -148,3 +148,18 @@ def test_records_and_plot_read_without_the_cut_line_and_say_so(replay_lines, tmp
         f"otel-swa: log file {str(path)!r}: the last line ({len(before) + 1}) has no line end and cannot be read "
         f"({captured.err.split('cannot be read (', 1)[1].rsplit('): the log', 1)[0]}): the log is still being "
         "written, or was cut there; read without it"]
+
+
+def test_a_line_cut_in_an_earlier_run_does_not_fail_the_last_run(replay_lines, tmp_path):
+    # a log that a restarted engine appended to (--log-file appends): the earlier run's provenance
+    # line cut in the middle is that run's; --run last judges the last run alone (a line follows its
+    # record, so one before the last run's first record cannot be the last run's)
+    at = _last_of(replay_lines, "otel_swa_provenance=")
+    first_run = replay_lines[:at] + [replay_lines[at][:len(replay_lines[at]) // 2] + "\n"] + replay_lines[at + 1:]
+    second_run = [line.replace('otel_swa_run_start={"pid":', 'otel_swa_run_start={"pid":1') for line in replay_lines]
+    alone, glued = tmp_path / "alone.log", tmp_path / "glued.log"
+    alone.write_text("".join(second_run))
+    glued.write_text("".join(first_run + second_run))
+    assert main(["check", str(alone)]) == 0  # the last run by itself passes
+    assert main(["check", str(glued)]) == 0
+    assert main(["check", str(glued), "--run", "each"]) == 1  # judged, the earlier run fails for its line
