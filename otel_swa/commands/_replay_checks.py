@@ -50,15 +50,14 @@ def check_log_file(path: str) -> None:
         ValueError: the file cannot be opened (the message names the option, the path and why).
     """
     try:
-        if stat.S_ISFIFO(os.stat(path).st_mode):
+        fifo = stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        fifo = False  # missing (the open below makes it), or the open below says why not
+    try:
+        if fifo:
             if not os.access(path, os.W_OK):
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
             return
-    except FileNotFoundError:
-        pass  # made by the open below
-    except OSError as exc:
-        raise ValueError(f"--log-file {path!r} cannot be opened for appending: {exc.strerror or exc}") from None
-    try:
         with open(path, "a", encoding="utf-8"):
             pass
     except OSError as exc:
