@@ -30,6 +30,7 @@ read by :mod:`otel_swa.record` (:func:`~otel_swa.record.iter_entries`,
 
 from __future__ import annotations
 
+import operator
 import os
 import select
 import sys
@@ -46,12 +47,14 @@ from otel_swa.record import (
     LogPrefix,
     MalformedRecordError,
     PrefixClaims,
+    RecordGroup,
     RecordMatch,
     RunStartMatch,
     SwaDivergenceRecord,
     iter_entries,
     parse_log_prefix,
 )
+from otel_swa.record.cut_line import CutLine, unreadable, split_cut_line
 from otel_swa.record.matches import rank_sure as _rank_sure
 
 __all__ = [
@@ -112,19 +115,20 @@ class LoggedRecord:
 
     def to_row(self, run: int | None = None) -> "dict[str, int | str | list | None]":
         """A flat dict with the keys of :data:`ROW_FIELDS`, in that order (``run`` as given)."""
-        row: dict[str, int | str | None] = {
-            "line_no": self.line_no,
-            "timestamp": self.timestamp,
-            "rank": self.rank,
-            "run": run,
-            "verify_source": self.record.verify_source,
-        }
-        row.update(self.record.to_dict())
-        row.update({name: getattr(self.record, name) for name in AUDIT_FIELDS})
-        row["micro_batch"] = self.record.micro_batch
-        row["offenders"] = [{"fault": o.fault, **o.location()} for o in self.record.offenders] or None
-        row.update({name: getattr(self.record, name) for name in PROVENANCE_FIELDS})
+        record = self.record
+        row = dict(zip(_ROW_HEAD, (self.line_no, self.timestamp, self.rank, run, record.verify_source)))
+        row.update(zip(_ROW_MIDDLE, _ROW_MIDDLE_VALUES(record)))
+        row["offenders"] = [{"fault": o.fault, **o.location()} for o in record.offenders] or None
+        row.update(zip(PROVENANCE_FIELDS, _PROVENANCE_VALUES(record)))
         return row
+
+
+#: The row's columns before the record's fields, the record's fields to ``micro_batch`` (SGLang's
+#: five, the audit fields, the micro-batch) and their values at once.
+_ROW_HEAD = ("line_no", "timestamp", "rank", "run", "verify_source")
+_ROW_MIDDLE = FIELDS + AUDIT_FIELDS + ("micro_batch",)
+_ROW_MIDDLE_VALUES = operator.attrgetter(*_ROW_MIDDLE)
+_PROVENANCE_VALUES = operator.attrgetter(*PROVENANCE_FIELDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,16 +234,23 @@ def logged_entries(
     begin = len(out)
     # the latest record and the lines right after it that belong to it (its audit and provenance
     # lines), added with them at once: one copy of the record instead of one per line
-    held, lines = None, []
-    for entry in iter_entries(text, errors, first_line_no=first_line_no, prefixes=prefixes):
+    held, lines, applied = None, [], 0  # applied: how many of lines the held record carries already
+    for entry in _ungrouped_repeats(iter_entries(text, errors, first_line_no=first_line_no, prefixes=prefixes,
+                                                 groups=True), duplicates):
+        if type(entry) is RecordGroup:  # a record read with its lines (their duplicates looked at)
+            if held is not None:
+                _add_record(pairing, out, held, lines, applied)
+            held, lines = entry.entry, list(entry.lines)
+            applied = len(lines)
+            continue
         if duplicates.is_repeat(entry):
             continue
         if held is not None:
             if entry.per_record and pairing.joins(held, lines, entry):
                 lines.append(entry)
                 continue
-            _add_record(pairing, out, held, lines)
-            held, lines = None, []
+            _add_record(pairing, out, held, lines, applied)
+            held, lines, applied = None, [], 0
         if isinstance(entry, LivenessMatch):
             out.append(entry)
         elif entry.per_record:
@@ -252,13 +263,29 @@ def logged_entries(
         else:
             held = entry
     if held is not None:
-        _add_record(pairing, out, held, lines)
+        _add_record(pairing, out, held, lines, applied)
     return out[begin:]
 
 
-def _add_record(pairing: AuditPairing, out: list, entry: RecordMatch, lines: list) -> None:
-    """Add the record of ``entry`` with the ``lines`` that joined it (:meth:`AuditPairing.joins`)."""
-    record = pairing.with_lines(entry.record, lines, fresh=True)  # decoded for this entry, held nowhere else
+def _ungrouped_repeats(entries: Iterable, duplicates: DuplicateLines) -> Iterable:
+    """``entries`` with each :class:`~otel_swa.record.RecordGroup` looked at for duplicates: its
+    record and lines, in order (:meth:`DuplicateLines.is_repeat`); a group whose record repeats the
+    entry before it is given as its lines alone, each to be looked at again (the record is skipped,
+    its lines read one by one, as when read apart)."""
+    for entry in entries:
+        if type(entry) is RecordGroup:
+            if duplicates.is_repeat(entry.entry):
+                yield from entry.lines
+                continue
+            for line in entry.lines:  # after the record: another kind each, never a repeat
+                duplicates.is_repeat(line)
+        yield entry
+
+
+def _add_record(pairing: AuditPairing, out: list, entry: RecordMatch, lines: list, applied: int = 0) -> None:
+    """Add the record of ``entry`` with the ``lines`` that joined it (:meth:`AuditPairing.joins`),
+    the first ``applied`` of them already applied to it."""
+    record = pairing.with_lines(entry.record, lines[applied:], fresh=True)  # decoded for this entry, held nowhere else
     pairing.add(out, LoggedRecord(record, entry.line_no, entry.timestamp, entry.rank, entry.rank_candidates), lines)
 
 
@@ -271,56 +298,6 @@ def logged_records(
     """Every record in ``text`` with its line number, timestamp and rank, in order (see
     :func:`logged_entries`; run start markers left out)."""
     return [e for e in logged_entries(text, first_line_no=first_line_no, errors=errors) if isinstance(e, LoggedRecord)]
-
-
-@dataclass(frozen=True, slots=True)
-class CutLine:
-    """The last line of a log, without a line end, whose line of otel-swa's or SGLang's cannot be
-    read: left out (see the module docstring).
-
-    Attributes:
-        line_no: its 1-based line number.
-        reason: why it cannot be read (the first malformed line kind's reason).
-    """
-
-    line_no: int
-    reason: str
-
-    def describe(self) -> str:
-        """One line for the reader: ``the last line (19) has no line end and cannot be read (...):
-        the log is still being written, or was cut there; read without it``."""
-        return (f"the last line ({self.line_no}) has no line end and cannot be read ({self.reason}): the log is still "
-                "being written, or was cut there; read without it")
-
-
-def _line_end_before(text: str) -> int:
-    """Where the last line of ``text`` begins (after its last LF or CR)."""
-    return max(text.rfind("\n"), text.rfind("\r")) + 1
-
-
-def _unreadable(line: str) -> MalformedRecordError | None:
-    """The first malformed line kind in ``line`` (a line without its line end), else ``None``."""
-    errors: list[MalformedRecordError] = []
-    for _ in iter_entries(line, errors):
-        pass
-    return errors[0] if errors else None
-
-
-def split_cut_line(text: str, first_line_no: int = 1) -> "tuple[str, CutLine | None]":
-    """``text`` without its last line when that line has no line end and cannot be read
-    (:class:`CutLine`), and that line; else ``(text, None)``.
-
-    Args:
-        text: log text (the whole log, or its last chunk).
-        first_line_no: the line number of the first line of ``text`` in the whole log.
-    """
-    if not text or text.endswith(("\n", "\r")):
-        return text, None
-    start = _line_end_before(text)
-    error = _unreadable(text[start:])
-    if error is None:
-        return text, None
-    return text[:start], CutLine(first_line_no + text.count("\n", 0, start), error.reason)
 
 
 #: How much of a log :class:`LogFollower` reads at once (bytes): the most text it holds.
@@ -464,7 +441,7 @@ class LogFollower:
         if self._pending:  # a last line without its line end: cut in the middle, or whole?
             end = max(cut, data.rfind(b"\r") + 1)
             last = data[end:]
-            error = _unreadable(last.decode("utf-8", errors="replace")) if last else None
+            error = unreadable(last.decode("utf-8", errors="replace")) if last else None
             if error is not None:  # left out (and kept, in case the file grows), and said
                 self.cut_line = CutLine(self._next_line_no + complete.count(b"\n"), error.reason)
                 if final:

@@ -62,9 +62,12 @@ def _row_writer(out: IO[str], fmt: str) -> Callable[[LoggedRecord, int], None]:
         writer = csv.DictWriter(out, fieldnames=ROW_FIELDS, lineterminator="\n")
         writer.writeheader()
         return lambda item, run: writer.writerow(
-            {k: ("" if v is None else json.dumps(v, separators=(",", ":")) if isinstance(v, list) else v)
-             for k, v in item.to_row(run).items()})
-    return lambda item, run: out.write(json.dumps(item.to_row(run), separators=(",", ":")) + "\n")
+            {k: ("" if v is None else _compact(v) if isinstance(v, list) else v) for k, v in item.to_row(run).items()})
+    return lambda item, run: out.write(_compact(item.to_row(run)) + "\n")
+
+
+#: Compact JSON (what ``json.dumps(value, separators=(",", ":"))`` writes, one encoder for every row).
+_compact = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _no_valid_record(args: argparse.Namespace, errors: list) -> int:

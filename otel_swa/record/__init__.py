@@ -105,7 +105,7 @@ from otel_swa.record.liveness_line import LIVENESS_CAUSES, LivenessMatch, Livene
 from otel_swa.record.logtext import LogPrefix, PrefixClaims, parse_log_prefix
 from otel_swa.record.matches import LineMatch
 from otel_swa.record.pairing import AuditPairing
-from otel_swa.record.parser import Entry, FoundRecords, find_all, find_last, iter_entries, iter_matches
+from otel_swa.record.parser import Entry, FoundRecords, RecordGroup, find_all, find_last, iter_entries, iter_matches
 from otel_swa.record.prefixes import (
     AUDIT_PREFIX,
     FAULT_PREFIX,
@@ -163,6 +163,7 @@ __all__ = [
     "LivenessWarning",
     "liveness_summary",
     "iter_entries",
+    "RecordGroup",
     "iter_matches",
     "find_all",
     "find_last",

@@ -162,6 +162,11 @@ class PrefixClaims:
     def __init__(self) -> None:
         self._pending: collections.deque = collections.deque(maxlen=self.LIMIT)
 
+    @property
+    def waiting(self) -> bool:
+        """Whether a prefix read waits for its message."""
+        return bool(self._pending)
+
     def read(self, text: str, start: int, end: int) -> None:
         """Take the prefixes of ``text[start:end]`` (the text between two entries)."""
         between = text[start:end]

@@ -11,13 +11,23 @@ from typing import Iterator
 
 from otel_swa.record.decoding import MalformedRecordError, decode_object
 from otel_swa.record.kinds import KIND_OF_PREFIX
-from otel_swa.record.logtext import NO_PREFIX, LogPrefix, PrefixClaims, clean, clean_marked, glued_tag, nearest_prefix, tag_ending
+from otel_swa.record.logtext import (
+    NO_PREFIX,
+    LogPrefix,
+    PrefixClaims,
+    clean,
+    clean_marked,
+    glued_tag,
+    nearest_prefix,
+    tag_ending,
+)
 from otel_swa.record.matches import LineMatch
 from otel_swa.record.pairing import AuditPairing
 from otel_swa.record.prefixes import LINE_PREFIX, PREFIX_RE
 from otel_swa.record.sglang_line import RecordMatch, SwaDivergenceRecord, register_reader
+from otel_swa.record.whole_lines import WHOLE_LINE_RE, RecordGroup, record_groups, whole_line
 
-__all__ = ["Entry", "FoundRecords", "decode_at", "parse_record", "iter_entries", "iter_matches", "find_all", "find_last"]
+__all__ = ["Entry", "RecordGroup", "FoundRecords", "decode_at", "parse_record", "iter_entries", "iter_matches", "find_all", "find_last"]
 
 #: A line found in a text: a :class:`~otel_swa.record.LineMatch` of its kind's type.
 Entry = LineMatch
@@ -54,8 +64,8 @@ def decode_at(text: str, match: re.Match, line_no: int | None, prefix: LogPrefix
 
 def iter_entries(
     text: str, errors: list[MalformedRecordError] | None = None, *, first_line_no: int = 1,
-    prefixes: PrefixClaims | None = None,
-) -> Iterator[Entry]:
+    prefixes: PrefixClaims | None = None, groups: bool = False,
+) -> "Iterator[Entry | RecordGroup]":
     """Yield every line of every kind in ``text`` (records, audit lines, fault lines, run start
     markers, liveness warnings), in order, as found (a line that belongs to a record is not
     attached to it here: see :class:`~otel_swa.record.AuditPairing` and :func:`find_all`).
@@ -64,16 +74,52 @@ def iter_entries(
     reason) are appended to it. ``first_line_no`` is the number of the first line of ``text`` in
     the whole log (a later chunk of a file being followed), ``prefixes`` the
     :class:`~otel_swa.record.PrefixClaims` of the chunks before it.
+
+    With ``groups``, a record on a whole line (below) followed by whole lines of the same log
+    prefix and tag that belong to it (``once`` kinds, such as its audit and provenance lines: its
+    ``forward_ct``, one line per kind) is yielded as one :class:`RecordGroup`: the record carries
+    their fields, read in one step (what :class:`~otel_swa.record.AuditPairing` would attach to it
+    when its lines were yielded one by one: :func:`otel_swa.logsource.logged_entries` reads logs so).
+
+    A line that is one writer's whole line (``[time ranks] otel_swa[verify=...] <prefix>{...}``
+    and its line end, nothing else: what otel-swa's line sinks write) is read in one step
+    (:mod:`otel_swa.record.whole_lines`); every other text by the general rules below. Both give the same
+    entries (the tests hold them equal on every log they read).
     """
     cleaned, bare_crs = clean_marked(text)
     claims = PrefixClaims() if prefixes is None else prefixes
     line_no = first_line_no
     last_pos = 0
     consumed = 0  # end of the last object decoded: a prefix inside it is not a new entry
-    for match in PREFIX_RE.finditer(cleaned):
+    size = len(cleaned)
+    whole = WHOLE_LINE_RE.match if not bare_crs else None  # bare CRs: line numbers need the general rules
+    pos = 0  # where the next entry is looked for
+    while pos < size:
+        if whole is not None and (pos == 0 or cleaned[pos - 1] == "\n") and not claims.waiting:
+            # whole lines: each one's own log prefix, the only one waiting, is claimed by it at
+            # once, so the claims are left as they were (none waiting), as the general rules leave them
+            if groups:
+                read, end = record_groups(cleaned, pos, line_no + cleaned.count("\n", last_pos, pos))
+                if read:
+                    yield from read
+                    last = read[-1]
+                    line_no = (last.lines[-1] if type(last) is RecordGroup else last).line_no + 1
+                    last_pos = pos = end
+                    consumed = end - 1  # the last object's end (its line end follows)
+                    continue
+            line = whole(cleaned, pos)
+            if line is not None:
+                entry = whole_line(cleaned, line, line_no + cleaned.count("\n", last_pos, line.start(4)))
+                if entry is not None:
+                    last_pos, line_no = line.start(4), entry.line_no
+                    pos = line.end()
+                    consumed = pos - 1
+                    yield entry
+                    continue
+        match = PREFIX_RE.search(cleaned, pos)
+        if match is None:
+            break
         start = match.start()
-        if start < consumed:
-            continue
         line_no += cleaned.count("\n", last_pos, start)
         if bare_crs:  # a bare CR ends a line for the parser, not for the line numbers
             line_no -= bisect.bisect_left(bare_crs, start) - bisect.bisect_left(bare_crs, last_pos)
@@ -96,12 +142,14 @@ def iter_entries(
         except MalformedRecordError as exc:
             if errors is not None:
                 errors.append(exc)
-            consumed = match.end()
+            consumed = pos = match.end()
             continue
-        consumed = match.start() + len(entry.text)
+        consumed = pos = match.start() + len(entry.text)
         if candidates:
             entry = entry._replace(rank_candidates=candidates)
         yield entry
+        if cleaned.startswith("\n", pos):
+            pos += 1  # the next line's start: it may be a whole line
 
 
 class FoundRecords(list):
