@@ -12,7 +12,9 @@ and change as a replay's do and pass every rule. Then, each in a child process o
 
 Prints, for each, the wall time, the CPU time (user + system: on a machine shared with other
 work, the wall time also counts the waits for a core), the peak resident memory of the child
-(``ru_maxrss``) and the ratios to the plain parse. Run: ``python benchmarks/bench_check_long_log.py [--records 200000]
+(``ru_maxrss``) and the ratios to the plain parse: with ``--rounds N``, the three are run in turn N
+times (interleaved) and each figure is the median (min - max) over the rounds, each ratio taken
+within its round. Run: ``python benchmarks/bench_check_long_log.py [--records 200000] [--rounds 3]
 [--keep run.log]``.
 """
 
@@ -82,10 +84,23 @@ def measure(argv: list[str]) -> tuple[float, float, float, int]:
     return float(wall), float(cpu), int(rss_kib) / 1024, int(rc)
 
 
+_UNITS = ("{:.1f}", "{:.2f}x", "{:.1f}", "{:.2f}x", "{:.0f}", "{:.1f}x")
+
+
+def _spread(values: "tuple[float, ...]", unit: str) -> str:
+    """The median of ``values``, and their range when there are several."""
+    ordered = sorted(values)
+    median = ordered[len(ordered) // 2] if len(ordered) % 2 else (ordered[len(ordered) // 2 - 1] + ordered[len(ordered) // 2]) / 2
+    if len(ordered) == 1:
+        return unit.format(median)
+    return f"{unit.format(median)} ({unit.format(ordered[0])} - {unit.format(ordered[-1])})"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=200_000, help="records in the log (default 200000)")
     parser.add_argument("--keep", type=Path, default=None, help="write the log here and keep it")
+    parser.add_argument("--rounds", type=int, default=1, help="interleaved rounds (default 1)")
     args = parser.parse_args()
     print(load_line())
     measured = subprocess.run([sys.executable, "-c", "import otel_swa; print(otel_swa.__file__)"],
@@ -101,12 +116,18 @@ def main() -> int:
         runs = {"plain parse": [sys.executable, "-c", PLAIN, str(path)],
                 "otel-swa check": cli + ["check", str(path)],
                 "otel-swa records": cli + ["records", str(path)]}
-        rows, base = [], None
-        for name, argv in runs.items():
-            wall, cpu, rss, rc = measure(argv)
-            base = base or (wall, cpu, rss)
-            rows.append((name, f"{wall:.1f}", f"{wall / base[0]:.1f}x", f"{cpu:.1f}", f"{cpu / base[1]:.1f}x",
-                         f"{rss:.0f}", f"{rss / base[2]:.1f}x", str(rc)))
+        figures: dict = {name: [] for name in runs}  # per round: (wall, cpu, rss, rc) and the ratios
+        for _ in range(max(1, args.rounds)):
+            base = None
+            for name, argv in runs.items():
+                wall, cpu, rss, rc = measure(argv)
+                base = base or (wall, cpu, rss)
+                figures[name].append((wall, wall / base[0], cpu, cpu / base[1], rss, rss / base[2], rc))
+        rows = []
+        for name, rounds in figures.items():
+            columns = list(zip(*rounds))
+            rows.append((name, *(_spread(column, unit) for column, unit in zip(columns[:6], _UNITS)),
+                         ",".join(sorted({str(rc) for rc in columns[6]}))))
         print_table("time and peak memory (one child process each; CPU time is user + system, the figure to "
                     "compare on a machine shared with other work)",
                     ("reader", "wall s", "vs plain", "CPU s", "vs plain", "peak RSS MiB", "vs plain", "exit"), rows)
