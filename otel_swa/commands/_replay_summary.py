@@ -142,19 +142,21 @@ def summary_rows(
     total: int,
     wall: "WallTime | None" = None,
 ) -> list[tuple[str, str]]:
-    """The rows of the summary, ``(name, value)``. ``summary`` is the engine's ``ReplaySummary``,
-    or a :class:`Progress` when the run was interrupted; ``total``: requests submitted; ``wall``:
-    the command's wall time (default: the replay's own, ``summary.wall_s``, when it ended)."""
+    """The rows of the summary, ``(name, value)``. ``summary`` is the engine's ``ReplaySummary``
+    (of the forward steps run until a Ctrl-C, when interrupted in the engine), or a
+    :class:`Progress` when the run was interrupted before the engine's summary could be had;
+    ``total``: requests submitted; ``wall``: the command's wall time (default: the replay's own,
+    ``summary.wall_s``, when it ended)."""
     last = records[-1] if records else None
-    complete = not verdict.interrupted
-    finished = summary.requests_finished if complete else summary.finished
+    whole = not isinstance(summary, Progress)  # the engine's own summary
+    finished = summary.requests_finished if whole else summary.finished
     rows = [
         ("trace", f"{args.trace} ({total} requests)"),
         ("engine", f"window {args.window}, FULL pool {args.full_pool} slots, SWA pool {args.swa_pool} slots, "
                    f"page size {args.page_size}"),
         ("forward steps", f"{summary.forward_steps}"),
         ("requests finished", f"{finished} / {total}"),
-        *([("requests skipped", summary.skipped_line())] if complete else []),
+        *([("requests skipped", summary.skipped_line())] if whole else []),
         ("samples delivered", _samples(stats, interval, summary.forward_steps, verdict)),
         ("peak divergence", _peak(records, "swa_full_idx_divergence", "tokens")),
         ("peak out-of-window", _peak(records, "swa_out_of_window_tokens", "tokens")),
@@ -163,15 +165,15 @@ def summary_rows(
         *[(check.title, check.summary(records)) for check in CHECKS
           if check.always_summarised or any(check.present(r) for r in records)],
     ]
-    if complete:
+    if whole:
         rows.append(("peak slots in use", f"FULL {summary.peak_full_slots} / {summary.full_pool_size}, "
                                           f"SWA {summary.peak_swa_slots} / {summary.swa_pool_size}"))
-    else:
+    if verdict.interrupted:
         rows.append(("interrupted", f"at forward step {summary.forward_steps} (Ctrl-C); every sample taken was delivered"))
     if wall is not None:
-        replayed = f"replay {summary.wall_s:.1f} s, " if complete else ""
+        replayed = f"replay {summary.wall_s:.1f} s, " if whole else ""
         rows.append(("wall time", f"{wall.total_s:.1f} s ({replayed}stop {wall.stop_s:.1f} s)"))
-    elif complete:
+    elif whole:
         rows.append(("wall time", f"{summary.wall_s:.1f} s"))
     return rows
 

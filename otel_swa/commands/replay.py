@@ -261,6 +261,7 @@ def _run(args: argparse.Namespace, started: float, interrupt: CommandInterrupt, 
     from otel_swa.reference.scheduler import RequestTooLargeError
     from otel_swa.reporter import SwaDivergenceReporter
 
+    interrupt.raise_if_requested()  # a Ctrl-C the imports swallowed (it came while torch loaded): no run
     # from here on the first Ctrl-C raises nothing: the run stops at the end of the forward step
     # under way (every sample taken is delivered), the stop cuts the exporters' waits short, and
     # the summary is printed; a second Ctrl-C ends the process at once (CommandInterrupt)
@@ -358,8 +359,9 @@ def _run(args: argparse.Namespace, started: float, interrupt: CommandInterrupt, 
             on_engine=on_engine,
             **hooks,
         )
-    except KeyboardInterrupt:  # Ctrl-C: deliver what was sampled, then the summary and 130
+    except KeyboardInterrupt as exc:  # Ctrl-C: deliver what was sampled, then the summary and 130
         interrupted = True
+        summary = getattr(exc, "summary", summary)  # the engine's summary so far (ReplayInterrupted)
     except RequestTooLargeError as exc:
         print(f"otel-swa replay: {exc}", file=sys.stderr)
         return 2

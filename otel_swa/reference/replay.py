@@ -32,7 +32,7 @@ from otel_swa.reference.engine import BatchInfo, EngineStats, ReferenceEngine
 from otel_swa.reference.scheduler import RequestTooLargeError
 from otel_swa.reference.trace import TraceRequest
 
-__all__ = ["ReplayDefaults", "DEFAULT_REPLAY", "ReplaySummary", "SkippedRequest", "replay", "ARRIVALS"]
+__all__ = ["ReplayDefaults", "DEFAULT_REPLAY", "ReplaySummary", "ReplayInterrupted", "SkippedRequest", "replay", "ARRIVALS"]
 
 _log = logging.getLogger("otel_swa.reference.replay")
 
@@ -201,10 +201,27 @@ def replay(
                     bar.update(len(result.finished))
             if reporter is not None:
                 reporter.flush()
+    except KeyboardInterrupt as exc:  # the summary so far goes with it (the reporter is not flushed)
+        raise ReplayInterrupted(_summary(engine, total, time.perf_counter() - start, skipped)) from exc
     finally:
         if bar is not None:
             bar.close()
-    wall = time.perf_counter() - start
+    return _summary(engine, total, time.perf_counter() - start, skipped)
+
+
+class ReplayInterrupted(KeyboardInterrupt):
+    """A Ctrl-C (or another ``KeyboardInterrupt``) stopped :func:`replay` between forward steps.
+
+    Attributes:
+        summary: the :class:`ReplaySummary` of the forward steps run until then.
+    """
+
+    def __init__(self, summary: ReplaySummary) -> None:
+        super().__init__(f"interrupted after forward step {summary.forward_steps}")
+        self.summary = summary
+
+
+def _summary(engine: Any, total: int, wall: float, skipped: list) -> ReplaySummary:
     stats = engine.stats
     return ReplaySummary(
         forward_steps=stats.forward_steps,

@@ -8,6 +8,10 @@ Environment of the child (read here only):
   stderr and then blocks. Stands in for torch's own import, which takes 3-4 s on a loaded 2-core
   machine, during which users press Ctrl-C (``otel-swa replay`` imports torch after its options
   were checked).
+* ``SHIM_SWALLOWING_IMPORT=torch``: the same, but the import swallows the ``KeyboardInterrupt``
+  the Ctrl-C raises in it and goes on. Stands in for a Ctrl-C lost inside torch's import (seen:
+  a Ctrl-C 0.3 - 0.4 s into ``otel-swa replay`` let the run set itself up and report "interrupted at
+  forward step 0"), which the command must still honour before the run.
 * ``SHIM_CUT_GRACE_S=600``: :data:`otel_swa.telemetry.stopping.CUT_GRACE_S`, the time the
   providers still get once a Ctrl-C cut the exporters' waits short. Stands in for exporters that
   do not finish after the cut (an exporter blocked in a socket call it cannot leave), so that a
@@ -25,14 +29,20 @@ import time
 
 
 class _SlowImport(importlib.abc.MetaPathFinder):
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, swallow: bool = False) -> None:
         self.name = name
+        self.swallow = swallow
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname == self.name:
             sys.stderr.write(f"shim: importing {fullname}\n")
             sys.stderr.flush()
-            time.sleep(600)
+            try:
+                time.sleep(600)
+            except KeyboardInterrupt:
+                if not self.swallow:
+                    raise
+                self.name = None  # the import goes on, once
         return None
 
 
@@ -40,6 +50,9 @@ def main() -> int:
     slow = os.environ.get("SHIM_SLOW_IMPORT")
     if slow:
         sys.meta_path.insert(0, _SlowImport(slow))
+    swallowing = os.environ.get("SHIM_SWALLOWING_IMPORT")
+    if swallowing:
+        sys.meta_path.insert(0, _SlowImport(swallowing, swallow=True))
     grace = os.environ.get("SHIM_CUT_GRACE_S")
     if grace:
         from otel_swa.telemetry import stopping

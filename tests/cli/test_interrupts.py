@@ -112,8 +112,9 @@ def test_replay_second_ctrl_c_while_it_stops_exits_at_once():
     assert "otel_swa_run_start=" in out  # the lines written before it stay written
 
 
-def test_replay_ctrl_c_while_torch_imports():
-    env = _env(SHIM_SLOW_IMPORT="torch")
+@pytest.mark.parametrize("shim", ["SHIM_SLOW_IMPORT", "SHIM_SWALLOWING_IMPORT"])
+def test_replay_ctrl_c_while_torch_imports(shim):
+    env = _env(**{shim: "torch"})
     child = Child(SHIMS + ["replay", "--requests", "20", "--no-model", "--no-progress"], env)
     child.wait_for_err("shim: importing torch")
     child.proc.send_signal(signal.SIGINT)

@@ -67,6 +67,13 @@ def test_ctrl_c_prints_the_summary_and_exits_130():
     records = [line for line in lines + out.splitlines() if "kv_canary_swa_divergence=" in line]
     assert len(records) == int(taken)  # every sample taken was delivered as a line
     assert summary["interrupted"].startswith(f"at forward step {summary['forward steps']} (Ctrl-C)")
-    assert "requests finished" in summary and "peak slots in use" not in summary
+    # the engine's figures of the steps run: none skipped, the slots its pools held, its own time
+    assert summary["requests skipped"] == "0"
+    full, full_pool, swa, swa_pool = map(int, re.fullmatch(r"FULL (\d+) / (\d+), SWA (\d+) / (\d+)",
+                                                            summary["peak slots in use"]).groups())
+    assert 0 < full <= full_pool and 0 < swa <= swa_pool
+    total, replayed, _ = map(float, re.fullmatch(r"([\d.]+) s \(replay ([\d.]+) s, stop ([\d.]+) s\)",
+                                                 summary["wall time"]).groups())
+    assert replayed <= total
     assert err.strip().endswith("interrupted at forward step " + summary["forward steps"]
                                 + "; every sample taken was delivered; exit status 130")
