@@ -15,7 +15,7 @@ log at once) fails.
 Exit status: 0 observed; 1 not observed (the explanation is printed on stdout); 2 unusable input (a
 missing or unreadable file, an empty one, one that is not a text log such as a binary file; the
 message is on stderr); 130 interrupted (Ctrl-C): during a ``--wait``, what was read by then is
-judged and explained first. The exit status is the verdict even when the
+judged and explained first (a file still missing or empty by then: one line says so). The exit status is the verdict even when the
 explanation cannot be written (a reader that closed the pipe, a full disk). With ``--wait SECONDS`` a
 file that is still being written (or does not exist yet) is read again every ``--poll`` seconds
 until the verdict is a pass or the time is up; with ``--until end``, until the run being written
@@ -141,16 +141,27 @@ def run(args: argparse.Namespace) -> int:
             observation = wait_for_observation(args.source, timeout_s=args.wait, poll_s=args.poll, new_only=args.new,
                                                until=args.until, quiet_s=args.quiet_s, judge_on_interrupt=True,
                                                on_waiting=waiting if args.wait > 0 and not args.quiet else None, **rules)
-        if observation.problem is not None:
-            return error(observation.problem)
-        if observation.records == 0:  # at the end of the wait: empty, or no log at all?
+        problem = observation.problem
+        if problem is None and observation.records == 0:  # at the end of the wait: empty, or no log at all?
             problem = _file_problem(args.source)
-            if problem is not None:
-                return error(problem)
-    interrupted = any(note.startswith(INTERRUPTED_NOTE) for note in observation.notes)
+        if problem is not None:
+            if _interrupted(observation):  # nothing to judge: said, and the Ctrl-C's status
+                print(f"otel-swa check: {problem}: nothing was read to judge", file=sys.stderr)
+                return _said_interrupted()
+            return error(problem)
+    interrupted = _interrupted(observation)
     if not (observation.ok and args.quiet) or interrupted:
         print_result(observation.explain(verbose=args.verbose))  # the verdict stands even when it cannot be printed
     if interrupted:
-        print(f"otel-swa check: interrupted (Ctrl-C) while waiting; exit status {INTERRUPTED}", file=sys.stderr)
-        return INTERRUPTED
+        return _said_interrupted()
     return 0 if observation.ok else 1
+
+
+def _interrupted(observation: object) -> bool:
+    """Whether a Ctrl-C ended the wait (the observation's notes say so)."""
+    return any(note.startswith(INTERRUPTED_NOTE) for note in observation.notes)
+
+
+def _said_interrupted() -> int:
+    print(f"otel-swa check: interrupted (Ctrl-C) while waiting; exit status {INTERRUPTED}", file=sys.stderr)
+    return INTERRUPTED

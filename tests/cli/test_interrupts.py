@@ -147,6 +147,23 @@ def test_check_ctrl_c_during_wait_judges_what_was_read(tmp_path, until):
     assert err.splitlines()[-1] == "otel-swa check: interrupted (Ctrl-C) while waiting; exit status 130"
 
 
+@pytest.mark.parametrize("exists", [False, True], ids=["not yet written", "empty"])
+def test_check_ctrl_c_while_waiting_for_a_log_not_yet_written(tmp_path, exists):
+    log = tmp_path / "run.log"
+    if exists:
+        log.write_text("")
+    child = Child(CLI + ["check", str(log), "--wait", "600"], _env())
+    child.wait_for_err("otel-swa check: waiting up to 600 s")
+    child.proc.send_signal(signal.SIGINT)
+    code, out, err = child.finish()
+    assert code == 130, err  # the Ctrl-C's status, not the unusable input's (2)
+    assert "Traceback" not in err and out == ""
+    why = "is empty: no log text at all" if exists else "does not exist"
+    assert err.splitlines()[-2].startswith(f"otel-swa check: log file {str(log)!r} {why}")
+    assert err.splitlines()[-2].endswith(": nothing was read to judge")
+    assert err.splitlines()[-1] == "otel-swa check: interrupted (Ctrl-C) while waiting; exit status 130"
+
+
 @pytest.mark.parametrize("command", [["records"], ["check"], ["plot", "-o", "never.png"]])
 def test_ctrl_c_while_a_command_reads_its_log(tmp_path, command):
     # the log is a FIFO: the child's open returns once this test opens it for writing, then the
