@@ -13,6 +13,7 @@ from otel_swa.record.decoding import MalformedRecordError, decode_object
 from otel_swa.record.kinds import KIND_OF_PREFIX
 from otel_swa.record.logtext import (
     NO_PREFIX,
+    SGLANG_PREFIX_RE,
     LogPrefix,
     PrefixClaims,
     clean,
@@ -124,8 +125,11 @@ def iter_entries(
         start = match.start()
         if whole is not None:
             line_start = cleaned.rfind("\n", pos, start) + 1
-            if line_start > pos:  # lines without a prefix (the engine's own) before the entry's line
-                claims.read(cleaned, consumed, line_start)  # their log prefixes, as the entry's would read them
+            # lines without a prefix (the engine's own) before the entry's line, which begins with a
+            # log prefix: their log prefixes are read for the claims as the entry's would read them
+            # (each one's text up to the next prefix, here the one the entry's line begins with)
+            if line_start > pos and SGLANG_PREFIX_RE.match(cleaned, line_start) is not None:
+                claims.read(cleaned, consumed, line_start)
                 consumed = pos = line_start
                 continue  # the entry's line may be whole
         line_no += cleaned.count("\n", last_pos, start)
