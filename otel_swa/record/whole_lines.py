@@ -156,7 +156,10 @@ def record_groups(text: str, pos: int, line_no: int) -> "tuple[list[Any], int]":
     payloads: list = []
     for group in matches:
         payloads.extend(filter(None, group.group(4, 5, 6)))
-    objects = iter(json.loads("[" + ",".join(payloads) + "]"))
+    try:
+        objects = iter(json.loads("[" + ",".join(payloads) + "]"))
+    except ValueError:  # not expected of text the pattern took: the general rules read it
+        return [], pos
     out: list = []
     end = pos
     new, build, plan_of, make = SwaDivergenceRecord, _unchecked, _plan_of, tuple.__new__
