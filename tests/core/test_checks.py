@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -58,9 +57,10 @@ class PageRangeCheck(Check):
 CHECK = PageRangeCheck()
 '''
 
-# The one line in the table (run before otel_swa.record is imported), then the command line itself.
+# The one line in the table (run before otel_swa.record is imported), then the command line itself,
+# once per page range divisor given (one interpreter: each run's output follows its "=== run" line)
 DRIVER = '''
-import json, sys
+import json, os, sys
 sys.path.insert(0, sys.argv[1])
 import otel_swa.checks as checks
 import page_range
@@ -68,24 +68,31 @@ checks.use_table(checks.CHECKS + (page_range.CHECK,))
 import otel_swa.cli
 from otel_swa.record import find_all
 from otel_swa.telemetry.metrics import INSTRUMENTS
-log = sys.argv[2]
-replay = otel_swa.cli.main(["replay", "--requests", "12", "--interval", "10", "--no-model", "--no-progress",
-                            "--log-file", log])
-check = otel_swa.cli.main(["check", log, "--min-divergence", "0", "--min-out-of-window", "0"])
-records = list(find_all(open(log).read()))
-print(json.dumps({"replay": replay, "check": check,
-                  "fields": [[r.swa_pages_checked, r.swa_pages_out_of_range] for r in records],
-                  "metric": any(i.name == "kv_cache.swa.pages.out_of_range" for i in INSTRUMENTS)}))
+for divisor in sys.argv[2:]:
+    os.environ["PAGE_RANGE_DIVISOR"] = divisor
+    log = os.path.join(sys.argv[1], f"run{divisor}.log")
+    for stream in (sys.stdout, sys.stderr):
+        print(f"=== run {divisor}", file=stream, flush=True)
+    replay = otel_swa.cli.main(["replay", "--requests", "12", "--interval", "10", "--no-model", "--no-progress",
+                                "--log-file", log])
+    check = otel_swa.cli.main(["check", log, "--min-divergence", "0", "--min-out-of-window", "0"])
+    records = list(find_all(open(log).read()))
+    print(json.dumps({"replay": replay, "check": check,
+                      "fields": [[r.swa_pages_checked, r.swa_pages_out_of_range] for r in records],
+                      "metric": any(i.name == "kv_cache.swa.pages.out_of_range" for i in INSTRUMENTS)}), flush=True)
 '''
 
 
-def _run(tmp_path, divisor: int):
+def _runs(tmp_path, divisors: tuple) -> dict:
+    """``divisor -> (the driver's result, that run's stdout and stderr, its log)`` of one interpreter
+    that replays and checks once per page range divisor."""
     (tmp_path / "page_range.py").write_text(PAGE_RANGE)
-    log = tmp_path / f"run{divisor}.log"
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), str(log)], capture_output=True, text=True,
-                          timeout=300, env={**__import__("os").environ, "PAGE_RANGE_DIVISOR": str(divisor)})
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
-    return result, proc.stdout + proc.stderr, log.read_text()
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), *map(str, divisors)], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out, err = (dict(part.split("\n", 1) for part in text.split("=== run ")[1:]) for text in (proc.stdout, proc.stderr))
+    return {d: (json.loads(out[str(d)].strip().splitlines()[-1]), out[str(d)] + err[str(d)],
+                (tmp_path / f"run{d}.log").read_text()) for d in divisors}
 
 
 def test_the_table_gives_each_line_its_fields_in_order():
@@ -116,7 +123,8 @@ def test_declarations_are_checked():
 
 
 def test_a_check_added_by_one_module_and_one_line_reaches_every_end(tmp_path):
-    clean, out, log = _run(tmp_path, 1)
+    runs = _runs(tmp_path, (1, 2))
+    clean, out, log = runs[1]
     assert clean["replay"] == 0 and clean["check"] == 0, out
     assert clean["metric"] is True
     # every record carries the new fields, written on its audit line after the existing ones
@@ -125,7 +133,7 @@ def test_a_check_added_by_one_module_and_one_line_reaches_every_end(tmp_path):
     assert audit.endswith(f',"swa_pages_checked":{clean["fields"][0][0]},"swa_pages_out_of_range":0}}')
     assert "page range" in out and "clean: peak 0 pages" in out
     # the same check with its bound halved: a fault the verdict and the replay's exit status take
-    faulty, out, _ = _run(tmp_path, 2)
+    faulty, out, _ = runs[2]
     assert any(bad > 0 for _, bad in faulty["fields"]), faulty
     assert faulty["replay"] == 1 and faulty["check"] == 1, out
     peak = max(bad for _, bad in faulty["fields"])

@@ -25,8 +25,9 @@ def readings_of(reporter, monkeypatch) -> list:
     return readings
 
 
-def run(fault=None, *, interval=5, requests=24, page_size=1, budget=1 << 16, monkeypatch, **config):
-    """Run the engine; return it and ``[(forward_ct, SampleReading)]`` of every sample."""
+def run(fault=None, *, interval=5, requests=24, page_size=1, budget=1 << 16, max_steps=None, monkeypatch, **config):
+    """Run the engine (until every request finished, or ``max_steps`` steps ran); return it and
+    ``[(forward_ct, SampleReading)]`` of every sample."""
     reporter = SwaDivergenceReporter(interval)
     readings = readings_of(reporter, monkeypatch)
     engine_config = EngineConfig(**{**CONFIG, **config}, page_size=page_size)
@@ -35,7 +36,7 @@ def run(fault=None, *, interval=5, requests=24, page_size=1, budget=1 << 16, mon
     reporter.enable_provenance(full_slots=slots, swa_slots=swa_slots, budget=budget,
                                checksum=engine_config.provenance)
     engine = ReferenceEngine(engine_config, reporter=reporter)
-    run_trace(engine, requests, fault)
+    run_trace(engine, requests, fault, max_steps)
     reporter.close()
     return engine, readings
 
@@ -47,7 +48,9 @@ def flagged(readings, name):
 def first_flagged(install, name, monkeypatch):
     """Run with the fault ``install(engine)``; return what it made, and the step and provenance
     reading of the first sample with ``name`` (``foreign_tokens``, ``corrupt_tokens``)."""
-    engine, readings = run(install, monkeypatch=monkeypatch)
+    # 80 of the run's 198 steps: in the whole run each fault of these tests (made at step 25 to 43) is
+    # flagged at steps 25 to 75 and never after, the same samples as in the 80
+    engine, readings = run(install, max_steps=80, monkeypatch=monkeypatch)
     (made,) = engine.fault_log
     step, first = flagged(readings, name)[0]
     return made, step, first.provenance, readings
@@ -162,7 +165,8 @@ DEEP_FAULTS = {
 def test_every_layer_and_every_byte_by_default_the_changed_layer_named(name, monkeypatch):
     """Rows of 128 bytes (2 heads of 16, float32): the default checksum sees a byte past the first 64
     and the model's last layer, and the first offender names the layer; ``prefix`` misses the bit."""
-    engine, readings = run(DEEP_FAULTS[name], num_heads=2, monkeypatch=monkeypatch)
+    # 60 of the run's 198 steps: the fault made at step 25 is seen at steps 25 to 40 in the whole run too
+    engine, readings = run(DEEP_FAULTS[name], num_heads=2, max_steps=60, monkeypatch=monkeypatch)
     (made,) = engine.fault_log
     step, first = flagged(readings, "corrupt_tokens")[0]
     assert step == made["step"] == 25
@@ -171,7 +175,7 @@ def test_every_layer_and_every_byte_by_default_the_changed_layer_named(name, mon
         k: made[k] for k in ("pool", "entry", "position", "full_slot", "swa_slot", "layer")}
     assert first.provenance.corrupt_tokens == 1 and not flagged(readings, "foreign_tokens")
     if "bit" in name:  # past the 64 bytes the cheaper option covers (the last layer is the only SWA one here)
-        _, readings = run(DEEP_FAULTS[name], num_heads=2, provenance="prefix", monkeypatch=monkeypatch)
+        _, readings = run(DEEP_FAULTS[name], num_heads=2, provenance="prefix", max_steps=60, monkeypatch=monkeypatch)
         assert readings and not flagged(readings, "corrupt_tokens")
 
 

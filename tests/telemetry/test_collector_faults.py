@@ -137,7 +137,7 @@ PROGRAM = textwrap.dedent(
             print("step", step, flush=True)
         if step in (40, 80):  # the test stops the collector after step 40, starts it again after step 80
             sys.stdin.readline()
-        time.sleep(0.04)
+        time.sleep(0.02)  # 40 steps: about five of the 150 ms export intervals per phase
     reporter.close()
     telemetry.shutdown()
     """
@@ -156,7 +156,7 @@ def test_totals_are_right_after_the_collector_dies_and_comes_back(agent_binary, 
     script.write_text(PROGRAM)
     first = RotelCollector(agent_binary, tmp_path, name="before")
     with first:
-        env = _env(first.endpoint("grpc"), OTEL_METRIC_EXPORT_INTERVAL="300", OTEL_EXPORTER_OTLP_TIMEOUT="2",
+        env = _env(first.endpoint("grpc"), OTEL_METRIC_EXPORT_INTERVAL="150", OTEL_EXPORTER_OTLP_TIMEOUT="2",
                    OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE="cumulative")
         proc = subprocess.Popen([sys.executable, str(script)], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)

@@ -273,7 +273,7 @@ def test_until_end_judges_the_whole_run_and_a_later_fault_fails(tmp_path, capsys
     path = tmp_path / "server.log"
     healthy = log_of([good(20, **CLEAN), good(40, **CLEAN)])
     fault = "".join(f"{TS}{line}\n" for line in good(60, **LEAK).lines())
-    thread = write_later(path, healthy, fault, after_s=1.0)
+    thread = write_later(path, healthy, fault, after_s=0.4)  # well inside the 1.5 s quiet period
     try:
         if front == "assertion":
             with pytest.raises(SwaDivergenceNotObserved, match="leaked SWA slots: peak swa_leaked_slots=3") as caught:
@@ -310,7 +310,7 @@ def test_the_default_wait_returns_at_the_first_pass_and_misses_a_later_fault(tmp
 def test_until_end_stops_at_the_next_runs_start_and_judges_the_run_before(tmp_path, capsys):
     path = tmp_path / "server.log"
     next_run = log_of([idle(20), idle(40)])  # a restart onto the same log, broken
-    thread = write_later(path, log_of([good(20), good(40)]), next_run, after_s=1.0)
+    thread = write_later(path, log_of([good(20), good(40)]), next_run, after_s=0.4)
     try:
         observation = assert_swa_divergence_observed(path, until="end", quiet_s=60, timeout_s=30)
     finally:

@@ -43,7 +43,8 @@ def test_a_finished_good_run_does_not_pass_for_the_failing_one_being_written(tmp
     log.write_text(_run_lines(1, True) + _run_lines(2, True))  # two finished, good runs
 
     writer = _append_later(log, _run_lines(3, False), 0.5)
-    observation = wait_for_observation(log, timeout_s=3.0, poll_s=0.1, new_only=True)
+    # a failing observation waits out its whole timeout (a later pass could still come)
+    observation = wait_for_observation(log, timeout_s=2.0, poll_s=0.1, new_only=True)
     writer.join()
     assert not observation.ok  # the third run, written during the wait, fails
     assert observation.last.forward_ct == 60 and observation.last.swa_full_idx_divergence == 0
@@ -90,7 +91,7 @@ def test_a_fault_the_run_being_written_logged_before_the_wait_still_fails_it(tmp
     rest = [SwaDivergenceRecord(ct, 100 * ct, 50 * ct, 7, 30, verify_source="attention", swa_premature_evictions=0, **audit)
             for ct in (40, 60)]
     writer = _append_later(log, "".join(f"[2026-01-01 00:00:00 TP0] {line}\n" for r in rest for line in r.lines()), 0.3)
-    observation = wait_for_observation(log, timeout_s=2.0, poll_s=0.1, new_only=True)
+    observation = wait_for_observation(log, timeout_s=1.5, poll_s=0.1, new_only=True)
     writer.join()
     assert not observation.ok and observation.groups[0].failed == ("audit",)
     assert observation.groups[0].records == 3  # run 2 whole: its record from before the wait and the two after
@@ -139,7 +140,7 @@ def test_a_pass_waits_one_poll_for_the_audit_line_of_the_last_record(tmp_path):
                    f"[2026-01-01 00:00:00 TP0] {line}\n")  # the audit line not written yet
 
     writer = _append_later(log, f"[2026-01-01 00:00:00 TP0] {audit}\n", 0.15)
-    observation = wait_for_observation(log, timeout_s=3.0, poll_s=0.3)
+    observation = wait_for_observation(log, timeout_s=1.0, poll_s=0.3)  # the line must come within the poll
     writer.join()
     assert not observation.ok and observation.groups[0].failed == ("audit",)
 
@@ -162,6 +163,6 @@ def test_a_pass_waits_one_poll_for_the_provenance_line_of_the_last_record(tmp_pa
     log.write_text("".join(f"[2026-01-01 00:00:00 TP0] {line}\n" for line in first.lines() + written))
 
     writer = _append_later(log, f"[2026-01-01 00:00:00 TP0] {provenance}\n", 0.15)
-    observation = wait_for_observation(log, timeout_s=3.0, poll_s=0.3)
+    observation = wait_for_observation(log, timeout_s=1.0, poll_s=0.3)  # the line must come within the poll
     writer.join()
     assert not observation.ok and observation.groups[0].failed == ("provenance",)
