@@ -425,7 +425,7 @@ def plot_records(
     from matplotlib import rc_context
 
     # a reduced row's lines run from each bucket's minimum to its maximum: rasterized in chunks, the
-    # memory Agg takes no longer grows with how far they swing (78 MiB peak where 82 - 105 MiB)
+    # memory Agg takes does not grow with how far they swing (BENCHMARKS.md, section 15)
     with rc_context({"agg.path.chunksize": _AGG_CHUNK} if any(row.reduced for _, row in ranks) else {}):
         fig.savefig(out, dpi=dpi)
     return out
