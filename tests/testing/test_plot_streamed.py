@@ -4,6 +4,7 @@ minima and maxima per bucket of forward steps, its peaks exact."""
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 from test_streamed_verdict import TAG, audit_line, record_line, two_ranks_two_runs
@@ -195,3 +196,16 @@ def test_an_envelope_out_of_order_keeps_each_buckets_extremes():
     highs, edges, lows = row.lag_steps()
     assert {v for v in highs + lows if not math.isnan(v)} == {0}
     assert edges == sorted(edges) and edges[-1] == max(r.forward_ct for r in records)
+
+
+GOLDEN = sorted((Path(__file__).resolve().parents[1] / "golden" / "data").glob("*.log"))
+
+
+@pytest.mark.parametrize("path", GOLDEN, ids=[path.stem for path in GOLDEN])
+def test_the_golden_logs_streamed_are_the_whole_reads(path, capsys):
+    for runs in ("each", "last"):
+        rows, errors = plot_command.streamed_rows(str(path), runs)
+        whole = whole_rows(path, runs)
+        assert list(rows) == list(whole) == [None]
+        assert [str(e) for e in errors] == [str(e) for e in load_entries(str(path))[1]]
+        assert {label: drawn(row) for label, row in rows.items()} == {label: drawn(row) for label, row in whole.items()}
