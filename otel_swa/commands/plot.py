@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
             entries, errors = load_entries(args.source)
         except InputError as exc:
             return error(str(exc))
-        rows = {label: RowEnvelope.of(records, ENVELOPE_CAPACITY) for label, records in rows_of(entries, args.runs).items()}
+        rows = {label: RowEnvelope.of(records, ENVELOPE_CAPACITY)  # as the streamed read keeps them
+                for label, records in rows_of(entries, args.runs).items()}
     records = sum(row.count for row in rows.values())
     if not records:
         what = "standard input" if args.source == "-" else repr(args.source)
