@@ -71,15 +71,16 @@ def write_log(path: Path, records: int) -> int:
     return path.stat().st_size
 
 
-def measure(argv: list[str]) -> tuple[float, float, float, int]:
-    """Run ``argv`` in a child; its wall time (s), its CPU time (user + system, s), its peak resident
-    memory (MiB) and exit status."""
+def measure(argv: list[str], env: "dict[str, str] | None" = None, cwd: "str | None" = None) -> tuple[float, float, float, int]:
+    """Run ``argv`` in a child (environment ``env`` and folder ``cwd``: this process's by default);
+    its wall time (s), its CPU time (user + system, s), its peak resident memory (MiB) and exit status."""
     script = ("import resource, subprocess, sys, time\n"
               "t = time.perf_counter()\n"
               "rc = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL).returncode\n"
               "u = resource.getrusage(resource.RUSAGE_CHILDREN)\n"
               "print(time.perf_counter() - t, u.ru_utime + u.ru_stime, u.ru_maxrss, rc)\n")
-    out = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", script, *argv], capture_output=True, text=True, check=True,
+                         env=env, cwd=cwd).stdout
     wall, cpu, rss_kib, rc = out.split()
     return float(wall), float(cpu), int(rss_kib) / 1024, int(rc)
 

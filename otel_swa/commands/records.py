@@ -42,9 +42,9 @@ from otel_swa.commands._loginput import (
     stdout_closed,
 )
 from otel_swa.commands._output import discard_stdout
+from otel_swa.commands._streamed import stream_runs
 from otel_swa.logsource import ROW_FIELDS, LoggedRecord
-from otel_swa.logstream import ReleasedEntryError, stream_log
-from otel_swa.testing.runs import RunSplitter, split_runs
+from otel_swa.testing.runs import RunRecord, split_runs
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -92,43 +92,25 @@ def _print_rows(args: argparse.Namespace, write_rows: Callable[[IO[str]], None],
     return 0
 
 
-class _NeedsWholeLog(Exception):
-    """The runs of this log need the whole log to be split (:attr:`RunSplitter.unsure`)."""
-
-
 def _streamed(args: argparse.Namespace) -> int | None:
-    """Print the rows of a complete regular file read once, each row formatted as its record is
-    read and kept in a temporary file (not in memory) until the log's runs are known to be split as
-    :func:`~otel_swa.testing.runs.split_runs` splits the whole log; ``None`` when they need the
-    whole log (lines of several processes at once, a record that fits no rank, a line written far
-    from its record) or the file could not be read to its end: then it is read whole."""
-    path = args.source
-    splitter = RunSplitter(whole=None)
+    """Print the rows of a complete regular file read once (:func:`~otel_swa.commands._streamed.stream_runs`),
+    each row formatted as its record is read and kept in a temporary file (not in memory) until the
+    log's runs are known to be split as :func:`~otel_swa.testing.runs.split_runs` splits the whole
+    log; ``None`` when they need the whole log (lines of several processes at once, a record that
+    fits no rank, a line written far from its record) or the file could not be read to its end:
+    then it is read whole."""
     with tempfile.TemporaryFile("w+", encoding="utf-8", newline="") as rows:
         write = _row_writer(rows, args.format)
-        count = read = 0
+        count = 0
 
-        def consume(entry: object) -> None:
-            nonlocal count, read
-            item = splitter.add(entry)
-            if isinstance(entry, LoggedRecord):
-                count += 1
-                if item is None:
-                    raise _NeedsWholeLog  # left out: the whole log's rows say how
-                write(entry, item.run)
-            read += 1
-            if read % 4096 == 0 and splitter.unsure:
-                raise _NeedsWholeLog
+        def on_record(entry: LoggedRecord, item: RunRecord) -> None:
+            nonlocal count
+            count += 1
+            write(entry, item.run)
 
-        try:
-            follower = stream_log(path, consume)
-        except (_NeedsWholeLog, ReleasedEntryError):
+        follower = stream_runs(args.source, on_record)
+        if follower is None:
             return None
-        splitter.finish()
-        if follower.missing or follower.error is not None or follower.not_text is not None or splitter.unsure:
-            return None
-        if follower.cut_line is not None:
-            print(f"otel-swa: {source_name(path)}: {follower.cut_line.describe()}", file=sys.stderr)
         errors = list(follower.errors)
         if not count and errors:  # records there were, and none could be read
             return _no_valid_record(args, errors)
