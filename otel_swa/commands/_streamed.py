@@ -1,8 +1,8 @@
 """A complete regular log file read once, each record handed on with its run, for ``records`` and ``plot``.
 
-:func:`stream_runs` reads the file with :func:`~otel_swa.logstream.stream_log` and splits its runs
-with :class:`~otel_swa.testing.runs.RunSplitter` as it goes (``whole=None``): memory bounded by
-the log's ranks and one chunk. It gives up, and the caller reads the log whole, exactly when the
+:func:`stream_runs` reads the file and splits its runs as it goes
+(:func:`~otel_swa.testing.streaming.stream_split`, as ``check`` judges it): memory bounded by the
+log's ranks and one chunk. It gives up, and the caller reads the log whole, exactly when the
 streamed split could differ from :func:`~otel_swa.testing.runs.split_runs` on the whole log.
 """
 
@@ -13,18 +13,10 @@ from typing import Callable
 
 from otel_swa.commands._loginput import source_name
 from otel_swa.logsource import LoggedRecord, LogFollower
-from otel_swa.logstream import ReleasedEntryError, stream_log
-from otel_swa.testing.runs import RunRecord, RunSplitter
+from otel_swa.testing.runs import RunRecord
+from otel_swa.testing.streaming import stream_split
 
 __all__ = ["stream_runs"]
-
-#: Entries read between two looks at :attr:`RunSplitter.unsure` (a log that needs the whole read
-#: is given up early).
-_LOOK_EVERY = 4096
-
-
-class _NeedsWholeLog(Exception):
-    """The runs of this log need the whole log to be split (:attr:`RunSplitter.unsure`)."""
 
 
 def stream_runs(path: str, on_record: Callable[[LoggedRecord, RunRecord], None]) -> LogFollower | None:
@@ -42,27 +34,10 @@ def stream_runs(path: str, on_record: Callable[[LoggedRecord, RunRecord], None])
         to a record already handed on (:class:`~otel_swa.logstream.ReleasedEntryError`), or the
         file could not be read to its end (removed, an error, not text).
     """
-    splitter = RunSplitter(whole=None)
-    read = 0
-
-    def consume(entry: object) -> None:
-        nonlocal read
-        item = splitter.add(entry)
-        if isinstance(entry, LoggedRecord):
-            if item is None:
-                raise _NeedsWholeLog  # left out: the whole log's rows say how
-            on_record(entry, item)
-        read += 1
-        if read % _LOOK_EVERY == 0 and splitter.unsure:
-            raise _NeedsWholeLog
-
-    try:
-        follower = stream_log(path, consume)
-    except (_NeedsWholeLog, ReleasedEntryError):
+    read = stream_split(path, on_record, left_out_ok=False)
+    if read is None:
         return None
-    splitter.finish()
-    if follower.missing or follower.error is not None or follower.not_text is not None or splitter.unsure:
-        return None
+    follower, _ = read
     if follower.cut_line is not None:
         print(f"otel-swa: {source_name(path)}: {follower.cut_line.describe()}", file=sys.stderr)
     return follower

@@ -35,7 +35,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from otel_swa import config as otel_swa_config
 from otel_swa import environment_variables as ev
@@ -339,16 +339,18 @@ def _run(args: argparse.Namespace, started: float, interrupt: CommandInterrupt, 
         hooks["on_step"] = _both(hooks["on_step"], ProgressLines(len(requests)))
     summary: Any = progress
     interrupted = False
-    on_engine = None
+    on_engine: "Callable[[Any], None] | None" = None
     if telemetry is not None:  # the KV pools' usage and what the window saves, as gauges
         pools = telemetry.pools
         engines: list = []  # alive until the telemetry's last collection, at its shutdown
 
-        def on_engine(engine: Any) -> None:
+        def register_engine(engine: Any) -> None:
             engines.append(engine)
             pools.register(lambda e: e.pools.usage(), owner=engine)
             if reporter is not None and engine.kv is not None:
                 reporter.add_sink(pools.savings_sink(engine.kv.swa_bytes_per_token))
+
+        on_engine = register_engine
 
     try:
         interrupt.raise_if_requested()  # a Ctrl-C while the pipeline was set up: no run
