@@ -22,17 +22,22 @@ until the verdict is a pass or the time is up; with ``--until end``, until the r
 has ended (the next run's start, or ``--quiet-period`` seconds without anything new), judged
 whole; when the first read does not end the wait, one line on stderr says what it waits for (not
 with ``--quiet``).
-Standard input (``-``) is read to its end. A run whose otel-swa lines are only its start
+Standard input (``-``) is read to its end, copied to a temporary file as it is read and judged
+from there as a file is (memory bounded by the log's ranks and runs). A run whose otel-swa lines are only its start
 marker or a liveness warning ("instrumented, 0 samples in N steps") fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import os
+import shutil
 import sys
+import tempfile
 
 from otel_swa.commands._loginput import (
+    InputError,
     add_source_argument,
     error,
     non_negative_int,
@@ -110,6 +115,51 @@ def _file_problem(path: str) -> str | None:
     return None if problem is None else str(problem)
 
 
+def _judge_standard_input(rules: dict) -> object:
+    """The verdict on standard input, read to its end: copied to a temporary file as it is read
+    and judged from there as a file is (records let go as read: memory bounded by the log's ranks
+    and runs, the disk holding the text); read whole where the file's split needs the whole log,
+    or when no temporary file can be written (a full disk: then in memory, as before).
+
+    Raises:
+        InputError: standard input cannot be read, is empty or is not a text log.
+    """
+    stdin = sys.stdin.buffer
+    try:
+        with tempfile.NamedTemporaryFile(prefix="otel-swa-stdin-", suffix=".log") as spool:
+            data = b""
+            try:
+                shutil.copyfileobj(stdin, spool, _SPOOL_CHUNK)
+                spool.flush()
+            except OSError as exc:
+                if exc.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                    raise
+                spool.seek(0)
+                data = spool.read() + stdin.read()  # the disk is full: the rest in memory
+            if not data:
+                spool.seek(0)
+                head = spool.read(TEXT_PROBE_BYTES)
+                longer = bool(spool.read(1))
+                problem = None if longer and not head.strip() else unusable_text("-", head)
+                if problem is not None:
+                    raise problem
+                observation = judge_log_file(spool.name, **rules, name="standard input")
+                if observation is not None:
+                    return observation
+                spool.seek(0)
+                data = spool.read()  # the log's split needs the whole log
+    except OSError as exc:
+        raise InputError(f"standard input cannot be read ({exc.strerror or exc})") from None
+    problem = unusable_text("-", data)
+    if problem is not None:
+        raise problem
+    return wait_for_observation(text_source(data, "standard input"), **rules)
+
+
+#: How much of standard input is copied at once (bytes).
+_SPOOL_CHUNK = 2**20
+
+
 def run(args: argparse.Namespace) -> int:
     rules = dict(
         min_divergence=args.min_divergence,
@@ -122,13 +172,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.source == "-":
         try:
-            data = sys.stdin.buffer.read()
-        except OSError as exc:
-            return error(f"standard input cannot be read ({exc.strerror or exc})")
-        problem = unusable_text(args.source, data)
-        if problem is not None:
-            return error(str(problem))
-        observation = wait_for_observation(text_source(data, "standard input"), **rules)
+            observation = _judge_standard_input(rules)
+        except InputError as exc:
+            return error(str(exc))
     else:
         observation = None
         if args.wait == 0 and not args.new and args.until == "pass" and os.path.isfile(args.source):

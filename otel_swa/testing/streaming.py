@@ -86,13 +86,14 @@ def judge_log_file(
     runs: str = "last",
     ranks: str = "each",
     lines: str = "auto",
+    name: str | None = None,
 ) -> SwaObservation | None:
     """Judge the complete log file at ``path`` (the rules and modes of
     :func:`~otel_swa.testing.judge.judge`) reading it once and keeping no record.
 
     Returns:
         the :class:`~otel_swa.testing.judge.SwaObservation` of one final read of the file
-        (``source`` is the path; a cut last line is left out and noted), or ``None`` when the file
+        (``source`` is ``name``, else the path; a cut last line is left out and noted), or ``None`` when the file
         cannot be read (missing, permission...) or its runs and ranks need the whole log to be
         split: read it whole then (:func:`~otel_swa.testing.assertions.wait_for_observation`).
 
@@ -108,7 +109,7 @@ def judge_log_file(
     observation = judge_tally(
         tally, extras, min_divergence=min_divergence, min_out_of_window=min_out_of_window,
         require_verify_lag=require_verify_lag, require_clean_audit=require_clean_audit, runs=runs, ranks=ranks,
-        lines=lines, source=os.fspath(path), errors=list(follower.errors), duplicates=follower.duplicates.count,
+        lines=lines, source=name or os.fspath(path), errors=list(follower.errors), duplicates=follower.duplicates.count,
         first_duplicate_line_no=follower.duplicates.first_line_no)
     if follower.cut_line is not None:  # what reading did, before the judge's notes
         observation = dataclasses.replace(observation, notes=(cut_line_note(follower.cut_line),) + observation.notes)

@@ -3,17 +3,21 @@ verdict and rows as the whole log's, the records let go as they are read, and th
 only the whole log can split read whole."""
 
 import dataclasses
+import errno
 import io
 import itertools
 import json
+import sys
 
 import pytest
 
+import otel_swa.commands.check as check_command
 import otel_swa.commands.records as records_command
 import otel_swa.logstream as logstream
 from otel_swa.cli import main
 from otel_swa.logstream import EntryWindow, ReleasedEntryError, stream_log
 from otel_swa.testing import wait_for_observation
+from otel_swa.testing.sources import text_source
 from otel_swa.testing.streaming import judge_log_file
 
 TAG = "otel_swa[verify=attention] "
@@ -174,3 +178,47 @@ def test_records_streamed_are_the_whole_logs_rows(tmp_path, capsys, monkeypatch,
         assert [(row["run"], row["rank"], row["forward_ct"], row["swa_full_idx_divergence"]) for row in rows] == [
             (run, rank, ct, div) for run in (1, 2) for i in range(25) for rank in ("TP0", "TP1")
             for ct, div, _ in [wrote[(run, rank)][i]]]
+
+
+def _stdin(monkeypatch, data):
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+
+
+def test_standard_input_is_judged_as_it_is_read_with_the_whole_inputs_verdict(tmp_path, monkeypatch, capsys):
+    # `engine | otel-swa check -`: copied to a temporary file and judged from there, records let go
+    # as read (as a file is); the explanation names standard input, as the whole read's does
+    path = tmp_path / "run.log"
+    two_ranks_two_runs(path, leaked_at=7, drop_audit_at=3)
+    judged = []
+    real = check_command.judge_log_file
+    monkeypatch.setattr(check_command, "judge_log_file",
+                        lambda *args, **kwargs: judged.append(kwargs["name"]) or real(*args, **kwargs))
+    whole = wait_for_observation(text_source(path.read_bytes(), "standard input"), runs="each")
+    _stdin(monkeypatch, path.read_bytes())
+    assert main(["check", "-", "--run", "each"]) == 1 == (0 if whole.ok else 1)
+    assert judged == ["standard input"]
+    assert capsys.readouterr().out == whole.explain() + "\n"
+    assert "in standard input: 160 record(s) seen" in whole.explain()
+
+
+def test_standard_input_that_needs_the_whole_log_or_finds_the_disk_full_is_read_whole(tmp_path, monkeypatch,
+                                                                                     capsys):
+    path = tmp_path / "run.log"
+    two_ranks_two_runs(path, records=6)
+    lines = path.read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if "forward_ct\":60" in line and "TP1]" in line)
+    lines[at] = lines[at].split("] ", 1)[1]  # as above: only the whole log says whose this record is
+    data = ("\n".join(lines) + "\n").encode()
+    whole = wait_for_observation(text_source(data, "standard input"), timeout_s=0)
+    _stdin(monkeypatch, data)
+    assert main(["check", "-"]) == (0 if whole.ok else 1)
+    assert capsys.readouterr().out == whole.explain() + "\n"
+
+    def full_disk(source, target, length):  # stands in for a full /tmp: half copied, then ENOSPC
+        target.write(source.read(len(data) // 2))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(check_command.shutil, "copyfileobj", full_disk)
+    _stdin(monkeypatch, data)
+    assert main(["check", "-"]) == (0 if whole.ok else 1)  # every byte judged, from memory
+    assert capsys.readouterr().out == whole.explain() + "\n"
