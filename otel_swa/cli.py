@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 import time
 from typing import Sequence
@@ -65,6 +66,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command ``argv`` names (``None``: the process's own, ``sys.argv[1:]``); return its
+    exit status. The process's own command, interrupted (130), ends the process at once once its
+    output is flushed: the interpreter's clean-up after a Ctrl-C (torch's, a few tenths of a
+    second) is where a second Ctrl-C would kill it by the signal, with no line said."""
+    status = _main(argv)
+    if argv is None and status == INTERRUPTED:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed pipe, a full disk: nothing more to keep
+                pass
+        os._exit(INTERRUPTED)
+    return status
+
+
+def _main(argv: Sequence[str] | None) -> int:
     # The wall time ``replay`` prints counts from the start of the command when this is the
     # process's command (``argv`` None: its imports included), else from this call.
     started_at = _IMPORTED_AT if argv is None else time.monotonic()

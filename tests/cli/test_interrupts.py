@@ -180,3 +180,37 @@ def test_ctrl_c_while_a_command_reads_its_log(tmp_path, command):
     assert code == 130, err
     assert err == f"otel-swa {command[0]}: interrupted (Ctrl-C); exit status 130\n"
     assert out == ""
+
+
+def test_the_process_interrupted_ends_at_once_without_the_interpreters_clean_up(monkeypatch, capsys):
+    # A second Ctrl-C during the interpreter's clean-up after the first (torch's teardown, a few
+    # tenths of a second; Python has given SIGINT back to the default by then) killed the process by
+    # the signal: status -2 to a Python parent, no line said. The process's own command, once
+    # interrupted, flushes its output and ends with 130 at once.
+    import otel_swa.cli as cli
+    import otel_swa.commands.check as check_command
+
+    def interrupted(args):
+        print("the verdict so far")
+        raise KeyboardInterrupt
+
+    exits = []
+
+    def exit_now(status):
+        exits.append(status)
+        raise SystemExit(status)
+
+    monkeypatch.setattr(check_command, "run", interrupted)
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    monkeypatch.setattr(sys, "argv", ["otel-swa", "check", "run.log"])
+    handler = signal.getsignal(signal.SIGINT)  # the process's own command keeps its handler: given back here
+    try:
+        with pytest.raises(SystemExit):
+            cli.main()
+    finally:
+        signal.signal(signal.SIGINT, handler)
+    assert exits == [130]
+    captured = capsys.readouterr()
+    assert captured.out == "the verdict so far\n"
+    assert captured.err == "otel-swa check: interrupted (Ctrl-C); exit status 130\n"
+    assert cli.main(["check", "run.log"]) == 130 and exits == [130]  # called with arguments: returns
