@@ -404,9 +404,14 @@ def _run(args: argparse.Namespace, started: float, interrupt: CommandInterrupt, 
         at = next(i for i, (name, _) in enumerate(rows) if name == "interrupted")
         rows[at] = (rows[at][0], rows[at][1] + _cut_text(cut))
     print_summary(rows, out)
+    not_drawn = f"otel-swa replay: --plot {args.plot}: not drawn, the run was interrupted"
+    if plot_path is not None and verdict.interrupted:
+        print(not_drawn, file=sys.stderr)
     for reason in verdict.reasons(interval, summary.forward_steps):
         print(f"otel-swa replay: {reason}", file=sys.stderr)
     if interrupt.requested and not verdict.interrupted:  # a Ctrl-C while it summed up: 130, no plot
+        if plot_path is not None:
+            print(not_drawn, file=sys.stderr)
         print(f"otel-swa replay: interrupted (Ctrl-C) after the summary; exit status {INTERRUPTED}", file=sys.stderr)
         verdict = dataclasses.replace(verdict, interrupted=True)
     interrupted = verdict.interrupted

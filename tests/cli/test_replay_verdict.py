@@ -50,9 +50,10 @@ def test_no_sample_taken_is_said_and_exits_1(capsys):
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGINT to a child process")
-def test_ctrl_c_prints_the_summary_and_exits_130():
+def test_ctrl_c_prints_the_summary_and_exits_130(tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen([sys.executable, "-m", "otel_swa.cli", *RUN, "--all", "--interval", "5"],
+    plot = tmp_path / "run.png"
+    proc = subprocess.Popen([sys.executable, "-m", "otel_swa.cli", *RUN, "--all", "--interval", "5", "--plot", str(plot)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     first = proc.stdout.readline()  # the run start marker: the run is under way
     assert "otel_swa_run_start=" in first
@@ -75,5 +76,7 @@ def test_ctrl_c_prints_the_summary_and_exits_130():
     total, replayed, _ = map(float, re.fullmatch(r"([\d.]+) s \(replay ([\d.]+) s, stop ([\d.]+) s\)",
                                                  summary["wall time"]).groups())
     assert replayed <= total
+    assert f"otel-swa replay: --plot {plot}: not drawn, the run was interrupted" in err.splitlines()
+    assert not plot.exists()
     assert err.strip().endswith("interrupted at forward step " + summary["forward steps"]
                                 + "; every sample taken was delivered; exit status 130")
