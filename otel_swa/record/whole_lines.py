@@ -20,7 +20,7 @@ from otel_swa.record.audit_line import AUDIT_FIELDS
 from otel_swa.record.decoding import _DECODER
 from otel_swa.record.kinds import KIND_OF_PREFIX
 from otel_swa.record.logtext import SGLANG_PREFIX_RE
-from otel_swa.record.prefixes import AUDIT_PREFIX, LINE_PREFIX, PROVENANCE_PREFIX, VERIFY_SOURCES
+from otel_swa.record.prefixes import AUDIT_PREFIX, LINE_PREFIX, PREFIX_RE, PROVENANCE_PREFIX, VERIFY_SOURCES
 from otel_swa.record.provenance_line import PROVENANCE_FIELDS
 from otel_swa.record.sglang_line import _DEFAULTS, _INDEX, FIELDS, RecordMatch, SwaDivergenceRecord, _unchecked
 from otel_swa.record.values import MICRO_BATCH_MAX
@@ -84,6 +84,12 @@ def _plan_of(names: "tuple[str, ...]", data: dict) -> "tuple[int, ...] | None":
         return plan
 
 
+#: A line of the engine's own (``[time ranks] Decode batch. ...``): its log prefix, then text
+#: without another ``[`` that is no otel-swa tag, so the prefix is that line's and waits for no
+#: message (:class:`~otel_swa.record.PrefixClaims`); a line holding a prefix of
+#: :data:`~otel_swa.record.prefixes.PREFIX_RE` is never one (looked at apart).
+_ENGINE_LINE_RE = re.compile(_HEAD.split(r" otel_swa\[")[0] + r" (?!otel_swa\[)[^\n\[]*[^\s\[][^\n\[]*\n")
+
 #: At most this many groups are decoded in one call.
 GROUPS_AT_ONCE = 1024
 
@@ -143,13 +149,21 @@ def record_groups(text: str, pos: int, line_no: int) -> "tuple[list[Any], int]":
     ``provenance_line``, :class:`~otel_swa.record.AuditPairing`).
     """
     matches = []
-    match = _GROUP_RE.match
+    skipped = []  # per group: the engine's own lines passed over right before it
+    match, engine_line = _GROUP_RE.match, _ENGINE_LINE_RE.match
     end = pos
     while len(matches) < GROUPS_AT_ONCE:
         group = match(text, end)
+        passed = 0
+        if group is None and matches:  # the engine's own lines between two groups are passed over
+            probe = end
+            while (line := engine_line(text, probe)) is not None and not PREFIX_RE.search(text, probe, line.end()):
+                probe, passed = line.end(), passed + 1
+            group = match(text, probe) if passed else None
         if group is None:
             break
         matches.append(group)
+        skipped.append(passed)
         end = group.end()
     if not matches:
         return [], pos
@@ -163,7 +177,8 @@ def record_groups(text: str, pos: int, line_no: int) -> "tuple[list[Any], int]":
     out: list = []
     end = pos
     new, build, plan_of, make = SwaDivergenceRecord, _unchecked, _plan_of, tuple.__new__
-    for group in matches:
+    for group, passed in zip(matches, skipped):
+        line_no += passed
         data = next(objects)
         if tuple(data) != _RECORD_KEYS:
             break

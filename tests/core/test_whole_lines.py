@@ -186,7 +186,8 @@ def logs(draw):
         ct += rng.choice([1, 1, 1, 0, -3])
         head = f"[{rng.choice(TIMES)}{rng.choice(RANKS)}] otel_swa[verify={rng.choice(TAGS)}] "
         if rng.random() < 0.1:
-            head = rng.choice(["", "2026-12-07 10:00:00,123 INFO ", "\x1b[32m" + head + "\x1b[0m", head[:-1]])
+            head = rng.choice(["", "2026-12-07 10:00:00,123 INFO ", "\x1b[32m" + head + "\x1b[0m", head[:-1],
+                               head.split("otel_swa[")[0]])  # ... SGLang's own line (no tag)
         kind = rng.random()
         if kind < 0.06:
             lines.append(head + 'otel_swa_run_start={"pid":%d}' % rng.randrange(9))
