@@ -61,13 +61,7 @@ def verify_lag_per_interval(records: Sequence[SwaDivergenceRecord]) -> list[tupl
         ``forward_ct`` increases, with ``lag = (full_b - swa_b) - (full_a - swa_a)`` in KV entries
         (it can be negative only if the counters were reset without ``forward_ct`` going back).
     """
-    out: list[tuple[int, int, int]] = []
-    for prev, cur in zip(records, records[1:]):
-        if cur.forward_ct <= prev.forward_ct:
-            continue
-        lag = (cur.verify_full - cur.verify_swa) - (prev.verify_full - prev.verify_swa)
-        out.append((prev.forward_ct, cur.forward_ct, lag))
-    return out
+    return RowEnvelope.of(records)._lags  # every interval: the envelope's rule, never reduced
 
 
 #: Records a :class:`RowEnvelope` keeps every point of; past it, the minimum and maximum per bucket.
@@ -227,11 +221,6 @@ class RowEnvelope:
             out[name] = ([ct for ct, _ in points], [v for _, v in points])
         return out
 
-    def peak(self) -> int:
-        """The largest divergence or out-of-window count of the row (0 when empty)."""
-        values = [v for _, ys in self.series().values() for v in ys]
-        return max(values, default=0)
-
     def lag_steps(self) -> tuple[list[float], list[int], list[float] | None] | None:
         """The verify lag drawn as steps: ``(values, edges, baseline)`` for ``Axes.stairs``;
         ``None`` without an interval. Every interval's lag over its span (baseline ``None``), or,
@@ -390,10 +379,12 @@ def plot_records(
     for row, (rank, envelope) in enumerate(ranks):
         ax_tokens, ax_lag = axes[row]
         marker = "o" if envelope.count <= 60 and not envelope.reduced else None
-        for (name, (x, y)), color in zip(envelope.series().items(), ("tab:blue", "tab:orange")):
+        series = envelope.series()
+        for (name, (x, y)), color in zip(series.items(), ("tab:blue", "tab:orange")):
             ax_tokens.plot(x, y, marker=marker, markersize=3, color=color, label=name)
         ax_tokens.set_ylabel(f"{_row_label(rank, bool(named))}tokens at sampled step")
-        ax_tokens.set_ylim(0, max(envelope.peak(), 1) * 1.25)  # headroom for the legend
+        peak = max((value for _, values in series.values() for value in values), default=0)
+        ax_tokens.set_ylim(0, max(peak, 1) * 1.25)  # headroom for the legend
         ax_tokens.grid(True, alpha=0.3)
 
         steps = envelope.lag_steps()
