@@ -93,9 +93,10 @@ def load_entries(source: str) -> tuple[list[LoggedEntry], list[MalformedRecordEr
     return logged_entries(text, errors=errors), errors
 
 
-def check_log_start(path: str) -> None:
+def check_log_start(path: str, source: str | None = None) -> None:
     """Refuse the regular file at ``path`` when it is missing or unreadable, empty (blanks only),
-    or not a text log, from its first bytes.
+    or not a text log, from its first bytes (``source``: what the messages name, ``"-"`` for
+    standard input copied to ``path``; default the file).
 
     Raises:
         InputError: the message says which.
@@ -108,7 +109,7 @@ def check_log_start(path: str) -> None:
         raise InputError(f"log file {path!r} does not exist") from None
     except OSError as exc:
         raise InputError(f"{source_name(path)} cannot be read: {exc.strerror or exc}") from None
-    problem = None if longer and not head.strip() else unusable_text(path, head)  # blanks first, text later
+    problem = None if longer and not head.strip() else unusable_text(source or path, head)  # blanks first, text later
     if problem is not None:
         raise problem
 

@@ -39,6 +39,7 @@ import tempfile
 from otel_swa.commands._loginput import (
     InputError,
     add_source_argument,
+    check_log_start,
     error,
     non_negative_int,
     positive_seconds,
@@ -137,12 +138,7 @@ def _judge_standard_input(rules: dict) -> object:
                 spool.seek(0)
                 data = spool.read() + stdin.read()  # the disk is full: the rest in memory
             if not data:
-                spool.seek(0)
-                head = spool.read(TEXT_PROBE_BYTES)
-                longer = bool(spool.read(1))
-                problem = None if longer and not head.strip() else unusable_text("-", head)
-                if problem is not None:
-                    raise problem
+                check_log_start(spool.name, "-")
                 observation = judge_log_file(spool.name, **rules, name="standard input")
                 if observation is not None:
                     return observation
